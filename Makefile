@@ -1,0 +1,73 @@
+# The front door. `make help` lists the targets; every target installs the environment first if needed.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+MODEL ?= vit_b16
+DATA ?= synthetic
+PROTOCOL ?= kfold5
+TASK ?= bl1_vs_pa4
+BIOVID_ROOT ?=
+WEIGHTS ?=
+ARGS ?=
+MLFLOW_PORT ?= 5000
+
+# A backbone without its own file in configs/model/ is any timm model name.
+MODEL_OVERRIDE = $(if $(wildcard configs/model/$(MODEL).yaml),model=$(MODEL),model=timm model.name=$(MODEL))
+OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) task=$(TASK) $(MODEL_OVERRIDE) \
+	$(if $(BIOVID_ROOT),data.root=$(abspath $(BIOVID_ROOT))) $(if $(WEIGHTS),model.weights=$(abspath $(WEIGHTS))) $(ARGS)
+TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
+
+.PHONY: help install data aug-preview cv compare ui test lint bench bench-data clean clean-data
+
+help: ## list the targets
+	@echo "Pain detection from facial video: fine-tune and compare backbones on BioVid Part A (or its synthetic twin)."
+	@echo
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-12s %s\n", $$1, $$2}'
+	@echo
+	@echo "Variables: MODEL=$(MODEL) DATA=$(DATA) PROTOCOL=$(PROTOCOL) TASK=$(TASK) BIOVID_ROOT= WEIGHTS= ARGS='key=value ...'"
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed ## create .venv and install the package with its dependencies
+
+data: install ## prepare a dataset: DATA=synthetic (generated) or DATA=biovid BIOVID_ROOT=/path/to/PartA
+	$(PY) -m pipeline data $(OVERRIDES)
+
+aug-preview: install ## PNG grid of augmented crops, as MODEL sees them (reports/)
+	$(PY) -m pipeline aug-preview $(OVERRIDES)
+
+cv: install ## cross-validate MODEL on DATA/PROTOCOL/TASK, tracked in MLflow
+	$(PY) -m pipeline cv $(OVERRIDES)
+
+compare: install ## compare the backbones' latest cross-validations on DATA/PROTOCOL/TASK (reports/ and MLflow)
+	$(PY) -m pipeline compare $(OVERRIDES)
+
+ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store
+	$(VENV)/bin/mlflow ui --backend-store-uri $(TRACKING_URI) --default-artifact-root $(CURDIR)/mlartifacts \
+		--host 127.0.0.1 --port $(MLFLOW_PORT)
+
+test: install ## run the test suite
+	$(PY) -m pytest
+
+lint: install ## ruff
+	$(VENV)/bin/ruff check pipeline tests scripts
+
+bench-data: install ## data benchmark: preprocessing throughput, detection rate, loader images/s
+	$(PY) scripts/bench_data.py
+
+bench: install ## training throughput: Lightning + DataModule against a bare PyTorch loop, per backbone
+	$(PY) scripts/bench_train.py
+
+clean-data: ## delete generated data (data/)
+	rm -rf data
+
+clean: ## delete generated data, runs and reports (keeps .venv)
+	rm -rf data mlflow.db mlartifacts reports lightning_logs

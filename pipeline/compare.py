@@ -1,0 +1,299 @@
+"""Compare backbones on the same folds: per-fold scores from finished MLflow CV runs, summaries, paired tests, plots.
+
+Backbones are only comparable when their cross-validations used the very same fold file, so runs whose
+`fold_file_sha256` tags differ are refused rather than compared. Tests pair folds: fold i of one backbone against
+fold i of another, since both saw the same test subjects.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from itertools import combinations
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from mlflow import MlflowClient
+from mlflow.entities import Run, RunStatus
+from scipy import stats
+
+from pipeline import tracking
+from pipeline.io import atomic_write_csv
+from pipeline.metrics import save_png
+
+logger = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+RUN_KIND_TAG = "painvit.run_kind"
+FOLD_FILE_TAG = "fold_file_sha256"
+DEFAULT_METRICS: tuple[str, ...] = (
+    "test/video_auroc",
+    "test/video_accuracy",
+    "test/video_balanced_accuracy",
+    "test/video_f1",
+    "test/frame_auroc",
+    "test/frame_accuracy",
+    "test/frame_balanced_accuracy",
+    "test/frame_f1",
+)
+SUMMARY_COLUMNS = ["model", "metric", "mean", "std", "n_folds", "ci95_low", "ci95_high"]
+PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_folds", "mean_diff", "std_diff", "wilcoxon_statistic",
+                  "p_value", "note"]
+
+
+class ComparisonError(RuntimeError):
+    """The finished runs cannot be compared (too few backbones, different folds, missing experiment)."""
+
+
+def _quoted(value: str, what: str) -> str:
+    """A value for an MLflow filter string; quotes would break the filter, so they are refused."""
+    if "'" in value or '"' in value or "`" in value:
+        raise ValueError(f"{what} {value!r} contains a quote character, which MLflow run filters cannot hold")
+    return f"'{value}'"
+
+
+def _search_all(client: MlflowClient, experiment_ids: Sequence[str], filter_string: str) -> list[Run]:
+    runs: list[Run] = []
+    page_token = None
+    while True:
+        page = client.search_runs(list(experiment_ids), filter_string=filter_string, max_results=1000,
+                                  order_by=["attributes.start_time DESC"], page_token=page_token)
+        runs.extend(page)
+        page_token = page.token
+        if not page_token:
+            return runs
+
+
+def latest_cvs(
+    client: MlflowClient,
+    experiment_ids: Sequence[str],
+    dataset: str,
+    protocol: str,
+    task: str,
+    subject_set: str | None = None,
+) -> dict[str, Run]:
+    """The most recently started FINISHED parent CV run per `model` tag for this dataset, protocol and task."""
+    conditions = [
+        f"tags.`{RUN_KIND_TAG}` = 'cv'",
+        f"attributes.status = '{RunStatus.to_string(RunStatus.FINISHED)}'",
+        f"tags.dataset = {_quoted(dataset, 'dataset')}",
+        f"tags.protocol = {_quoted(protocol, 'protocol')}",
+        f"tags.task = {_quoted(task, 'task')}",
+    ]
+    if subject_set is not None:
+        conditions.append(f"tags.subject_set = {_quoted(subject_set, 'subject_set')}")
+    runs = _search_all(client, experiment_ids, " and ".join(conditions))
+    latest: dict[str, Run] = {}
+    for run in sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.end_time or 0), reverse=True):
+        model = run.data.tags.get("model")
+        if not model:
+            logger.warning("CV run %s has no 'model' tag; ignored", run.info.run_id)
+            continue
+        latest.setdefault(model, run)
+    return dict(sorted(latest.items()))
+
+
+def fold_scores(client: MlflowClient, parent_run: Run, metrics: Sequence[str]) -> pd.DataFrame:
+    """One row per fold of a CV (its FINISHED child runs): fold, model, then each metric (NaN where not logged).
+
+    If a fold was rerun under the same parent, its most recently started finished child counts.
+    """
+    parent_id = parent_run.info.run_id
+    model = parent_run.data.tags.get("model", "")
+    filter_string = f"tags.`mlflow.parentRunId` = '{parent_id}' and tags.`{RUN_KIND_TAG}` = 'fold'"
+    children = _search_all(client, [parent_run.info.experiment_id], filter_string)
+    rows: dict[int, dict] = {}
+    for child in sorted(children, key=lambda r: r.info.start_time or 0, reverse=True):
+        if child.info.status != RunStatus.to_string(RunStatus.FINISHED):
+            continue
+        fold_tag = child.data.tags.get("fold")
+        try:
+            fold = int(fold_tag)
+        except (TypeError, ValueError):
+            raise ComparisonError(f"fold run {child.info.run_id} of CV {parent_id} ({model}) has fold tag "
+                                  f"{fold_tag!r}, not an integer") from None
+        if fold in rows:
+            logger.warning("CV %s (%s) has several finished runs for fold %d; using the latest", parent_id, model,
+                           fold)
+            continue
+        rows[fold] = {"fold": fold, "model": model,
+                      **{metric: float(child.data.metrics.get(metric, np.nan)) for metric in metrics}}
+    table = pd.DataFrame([rows[fold] for fold in sorted(rows)], columns=["fold", "model", *metrics])
+    return table.astype({"fold": int})
+
+
+def check_same_folds(runs: Mapping[str, Run]) -> None:
+    """Refuse to compare CVs whose fold files differ (or are unrecorded): their test subjects are not the same."""
+    hashes = {model: run.data.tags.get(FOLD_FILE_TAG) for model, run in runs.items()}
+    if any(value is None for value in hashes.values()) or len(set(hashes.values())) > 1:
+        listing = "; ".join(f"{model}: {value or '<not recorded>'}" for model, value in sorted(hashes.items()))
+        raise ComparisonError(f"refusing to compare CVs run on different fold files ({FOLD_FILE_TAG}): {listing}")
+
+
+def _t_interval(values: np.ndarray) -> tuple[float, float, float, float]:
+    """Mean, sample std, and the 95% Student-t interval of the mean (NaN below two values)."""
+    n = len(values)
+    if n == 0:
+        return (np.nan,) * 4
+    mean = float(values.mean())
+    if n == 1:
+        return mean, 0.0, np.nan, np.nan
+    std = float(values.std(ddof=1))
+    half_width = float(stats.t.ppf(0.975, df=n - 1)) * std / np.sqrt(n)
+    return mean, std, mean - half_width, mean + half_width
+
+
+def summary_table(scores: pd.DataFrame, metrics: Sequence[str]) -> pd.DataFrame:
+    """Per model and metric: mean, std (ddof=1), n_folds and a 95% Student-t confidence interval over folds."""
+    rows = []
+    for model, model_scores in scores.groupby("model", sort=True):
+        for metric in metrics:
+            values = model_scores[metric].dropna().to_numpy(dtype=float)
+            mean, std, low, high = _t_interval(values)
+            rows.append({"model": model, "metric": metric, "mean": mean, "std": std, "n_folds": len(values),
+                         "ci95_low": low, "ci95_high": high})
+    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+
+
+def paired_tests(scores: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Every pair of models on the folds both have: mean and std of (a - b), two-sided Wilcoxon signed-rank p.
+
+    Zero differences are dropped by the test (scipy's "wilcox" rule); with all differences zero or fewer than two
+    paired folds the p-value is NaN and `note` says why.
+    """
+    wide = scores.pivot(index="fold", columns="model", values=metric)
+    rows = []
+    for model_a, model_b in combinations(sorted(wide.columns), 2):
+        pair = wide[[model_a, model_b]].dropna()
+        differences = (pair[model_a] - pair[model_b]).to_numpy(dtype=float)
+        n = len(differences)
+        mean_diff = float(differences.mean()) if n else np.nan
+        std_diff = float(differences.std(ddof=1)) if n > 1 else (0.0 if n == 1 else np.nan)
+        statistic = p_value = np.nan
+        note = ""
+        if n < 2:
+            note = f"only {n} paired fold(s): no test"
+        elif np.all(differences == 0):
+            note = "all paired differences are zero: no test"
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # small-sample and ties warnings; the note below records n
+                result = stats.wilcoxon(differences, zero_method="wilcox", alternative="two-sided")
+            statistic, p_value = float(result.statistic), float(result.pvalue)
+            n_zero = int(np.sum(differences == 0))
+            if n_zero:
+                note = f"{n_zero} zero difference(s) dropped"
+        rows.append({"metric": metric, "model_a": model_a, "model_b": model_b, "n_folds": n, "mean_diff": mean_diff,
+                     "std_diff": std_diff, "wilcoxon_statistic": statistic, "p_value": p_value, "note": note})
+    return pd.DataFrame(rows, columns=PAIRED_COLUMNS)
+
+
+def plot_fold_scores(scores: pd.DataFrame, metric: str, path: str | Path) -> None:
+    """Left: each backbone's score per fold (lines and markers). Right: the spread per backbone (box plot)."""
+    models = sorted(scores["model"].unique())
+    if not models:
+        raise ValueError("no fold scores to plot")
+    figure = Figure(figsize=(11, 4.5))
+    folds_axes, box_axes = figure.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
+    spreads = []
+    for model in models:
+        model_scores = scores[scores["model"] == model].sort_values("fold")
+        folds_axes.plot(model_scores["fold"], model_scores[metric], marker="o", label=model)
+        spreads.append(model_scores[metric].dropna().to_numpy(dtype=float))
+    folds_axes.set_xlabel("fold")
+    folds_axes.set_ylabel(metric)
+    folds_axes.set_title(f"{metric} per fold")
+    folds_axes.grid(alpha=0.3)
+    folds_axes.legend(fontsize=8)
+    box_axes.boxplot(spreads)
+    box_axes.set_xticks(range(1, len(models) + 1), labels=models)
+    box_axes.tick_params(axis="x", labelrotation=30)
+    box_axes.set_title("across folds")
+    box_axes.grid(alpha=0.3)
+    save_png(figure, path)
+
+
+def _safe_name(text: str) -> str:
+    """File names and MLflow keys: letters, digits, '_', '-', '.' only."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
+
+
+def compare(
+    dataset: str,
+    protocol: str,
+    task: str,
+    out_dir: Path,
+    tracking_uri: str | None = None,
+    experiment: str = tracking.DEFAULT_EXPERIMENT,
+    metrics: Sequence[str] = DEFAULT_METRICS,
+    subject_set: str | None = None,
+) -> dict:
+    """Compare the latest finished CV of every backbone for one dataset/protocol/task, write tables and plots.
+
+    Writes `comparison_<dataset>_<protocol>_<task>[_<subject_set>]` `.csv` (summary), `_paired.csv`, `_folds.csv`
+    and `_<metric>.png` into `out_dir`, and logs them as an MLflow run tagged `painvit.run_kind=comparison`.
+    The tracking URI defaults to `pipeline.tracking.tracking_uri(<project root>)`.
+    """
+    metrics = list(metrics)
+    uri = tracking_uri or tracking.tracking_uri(PROJECT_ROOT)
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise ComparisonError(f"no MLflow experiment {experiment!r} at {uri}")
+    experiment_id = found.experiment_id
+    runs = latest_cvs(client, [experiment_id], dataset, protocol, task, subject_set)
+    where = f"dataset={dataset}, protocol={protocol}, task={task}" + (f", subject_set={subject_set}" if subject_set
+                                                                       else "")
+    if len(runs) < 2:
+        found_models = ", ".join(f"{model} ({run.info.run_id})" for model, run in runs.items()) or "none"
+        raise ComparisonError(f"need finished CVs of at least 2 backbones for {where} in experiment {experiment!r}; "
+                              f"found: {found_models}")
+    check_same_folds(runs)
+
+    scores = pd.concat([fold_scores(client, run, metrics) for run in runs.values()], ignore_index=True)
+    empty = [model for model in runs if not (scores["model"] == model).any()]
+    if empty:
+        raise ComparisonError(f"finished CVs without any finished fold runs: {', '.join(empty)}")
+    summary = summary_table(scores, metrics)
+    paired = pd.concat([paired_tests(scores, metric) for metric in metrics], ignore_index=True)
+
+    out_dir = Path(out_dir)
+    stem = _safe_name("_".join(["comparison", dataset, protocol, task] + ([subject_set] if subject_set else [])))
+    paths = {
+        "summary": out_dir / f"{stem}.csv",
+        "paired": out_dir / f"{stem}_paired.csv",
+        "folds": out_dir / f"{stem}_folds.csv",
+    }
+    atomic_write_csv(paths["summary"], summary)
+    atomic_write_csv(paths["paired"], paired)
+    atomic_write_csv(paths["folds"], scores)
+    plots = {metric: out_dir / f"{stem}_{_safe_name(metric.replace('/', '_'))}.png" for metric in metrics}
+    for metric, plot_path in plots.items():
+        plot_fold_scores(scores, metric, plot_path)
+
+    tags = {RUN_KIND_TAG: "comparison", "dataset": dataset, "protocol": protocol, "task": task,
+            FOLD_FILE_TAG: next(iter(runs.values())).data.tags[FOLD_FILE_TAG]}
+    if subject_set:
+        tags["subject_set"] = subject_set
+    comparison_run = client.create_run(experiment_id, tags=tags, run_name=stem)
+    run_id = comparison_run.info.run_id
+    try:
+        params = {"dataset": dataset, "protocol": protocol, "task": task, "models": ",".join(runs),
+                  **{f"parent_run_id.{_safe_name(model)}": run.info.run_id for model, run in runs.items()}}
+        if subject_set:
+            params["subject_set"] = subject_set
+        for key, value in params.items():
+            client.log_param(run_id, key, value)
+        for artifact in [*paths.values(), *plots.values()]:
+            client.log_artifact(run_id, str(artifact), artifact_path="comparison")
+    except BaseException:
+        client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FAILED))
+        raise
+    client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FINISHED))
+
+    return {"summary": summary, "paired": paired, "folds": scores, "paths": {**paths, "plots": plots},
+            "run_id": run_id, "parent_run_ids": {model: run.info.run_id for model, run in runs.items()}}

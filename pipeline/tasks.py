@@ -1,0 +1,46 @@
+"""Classification tasks over BioVid's five classes: which classes take part, and the label each one gets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CLASS_NAMES: tuple[str, ...] = ("BL1", "PA1", "PA2", "PA3", "PA4")
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task keeps the samples of `classes`; the i-th class gets label i."""
+
+    name: str
+    classes: tuple[str, ...]
+
+    @property
+    def n_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def is_binary(self) -> bool:
+        return self.n_classes == 2
+
+    def label_of(self, class_name: str) -> int:
+        return self.classes.index(class_name)
+
+    def label_map(self) -> dict[str, int]:
+        return {name: label for label, name in enumerate(self.classes)}
+
+
+TASKS: dict[str, Task] = {
+    "bl1_vs_pa1": Task("bl1_vs_pa1", ("BL1", "PA1")),
+    "bl1_vs_pa2": Task("bl1_vs_pa2", ("BL1", "PA2")),
+    "bl1_vs_pa3": Task("bl1_vs_pa3", ("BL1", "PA3")),
+    "bl1_vs_pa4": Task("bl1_vs_pa4", ("BL1", "PA4")),
+    "five_class": Task("five_class", CLASS_NAMES),
+}
+
+
+def get_task(name: str) -> Task:
+    """Look a task up by name, with an error that lists the known ones."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}") from None
