@@ -95,6 +95,14 @@ def _enabled_entry(name: str, entry: Any) -> dict[str, Any] | None:
     return kwargs if float(kwargs["p"]) > 0 else None
 
 
+def _configured(name: str, transform: Callable[..., A.BasicTransform], kwargs: dict[str, Any]) -> A.BasicTransform:
+    """Build one step; strict here too, so a bad argument fails at once with the config entry named."""
+    try:
+        return transform(**kwargs, strict=True)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"augment.{name}: {error}") from error
+
+
 def _blur(entry: Mapping[str, Any]) -> A.OneOf:
     """One of Gaussian or motion blur; the members' p are their relative weights."""
     unknown = set(entry) - set(BLUR_MEMBERS) - {"p"}
@@ -104,7 +112,7 @@ def _blur(entry: Mapping[str, Any]) -> A.OneOf:
     for name, transform in BLUR_MEMBERS.items():
         kwargs = _enabled_entry(f"blur.{name}", entry.get(name))
         if kwargs is not None:
-            members.append(transform(**kwargs))
+            members.append(_configured(f"blur.{name}", transform, kwargs))
     if not members:
         raise ValueError("augment.blur is on (p > 0) but has no enabled member (gaussian_blur / motion_blur)")
     return A.OneOf(members, p=float(entry["p"]))
@@ -145,7 +153,7 @@ def build_train_transform(data_config: DataConfigLike, params: Mapping[str, Any]
         elif name == "blur":
             steps.append(_blur(params[name]))
         else:
-            steps.append(transform(**kwargs))
+            steps.append(_configured(name, transform, kwargs))
     return A.Compose([*steps, *_normalize_to_tensor(data_config)], strict=True)
 
 
@@ -158,7 +166,7 @@ def _random_resized_crop(data_config: DataConfigLike, kwargs: dict[str, Any]) ->
             "augment.random_resized_crop.p must be 1 (or the entry null); narrow scale/ratio for milder crops"
         )
     kwargs = {"interpolation": interpolation_flag(data_config), **kwargs}
-    return A.RandomResizedCrop(size=input_hw(data_config), **kwargs)
+    return _configured("random_resized_crop", A.RandomResizedCrop, {"size": input_hw(data_config), **kwargs})
 
 
 def build_eval_transform(data_config: DataConfigLike) -> A.Compose:

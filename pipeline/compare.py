@@ -41,8 +41,17 @@ DEFAULT_METRICS: tuple[str, ...] = (
     "test/frame_f1",
 )
 SUMMARY_COLUMNS = ["model", "metric", "mean", "std", "n_folds", "ci95_low", "ci95_high"]
-PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_folds", "mean_diff", "std_diff", "wilcoxon_statistic",
-                  "p_value", "note"]
+PAIRED_COLUMNS = [
+    "metric",
+    "model_a",
+    "model_b",
+    "n_folds",
+    "mean_diff",
+    "std_diff",
+    "wilcoxon_statistic",
+    "p_value",
+    "note",
+]
 
 
 class ComparisonError(RuntimeError):
@@ -60,8 +69,13 @@ def _search_all(client: MlflowClient, experiment_ids: Sequence[str], filter_stri
     runs: list[Run] = []
     page_token = None
     while True:
-        page = client.search_runs(list(experiment_ids), filter_string=filter_string, max_results=1000,
-                                  order_by=["attributes.start_time DESC"], page_token=page_token)
+        page = client.search_runs(
+            list(experiment_ids),
+            filter_string=filter_string,
+            max_results=1000,
+            order_by=["attributes.start_time DESC"],
+            page_token=page_token,
+        )
         runs.extend(page)
         page_token = page.token
         if not page_token:
@@ -114,14 +128,17 @@ def fold_scores(client: MlflowClient, parent_run: Run, metrics: Sequence[str]) -
         try:
             fold = int(fold_tag)
         except (TypeError, ValueError):
-            raise ComparisonError(f"fold run {child.info.run_id} of CV {parent_id} ({model}) has fold tag "
-                                  f"{fold_tag!r}, not an integer") from None
+            raise ComparisonError(
+                f"fold run {child.info.run_id} of CV {parent_id} ({model}) has fold tag {fold_tag!r}, not an integer"
+            ) from None
         if fold in rows:
-            logger.warning("CV %s (%s) has several finished runs for fold %d; using the latest", parent_id, model,
-                           fold)
+            logger.warning("CV %s (%s) has several finished runs for fold %d; using the latest", parent_id, model, fold)
             continue
-        rows[fold] = {"fold": fold, "model": model,
-                      **{metric: float(child.data.metrics.get(metric, np.nan)) for metric in metrics}}
+        rows[fold] = {
+            "fold": fold,
+            "model": model,
+            **{metric: float(child.data.metrics.get(metric, np.nan)) for metric in metrics},
+        }
     table = pd.DataFrame([rows[fold] for fold in sorted(rows)], columns=["fold", "model", *metrics])
     return table.astype({"fold": int})
 
@@ -154,8 +171,17 @@ def summary_table(scores: pd.DataFrame, metrics: Sequence[str]) -> pd.DataFrame:
         for metric in metrics:
             values = model_scores[metric].dropna().to_numpy(dtype=float)
             mean, std, low, high = _t_interval(values)
-            rows.append({"model": model, "metric": metric, "mean": mean, "std": std, "n_folds": len(values),
-                         "ci95_low": low, "ci95_high": high})
+            rows.append(
+                {
+                    "model": model,
+                    "metric": metric,
+                    "mean": mean,
+                    "std": std,
+                    "n_folds": len(values),
+                    "ci95_low": low,
+                    "ci95_high": high,
+                }
+            )
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
@@ -187,8 +213,19 @@ def paired_tests(scores: pd.DataFrame, metric: str) -> pd.DataFrame:
             n_zero = int(np.sum(differences == 0))
             if n_zero:
                 note = f"{n_zero} zero difference(s) dropped"
-        rows.append({"metric": metric, "model_a": model_a, "model_b": model_b, "n_folds": n, "mean_diff": mean_diff,
-                     "std_diff": std_diff, "wilcoxon_statistic": statistic, "p_value": p_value, "note": note})
+        rows.append(
+            {
+                "metric": metric,
+                "model_a": model_a,
+                "model_b": model_b,
+                "n_folds": n,
+                "mean_diff": mean_diff,
+                "std_diff": std_diff,
+                "wilcoxon_statistic": statistic,
+                "p_value": p_value,
+                "note": note,
+            }
+        )
     return pd.DataFrame(rows, columns=PAIRED_COLUMNS)
 
 
@@ -246,12 +283,14 @@ def compare(
         raise ComparisonError(f"no MLflow experiment {experiment!r} at {uri}")
     experiment_id = found.experiment_id
     runs = latest_cvs(client, [experiment_id], dataset, protocol, task, subject_set)
-    where = f"dataset={dataset}, protocol={protocol}, task={task}" + (f", subject_set={subject_set}" if subject_set
-                                                                       else "")
+    where = f"dataset={dataset}, protocol={protocol}, task={task}" + (
+        f", subject_set={subject_set}" if subject_set else ""
+    )
     if len(runs) < 2:
         found_models = ", ".join(f"{model} ({run.info.run_id})" for model, run in runs.items()) or "none"
-        raise ComparisonError(f"need finished CVs of at least 2 backbones for {where} in experiment {experiment!r}; "
-                              f"found: {found_models}")
+        raise ComparisonError(
+            f"need finished CVs of at least 2 backbones for {where} in experiment {experiment!r}; found: {found_models}"
+        )
     check_same_folds(runs)
 
     scores = pd.concat([fold_scores(client, run, metrics) for run in runs.values()], ignore_index=True)
@@ -275,15 +314,25 @@ def compare(
     for metric, plot_path in plots.items():
         plot_fold_scores(scores, metric, plot_path)
 
-    tags = {RUN_KIND_TAG: "comparison", "dataset": dataset, "protocol": protocol, "task": task,
-            FOLD_FILE_TAG: next(iter(runs.values())).data.tags[FOLD_FILE_TAG]}
+    tags = {
+        RUN_KIND_TAG: "comparison",
+        "dataset": dataset,
+        "protocol": protocol,
+        "task": task,
+        FOLD_FILE_TAG: next(iter(runs.values())).data.tags[FOLD_FILE_TAG],
+    }
     if subject_set:
         tags["subject_set"] = subject_set
     comparison_run = client.create_run(experiment_id, tags=tags, run_name=stem)
     run_id = comparison_run.info.run_id
     try:
-        params = {"dataset": dataset, "protocol": protocol, "task": task, "models": ",".join(runs),
-                  **{f"parent_run_id.{_safe_name(model)}": run.info.run_id for model, run in runs.items()}}
+        params = {
+            "dataset": dataset,
+            "protocol": protocol,
+            "task": task,
+            "models": ",".join(runs),
+            **{f"parent_run_id.{_safe_name(model)}": run.info.run_id for model, run in runs.items()},
+        }
         if subject_set:
             params["subject_set"] = subject_set
         for key, value in params.items():
@@ -295,5 +344,33 @@ def compare(
         raise
     client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FINISHED))
 
-    return {"summary": summary, "paired": paired, "folds": scores, "paths": {**paths, "plots": plots},
-            "run_id": run_id, "parent_run_ids": {model: run.info.run_id for model, run in runs.items()}}
+    return {
+        "summary": summary,
+        "paired": paired,
+        "folds": scores,
+        "paths": {**paths, "plots": plots},
+        "run_id": run_id,
+        "parent_run_ids": {model: run.info.run_id for model, run in runs.items()},
+    }
+
+
+def run_compare(cfg) -> dict:
+    """`make compare`: the latest finished cross-validation of each backbone on the config's data/protocol/task."""
+    from pipeline.cli import resolve_path
+
+    try:
+        result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, resolve_path(cfg.reports_dir),
+                         tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
+                         subject_set=cfg.data.subject_set)
+    except ComparisonError as error:
+        raise SystemExit(f"compare: {error}") from None
+    summary = result["summary"]
+    wide = summary.pivot_table(index="model", columns="metric", values="mean")
+    print("mean over folds (95 % CI in the summary CSV):")
+    print(wide.to_string(float_format=lambda v: f"{v:.3f}"))
+    print(result["paired"][["metric", "model_a", "model_b", "n_folds", "mean_diff", "p_value"]].to_string(
+        index=False, float_format=lambda v: f"{v:.4f}"))
+    for name, path in result["paths"].items():
+        print(f"{name}: {path}")
+    print(f"MLflow comparison run {result['run_id']}")
+    return result

@@ -94,8 +94,9 @@ def _stratified_sample(
     return sorted(subject for _, _, subject in keyed[:n_pick])
 
 
-def _kfold_test_sets(subjects: Sequence[str], k: int, strata: Mapping[str, str] | None,
-                     rng: np.random.Generator) -> list[list[str]]:
+def _kfold_test_sets(
+    subjects: Sequence[str], k: int, strata: Mapping[str, str] | None, rng: np.random.Generator
+) -> list[list[str]]:
     """Deal subjects to k test folds round-robin, stratum after stratum, so every fold gets its share of each."""
     labels, _ = usable_strata(subjects, strata, min_size=k)
     dealing_order: list[str] = []
@@ -167,8 +168,10 @@ def make_folds(
         if k > n:
             raise ValueError(f"protocol {protocol!r} needs at least {k} subjects (one test subject per fold), got {n}")
         if n - math.ceil(n / k) < 2:
-            raise ValueError(f"protocol {protocol!r} on {n} subjects leaves {n - math.ceil(n / k)} non-test subject(s) "
-                             "in the largest fold; need at least 2 (one train, one val)")
+            raise ValueError(
+                f"protocol {protocol!r} on {n} subjects leaves {n - math.ceil(n / k)} non-test subject(s) "
+                "in the largest fold; need at least 2 (one train, one val)"
+            )
         test_sets = _kfold_test_sets(names, k, strata, rng)
     else:
         n_test = min(max(1, round(test_fraction * n)), n - 2)
@@ -187,8 +190,9 @@ def make_folds(
 
 def _sorted_fold_table(folds: pd.DataFrame) -> pd.DataFrame:
     table = folds.loc[:, list(FOLD_COLUMNS)].astype({"fold": "int64", "subject_name": str, "role": str})
-    order = np.lexsort((table["subject_name"].to_numpy(), table["role"].map(_ROLE_RANK).to_numpy(),
-                        table["fold"].to_numpy()))
+    order = np.lexsort(
+        (table["subject_name"].to_numpy(), table["role"].map(_ROLE_RANK).to_numpy(), table["fold"].to_numpy())
+    )
     return table.iloc[order].reset_index(drop=True)
 
 
@@ -227,18 +231,25 @@ def check_folds(folds: pd.DataFrame, source: str = "<memory>", subjects: Iterabl
         if fold < 0:
             raise FoldError(f"{where}, subject {subject!r}: negative fold {fold}")
         if not isinstance(subject, str) or not subject or subject != subject.strip():
-            raise FoldError(f"{where}, fold {fold}: invalid subject_name {subject!r} "
-                            "(must be a non-empty name without surrounding spaces)")
+            raise FoldError(
+                f"{where}, fold {fold}: invalid subject_name {subject!r} "
+                "(must be a non-empty name without surrounding spaces)"
+            )
         if role not in ROLES:
-            raise FoldError(f"{where}, fold {fold}, subject {subject!r}: unknown role {role!r} "
-                            f"(expected one of {', '.join(ROLES)})")
+            raise FoldError(
+                f"{where}, fold {fold}, subject {subject!r}: unknown role {role!r} (expected one of {', '.join(ROLES)})"
+            )
         if (fold, subject) in role_and_row:
             earlier_role, earlier_row = role_and_row[(fold, subject)]
             if earlier_role != role:
-                raise FoldError(f"{where}, fold {fold}, subject {subject!r}: leak, subject is both {earlier_role} "
-                                f"(row {earlier_row}) and {role} in the same fold")
-            raise FoldError(f"{where}, fold {fold}, subject {subject!r}: listed twice as {role} "
-                            f"(also row {earlier_row}); each subject appears once per fold")
+                raise FoldError(
+                    f"{where}, fold {fold}, subject {subject!r}: leak, subject is both {earlier_role} "
+                    f"(row {earlier_row}) and {role} in the same fold"
+                )
+            raise FoldError(
+                f"{where}, fold {fold}, subject {subject!r}: listed twice as {role} "
+                f"(also row {earlier_row}); each subject appears once per fold"
+            )
         role_and_row[(fold, subject)] = (role, row)
         first_row.setdefault(subject, row)
         members.setdefault(fold, {r: [] for r in ROLES})[role].append(subject)
@@ -250,20 +261,26 @@ def check_folds(folds: pd.DataFrame, source: str = "<memory>", subjects: Iterabl
         if unknown:
             subject = unknown[0]
             fold = folds["fold"].iloc[first_row[subject] - 1]
-            raise FoldError(f"{_where(source, first_row[subject])}, fold {fold}, subject {subject!r}: not in the "
-                            f"dataset ({len(unknown)} such subject(s), first few: {unknown[:5]})")
+            raise FoldError(
+                f"{_where(source, first_row[subject])}, fold {fold}, subject {subject!r}: not in the "
+                f"dataset ({len(unknown)} such subject(s), first few: {unknown[:5]})"
+            )
         absent = sorted(dataset_subjects - file_subjects)
         if absent:
-            raise FoldError(f"{source}: {len(absent)} dataset subject(s) missing from the fold file, "
-                            f"e.g. subject {absent[0]!r} (first few: {absent[:5]})")
+            raise FoldError(
+                f"{source}: {len(absent)} dataset subject(s) missing from the fold file, "
+                f"e.g. subject {absent[0]!r} (first few: {absent[:5]})"
+            )
 
     for fold in sorted(members):
         by_role = members[fold]
         in_fold = {subject for role_subjects in by_role.values() for subject in role_subjects}
         absent = sorted(file_subjects - in_fold)
         if absent:
-            raise FoldError(f"{source}, fold {fold}, subject {absent[0]!r}: missing from this fold "
-                            f"({len(absent)} missing; every subject must appear exactly once per fold)")
+            raise FoldError(
+                f"{source}, fold {fold}, subject {absent[0]!r}: missing from this fold "
+                f"({len(absent)} missing; every subject must appear exactly once per fold)"
+            )
         for role in ROLES:
             if not by_role[role]:
                 raise FoldError(f"{source}, fold {fold}: no {role} subjects (every fold needs train, val and test)")
@@ -274,8 +291,10 @@ def check_folds(folds: pd.DataFrame, source: str = "<memory>", subjects: Iterabl
             for subject in members[fold]["test"]:
                 if subject in tested_in:
                     row = role_and_row[(fold, subject)][1]
-                    raise FoldError(f"{_where(source, row)}, fold {fold}, subject {subject!r}: test in fold "
-                                    f"{tested_in[subject]} too; in a loso/k-fold file every subject is test once")
+                    raise FoldError(
+                        f"{_where(source, row)}, fold {fold}, subject {subject!r}: test in fold "
+                        f"{tested_in[subject]} too; in a loso/k-fold file every subject is test once"
+                    )
                 tested_in[subject] = fold
 
 
@@ -301,18 +320,23 @@ def read_folds(path: Path, subjects: Iterable[str] | None = None) -> pd.DataFram
     missing = [column for column in FOLD_COLUMNS if column not in raw.columns]
     extra = [column for column in raw.columns if column not in FOLD_COLUMNS]
     if missing or extra:
-        problems = ([f"missing column(s) {missing}"] if missing else []) + ([f"extra column(s) {extra}"] if extra else [])
+        problems = [f"missing column(s) {missing}"] if missing else []
+        problems += [f"extra column(s) {extra}"] if extra else []
         raise FoldError(f"{path}: {'; '.join(problems)}; expected exactly {list(FOLD_COLUMNS)}")
 
     for column in FOLD_COLUMNS:
-        absent = raw[column].isna().to_numpy().nonzero()[0]
+        absent = (raw[column].isna() | (raw[column] == "")).to_numpy().nonzero()[0]
         if len(absent):
-            raise FoldError(f"{_where(str(path), int(absent[0]) + 1)}: no value in column {column!r} (short row)")
+            raise FoldError(
+                f"{_where(str(path), int(absent[0]) + 1)}: no value in column {column!r} (empty cell or short row)"
+            )
     not_integer = ~raw["fold"].str.fullmatch(r"[0-9]+")
     if not_integer.any():
         row = int(not_integer.to_numpy().nonzero()[0][0])
-        raise FoldError(f"{_where(str(path), row + 1)}, subject {raw['subject_name'].iloc[row]!r}: fold "
-                        f"{raw['fold'].iloc[row]!r} is not a non-negative integer")
+        raise FoldError(
+            f"{_where(str(path), row + 1)}, subject {raw['subject_name'].iloc[row]!r}: fold "
+            f"{raw['fold'].iloc[row]!r} is not a non-negative integer"
+        )
 
     folds = raw.loc[:, list(FOLD_COLUMNS)].astype({"fold": "int64", "subject_name": str, "role": str})
     check_folds(folds, source=str(path), subjects=subjects)
@@ -363,8 +387,10 @@ def biovid_subjects(subject_set: str, subjects_csv: Path = BIOVID_SUBJECTS_CSV) 
     bad = ~table["facial_responder"].isin(["0", "1"])
     if bad.any():
         row = int(bad.to_numpy().nonzero()[0][0]) + 1
-        raise ValueError(f"{_where(str(subjects_csv), row)}, subject {table['subject_name'].iloc[row - 1]!r}: "
-                         f"facial_responder must be 0 or 1, got {table['facial_responder'].iloc[row - 1]!r}")
+        raise ValueError(
+            f"{_where(str(subjects_csv), row)}, subject {table['subject_name'].iloc[row - 1]!r}: "
+            f"facial_responder must be 0 or 1, got {table['facial_responder'].iloc[row - 1]!r}"
+        )
     duplicated = table["subject_name"][table["subject_name"].duplicated()].tolist()
     if duplicated:
         raise ValueError(f"{subjects_csv}: duplicated subject_name(s) {duplicated[:5]}")
@@ -384,8 +410,9 @@ def make_biovid_folds(protocol: str, subject_set: str, subjects_csv: Path = BIOV
     return make_folds(names, protocol, seed=BIOVID_SEED, strata=subject_strata(names))
 
 
-def write_biovid_manifests(manifest_dir: Path = BIOVID_MANIFEST_DIR,
-                           subjects_csv: Path = BIOVID_SUBJECTS_CSV) -> list[Path]:
+def write_biovid_manifests(
+    manifest_dir: Path = BIOVID_MANIFEST_DIR, subjects_csv: Path = BIOVID_SUBJECTS_CSV
+) -> list[Path]:
     """(Re)write every committed BioVid fold file; returns the paths written."""
     written = []
     for subject_set in SUBJECT_SETS:
@@ -423,8 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"FAIL {error}", file=sys.stderr)
             failures += 1
             continue
-        print(f"ok {path}: {folds['fold'].nunique()} fold(s), {folds['subject_name'].nunique()} subjects, "
-              f"sha256 {fold_file_sha256(path)}")
+        print(
+            f"ok {path}: {folds['fold'].nunique()} fold(s), {folds['subject_name'].nunique()} subjects, "
+            f"sha256 {fold_file_sha256(path)}"
+        )
     return 1 if failures else 0
 
 

@@ -7,6 +7,7 @@ of "video AUROC". Plots are drawn on a bare `Figure` (Agg canvas, no pyplot stat
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -132,9 +133,13 @@ def classification_metrics(labels: np.ndarray, probs: np.ndarray) -> dict[str, f
         f1 = f1_score(labels, preds, average="macro", zero_division=0)
         per_class = [roc_auc_score(labels == c, probs[:, c]) for c in present] if len(present) >= 2 else []
         auroc = float(np.mean(per_class)) if per_class else float("nan")
+    with warnings.catch_warnings():
+        # A fold whose labels lack a predicted class is normal; recall is averaged over the classes present.
+        warnings.filterwarnings("ignore", message="y_pred contains classes not in y_true")
+        balanced_accuracy = balanced_accuracy_score(labels, preds)
     return {
         "accuracy": float(accuracy_score(labels, preds)),
-        "balanced_accuracy": float(balanced_accuracy_score(labels, preds)),
+        "balanced_accuracy": float(balanced_accuracy),
         "auroc": float(auroc),
         "f1": float(f1),
     }
@@ -229,8 +234,15 @@ def plot_confusion(matrix: np.ndarray, class_names: Sequence[str], path: str | o
     for row in range(n_classes):
         for column in range(n_classes):
             colour = "white" if shares[row, column] > 0.5 else "black"
-            axes.text(column, row, f"{matrix[row, column]}\n{shares[row, column]:.0%}", ha="center", va="center",
-                      color=colour, fontsize=9)
+            axes.text(
+                column,
+                row,
+                f"{matrix[row, column]}\n{shares[row, column]:.0%}",
+                ha="center",
+                va="center",
+                color=colour,
+                fontsize=9,
+            )
     axes.set_xticks(range(n_classes), labels=list(class_names))
     axes.set_yticks(range(n_classes), labels=list(class_names))
     axes.set_xlabel("predicted")
@@ -272,7 +284,8 @@ def plot_training_curves(history: pd.DataFrame, path: str | os.PathLike) -> None
     per_epoch = numeric.groupby("epoch", sort=True).last()
     loss_columns = [c for c in per_epoch.columns if "loss" in str(c) and per_epoch[c].notna().any()]
     metric_columns = [
-        c for c in per_epoch.columns
+        c
+        for c in per_epoch.columns
         if str(c).startswith("val") and c not in loss_columns and per_epoch[c].notna().any()
     ]
     if not loss_columns and not metric_columns:

@@ -37,8 +37,14 @@ def random_frames(seed: int, n_classes: int = 2, n_subjects: int = 3, videos_per
             for _ in range(int(rng.integers(1, 7))):
                 probs = rng.random(n_classes)
                 probs /= probs.sum()
-                rows.append({"subject_name": f"s{subject}", "sample_name": f"s{subject}-v{video}", "label": label,
-                             **{f"prob_c{c}": probs[c] for c in range(n_classes)}})
+                rows.append(
+                    {
+                        "subject_name": f"s{subject}",
+                        "sample_name": f"s{subject}-v{video}",
+                        "label": label,
+                        **{f"prob_c{c}": probs[c] for c in range(n_classes)},
+                    }
+                )
     return pd.DataFrame(rows).sample(frac=1.0, random_state=seed).reset_index(drop=True)
 
 
@@ -88,13 +94,15 @@ def test_topk_one_equals_max() -> None:
 
 
 def test_aggregate_small_hand_example() -> None:
-    frames = pd.DataFrame({
-        "subject_name": ["a"] * 4,
-        "sample_name": ["a-1"] * 4,
-        "label": [1] * 4,
-        "prob_BL1": [0.9, 0.2, 0.4, 0.1],
-        "prob_PA4": [0.1, 0.8, 0.6, 0.9],
-    })
+    frames = pd.DataFrame(
+        {
+            "subject_name": ["a"] * 4,
+            "sample_name": ["a-1"] * 4,
+            "label": [1] * 4,
+            "prob_BL1": [0.9, 0.2, 0.4, 0.1],
+            "prob_PA4": [0.1, 0.8, 0.6, 0.9],
+        }
+    )
     mean = aggregate_videos(frames, "mean").iloc[0]
     assert mean["prob_BL1"] == pytest.approx(0.4) and mean["prob_PA4"] == pytest.approx(0.6)
     assert mean["pred"] == 1
@@ -172,6 +180,7 @@ def test_single_class_gives_nan_auroc_not_an_error() -> None:
     result = classification_metrics(labels, probs)
     assert math.isnan(result["auroc"])
     assert result["accuracy"] == pytest.approx(4 / 5)
+    assert result["balanced_accuracy"] == pytest.approx(4 / 5)  # recall of the only class present
     five_class = classification_metrics(np.full(4, 2), np.full((4, 5), 0.2))
     assert math.isnan(five_class["auroc"])
 
@@ -195,12 +204,14 @@ def test_confusion_counts() -> None:
 
 
 def test_per_subject_accuracy_with_and_without_pred() -> None:
-    table = pd.DataFrame({
-        "subject_name": ["b", "a", "a", "b", "a"],
-        "label": [1, 0, 1, 1, 0],
-        "prob_BL1": [0.3, 0.8, 0.6, 0.9, 0.4],
-        "prob_PA4": [0.7, 0.2, 0.4, 0.1, 0.6],
-    })
+    table = pd.DataFrame(
+        {
+            "subject_name": ["b", "a", "a", "b", "a"],
+            "label": [1, 0, 1, 1, 0],
+            "prob_BL1": [0.3, 0.8, 0.6, 0.9, 0.4],
+            "prob_PA4": [0.7, 0.2, 0.4, 0.1, 0.6],
+        }
+    )
     result = per_subject_accuracy(table)
     assert result["subject_name"].tolist() == ["a", "b"]
     assert result["n"].tolist() == [3, 2]
@@ -215,10 +226,12 @@ def test_evaluate_predictions_ties_the_pieces_together() -> None:
     result = evaluate_predictions(frames, CLASSES, aggregation="topk", k=2)
     videos = aggregate_videos(frames[["subject_name", "sample_name", "label", "prob_BL1", "prob_PA4"]], "topk", 2)
     pd.testing.assert_frame_equal(result["videos"], videos)
-    assert result["video"] == classification_metrics(videos["label"].to_numpy(),
-                                                     videos[["prob_BL1", "prob_PA4"]].to_numpy())
+    assert result["video"] == classification_metrics(
+        videos["label"].to_numpy(), videos[["prob_BL1", "prob_PA4"]].to_numpy()
+    )
     assert result["frame"]["accuracy"] == pytest.approx(
-        np.mean(frames[["prob_BL1", "prob_PA4"]].to_numpy().argmax(axis=1) == frames["label"]))
+        np.mean(frames[["prob_BL1", "prob_PA4"]].to_numpy().argmax(axis=1) == frames["label"])
+    )
     assert result["confusion_frame"].sum() == len(frames)
     assert result["confusion_video"].sum() == len(videos)
     assert result["per_subject"]["n"].sum() == len(videos)
@@ -227,8 +240,7 @@ def test_evaluate_predictions_ties_the_pieces_together() -> None:
 
 
 def test_summarize_folds_ignores_nan() -> None:
-    folds = [{"auroc": 0.6, "accuracy": 0.5}, {"auroc": float("nan"), "accuracy": 0.7},
-             {"auroc": 0.8, "accuracy": 0.9}]
+    folds = [{"auroc": 0.6, "accuracy": 0.5}, {"auroc": float("nan"), "accuracy": 0.7}, {"auroc": 0.8, "accuracy": 0.9}]
     summary = summarize_folds(folds)
     assert summary["auroc_mean"] == pytest.approx(0.7)
     assert summary["auroc_std"] == pytest.approx(math.sqrt(((0.6 - 0.7) ** 2 + (0.8 - 0.7) ** 2) / 1))
@@ -255,13 +267,15 @@ def test_plots_write_valid_pngs(tmp_path) -> None:
     plot_roc(np.zeros(5, dtype=int), rng.random(5), tmp_path / "roc_one_class.png")
     assert_png(tmp_path / "roc_one_class.png")
     # Lightning CSVLogger style: step rows carry train loss, epoch-end rows carry validation values.
-    history = pd.DataFrame({
-        "epoch": [0, 0, 1, 1, 2, 2],
-        "step": [10, 10, 20, 20, 30, 30],
-        "train/loss": [0.9, np.nan, 0.7, np.nan, 0.5, np.nan],
-        "val/loss": [np.nan, 0.95, np.nan, 0.8, np.nan, 0.75],
-        "val/auroc": [np.nan, 0.55, np.nan, 0.62, np.nan, 0.7],
-    })
+    history = pd.DataFrame(
+        {
+            "epoch": [0, 0, 1, 1, 2, 2],
+            "step": [10, 10, 20, 20, 30, 30],
+            "train/loss": [0.9, np.nan, 0.7, np.nan, 0.5, np.nan],
+            "val/loss": [np.nan, 0.95, np.nan, 0.8, np.nan, 0.75],
+            "val/auroc": [np.nan, 0.55, np.nan, 0.62, np.nan, 0.7],
+        }
+    )
     plot_training_curves(history, tmp_path / "curves" / "training.png")
     assert_png(tmp_path / "curves" / "training.png")
     with pytest.raises(ValueError, match="loss"):

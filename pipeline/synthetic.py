@@ -1,0 +1,677 @@
+"""The synthetic BioVid twin: drawn faces that show pain the way PSPI scores it, in BioVid Part A's exact layout.
+
+Every command defaults to this dataset, so the whole pipeline (layout validation, face detection, crops, subject-
+grouped folds, training, metrics) runs end to end without the licensed data. It is built to be a fair stand-in:
+
+- The layout is Part A's: ``starting_point/samples.csv`` (TAB-separated) and ``video/<subject>/<sample>.mp4``,
+  25 fps, 5.5 s, BioVid-style subject and sample names.
+- Faces are drawn so that OpenCV's Haar cascade (the default detector) finds them, as it finds real faces.
+- Identity varies (face shape, skin, hair, glasses, background, lighting, head position), so a model could learn
+  *who* instead of *pain* when folds leak subjects, which is what subject-grouped evaluation must catch.
+- Pain follows the Prkachin-Solomon Pain Intensity action units: brow lowering (AU4), orbit tightening (AU6/7),
+  nose wrinkle / upper-lip raise (AU9/10) and eye closure (AU43). It grows from PA1 to PA4, starts about 2 s into
+  the clip and peaks at 3.5-5 s (the response lags the heat), varies by subject, and a fraction of subjects are
+  non-responders, so the task is learnable but not trivial.
+
+Everything is deterministic from the seed: each subject's look comes from (seed, subject) and each video from
+(seed, subject, sample), so the result does not depend on the number of workers or on resuming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing import Pool
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pandas as pd
+from tqdm import tqdm
+
+from pipeline.io import atomic_path, atomic_write_text
+from pipeline.tasks import CLASS_NAMES
+
+SAMPLES_CSV = Path("starting_point") / "samples.csv"
+VIDEO_DIR = Path("video")
+SUBJECTS_CSV = "synthetic_subjects.csv"  # ground truth per subject, beside starting_point/ (not part of BioVid)
+SAMPLE_TRUTH_CSV = "synthetic_samples.csv"  # ground truth per sample: response intensity and timing
+CONFIG_JSON = "synthetic_config.json"  # the config the folder was written with; resuming with another one refuses
+SAMPLES_COLUMNS = ("subject_id", "subject_name", "class_id", "class_name", "sample_id", "sample_name")
+
+# Seed-sequence stream tags: independent random streams for the roster, each subject's look and each video.
+_ROSTER_STREAM, _SUBJECT_STREAM, _VIDEO_STREAM = 101, 202, 303
+
+_SHIFT = 4  # sub-pixel drawing: OpenCV takes coordinates as fixed point with this many fractional bits
+_ONE = 1 << _SHIFT
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Size, look and pain-response knobs of a synthetic twin."""
+
+    n_subjects: int
+    samples_per_class: int
+    width: int
+    height: int
+    fps: int = 25
+    duration_s: float = 5.5
+    seed: int = 0
+    non_responder_fraction: float = 0.15
+    class_intensity: tuple[float, ...] = (0.0, 0.3, 0.5, 0.75, 1.0)  # mean peak response per class, BL1..PA4
+    sample_variability: float = 0.3  # log-normal sigma of a sample's response around its class/subject mean
+    missed_response_probability: float = 0.1  # a responder shows (almost) nothing on this share of pain samples
+    onset_s: tuple[float, float] = (1.8, 2.6)  # the response starts in this window (uniform)
+    peak_s: tuple[float, float] = (3.5, 5.0)  # and reaches its peak in this one
+    blink_rate_hz: float = 0.3  # spontaneous blinks, in every class
+    noise_sigma: float = 2.0  # sensor noise, grey levels
+    render_max_side: int = 480  # frames are drawn at most this large and upscaled (cheap full-resolution output)
+    fourcc: str = "mp4v"
+
+    def __post_init__(self) -> None:
+        if self.n_subjects < 1 or self.samples_per_class < 1:
+            raise ValueError("need at least one subject and one sample per class")
+        if self.width < 64 or self.height < 48 or self.width % 2 or self.height % 2:
+            raise ValueError(f"frame size must be even and at least 64 x 48, got {self.width} x {self.height}")
+        if len(self.class_intensity) != len(CLASS_NAMES):
+            raise ValueError(f"class_intensity needs one value per class {CLASS_NAMES}")
+        if not 0.0 <= self.non_responder_fraction <= 1.0:
+            raise ValueError(f"non_responder_fraction must be in [0, 1], got {self.non_responder_fraction}")
+        if 5 * self.samples_per_class > 999:
+            raise ValueError("sample running numbers have three digits: at most 199 samples per class")
+
+    @property
+    def n_frames(self) -> int:
+        return math.floor(self.fps * self.duration_s + 0.5)
+
+
+PRESETS: dict[str, SyntheticConfig] = {
+    "tiny": SyntheticConfig(n_subjects=5, samples_per_class=2, width=160, height=120),
+    "default": SyntheticConfig(n_subjects=20, samples_per_class=6, width=320, height=240),
+    "full": SyntheticConfig(n_subjects=87, samples_per_class=20, width=1388, height=1038),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------- roster
+@dataclass(frozen=True)
+class Subject:
+    """One synthetic participant: BioVid-style name, how they respond to pain, and how they look."""
+
+    subject_id: int
+    subject_name: str
+    responder: bool
+    expressiveness: float  # scales every pain response of this person
+    au_weights: tuple[float, float, float, float]  # personal style: AU4, AU6/7, AU9/10, AU43
+    skin: tuple[float, float, float]  # BGR
+    face_aspect: float  # face half-height / half-width
+    face_scale: float  # face half-width as a fraction of the frame height
+    head_x: float  # head centre as fractions of the frame
+    head_y: float
+    hair_style: str
+    hair: tuple[float, float, float]
+    hairline: float  # hairline height in face half-widths above the face centre
+    glasses: bool
+    beard: float  # 0 none, else opacity of stubble/beard
+    iris: tuple[float, float, float]
+    eye_spacing: float
+    eye_width: float
+    mouth_width: float
+    brow_thickness: float
+    background: tuple[tuple[float, float, float], tuple[float, float, float]]
+    shirt: tuple[float, float, float]
+    light_angle: float  # radians, direction the light comes from
+    light_strength: float
+
+
+HAIR_STYLES = ("short", "long", "receding", "bun", "fringe")
+HAIR_COLOURS = ((22, 22, 28), (28, 42, 66), (40, 68, 108), (95, 160, 205), (150, 150, 156), (38, 62, 140))
+IRIS_COLOURS = ((30, 48, 78), (140, 108, 66), (78, 118, 80), (24, 30, 42))
+SKIN_LIGHT, SKIN_DARK = np.array([178.0, 196.0, 232.0]), np.array([62.0, 88.0, 128.0])
+
+
+def _rng(*keys: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(k) for k in keys]))
+
+
+def _subject_names(config: SyntheticConfig) -> list[tuple[str, bool]]:
+    """Unique `MMDDYY_sex_age` names and the responder flags (an exact share of non-responders)."""
+    rng = _rng(config.seed, _ROSTER_STREAM)
+    names: list[str] = []
+    while len(names) < config.n_subjects:
+        name = (f"{rng.integers(1, 13):02d}{rng.integers(1, 29):02d}{rng.integers(9, 17):02d}"
+                f"_{'wm'[rng.integers(0, 2)]}_{rng.integers(18, 66)}")
+        if name not in names:
+            names.append(name)
+    n_non = round(config.n_subjects * config.non_responder_fraction)
+    non_responders = set(rng.permutation(config.n_subjects)[:n_non].tolist())
+    return [(name, index not in non_responders) for index, name in enumerate(names)]
+
+
+def make_subjects(config: SyntheticConfig) -> list[Subject]:
+    """Draw every subject's name, pain response and look from the seed."""
+    subjects = []
+    for index, (name, responder) in enumerate(_subject_names(config)):
+        rng = _rng(config.seed, _SUBJECT_STREAM, index)
+        male = name.split("_")[1] == "m"
+        skin = SKIN_LIGHT + rng.uniform(0, 1) * (SKIN_DARK - SKIN_LIGHT) + rng.normal(0, 6, 3)
+        hair = np.array(HAIR_COLOURS[rng.integers(len(HAIR_COLOURS))]) * rng.uniform(0.85, 1.15)
+        style = HAIR_STYLES[rng.choice(5, p=[0.45, 0.05, 0.35, 0.05, 0.1] if male else [0.15, 0.4, 0.0, 0.25, 0.2])]
+        back = rng.uniform(60, 210, 3)
+        subjects.append(Subject(
+            subject_id=index, subject_name=name, responder=responder,
+            expressiveness=float(rng.uniform(0.5, 1.3) if responder else rng.uniform(0.0, 0.08)),
+            au_weights=tuple(float(w) for w in rng.uniform(0.6, 1.2, 4)),
+            skin=tuple(float(c) for c in np.clip(skin, 30, 245)),
+            face_aspect=float(rng.uniform(1.22, 1.42)), face_scale=float(rng.uniform(0.165, 0.205)),
+            head_x=float(rng.uniform(0.44, 0.56)), head_y=float(rng.uniform(0.45, 0.52)),
+            hair_style=style, hair=tuple(float(c) for c in np.clip(hair, 10, 235)),
+            hairline=float(rng.uniform(0.72, 0.9) if style != "receding" else rng.uniform(1.0, 1.15)),
+            glasses=bool(rng.uniform() < 0.25),
+            beard=float(rng.choice([0.0, 0.3, 0.6], p=[0.55, 0.3, 0.15]) if male else 0.0),
+            iris=tuple(float(c) for c in IRIS_COLOURS[rng.integers(len(IRIS_COLOURS))]),
+            eye_spacing=float(rng.uniform(0.37, 0.43)), eye_width=float(rng.uniform(0.17, 0.2)),
+            mouth_width=float(rng.uniform(0.25, 0.32)), brow_thickness=float(rng.uniform(0.06, 0.085)),
+            background=(tuple(float(c) for c in back), tuple(float(c) for c in np.clip(back + rng.normal(0, 25, 3),
+                                                                                       40, 230))),
+            shirt=tuple(float(c) for c in rng.uniform(20, 220, 3)),
+            light_angle=float(rng.uniform(0, 2 * math.pi)), light_strength=float(rng.uniform(0.08, 0.22)),
+        ))
+    return subjects
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One video: its BioVid names and the pain response it shows."""
+
+    subject_id: int
+    class_id: int
+    number: int  # the running number in the sample name (presentation order within the subject)
+    sample_id: int
+    sample_name: str
+    intensity: float  # peak response (0 = none)
+    onset_s: float
+    peak_s: float
+
+
+def make_samples(config: SyntheticConfig, subjects: list[Subject]) -> list[Sample]:
+    """Every subject's samples, running numbers shuffled across classes like a stimulus presentation order."""
+    samples = []
+    per_subject = len(CLASS_NAMES) * config.samples_per_class
+    for subject in subjects:
+        numbers = _rng(config.seed, _ROSTER_STREAM, subject.subject_id).permutation(per_subject) + 1
+        for slot, number in enumerate(numbers.tolist()):
+            class_id = slot // config.samples_per_class
+            rng = _rng(config.seed, _VIDEO_STREAM, subject.subject_id, number, 0)
+            intensity = config.class_intensity[class_id] * subject.expressiveness
+            intensity *= math.exp(rng.normal(0.0, config.sample_variability))
+            if rng.uniform() < config.missed_response_probability:
+                intensity *= rng.uniform(0.0, 0.3)
+            samples.append(Sample(
+                subject_id=subject.subject_id, class_id=class_id, number=number, sample_id=0,
+                sample_name=f"{subject.subject_name}-{CLASS_NAMES[class_id]}-{number:03d}",
+                intensity=float(min(intensity, 1.3)), onset_s=float(rng.uniform(*config.onset_s)),
+                peak_s=float(rng.uniform(*config.peak_s)),
+            ))
+    samples.sort(key=lambda s: (s.subject_id, s.class_id, s.number))
+    return [dataclasses.replace(sample, sample_id=index) for index, sample in enumerate(samples)]
+
+
+# ------------------------------------------------------------------------------------------------------- animation
+def _smoothstep(x: np.ndarray) -> np.ndarray:
+    x = np.clip(x, 0.0, 1.0)
+    return x * x * (3 - 2 * x)
+
+
+def animate(config: SyntheticConfig, subject: Subject, sample: Sample, rng: np.random.Generator
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """Per-frame action units (AU4, AU6/7, AU9/10, eye closure) in [0, 1] and head pose (dx, dy, roll, scale).
+
+    Pose offsets are in face half-widths, roll in radians.
+    """
+    t = np.arange(config.n_frames) / config.fps
+    rise = _smoothstep((t - sample.onset_s) / (sample.peak_s - sample.onset_s))
+    decay = 1.0 - 0.25 * _smoothstep((t - sample.peak_s) / 1.5)
+    wobble = 1.0 + 0.08 * np.sin(2 * math.pi * rng.uniform(0.4, 1.2) * t + rng.uniform(0, 2 * math.pi))
+    pain = sample.intensity * rise * decay * wobble
+
+    def fidget(amplitude: float) -> np.ndarray:  # small spontaneous movement, present in every class
+        return amplitude * rng.uniform(0, 1) * 0.5 * (1 + np.sin(2 * math.pi * rng.uniform(0.1, 0.5) * t
+                                                               + rng.uniform(0, 2 * math.pi)))
+
+    w4, w67, w910, w43 = subject.au_weights
+    au4 = w4 * pain + fidget(0.15)
+    au67 = w67 * pain + fidget(0.12)
+    au910 = w910 * np.clip((pain - 0.15) / 0.85, 0, None) + fidget(0.06)
+    closure = w43 * np.clip((pain - 0.55) / 0.45, 0, None)
+    n_blinks = rng.poisson(config.blink_rate_hz * config.duration_s)
+    for blink_time in rng.uniform(0, config.duration_s, n_blinks):
+        closure = np.maximum(closure, 1.0 - np.abs(t - blink_time) / rng.uniform(0.08, 0.14))
+    action_units = np.clip(np.stack([au4, au67, au910, closure], axis=1), 0.0, 1.0)
+
+    def drift(amplitude: float) -> np.ndarray:
+        out = np.zeros_like(t)
+        for _ in range(2):
+            out += amplitude * rng.normal() * np.sin(2 * math.pi * rng.uniform(0.05, 0.45) * t
+                                                      + rng.uniform(0, 2 * math.pi))
+        return out
+
+    pose = np.stack([rng.normal(0, 0.04) + drift(0.02), rng.normal(0, 0.04) + drift(0.02),
+                     math.radians(rng.normal(0, 2.0)) + drift(math.radians(0.8)),
+                     1.0 + rng.normal(0, 0.015) + drift(0.006)], axis=1)
+    return action_units, pose
+
+
+# -------------------------------------------------------------------------------------------------------- drawing
+def _mix(colour_a, colour_b, weight: float) -> tuple[float, float, float]:
+    """Colour `weight` of the way from a to b (a flat-colour stand-in for alpha blending)."""
+    weight = float(np.clip(weight, 0.0, 1.0))
+    return tuple(float(a + (b - a) * weight) for a, b in zip(colour_a, colour_b, strict=True))
+
+
+def _scaled(colour, factor: float) -> tuple[float, float, float]:
+    return tuple(float(min(255.0, c * factor)) for c in colour)
+
+
+def _arc(u0: float, u1: float, v: float, bulge: float, n: int = 9) -> np.ndarray:
+    """Points of a curve from (u0, v) to (u1, v) bent by `bulge` (negative = up) at the middle."""
+    s = np.linspace(0.0, 1.0, n)
+    return np.stack([u0 + (u1 - u0) * s, v + bulge * np.sin(math.pi * s)], axis=1)
+
+
+class FaceRenderer:
+    """Draws one subject's frames on a small canvas: a static layer (background, head, hair) warped by the head
+    pose, then the moving features (brows, eyes, wrinkles, mouth, glasses) and the lighting on top.
+
+    Face-local coordinates: origin at the face centre, unit = face half-width, v pointing down.
+    """
+
+    def __init__(self, subject: Subject, width: int, height: int, noise_sigma: float, rng: np.random.Generator):
+        self.subject, self.width, self.height = subject, width, height
+        self.half_width = subject.face_scale * height
+        self.centre = np.array([subject.head_x * width, subject.head_y * height])
+        self.skin = subject.skin
+        self.dark = _scaled(subject.skin, 0.45)
+        self.brow = _scaled(subject.hair, 0.55) if sum(subject.hair) < 450 else _scaled(subject.skin, 0.45)
+        self.lips = _mix(subject.skin, (70, 70, 165), 0.35)
+        self.static = self._static_layer()
+        self.light = self._light_map()
+        self.noise = self._noise_pool(noise_sigma, rng)
+        self._transform = np.eye(2), self.centre
+
+    # -- geometry
+    def _to_pixels(self, points: np.ndarray) -> np.ndarray:
+        """Face-local points -> fixed-point pixel coordinates under the current pose."""
+        linear, offset = self._transform
+        pixels = np.asarray(points, dtype=float) @ linear.T + offset
+        return np.round(pixels * _ONE).astype(np.int32)
+
+    def _length(self, local: float) -> int:
+        """A face-local length in fixed-point pixels under the current pose."""
+        return max(1, round(local * math.sqrt(abs(np.linalg.det(self._transform[0]))) * _ONE))
+
+    def _pixel_width(self, local: float) -> int:
+        return max(1, round(local * self.half_width))
+
+    def _poly(self, image: np.ndarray, points: np.ndarray, colour) -> None:
+        cv2.fillPoly(image, [self._to_pixels(points)], colour, cv2.LINE_AA, _SHIFT)
+
+    def _line(self, image: np.ndarray, points: np.ndarray, colour, thickness: float) -> None:
+        cv2.polylines(image, [self._to_pixels(points)], False, colour, self._pixel_width(thickness), cv2.LINE_AA,
+                      _SHIFT)
+
+    def _ellipse(self, image: np.ndarray, centre, axes, colour, thickness: float = -1, angle: float = 0.0) -> None:
+        roll = math.degrees(math.atan2(self._transform[0][1, 0], self._transform[0][0, 0]))
+        centre_px = tuple(int(v) for v in self._to_pixels(np.array([centre]))[0])
+        axes_px = (self._length(axes[0]), self._length(axes[1]))
+        width = -1 if thickness < 0 else self._pixel_width(thickness)
+        cv2.ellipse(image, centre_px, axes_px, angle + roll, 0, 360, colour, width, cv2.LINE_AA, _SHIFT)
+
+    def _set_pose(self, dx: float, dy: float, roll: float, scale: float) -> None:
+        a = self.half_width * scale
+        linear = a * np.array([[math.cos(roll), -math.sin(roll)], [math.sin(roll), math.cos(roll)]])
+        self._transform = linear, self.centre + self.half_width * np.array([dx, dy])
+
+    # -- the parts that do not move relative to the head
+    def _static_layer(self) -> np.ndarray:
+        s, height, width = self.subject, self.height, self.width
+        self._set_pose(0, 0, 0, 1)
+        b = s.face_aspect
+        ramp = np.linspace(0.0, 1.0, height, dtype=np.float32)[:, None, None]
+        top, bottom = np.array(s.background[0], np.float32), np.array(s.background[1], np.float32)
+        image = np.ascontiguousarray(np.broadcast_to(top + ramp * (bottom - top), (height, width, 3))
+                                     .astype(np.uint8))
+        self._ellipse(image, (0.0, b + 1.9), (2.5, 1.3), s.shirt)  # shoulders
+        if s.hair_style == "long":
+            self._poly(image, np.array([[-1.2, -0.4], [-1.35, b + 1.0], [1.35, b + 1.0], [1.2, -0.4]]), s.hair)
+        self._poly(image, np.array([[-0.45, 0.5], [-0.5, b + 1.0], [0.5, b + 1.0], [0.45, 0.5]]),
+                   _scaled(self.skin, 0.78))  # neck
+        if s.hair_style != "long":
+            for side in (-1, 1):
+                self._ellipse(image, (side * 0.98, 0.05), (0.14, 0.27), _scaled(self.skin, 0.9))
+                self._ellipse(image, (side * 0.99, 0.05), (0.07, 0.17), _scaled(self.skin, 0.75))
+        if s.hair_style == "bun":
+            self._ellipse(image, (0.0, -b - 0.25), (0.4, 0.3), s.hair)
+        self._ellipse(image, (0.0, -0.12), (1.06, b + 0.12), s.hair)  # hair volume behind the head
+        self._ellipse(image, (0.0, 0.0), (1.0, b), _scaled(self.skin, 0.86))  # face, rim darker
+        self._ellipse(image, (0.0, -0.04), (0.9, b - 0.1), self.skin)
+        for side in (-1, 1):
+            self._ellipse(image, (side * 0.5, 0.42), (0.2, 0.14), _mix(self.skin, (90, 90, 200), 0.12))  # cheeks
+            self._ellipse(image, (side * s.eye_spacing, -0.02), (s.eye_width + 0.1, 0.16),
+                          _scaled(self.skin, 0.8))  # eye sockets
+            self._ellipse(image, (side * 0.12, 0.22), (0.06, 0.22), _scaled(self.skin, 0.86))  # nose sides
+            self._ellipse(image, (side * 0.12, 0.5), (0.075, 0.06), _scaled(self.skin, 0.88))  # nose wings
+        self._ellipse(image, (0.0, 0.1), (0.06, 0.34), _scaled(self.skin, 1.1))  # nose bridge highlight
+        self._ellipse(image, (0.0, 0.47), (0.11, 0.085), _scaled(self.skin, 1.06))  # nose tip
+        self._ellipse(image, (0.0, 0.99), (0.22, 0.07), _scaled(self.skin, 0.9))  # under the lower lip
+        sigma = max(0.6, 0.03 * self.half_width)
+        image = cv2.GaussianBlur(image, (0, 0), sigma)
+        self._hair_cap(image)
+        if s.beard > 0:
+            beard = image.copy()
+            u = np.linspace(-0.96, 0.96, 13)
+            top = np.stack([u, 0.1 + 0.5 * (1 - (u / 0.96) ** 2)], axis=1)  # sideburns down to under the nose
+            self._poly(beard, np.concatenate([top, _ellipse_points(0.0, 0.0, 0.97, b, 5, 175, 17)]), s.hair)
+            image = cv2.addWeighted(beard, s.beard, image, 1 - s.beard, 0)
+        return cv2.GaussianBlur(image, (0, 0), max(0.5, 0.015 * self.half_width))
+
+    def _hair_cap(self, image: np.ndarray) -> None:
+        s, b = self.subject, self.subject.face_aspect
+        outline = _ellipse_points(0.0, -0.08, 1.04, b + 0.1, 190, 350, 25)  # over the top of the head
+        u = np.linspace(0.98, -0.98, 21)
+        temple = -0.25 if s.hair_style != "receding" else -0.45
+        dip = np.abs(u) ** (1.6 if s.hair_style != "receding" else 0.7)
+        hairline_v = -s.hairline + (temple + s.hairline) * dip
+        if s.hair_style == "fringe":
+            hairline_v = np.minimum(hairline_v + 0.2 * (1 - (u + 1) / 2), -0.62)
+        self._poly(image, np.concatenate([outline, np.stack([u, hairline_v], axis=1)]), s.hair)
+
+    def _light_map(self) -> np.ndarray:
+        """Multiplicative lighting, fixed in the image (the lamp does not move with the head), 128 = unchanged."""
+        s = self.subject
+        ys, xs = np.mgrid[0:self.height, 0:self.width].astype(np.float32)
+        direction = np.array([math.cos(s.light_angle), math.sin(s.light_angle)], np.float32)
+        along = ((xs - self.centre[0]) * direction[0] + (ys - self.centre[1]) * direction[1]) / (1.5 * self.half_width)
+        gain = np.clip(0.97 + s.light_strength * along, 0.55, 1.35)
+        return np.clip(np.repeat(gain[..., None], 3, axis=2) * 128.0, 0, 255).astype(np.uint8)
+
+    def _noise_pool(self, sigma: float, rng: np.random.Generator, size: int = 3) -> list[tuple[np.ndarray, ...]]:
+        pool = []
+        for _ in range(size):
+            noise = rng.normal(0.0, sigma, (self.height, self.width, 1)).astype(np.float32)
+            noise = np.repeat(noise, 3, axis=2)
+            pool.append((np.clip(noise, 0, 255).astype(np.uint8), np.clip(-noise, 0, 255).astype(np.uint8)))
+        return pool
+
+    # -- the parts that move
+    def render(self, action_units: np.ndarray, pose: np.ndarray, noise_index: int) -> np.ndarray:
+        """One frame for the given action units (AU4, AU6/7, AU9/10, closure) and pose (dx, dy, roll, scale)."""
+        self._set_pose(*pose)
+        linear, offset = self._transform
+        # The static layer was drawn at pose (0, 0, 0, 1); move it by the same similarity the features use.
+        to_frame = linear / self.half_width
+        warp = np.hstack([to_frame, (offset - to_frame @ self.centre)[:, None]])
+        frame = cv2.warpAffine(self.static, warp, (self.width, self.height), flags=cv2.INTER_LINEAR,
+                               borderMode=cv2.BORDER_REFLECT)
+        au4, au67, au910, closure = (float(v) for v in action_units)
+        self._draw_brows(frame, au4)
+        for side in (-1, 1):
+            self._draw_eye(frame, side, au67, closure)
+        self._draw_wrinkles(frame, au4, au67, au910)
+        self._draw_mouth(frame, au910)
+        if self.subject.glasses:
+            self._draw_glasses(frame)
+        frame = cv2.multiply(frame, self.light, scale=1.0 / 128.0)
+        positive, negative = self.noise[noise_index % len(self.noise)]
+        return cv2.subtract(cv2.add(frame, positive), negative)
+
+    def _draw_brows(self, frame: np.ndarray, au4: float) -> None:
+        s = self.subject
+        for side in (-1, 1):
+            inner = np.array([0.13 - 0.05 * au4, -0.3 + 0.13 * au4])
+            outer = np.array([0.66, -0.33 + 0.04 * au4])
+            t = np.linspace(0.0, 1.0, 9)
+            centre = inner + t[:, None] * (outer - inner)
+            centre[:, 1] -= (0.07 - 0.05 * au4) * np.sin(math.pi * np.minimum(1.0, t * 1.3))
+            half = s.brow_thickness * (1.15 - 0.55 * t) / 2
+            upper = centre - np.stack([np.zeros_like(t), half], axis=1)
+            lower = centre + np.stack([np.zeros_like(t), half], axis=1)
+            points = np.concatenate([upper, lower[::-1]])
+            points[:, 0] *= side
+            self._poly(frame, points, self.brow)
+
+    def _draw_eye(self, frame: np.ndarray, side: int, au67: float, closure: float) -> None:
+        s = self.subject
+        u0, v0 = side * s.eye_spacing, -0.02 + 0.015 * closure - 0.01 * au67
+        width = s.eye_width * (1 - 0.06 * au67)
+        opening = 1.0 - closure
+        upper_height = 0.085 * (1 - 0.3 * au67) * opening
+        lower_height = 0.05 * (1 - 0.7 * au67) * opening
+        x = np.linspace(-1.0, 1.0, 13)
+        shape = 1 - x ** 2
+        upper = np.stack([u0 + width * x, v0 - upper_height * shape ** 0.8 - 0.01 * x * side], axis=1)
+        lower = np.stack([u0 + width * x, v0 + lower_height * shape], axis=1)
+        if opening > 0.08:
+            almond = self._to_pixels(np.concatenate([upper, lower[::-1]]))
+            x0, y0 = np.floor(almond.min(axis=0) / _ONE).astype(int) - 1
+            x1, y1 = np.ceil(almond.max(axis=0) / _ONE).astype(int) + 2
+            x0, y0, x1, y1 = max(x0, 0), max(y0, 0), min(x1, self.width), min(y1, self.height)
+            if x1 > x0 and y1 > y0:
+                roi = frame[y0:y1, x0:x1]
+                local = almond - np.array([x0, y0]) * _ONE
+                mask = np.zeros(roi.shape[:2], np.uint8)
+                cv2.fillPoly(mask, [local], 255, cv2.LINE_8, _SHIFT)
+                eye = roi.copy()
+                eye[:] = (225, 230, 235)
+                iris_centre = self._to_pixels(np.array([[u0 + 0.02 * side, v0 - 0.01]]))[0] - np.array([x0, y0]) * _ONE
+                centre = (int(iris_centre[0]), int(iris_centre[1]))
+                cv2.circle(eye, centre, self._length(0.075), s.iris, -1, cv2.LINE_AA, _SHIFT)
+                cv2.circle(eye, centre, self._length(0.035), (15, 15, 15), -1, cv2.LINE_AA, _SHIFT)
+                np.copyto(roi, eye, where=mask[..., None].astype(bool))
+        self._line(frame, upper, self.dark, 0.035)  # lash line: stays dark when the eye closes
+        self._line(frame, lower, _scaled(self.skin, 0.65), 0.015)
+        crease = _arc(u0 - width * 0.9, u0 + width * 0.9, v0 - 0.11 + 0.03 * au67 + 0.02 * closure, -0.04)
+        self._line(frame, crease, _scaled(self.skin, 0.6), 0.02)
+
+    def _draw_wrinkles(self, frame: np.ndarray, au4: float, au67: float, au910: float) -> None:
+        s = self.subject
+        if au4 > 0.1:  # vertical furrows between the lowered brows
+            for side in (-1, 1):
+                self._line(frame, np.array([[side * 0.05, -0.32], [side * 0.06, -0.15]]),
+                           _mix(self.skin, self.dark, 0.7 * au4), 0.02)
+        if au67 > 0.1:  # raised cheeks: furrow under the lower lid
+            for side in (-1, 1):
+                u0 = side * s.eye_spacing
+                self._line(frame, _arc(u0 - 0.17, u0 + 0.17, 0.12 - 0.02 * au67, 0.05),
+                           _mix(self.skin, self.dark, 0.6 * au67), 0.02)
+        if au910 > 0.1:  # nose wrinkle
+            for v in (-0.06, 0.0, 0.06):
+                self._line(frame, _arc(-0.08, 0.08, v, -0.02), _mix(self.skin, self.dark, 0.6 * au910), 0.015)
+        for side in (-1, 1):  # nasolabial folds, deepened by the raised upper lip
+            fold = np.array([[0.17, 0.47], [0.26, 0.62], [0.33, 0.78], [0.36, 0.92]])
+            fold[:, 0] *= side
+            fold[:, 1] -= 0.04 * au910
+            self._line(frame, fold, _mix(self.skin, self.dark, 0.2 + 0.5 * au910), 0.02)
+            self._ellipse(frame, (side * 0.07, 0.53 - 0.03 * au910), (0.035 * (1 + 0.4 * au910), 0.018),
+                          (35, 35, 45))  # nostril
+
+    def _draw_mouth(self, frame: np.ndarray, au910: float) -> None:
+        s = self.subject
+        m, width = 0.82, s.mouth_width * (1 + 0.1 * au910)
+        x = np.linspace(-1.0, 1.0, 13)
+        shape = 1 - x ** 2
+        raise_ = 0.07 * au910
+        upper_bottom = m - raise_ * shape
+        upper_top = upper_bottom - 0.045 * np.sqrt(shape) - 0.008 * shape - 0.012 * np.cos(math.pi * x * 2) * shape
+        lower_top = m + 0.01 * au910 * shape
+        lower_bottom = lower_top + 0.065 * np.sqrt(shape)
+        u = width * x
+        if raise_ > 0.004:
+            gap = np.concatenate([np.stack([u, upper_bottom], 1), np.stack([u, lower_top], 1)[::-1]])
+            self._poly(frame, gap, (40, 30, 55))
+            teeth = np.concatenate([np.stack([u * 0.8, upper_bottom], 1),
+                                    np.stack([u * 0.8, upper_bottom + 0.6 * raise_ * shape], 1)[::-1]])
+            self._poly(frame, teeth, (215, 220, 225))
+        self._poly(frame, np.concatenate([np.stack([u, upper_top], 1), np.stack([u, upper_bottom], 1)[::-1]]),
+                   _scaled(self.lips, 0.92))
+        self._poly(frame, np.concatenate([np.stack([u, lower_top], 1), np.stack([u, lower_bottom], 1)[::-1]]),
+                   self.lips)
+        self._line(frame, np.stack([u, upper_bottom], 1), _scaled(self.lips, 0.55), 0.015)
+
+    def _draw_glasses(self, frame: np.ndarray) -> None:
+        s = self.subject
+        colour = (30, 30, 35) if s.light_angle < math.pi else (60, 75, 95)
+        for side in (-1, 1):
+            u0 = side * s.eye_spacing
+            self._ellipse(frame, (u0, 0.0), (s.eye_width + 0.09, 0.15), colour, thickness=0.03)
+            self._line(frame, np.array([[side * (s.eye_spacing + s.eye_width + 0.09), -0.02], [side * 0.98, -0.05]]),
+                       colour, 0.03)
+        self._line(frame, _arc(-(s.eye_spacing - s.eye_width - 0.09), s.eye_spacing - s.eye_width - 0.09, -0.03,
+                               -0.03, 5), colour, 0.03)
+
+
+def _ellipse_points(cu: float, cv: float, au: float, av: float, start_deg: float, end_deg: float, n: int
+                    ) -> np.ndarray:
+    angles = np.radians(np.linspace(start_deg, end_deg, n))
+    return np.stack([cu + au * np.cos(angles), cv + av * np.sin(angles)], axis=1)
+
+
+# --------------------------------------------------------------------------------------------------------- videos
+def canvas_size(config: SyntheticConfig) -> tuple[int, int]:
+    """The size frames are drawn at: the output size, or smaller (then upscaled) past `render_max_side`."""
+    scale = min(1.0, config.render_max_side / max(config.width, config.height))
+    return max(64, round(config.width * scale)), max(48, round(config.height * scale))
+
+
+def render_frames(config: SyntheticConfig, subject: Subject, sample: Sample) -> Iterator[np.ndarray]:
+    """The video's frames at the output size, deterministic from (seed, subject, sample)."""
+    rng = _rng(config.seed, _VIDEO_STREAM, subject.subject_id, sample.number, 1)
+    action_units, pose = animate(config, subject, sample, rng)
+    width, height = canvas_size(config)
+    renderer = FaceRenderer(subject, width, height, config.noise_sigma, rng)
+    noise_order = rng.integers(0, len(renderer.noise), config.n_frames)
+    for index in range(config.n_frames):
+        frame = renderer.render(action_units[index], pose[index], int(noise_order[index]))
+        if (width, height) != (config.width, config.height):
+            frame = cv2.resize(frame, (config.width, config.height), interpolation=cv2.INTER_LINEAR)
+        yield frame
+
+
+def video_is_complete(path: Path, config: SyntheticConfig) -> bool:
+    """A finished video: opens, and has the configured size and frame count."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    capture = cv2.VideoCapture(str(path))
+    try:
+        return (capture.isOpened() and int(capture.get(cv2.CAP_PROP_FRAME_COUNT)) == config.n_frames
+                and int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)) == config.width
+                and int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT)) == config.height)
+    finally:
+        capture.release()
+
+
+def write_video(path: Path, config: SyntheticConfig, subject: Subject, sample: Sample) -> None:
+    """Render and encode one video atomically (a temp .mp4 beside it, renamed when complete)."""
+    for stale in path.parent.glob(f".{path.stem}.*{path.suffix}"):  # left by a killed run
+        stale.unlink(missing_ok=True)
+    with atomic_path(path) as tmp:
+        writer = cv2.VideoWriter(str(tmp), cv2.VideoWriter_fourcc(*config.fourcc), config.fps,
+                                 (config.width, config.height))
+        if not writer.isOpened():
+            raise RuntimeError(f"OpenCV cannot write {config.fourcc} video to {tmp}")
+        try:
+            for frame in render_frames(config, subject, sample):
+                writer.write(frame)
+        finally:
+            writer.release()
+
+
+def _write_video_job(job: tuple[Path, SyntheticConfig, Subject, Sample]) -> str:
+    write_video(*job)
+    return job[3].sample_name
+
+
+def _init_worker() -> None:
+    cv2.setNumThreads(1)  # one process per core already; OpenCV's own threads would only compete
+
+
+def samples_table(subjects: list[Subject], samples: list[Sample]) -> pd.DataFrame:
+    """The samples.csv rows, in BioVid's column order."""
+    names = {s.subject_id: s.subject_name for s in subjects}
+    return pd.DataFrame([(s.subject_id, names[s.subject_id], s.class_id, CLASS_NAMES[s.class_id], s.sample_id,
+                          s.sample_name) for s in samples], columns=list(SAMPLES_COLUMNS))
+
+
+def _subjects_table(subjects: list[Subject]) -> pd.DataFrame:
+    rows = []
+    for subject in subjects:
+        row = dataclasses.asdict(subject)
+        for key in ("au_weights", "skin", "hair", "iris", "background", "shirt"):
+            row[key] = json.dumps(np.round(np.array(row[key], dtype=float), 2).tolist())
+        rows.append(row)
+    return pd.DataFrame(rows).round(4)
+
+
+def _truth_table(subjects: list[Subject], samples: list[Sample]) -> pd.DataFrame:
+    names = {s.subject_id: s.subject_name for s in subjects}
+    return pd.DataFrame([(names[s.subject_id], s.sample_name, CLASS_NAMES[s.class_id], s.intensity, s.onset_s,
+                          s.peak_s) for s in samples],
+                        columns=["subject_name", "sample_name", "class_name", "intensity", "onset_s", "peak_s"]
+                        ).round(4)
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Atomic write that leaves an identical file alone (a resumed run rewrites nothing)."""
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return
+    atomic_write_text(path, text)
+
+
+def _check_config(root: Path, config: SyntheticConfig) -> str:
+    text = json.dumps(dataclasses.asdict(config), indent=2, sort_keys=True) + "\n"
+    path = root / CONFIG_JSON
+    if path.is_file() and json.loads(path.read_text(encoding="utf-8")) != json.loads(text):
+        raise ValueError(f"{path} was written with another synthetic config; generate into a new folder or delete "
+                         f"{root} (found {path.read_text(encoding='utf-8').strip()}, asked for {config})")
+    return text
+
+
+def generate(root: Path, config: SyntheticConfig, workers: int | None = None, progress: bool = True) -> pd.DataFrame:
+    """Write the synthetic twin into `root` in BioVid Part A's layout and return its samples table.
+
+    Resumable: videos already complete on disk are kept, and samples.csv is written last, so its presence means the
+    dataset is complete. Also writes ground truth (synthetic_subjects.csv, synthetic_samples.csv) and the config
+    beside starting_point/.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    config_text = _check_config(root, config)
+    _write_if_changed(root / CONFIG_JSON, config_text)
+    subjects = make_subjects(config)
+    samples = make_samples(config, subjects)
+    by_id = {s.subject_id: s for s in subjects}
+    jobs = []
+    for sample in samples:
+        subject = by_id[sample.subject_id]
+        path = root / VIDEO_DIR / subject.subject_name / f"{sample.sample_name}.mp4"
+        if not video_is_complete(path, config):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            jobs.append((path, config, subject, sample))
+    workers = min(workers or os.cpu_count() or 1, max(1, len(jobs)))
+    with tqdm(total=len(jobs), desc="synthetic videos", unit="video", disable=not progress) as bar:
+        if workers == 1:
+            for job in jobs:
+                _write_video_job(job)
+                bar.update()
+        else:
+            with Pool(workers, initializer=_init_worker) as pool:
+                for _ in pool.imap_unordered(_write_video_job, jobs):
+                    bar.update()
+    _write_if_changed(root / SUBJECTS_CSV, _subjects_table(subjects).to_csv(index=False))
+    _write_if_changed(root / SAMPLE_TRUTH_CSV, _truth_table(subjects, samples).to_csv(index=False))
+    table = samples_table(subjects, samples)
+    _write_if_changed(root / SAMPLES_CSV, table.to_csv(sep="\t", index=False))
+    return table

@@ -1,0 +1,215 @@
+"""Pretrained weight resolution: a local file or folder, else the Hugging Face hub cache, never a silent fallback.
+
+The machines this pipeline runs on often have no internet, so nothing here downloads: the hub is only read through
+its local cache (offline). Whatever is loaded is recorded as a `WeightsSource` (kind, reference, sha256) so every
+run says which weights it started from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import try_to_load_from_cache
+
+logger = logging.getLogger(__name__)
+
+STATE_DICT_SUFFIXES = (".safetensors", ".pth", ".bin", ".pt")
+WEIGHT_SUFFIXES = (*STATE_DICT_SUFFIXES, ".npz")
+# Hugging Face's default file names, in the order the hub libraries prefer them.
+HUB_WEIGHT_FILENAMES = ("model.safetensors", "pytorch_model.bin")
+PRETRAINED_MODES = (True, False, "auto")
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """Where a model's initial weights came from."""
+
+    kind: str  # "hub" | "file" | "random"
+    ref: str  # hub repo id, file path, or "" for random init
+    sha256: str | None = None
+
+    def as_tags(self) -> dict[str, str]:
+        """MLflow tags (values must be strings)."""
+        return {"weights_source": self.kind, "weights_ref": self.ref, "weights_sha256": self.sha256 or ""}
+
+
+RANDOM_INIT = WeightsSource(kind="random", ref="", sha256=None)
+
+
+class WeightsUnavailable(RuntimeError):
+    """Pretrained weights were asked for but are neither given as a file nor in the hub cache."""
+
+
+class IncompatibleWeights(RuntimeError):
+    """A weights file exists but cannot be read, or does not fit the architecture."""
+
+
+@dataclass(frozen=True)
+class ResolvedWeights:
+    """A weight file to load, and the provenance to record for it."""
+
+    path: Path
+    source: WeightsSource
+
+
+def resolve_weights(
+    pretrained: bool | str,
+    weights: str | os.PathLike | None,
+    *,
+    model_name: str,
+    hub_repo: str | None,
+    hub_filenames: Sequence[str] = HUB_WEIGHT_FILENAMES,
+) -> ResolvedWeights | None:
+    """Find the weights `pretrained` asks for; None means random initialisation.
+
+    True: the given file/folder, else the hub cache, else WeightsUnavailable. False: random (a `weights` path is then
+    an error, not something to ignore). "auto": like True, but a missing hub cache entry gives random init with a
+    loud warning. A given path that does not exist is always an error, also under "auto".
+    """
+    if pretrained not in PRETRAINED_MODES or not isinstance(pretrained, (bool, str)):
+        raise ValueError(f"pretrained must be one of True, False, 'auto'; got {pretrained!r}")
+    if pretrained is False:
+        if weights is not None:
+            raise ValueError(f"weights={weights!s} was given with pretrained=False; set pretrained=true (or auto) "
+                             "to load it, or drop weights for random initialisation")
+        return None
+    if weights is not None:
+        path = weight_file(weights)
+        return ResolvedWeights(path, WeightsSource(kind="file", ref=str(path), sha256=sha256_of_file(path)))
+    try:
+        return _from_hub_cache(model_name, hub_repo, hub_filenames)
+    except WeightsUnavailable as missing:
+        if pretrained is True:
+            raise
+        message = f"{missing} Falling back to RANDOM initialisation because pretrained='auto'."
+        logger.warning(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
+        return None
+
+
+def _from_hub_cache(model_name: str, hub_repo: str | None, hub_filenames: Sequence[str]) -> ResolvedWeights:
+    cache_dir = hub_cache_dir()
+    if hub_repo is None:
+        raise WeightsUnavailable(
+            f"No pretrained weights for {model_name!r}: it has no Hugging Face hub repo, so only a local file works. "
+            f"{_HOW_TO_PROVIDE}")
+    for filename in hub_filenames:
+        cached = try_to_load_from_cache(hub_repo, filename, cache_dir=cache_dir)
+        if isinstance(cached, str):
+            path = Path(cached)
+            return ResolvedWeights(path, WeightsSource(kind="hub", ref=hub_repo, sha256=sha256_of_file(path)))
+    raise WeightsUnavailable(
+        f"No pretrained weights for {model_name!r}: hub repo {hub_repo!r} ({' or '.join(hub_filenames)}) is not in "
+        f"the Hugging Face cache at {cache_dir}, and this pipeline does not download. {_HOW_TO_PROVIDE} "
+        f"For the hub cache: on a machine with internet run `huggingface-cli download {hub_repo}` and copy its "
+        f"HF_HOME here, or point HF_HOME / HF_HUB_CACHE at a cache that holds it.")
+
+
+_HOW_TO_PROVIDE = (
+    "Provide weights one of these ways: `make <target> WEIGHTS=/path/to/weights` (file or folder); "
+    "`model.weights=/path/to/weights` in the config or on the command line; or pre-populate the Hugging Face hub "
+    "cache. Or train from random initialisation with pretrained=false (or pretrained=auto)."
+)
+
+
+def hub_cache_dir() -> Path:
+    """The hub cache folder, read from the environment now (huggingface_hub reads it once, at import)."""
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(variable):
+            return Path(os.environ[variable]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path(hf_constants.HF_HUB_CACHE)
+
+
+def weight_file(weights: str | os.PathLike) -> Path:
+    """The weight file itself: `weights` if it is a file, else the one weight file in the folder."""
+    path = Path(weights).expanduser()
+    if path.is_file():
+        return path
+    if not path.exists():
+        raise FileNotFoundError(f"weights path {path} does not exist")
+    for name in HUB_WEIGHT_FILENAMES:
+        if (path / name).is_file():
+            return path / name
+    candidates = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    if len(candidates) != 1:
+        found = ", ".join(p.name for p in candidates) or "none"
+        raise IncompatibleWeights(f"weights folder {path} must hold exactly one weight file "
+                                  f"({', '.join(WEIGHT_SUFFIXES)}); found: {found}")
+    return candidates[0]
+
+
+def sha256_of_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Tensors of a .safetensors / .pth / .bin / .pt file, unwrapped from a "state_dict" or "model" entry.
+
+    A "module." prefix on every key (DistributedDataParallel) is removed. Pickled files are read with
+    weights_only=True, so a file cannot run code.
+    """
+    path = Path(path)
+    if path.suffix not in STATE_DICT_SUFFIXES:
+        raise IncompatibleWeights(f"{path}: unsupported weights format {path.suffix!r}; "
+                                  f"expected one of {', '.join(STATE_DICT_SUFFIXES)}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            loaded: object = load_file(str(path), device="cpu")
+        else:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # each format raises its own error types for a corrupt file
+        raise IncompatibleWeights(f"{path}: cannot read weights ({type(error).__name__}: {error})") from error
+    for wrapper in ("state_dict", "model"):
+        if isinstance(loaded, Mapping) and isinstance(loaded.get(wrapper), Mapping):
+            loaded = loaded[wrapper]
+    if not isinstance(loaded, Mapping) or not loaded:
+        raise IncompatibleWeights(f"{path}: expected a state dict (name -> tensor), got {type(loaded).__name__}")
+    not_tensors = [key for key, value in loaded.items() if not isinstance(value, torch.Tensor)]
+    if not_tensors:
+        raise IncompatibleWeights(f"{path}: entries that are not tensors, e.g. {not_tensors[:3]}")
+    state_dict = {str(key): value for key, value in loaded.items()}
+    if all(key.startswith("module.") for key in state_dict):
+        state_dict = {key.removeprefix("module."): value for key, value in state_dict.items()}
+    return state_dict
+
+
+def without_prefixes(state_dict: Mapping[str, torch.Tensor], prefixes: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Drop the entries of modules named in `prefixes` (e.g. the source classifier head, which is never reused)."""
+    return {key: value for key, value in state_dict.items()
+            if not any(key == prefix or key.startswith(prefix + ".") for prefix in prefixes)}
+
+
+def check_state_dict_fits(
+    expected: Mapping[str, torch.Tensor],
+    state_dict: Mapping[str, torch.Tensor],
+    path: str | os.PathLike,
+    architecture: str,
+    *,
+    shown: int = 5,
+) -> None:
+    """Raise IncompatibleWeights naming the file and the first missing / unexpected / misshapen keys."""
+    missing = [key for key in expected if key not in state_dict]
+    unexpected = [key for key in state_dict if key not in expected]
+    misshapen = [f"{key} {tuple(state_dict[key].shape)} vs {tuple(value.shape)}"
+                 for key, value in expected.items() if key in state_dict and state_dict[key].shape != value.shape]
+    problems = [f"{len(found)} {what} (first: {', '.join(found[:shown])})"
+                for what, found in (("missing keys", missing), ("unexpected keys", unexpected),
+                                    ("shape mismatches, file vs model", misshapen)) if found]
+    if problems:
+        raise IncompatibleWeights(f"{path} does not fit {architecture}: " + "; ".join(problems))

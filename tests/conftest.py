@@ -1,0 +1,43 @@
+"""Shared fixtures: one tiny synthetic twin in BioVid's layout, generated and preprocessed once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import load_config
+
+
+def tiny_overrides(base: Path, *extra: str) -> list[str]:
+    """Config overrides that point every path of a run at `base` and shrink everything to test size."""
+    return [
+        "data=synthetic",
+        f"data.root={base / 'raw'}",
+        f"data.processed_dir={base / 'processed'}",
+        f"data.manifest_dir={base / 'manifests'}",
+        "data.synthetic.preset=tiny",
+        "data.synthetic.workers=1",
+        "preprocess.frames_per_video=3",
+        "preprocess.crop_size=64",
+        "preprocess.workers=1",
+        f"mlflow.tracking_uri=sqlite:///{base / 'mlflow.db'}",
+        f"mlflow.artifact_root={base / 'mlartifacts'}",
+        f"reports_dir={base / 'reports'}",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A prepared tiny synthetic dataset (raw videos, crops, frame table, fold file), shared read-only by tests."""
+    from pipeline.prepare import prepare_data
+
+    base = tmp_path_factory.mktemp("tiny")
+    prepare_data(load_config(tiny_overrides(base)), progress=False)
+    return base
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tiny_base: Path):
+    return lambda *extra: load_config(tiny_overrides(tiny_base, *extra))

@@ -1,0 +1,281 @@
+"""Backbone comparison against a real sqlite MLflow store holding hand-made CV parent and fold runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+from mlflow.entities import Metric
+from scipy import stats
+
+from pipeline import tracking
+from pipeline.compare import (
+    DEFAULT_METRICS,
+    ComparisonError,
+    check_same_folds,
+    compare,
+    fold_scores,
+    latest_cvs,
+    paired_tests,
+    plot_fold_scores,
+    summary_table,
+)
+
+EXPERIMENT = "pain-cv-test"
+N_FOLDS = 5
+SHA = "a" * 64
+MAIN = {"dataset": "synthetic", "protocol": "loso", "task": "bl1_vs_pa4", "subject_set": "all"}
+
+
+def make_cv(
+    client: MlflowClient,
+    experiment_id: str,
+    model: str,
+    scores: dict[str, np.ndarray],
+    start_time: int,
+    status: str = "FINISHED",
+    sha: str = SHA,
+    skip: tuple[tuple[int, str], ...] = (),
+    **where: str,
+) -> str:
+    """A parent CV run and one child per fold, with the tags and metrics the CV driver writes."""
+    where = {**MAIN, **where}
+    shared_tags = {"model": model, **{key: where[key] for key in ("dataset", "protocol", "task")}}
+    parent = client.create_run(
+        experiment_id,
+        start_time=start_time,
+        tags={
+            "painvit.run_kind": "cv",
+            **shared_tags,
+            "subject_set": where["subject_set"],
+            "seed": "0",
+            "git_commit": "deadbeef",
+            "weights_source": "random",
+            "fold_file_sha256": sha,
+        },
+    )
+    parent_id = parent.info.run_id
+    for fold in range(N_FOLDS):
+        child = client.create_run(
+            experiment_id,
+            start_time=start_time + 1 + fold,
+            tags={"painvit.run_kind": "fold", "mlflow.parentRunId": parent_id, "fold": str(fold), **shared_tags},
+        )
+        metrics = [
+            Metric(name, float(values[fold]), start_time, 0)
+            for name, values in scores.items()
+            if (fold, name) not in skip
+        ]
+        client.log_batch(child.info.run_id, metrics=metrics)
+        client.set_terminated(child.info.run_id, "FINISHED", end_time=start_time + 100)
+    if status != "RUNNING":
+        client.set_terminated(parent_id, status, end_time=start_time + 200)
+    return parent_id
+
+
+def random_scores(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {name: np.round(rng.uniform(0.5, 0.9, N_FOLDS), 4) for name in DEFAULT_METRICS}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> dict:
+    """One sqlite store for the module: creating it costs seconds."""
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root / 'm.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = tracking.get_or_create_experiment(EXPERIMENT, root / "artifacts", client=client)
+
+    scores = {"vit": random_scores(1), "cvt": random_scores(2), "mobilevit": random_scores(3)}
+    # Equal frame F1 for vit and mobilevit: every paired difference is zero.
+    scores["mobilevit"]["test/frame_f1"] = scores["vit"]["test/frame_f1"].copy()
+    ids = {
+        "vit_old": make_cv(client, experiment_id, "vit", random_scores(10), start_time=1_000),
+        "vit": make_cv(client, experiment_id, "vit", scores["vit"], start_time=2_000),
+        "cvt": make_cv(client, experiment_id, "cvt", scores["cvt"], start_time=1_500, skip=((3, "test/frame_auroc"),)),
+        "cvt_running": make_cv(client, experiment_id, "cvt", random_scores(11), start_time=3_000, status="RUNNING"),
+        "mobilevit": make_cv(client, experiment_id, "mobilevit", scores["mobilevit"], start_time=1_800),
+        "mobilevit_failed": make_cv(
+            client, experiment_id, "mobilevit", random_scores(12), start_time=3_100, status="FAILED"
+        ),
+        "other_task": make_cv(client, experiment_id, "swin", random_scores(13), start_time=2_500, task="five_class"),
+    }
+    # A rerun of vit's fold 2 that failed, started after the finished one: it must not count.
+    failed_child = client.create_run(
+        experiment_id,
+        start_time=2_900,
+        tags={"painvit.run_kind": "fold", "mlflow.parentRunId": ids["vit"], "fold": "2", "model": "vit", **MAIN},
+    )
+    client.log_batch(failed_child.info.run_id, metrics=[Metric("test/video_auroc", 0.01, 2_900, 0)])
+    client.set_terminated(failed_child.info.run_id, "FAILED")
+
+    make_cv(client, experiment_id, "vit", random_scores(20), start_time=4_000, dataset="mismatch")
+    make_cv(client, experiment_id, "cvt", random_scores(21), start_time=4_000, dataset="mismatch", sha="b" * 64)
+    make_cv(client, experiment_id, "vit", random_scores(22), start_time=4_000, dataset="lonely")
+    return {"uri": uri, "client": client, "experiment_id": experiment_id, "root": root, "scores": scores, "ids": ids}
+
+
+def test_latest_finished_cv_per_model(store) -> None:
+    client, ids = store["client"], store["ids"]
+    runs = latest_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4")
+    assert {model: run.info.run_id for model, run in runs.items()} == {
+        "cvt": ids["cvt"],
+        "mobilevit": ids["mobilevit"],
+        "vit": ids["vit"],
+    }
+    assert latest_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4", subject_set="67") == {}
+
+
+def test_fold_scores_read_children(store) -> None:
+    client = store["client"]
+    parent = client.get_run(store["ids"]["vit"])
+    table = fold_scores(client, parent, ["test/video_auroc", "test/frame_f1"])
+    assert list(table.columns) == ["fold", "model", "test/video_auroc", "test/frame_f1"]
+    assert table["fold"].tolist() == list(range(N_FOLDS))
+    assert (table["model"] == "vit").all()
+    np.testing.assert_allclose(table["test/video_auroc"], store["scores"]["vit"]["test/video_auroc"])
+    cvt = fold_scores(client, client.get_run(store["ids"]["cvt"]), ["test/frame_auroc"])
+    assert math.isnan(cvt.loc[cvt["fold"] == 3, "test/frame_auroc"].item())
+
+
+def test_compare_writes_tables_plots_and_run(store, tmp_path) -> None:
+    result = compare("synthetic", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT)
+    scores, models = store["scores"], ["cvt", "mobilevit", "vit"]
+
+    summary = pd.read_csv(tmp_path / "comparison_synthetic_loso_bl1_vs_pa4.csv")
+    assert len(summary) == len(models) * len(DEFAULT_METRICS)
+    for model in models:
+        for metric in DEFAULT_METRICS:
+            values = scores[model][metric]
+            if model == "cvt" and metric == "test/frame_auroc":
+                values = np.delete(values, 3)
+            row = summary[(summary["model"] == model) & (summary["metric"] == metric)].iloc[0]
+            n = len(values)
+            std = np.std(values, ddof=1)
+            half = stats.t.ppf(0.975, n - 1) * std / np.sqrt(n)
+            assert row["n_folds"] == n
+            assert row["mean"] == pytest.approx(np.mean(values))
+            assert row["std"] == pytest.approx(std)
+            assert row["ci95_low"] == pytest.approx(np.mean(values) - half)
+            assert row["ci95_high"] == pytest.approx(np.mean(values) + half)
+
+    paired = pd.read_csv(
+        tmp_path / "comparison_synthetic_loso_bl1_vs_pa4_paired.csv", keep_default_na=False, na_values=[""]
+    )
+    assert len(paired) == 3 * len(DEFAULT_METRICS)
+    row = paired[
+        (paired["metric"] == "test/video_auroc") & (paired["model_a"] == "mobilevit") & (paired["model_b"] == "vit")
+    ].iloc[0]
+    differences = scores["mobilevit"]["test/video_auroc"] - scores["vit"]["test/video_auroc"]
+    assert row["p_value"] == pytest.approx(stats.wilcoxon(differences).pvalue)
+    assert row["mean_diff"] == pytest.approx(differences.mean())
+    assert row["std_diff"] == pytest.approx(differences.std(ddof=1))
+    zero = paired[
+        (paired["metric"] == "test/frame_f1") & (paired["model_a"] == "mobilevit") & (paired["model_b"] == "vit")
+    ].iloc[0]
+    assert math.isnan(zero["p_value"]) and "zero" in zero["note"]
+    missing_fold = paired[
+        (paired["metric"] == "test/frame_auroc") & (paired["model_a"] == "cvt") & (paired["model_b"] == "vit")
+    ].iloc[0]
+    assert missing_fold["n_folds"] == N_FOLDS - 1
+
+    folds = pd.read_csv(tmp_path / "comparison_synthetic_loso_bl1_vs_pa4_folds.csv")
+    assert sorted(folds["model"].unique()) == models and len(folds) == len(models) * N_FOLDS
+    plot = tmp_path / "comparison_synthetic_loso_bl1_vs_pa4_test_video_auroc.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and matplotlib.image.imread(plot).ndim == 3
+    assert set(result["paths"]["plots"]) == set(DEFAULT_METRICS)
+    assert all(path.exists() for path in result["paths"]["plots"].values())
+
+    client = store["client"]
+    run = client.get_run(result["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["painvit.run_kind"] == "comparison"
+    assert run.data.params["models"] == "cvt,mobilevit,vit"
+    assert run.data.params["task"] == "bl1_vs_pa4"
+    assert run.data.params["parent_run_id.vit"] == store["ids"]["vit"]
+    logged = {Path(item.path).name for item in client.list_artifacts(result["run_id"], "comparison")}
+    assert "comparison_synthetic_loso_bl1_vs_pa4.csv" in logged
+    assert plot.name in logged
+    # The comparison run is not itself a CV: a second comparison sees the same three backbones.
+    again = latest_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4")
+    assert sorted(again) == models
+
+
+def test_mismatched_fold_files_are_refused(store, tmp_path) -> None:
+    with pytest.raises(ComparisonError, match=r"cvt: b{64}.*vit: a{64}"):
+        compare("mismatch", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT)
+    assert not list(tmp_path.iterdir())
+
+
+def test_fewer_than_two_backbones_is_a_clear_error(store, tmp_path) -> None:
+    with pytest.raises(ComparisonError, match=r"at least 2 backbones.*found: vit \("):
+        compare("lonely", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT)
+    with pytest.raises(ComparisonError, match="found: none"):
+        compare("nothing", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT)
+    with pytest.raises(ComparisonError, match="no MLflow experiment"):
+        compare("synthetic", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment="absent")
+
+
+def test_check_same_folds_flags_unrecorded_hash(store) -> None:
+    client = store["client"]
+    runs = {"vit": client.get_run(store["ids"]["vit"]), "cvt": client.get_run(store["ids"]["cvt"])}
+    check_same_folds(runs)
+    client.delete_tag(store["ids"]["cvt_running"], "fold_file_sha256")
+    runs["cvt"] = client.get_run(store["ids"]["cvt_running"])
+    with pytest.raises(ComparisonError, match="cvt: <not recorded>"):
+        check_same_folds(runs)
+
+
+def test_paired_tests_edge_cases() -> None:
+    scores = pd.DataFrame(
+        {
+            "fold": [0, 1, 2, 0, 1, 2, 0],
+            "model": ["a", "a", "a", "b", "b", "b", "c"],
+            "score": [0.7, 0.6, 0.8, 0.7, 0.6, 0.8, 0.5],
+        }
+    )
+    table = paired_tests(scores, "score")
+    assert list(zip(table["model_a"], table["model_b"], strict=True)) == [("a", "b"), ("a", "c"), ("b", "c")]
+    identical = table.iloc[0]
+    assert math.isnan(identical["p_value"]) and "zero" in identical["note"] and identical["mean_diff"] == 0
+    single = table.iloc[1]
+    assert single["n_folds"] == 1 and math.isnan(single["p_value"]) and "only 1" in single["note"]
+    assert single["mean_diff"] == pytest.approx(0.2)
+
+
+def test_summary_with_one_fold_has_no_interval() -> None:
+    scores = pd.DataFrame({"fold": [0], "model": ["a"], "score": [0.6]})
+    row = summary_table(scores, ["score"]).iloc[0]
+    assert row["mean"] == pytest.approx(0.6) and row["std"] == 0 and row["n_folds"] == 1
+    assert math.isnan(row["ci95_low"]) and math.isnan(row["ci95_high"])
+
+
+def test_plot_fold_scores_png(tmp_path) -> None:
+    rng = np.random.default_rng(0)
+    scores = pd.DataFrame({"fold": list(range(4)) * 2, "model": ["a"] * 4 + ["b"] * 4, "score": rng.random(8)})
+    plot_fold_scores(scores, "score", tmp_path / "plot.png")
+    assert matplotlib.image.imread(tmp_path / "plot.png").shape[2] in (3, 4)
+
+
+def test_tracking_uri_default_and_env(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking.tracking_uri(tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert tracking.artifact_root(tmp_path) == (tmp_path.resolve() / "mlartifacts").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////elsewhere/m.db")
+    assert tracking.tracking_uri(tmp_path) == "sqlite:////elsewhere/m.db"
+
+
+def test_get_or_create_experiment_is_idempotent_with_local_artifacts(store) -> None:
+    client = store["client"]
+    again = tracking.get_or_create_experiment(EXPERIMENT, store["root"] / "elsewhere", client=client)
+    assert again == store["experiment_id"]
+    experiment = client.get_experiment(again)
+    assert experiment.artifact_location == (store["root"] / "artifacts").resolve().as_uri()
+    client.delete_experiment(tracking.get_or_create_experiment("to-delete", store["root"] / "d", client=client))
+    restored = tracking.get_or_create_experiment("to-delete", store["root"] / "d", client=client)
+    assert client.get_experiment(restored).lifecycle_stage == "active"
