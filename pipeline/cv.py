@@ -57,14 +57,16 @@ class FoldResult:
 
 
 class MlflowEpochLogger(pl.Callback):
-    """Logs each epoch's train/val metrics to the active MLflow run (step = epoch) and keeps them for the plot."""
+    """Logs each epoch's train/val metrics to the active MLflow run (step = epoch) and keeps them for the plot.
+
+    Hooked on the end of the training epoch: by then the epoch's validation has run and Lightning has reduced the
+    epoch-level train metrics (callbacks' on_validation_epoch_end runs before the module has logged val metrics).
+    """
 
     def __init__(self) -> None:
         self.history: list[dict] = []
 
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
                    if k.startswith(("train/", "val/")) and torch.numel(v) == 1}
         metrics["lr/head"] = trainer.optimizers[0].param_groups[-1]["lr"] if trainer.optimizers else float("nan")
@@ -200,9 +202,9 @@ def _flat_params(cfg: DictConfig) -> dict[str, str]:
     return {k: str(v)[:500] for k, v in flat.items()}
 
 
-def fold_line(result: FoldResult, n_folds: int) -> str:
+def fold_line(result: FoldResult, index: int, n_folds: int) -> str:
     m = result.metrics
-    return (f"fold {result.fold + 1}/{n_folds}: video AUROC {m['test/video_auroc']:.3f} "
+    return (f"fold {result.fold} ({index}/{n_folds}): video AUROC {m['test/video_auroc']:.3f} "
             f"acc {m['test/video_accuracy']:.3f} bal-acc {m['test/video_balanced_accuracy']:.3f} | "
             f"frame AUROC {m['test/frame_auroc']:.3f} | {result.epochs} epochs (best {result.best_epoch}) | "
             f"{result.seconds:.0f} s")
@@ -241,13 +243,13 @@ def run_cv(cfg: DictConfig) -> dict:
         mlflow.log_artifact(str(fold_file), "folds")
         for fold in fold_ids:
             child_tags = {k: tags[k] for k in ("model", "dataset", "protocol", "task", "subject_set", "seed")}
-            with mlflow.start_run(run_name=f"fold {fold}", nested=True,
+            with mlflow.start_run(experiment_id=experiment_id, run_name=f"fold {fold}", nested=True,
                                   tags={**child_tags, "painvit.run_kind": "fold", "fold": str(fold)}):
                 mlflow.log_params({"fold": fold, **{f"weights.{k}": v for k, v in weights.as_tags().items()}})
                 with tempfile.TemporaryDirectory(prefix=f"fold{fold}-") as work_dir:
                     result = train_fold(cfg, int(fold), fold_file, Path(work_dir))
             results.append(result)
-            print(fold_line(result, len(fold_ids)), flush=True)
+            print(fold_line(result, len(results), len(fold_ids)), flush=True)
         summary = log_aggregate(results, task.classes, cfg)
         print_table(results, summary)
         print(f"parent run {parent.info.run_id}")

@@ -119,7 +119,8 @@ class PainDataModule(pl.LightningDataModule):
         self.task = task
         self.data_config = data_config
         self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
+        # Evaluation keeps no activations for a backward pass, so twice the training batch fits.
+        self.eval_batch_size = eval_batch_size or 2 * batch_size
         self.num_workers = default_num_workers() if num_workers is None else int(num_workers)
         self.balanced_sampling = balanced_sampling
         self.seed = seed
@@ -186,7 +187,8 @@ class PainDataModule(pl.LightningDataModule):
         if unknown.any():
             row = int(np.flatnonzero(unknown.to_numpy())[0])
             raise ValueError(
-                f"{self.frames_csv}, data row {row + 1}: unknown class_name {table['class_name'].iloc[row]!r}"
+                f"{self.frames_csv}, frame-table row {row} (0-based): "
+                f"unknown class_name {table['class_name'].iloc[row]!r}"
             )
         table.index.name = ROW_INDEX_NAME
         return table
@@ -232,12 +234,14 @@ class PainDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
+        # A last batch of a single image breaks batch norm in training; dropping the remainder costs < 1 batch.
+        drop_last = len(self.dataset("train")) > self.batch_size
         if self.balanced_sampling:
             labels = self.dataset("train").labels
             weights = torch.as_tensor(class_balanced_weights(labels), dtype=torch.double)
             sampler = WeightedRandomSampler(weights, num_samples=len(labels), replacement=True, generator=generator)
-            return self._loader("train", self.batch_size, sampler=sampler, generator=generator)
-        return self._loader("train", self.batch_size, shuffle=True, generator=generator)
+            return self._loader("train", self.batch_size, sampler=sampler, generator=generator, drop_last=drop_last)
+        return self._loader("train", self.batch_size, shuffle=True, generator=generator, drop_last=drop_last)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", self.eval_batch_size, shuffle=False)

@@ -111,5 +111,5 @@ def run_aug_preview(cfg: DictConfig) -> None:
     picks = frames.groupby("class_name", group_keys=False).apply(lambda g: g.sample(min(len(g), 2), random_state=0))
     paths = [resolve_path(cfg.data.processed_dir) / p for p in picks.crop_path]
     out = resolve_path(cfg.reports_dir) / f"aug_preview_{cfg.data.name}_{cfg.model.name}.png"
-    save_augmentation_preview(paths, transform, backbone.data_config, out, n=len(paths), seed=cfg.seed)
+    save_augmentation_preview(paths, transform, backbone.data_config, out, n=4 * len(paths), seed=cfg.seed)
     print(f"augmentation preview: {out}")

@@ -151,6 +151,22 @@ def _subject_names(config: SyntheticConfig) -> list[tuple[str, bool]]:
     return [(name, index not in non_responders) for index, name in enumerate(names)]
 
 
+def _luminance(bgr: np.ndarray) -> float:
+    return float(np.dot(bgr, (0.114, 0.587, 0.299)))
+
+
+def _background_colour(rng: np.random.Generator, luminance: float) -> np.ndarray:
+    """A random hue at about the given grey level.
+
+    The background is kept at most a little brighter than the face: the detector equalises the grey histogram of the
+    whole frame, and a dark face before a bright wall ends up crushed to black, where the cascade no longer finds it
+    (a weakness of the classic detector, not something the twin should test).
+    """
+    colour = rng.uniform(0.3, 1.0, 3)
+    colour *= np.clip(luminance, 45, 215) / _luminance(colour)
+    return np.clip(colour, 20, 235)
+
+
 def make_subjects(config: SyntheticConfig) -> list[Subject]:
     """Draw every subject's name, pain response and look from the seed."""
     subjects = []
@@ -160,7 +176,7 @@ def make_subjects(config: SyntheticConfig) -> list[Subject]:
         skin = SKIN_LIGHT + rng.uniform(0, 1) * (SKIN_DARK - SKIN_LIGHT) + rng.normal(0, 6, 3)
         hair = np.array(HAIR_COLOURS[rng.integers(len(HAIR_COLOURS))]) * rng.uniform(0.85, 1.15)
         style = HAIR_STYLES[rng.choice(5, p=[0.45, 0.05, 0.35, 0.05, 0.1] if male else [0.15, 0.4, 0.0, 0.25, 0.2])]
-        back = rng.uniform(60, 210, 3)
+        back = _background_colour(rng, _luminance(skin) + rng.uniform(-70, 25))
         subjects.append(Subject(
             subject_id=index, subject_name=name, responder=responder,
             expressiveness=float(rng.uniform(0.5, 1.3) if responder else rng.uniform(0.0, 0.08)),
@@ -171,7 +187,7 @@ def make_subjects(config: SyntheticConfig) -> list[Subject]:
             hair_style=style, hair=tuple(float(c) for c in np.clip(hair, 10, 235)),
             hairline=float(rng.uniform(0.72, 0.9) if style != "receding" else rng.uniform(1.0, 1.15)),
             glasses=bool(rng.uniform() < 0.25),
-            beard=float(rng.choice([0.0, 0.3, 0.6], p=[0.55, 0.3, 0.15]) if male else 0.0),
+            beard=float(rng.choice([0.0, 0.25, 0.45], p=[0.55, 0.3, 0.15]) if male else 0.0),
             iris=tuple(float(c) for c in IRIS_COLOURS[rng.integers(len(IRIS_COLOURS))]),
             eye_spacing=float(rng.uniform(0.37, 0.43)), eye_width=float(rng.uniform(0.17, 0.2)),
             mouth_width=float(rng.uniform(0.25, 0.32)), brow_thickness=float(rng.uniform(0.06, 0.085)),
@@ -259,284 +275,320 @@ def animate(config: SyntheticConfig, subject: Subject, sample: Sample, rng: np.r
                                                       + rng.uniform(0, 2 * math.pi))
         return out
 
-    pose = np.stack([rng.normal(0, 0.04) + drift(0.02), rng.normal(0, 0.04) + drift(0.02),
-                     math.radians(rng.normal(0, 2.0)) + drift(math.radians(0.8)),
+    pose = np.stack([rng.normal(0, 0.04) + drift(0.015), rng.normal(0, 0.04) + drift(0.015),
+                     math.radians(rng.normal(0, 2.0)) + drift(math.radians(0.6)),
                      1.0 + rng.normal(0, 0.015) + drift(0.006)], axis=1)
     return action_units, pose
 
 
 # -------------------------------------------------------------------------------------------------------- drawing
-def _mix(colour_a, colour_b, weight: float) -> tuple[float, float, float]:
+Colour = tuple[float, float, float]
+
+
+def _mix(colour_a: Colour, colour_b: Colour, weight: float) -> Colour:
     """Colour `weight` of the way from a to b (a flat-colour stand-in for alpha blending)."""
-    weight = float(np.clip(weight, 0.0, 1.0))
-    return tuple(float(a + (b - a) * weight) for a, b in zip(colour_a, colour_b, strict=True))
+    weight = min(1.0, max(0.0, weight))
+    return tuple(a + (b - a) * weight for a, b in zip(colour_a, colour_b, strict=True))
 
 
-def _scaled(colour, factor: float) -> tuple[float, float, float]:
-    return tuple(float(min(255.0, c * factor)) for c in colour)
+def _scaled(colour: Colour, factor: float) -> Colour:
+    return tuple(min(255.0, c * factor) for c in colour)
 
 
-def _arc(u0: float, u1: float, v: float, bulge: float, n: int = 9) -> np.ndarray:
+_UNIT = np.linspace(0.0, 1.0, 9)
+_UNIT_BUMP = np.sin(math.pi * _UNIT)
+_SYMMETRIC = np.linspace(-1.0, 1.0, 13)
+_CIRCLE = np.stack([np.cos(np.linspace(0, 2 * math.pi, 25)[:-1]), np.sin(np.linspace(0, 2 * math.pi, 25)[:-1])], 1)
+
+
+def _arc(u0: float, u1: float, v: float, bulge: float) -> np.ndarray:
     """Points of a curve from (u0, v) to (u1, v) bent by `bulge` (negative = up) at the middle."""
-    s = np.linspace(0.0, 1.0, n)
-    return np.stack([u0 + (u1 - u0) * s, v + bulge * np.sin(math.pi * s)], axis=1)
+    return _curve(u0 + (u1 - u0) * _UNIT, v + bulge * _UNIT_BUMP)
+
+
+def _ellipse_points(cu: float, cv: float, au: float, av: float, start_deg: float = 0.0, end_deg: float | None = None,
+                    n: int = 17) -> np.ndarray:
+    if end_deg is None:
+        return _CIRCLE * (au, av) + (cu, cv)
+    angles = np.radians(np.linspace(start_deg, end_deg, n))
+    return np.stack([cu + au * np.cos(angles), cv + av * np.sin(angles)], axis=1)
+
+
+def _curve(u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    points = np.empty((len(u), 2))
+    points[:, 0], points[:, 1] = u, v
+    return points
+
+
+def _band(u: np.ndarray, top: np.ndarray, bottom: np.ndarray) -> np.ndarray:
+    """Closed outline of the region between two curves sampled at the same u."""
+    n = len(u)
+    points = np.empty((2 * n, 2))
+    points[:n, 0], points[:n, 1] = u, top
+    points[n:, 0], points[n:, 1] = u[::-1], bottom[::-1]
+    return points
+
+
+class _Shapes:
+    """Shapes in face-local coordinates, transformed together and drawn in one pass (drawing is per frame, and
+    one matrix product for all points is much cheaper than one per shape)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[np.ndarray, Colour, float, bool]] = []
+
+    def fill(self, points: np.ndarray, colour: Colour) -> None:
+        self.items.append((points, colour, 0.0, True))
+
+    def line(self, points: np.ndarray, colour: Colour, width: float, closed: bool = False) -> None:
+        self.items.append((points, colour, width, closed))
+
+    def ellipse(self, cu: float, cv: float, au: float, av: float, colour: Colour, width: float = 0.0) -> None:
+        points = _ellipse_points(cu, cv, au, av)
+        if width:
+            self.line(points, colour, width, closed=True)
+        else:
+            self.fill(points, colour)
+
+    def draw(self, image: np.ndarray, linear: np.ndarray, offset: np.ndarray) -> None:
+        """Draw everything with local -> pixel map `p = linear @ q + offset`, anti-aliased, sub-pixel."""
+        if not self.items:
+            return
+        pixels_per_unit = math.sqrt(abs(np.linalg.det(linear)))
+        points = np.concatenate([item[0] for item in self.items])
+        pixels = np.rint((points @ linear.T + offset) * _ONE).astype(np.int32)
+        start = 0
+        for shape_points, colour, width, closed in self.items:
+            part, start = pixels[start:start + len(shape_points)], start + len(shape_points)
+            if width == 0.0:
+                cv2.fillPoly(image, [part], colour, cv2.LINE_AA, _SHIFT)
+            else:
+                cv2.polylines(image, [part], closed, colour, max(1, round(width * pixels_per_unit)), cv2.LINE_AA,
+                              _SHIFT)
+        self.items.clear()
 
 
 class FaceRenderer:
-    """Draws one subject's frames on a small canvas: a static layer (background, head, hair) warped by the head
-    pose, then the moving features (brows, eyes, wrinkles, mouth, glasses) and the lighting on top.
+    """Draws one subject's frames: a static head layer (background, hair, face shading, lighting) moved by the head
+    pose, then the moving features (brows, eyes, wrinkles, mouth, glasses) on top.
 
-    Face-local coordinates: origin at the face centre, unit = face half-width, v pointing down.
+    Face-local coordinates: origin at the face centre, unit = face half-width, v pointing down. Only the head's
+    region is warped each frame (warping the whole frame costs more than everything else together).
     """
 
-    def __init__(self, subject: Subject, width: int, height: int, noise_sigma: float, rng: np.random.Generator):
+    def __init__(self, subject: Subject, width: int, height: int, base_pose: np.ndarray, noise_sigma: float,
+                 rng: np.random.Generator):
         self.subject, self.width, self.height = subject, width, height
         self.half_width = subject.face_scale * height
         self.centre = np.array([subject.head_x * width, subject.head_y * height])
-        self.skin = subject.skin
-        self.dark = _scaled(subject.skin, 0.45)
-        self.brow = _scaled(subject.hair, 0.55) if sum(subject.hair) < 450 else _scaled(subject.skin, 0.45)
-        self.lips = _mix(subject.skin, (70, 70, 165), 0.35)
-        self.static = self._static_layer()
-        self.light = self._light_map()
+        # The static layer is drawn at the clip's first pose; frames only warp it by the (small) motion since then,
+        # which keeps the seam where the warped head region meets the still background below a pixel or two.
+        self.base_linear, self.base_offset = self._pose_transform(base_pose)
+        self.base_inverse = np.linalg.inv(self.base_linear)
+        light = self._light_gain()
+        gain = float(light[int(self.centre[1]), int(self.centre[0])])
+        self.skin = _scaled(subject.skin, gain)  # features are drawn over lit skin
+        self.dark = _scaled(self.skin, 0.45)
+        self.brow = _scaled(subject.hair, 0.55 * gain) if sum(subject.hair) < 420 else _scaled(self.skin, 0.42)
+        self.lips = _mix(self.skin, (70, 70, 165), 0.35)
+        self.glasses = (30.0, 30.0, 35.0) if subject.light_angle < math.pi else (60.0, 75.0, 95.0)
+        self.shapes = _Shapes()
+        self.static = self._static_layer(light)
         self.noise = self._noise_pool(noise_sigma, rng)
-        self._transform = np.eye(2), self.centre
+        b = subject.face_aspect
+        x0, y0 = self.base_offset + self.half_width * np.array([-1.45, -b - 0.6])
+        x1, y1 = self.base_offset + self.half_width * np.array([1.45, b + 1.0])
+        self.head_box = (max(0, int(x0)), max(0, int(y0)), min(width, int(math.ceil(x1))),
+                         min(height, int(math.ceil(y1))))
 
-    # -- geometry
-    def _to_pixels(self, points: np.ndarray) -> np.ndarray:
-        """Face-local points -> fixed-point pixel coordinates under the current pose."""
-        linear, offset = self._transform
-        pixels = np.asarray(points, dtype=float) @ linear.T + offset
-        return np.round(pixels * _ONE).astype(np.int32)
+    def _pose_transform(self, pose: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Face-local -> pixel map (linear part, offset) for a pose (dx, dy in half-widths, roll, scale)."""
+        dx, dy, roll, scale = (float(v) for v in pose)
+        rotation = scale * np.array([[math.cos(roll), -math.sin(roll)], [math.sin(roll), math.cos(roll)]])
+        return self.half_width * rotation, self.centre + self.half_width * np.array([dx, dy])
 
-    def _length(self, local: float) -> int:
-        """A face-local length in fixed-point pixels under the current pose."""
-        return max(1, round(local * math.sqrt(abs(np.linalg.det(self._transform[0]))) * _ONE))
-
-    def _pixel_width(self, local: float) -> int:
-        return max(1, round(local * self.half_width))
-
-    def _poly(self, image: np.ndarray, points: np.ndarray, colour) -> None:
-        cv2.fillPoly(image, [self._to_pixels(points)], colour, cv2.LINE_AA, _SHIFT)
-
-    def _line(self, image: np.ndarray, points: np.ndarray, colour, thickness: float) -> None:
-        cv2.polylines(image, [self._to_pixels(points)], False, colour, self._pixel_width(thickness), cv2.LINE_AA,
-                      _SHIFT)
-
-    def _ellipse(self, image: np.ndarray, centre, axes, colour, thickness: float = -1, angle: float = 0.0) -> None:
-        roll = math.degrees(math.atan2(self._transform[0][1, 0], self._transform[0][0, 0]))
-        centre_px = tuple(int(v) for v in self._to_pixels(np.array([centre]))[0])
-        axes_px = (self._length(axes[0]), self._length(axes[1]))
-        width = -1 if thickness < 0 else self._pixel_width(thickness)
-        cv2.ellipse(image, centre_px, axes_px, angle + roll, 0, 360, colour, width, cv2.LINE_AA, _SHIFT)
-
-    def _set_pose(self, dx: float, dy: float, roll: float, scale: float) -> None:
-        a = self.half_width * scale
-        linear = a * np.array([[math.cos(roll), -math.sin(roll)], [math.sin(roll), math.cos(roll)]])
-        self._transform = linear, self.centre + self.half_width * np.array([dx, dy])
+    def _identity(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.base_linear, self.base_offset
 
     # -- the parts that do not move relative to the head
-    def _static_layer(self) -> np.ndarray:
-        s, height, width = self.subject, self.height, self.width
-        self._set_pose(0, 0, 0, 1)
-        b = s.face_aspect
-        ramp = np.linspace(0.0, 1.0, height, dtype=np.float32)[:, None, None]
+    def _light_gain(self) -> np.ndarray:
+        """Lighting from one side (the lamp does not move with the head: it is baked in before any head motion)."""
+        s = self.subject
+        ys, xs = np.mgrid[0:self.height, 0:self.width].astype(np.float32)
+        along = ((xs - self.centre[0]) * math.cos(s.light_angle) + (ys - self.centre[1]) * math.sin(s.light_angle))
+        return np.clip(0.97 + s.light_strength * along / (1.5 * self.half_width), 0.55, 1.35)
+
+    def _static_layer(self, light: np.ndarray) -> np.ndarray:
+        s, shapes, b = self.subject, self.shapes, self.subject.face_aspect
+        skin = s.skin
+        ramp = np.linspace(0.0, 1.0, self.height, dtype=np.float32)[:, None, None]
         top, bottom = np.array(s.background[0], np.float32), np.array(s.background[1], np.float32)
-        image = np.ascontiguousarray(np.broadcast_to(top + ramp * (bottom - top), (height, width, 3))
+        image = np.ascontiguousarray(np.broadcast_to(top + ramp * (bottom - top), (self.height, self.width, 3))
                                      .astype(np.uint8))
-        self._ellipse(image, (0.0, b + 1.9), (2.5, 1.3), s.shirt)  # shoulders
+        shapes.ellipse(0.0, b + 1.9, 2.5, 1.3, s.shirt)  # shoulders
         if s.hair_style == "long":
-            self._poly(image, np.array([[-1.2, -0.4], [-1.35, b + 1.0], [1.35, b + 1.0], [1.2, -0.4]]), s.hair)
-        self._poly(image, np.array([[-0.45, 0.5], [-0.5, b + 1.0], [0.5, b + 1.0], [0.45, 0.5]]),
-                   _scaled(self.skin, 0.78))  # neck
+            shapes.fill(np.array([[-1.2, -0.4], [-1.35, b + 1.0], [1.35, b + 1.0], [1.2, -0.4]]), s.hair)
+        shapes.fill(np.array([[-0.45, 0.5], [-0.5, b + 0.95], [0.5, b + 0.95], [0.45, 0.5]]), _scaled(skin, 0.78))
+        shapes.ellipse(0.0, b + 0.95, 0.5, 0.12, _scaled(skin, 0.78))  # neckline
         if s.hair_style != "long":
             for side in (-1, 1):
-                self._ellipse(image, (side * 0.98, 0.05), (0.14, 0.27), _scaled(self.skin, 0.9))
-                self._ellipse(image, (side * 0.99, 0.05), (0.07, 0.17), _scaled(self.skin, 0.75))
+                shapes.ellipse(side * 0.98, 0.05, 0.14, 0.27, _scaled(skin, 0.9))  # ears
+                shapes.ellipse(side * 0.99, 0.05, 0.07, 0.17, _scaled(skin, 0.75))
         if s.hair_style == "bun":
-            self._ellipse(image, (0.0, -b - 0.25), (0.4, 0.3), s.hair)
-        self._ellipse(image, (0.0, -0.12), (1.06, b + 0.12), s.hair)  # hair volume behind the head
-        self._ellipse(image, (0.0, 0.0), (1.0, b), _scaled(self.skin, 0.86))  # face, rim darker
-        self._ellipse(image, (0.0, -0.04), (0.9, b - 0.1), self.skin)
+            shapes.ellipse(0.0, -b - 0.25, 0.4, 0.3, s.hair)
+        shapes.ellipse(0.0, -0.12, 1.06, b + 0.12, s.hair)  # hair volume behind the head
+        shapes.ellipse(0.0, 0.0, 1.0, b, _scaled(skin, 0.86))  # face, darker towards the rim
+        shapes.ellipse(0.0, -0.04, 0.9, b - 0.1, skin)
         for side in (-1, 1):
-            self._ellipse(image, (side * 0.5, 0.42), (0.2, 0.14), _mix(self.skin, (90, 90, 200), 0.12))  # cheeks
-            self._ellipse(image, (side * s.eye_spacing, -0.02), (s.eye_width + 0.1, 0.16),
-                          _scaled(self.skin, 0.8))  # eye sockets
-            self._ellipse(image, (side * 0.12, 0.22), (0.06, 0.22), _scaled(self.skin, 0.86))  # nose sides
-            self._ellipse(image, (side * 0.12, 0.5), (0.075, 0.06), _scaled(self.skin, 0.88))  # nose wings
-        self._ellipse(image, (0.0, 0.1), (0.06, 0.34), _scaled(self.skin, 1.1))  # nose bridge highlight
-        self._ellipse(image, (0.0, 0.47), (0.11, 0.085), _scaled(self.skin, 1.06))  # nose tip
-        self._ellipse(image, (0.0, 0.99), (0.22, 0.07), _scaled(self.skin, 0.9))  # under the lower lip
-        sigma = max(0.6, 0.03 * self.half_width)
-        image = cv2.GaussianBlur(image, (0, 0), sigma)
-        self._hair_cap(image)
+            shapes.ellipse(side * 0.5, 0.42, 0.2, 0.14, _mix(skin, (90, 90, 200), 0.12))  # cheeks
+            shapes.ellipse(side * s.eye_spacing, -0.03, s.eye_width + 0.1, 0.17, _scaled(skin, 0.76))  # sockets
+            shapes.ellipse(side * 0.12, 0.22, 0.06, 0.22, _scaled(skin, 0.86))  # sides of the nose
+            shapes.ellipse(side * 0.12, 0.5, 0.075, 0.06, _scaled(skin, 0.88))  # nose wings
+        shapes.ellipse(0.0, 0.1, 0.06, 0.34, _scaled(skin, 1.1))  # nose bridge highlight
+        shapes.ellipse(0.0, 0.47, 0.11, 0.085, _scaled(skin, 1.06))  # nose tip
+        shapes.ellipse(0.0, 0.99, 0.22, 0.07, _scaled(skin, 0.9))  # under the lower lip
+        shapes.draw(image, *self._identity())
+        image = cv2.GaussianBlur(image, (0, 0), max(0.6, 0.03 * self.half_width))
+        shapes.fill(self._hair_cap(), s.hair)
+        shapes.draw(image, *self._identity())
         if s.beard > 0:
             beard = image.copy()
             u = np.linspace(-0.96, 0.96, 13)
-            top = np.stack([u, 0.1 + 0.5 * (1 - (u / 0.96) ** 2)], axis=1)  # sideburns down to under the nose
-            self._poly(beard, np.concatenate([top, _ellipse_points(0.0, 0.0, 0.97, b, 5, 175, 17)]), s.hair)
+            top_edge = np.stack([u, 0.1 + 0.5 * (1 - (u / 0.96) ** 2)], axis=1)  # sideburns to under the nose
+            shapes.fill(np.concatenate([top_edge, _ellipse_points(0.0, 0.0, 0.97, b, 5, 175)]), s.hair)
+            shapes.draw(beard, *self._identity())
             image = cv2.addWeighted(beard, s.beard, image, 1 - s.beard, 0)
-        return cv2.GaussianBlur(image, (0, 0), max(0.5, 0.015 * self.half_width))
+        image = cv2.GaussianBlur(image, (0, 0), max(0.5, 0.015 * self.half_width))
+        lit = image.astype(np.float32) * light[..., None]
+        return np.clip(lit, 0, 255).astype(np.uint8)
 
-    def _hair_cap(self, image: np.ndarray) -> None:
+    def _hair_cap(self) -> np.ndarray:
         s, b = self.subject, self.subject.face_aspect
         outline = _ellipse_points(0.0, -0.08, 1.04, b + 0.1, 190, 350, 25)  # over the top of the head
         u = np.linspace(0.98, -0.98, 21)
-        temple = -0.25 if s.hair_style != "receding" else -0.45
-        dip = np.abs(u) ** (1.6 if s.hair_style != "receding" else 0.7)
-        hairline_v = -s.hairline + (temple + s.hairline) * dip
-        if s.hair_style == "fringe":
-            hairline_v = np.minimum(hairline_v + 0.2 * (1 - (u + 1) / 2), -0.62)
-        self._poly(image, np.concatenate([outline, np.stack([u, hairline_v], axis=1)]), s.hair)
-
-    def _light_map(self) -> np.ndarray:
-        """Multiplicative lighting, fixed in the image (the lamp does not move with the head), 128 = unchanged."""
-        s = self.subject
-        ys, xs = np.mgrid[0:self.height, 0:self.width].astype(np.float32)
-        direction = np.array([math.cos(s.light_angle), math.sin(s.light_angle)], np.float32)
-        along = ((xs - self.centre[0]) * direction[0] + (ys - self.centre[1]) * direction[1]) / (1.5 * self.half_width)
-        gain = np.clip(0.97 + s.light_strength * along, 0.55, 1.35)
-        return np.clip(np.repeat(gain[..., None], 3, axis=2) * 128.0, 0, 255).astype(np.uint8)
+        receding = s.hair_style == "receding"
+        temple = -0.45 if receding else -0.25
+        hairline = -s.hairline + (temple + s.hairline) * np.abs(u) ** (0.7 if receding else 1.6)
+        if s.hair_style == "fringe":  # swept to one side, but above the brows
+            hairline = np.minimum(hairline + 0.2 * (1 - (u + 1) / 2), -0.62)
+        return np.concatenate([outline, np.stack([u, hairline], axis=1)])
 
     def _noise_pool(self, sigma: float, rng: np.random.Generator, size: int = 3) -> list[tuple[np.ndarray, ...]]:
+        """A few grey noise images (as positive and negative parts, so uint8 saturating adds apply them)."""
         pool = []
         for _ in range(size):
-            noise = rng.normal(0.0, sigma, (self.height, self.width, 1)).astype(np.float32)
-            noise = np.repeat(noise, 3, axis=2)
+            noise = np.repeat(rng.normal(0.0, sigma, (self.height, self.width, 1)).astype(np.float32), 3, axis=2)
             pool.append((np.clip(noise, 0, 255).astype(np.uint8), np.clip(-noise, 0, 255).astype(np.uint8)))
         return pool
 
     # -- the parts that move
     def render(self, action_units: np.ndarray, pose: np.ndarray, noise_index: int) -> np.ndarray:
         """One frame for the given action units (AU4, AU6/7, AU9/10, closure) and pose (dx, dy, roll, scale)."""
-        self._set_pose(*pose)
-        linear, offset = self._transform
-        # The static layer was drawn at pose (0, 0, 0, 1); move it by the same similarity the features use.
-        to_frame = linear / self.half_width
-        warp = np.hstack([to_frame, (offset - to_frame @ self.centre)[:, None]])
-        frame = cv2.warpAffine(self.static, warp, (self.width, self.height), flags=cv2.INTER_LINEAR,
-                               borderMode=cv2.BORDER_REFLECT)
+        linear, offset = self._pose_transform(pose)
+        # Move the head region of the static layer by the motion since the base pose: p -> M (p - c0) + c1.
+        motion = linear @ self.base_inverse
+        x0, y0, x1, y1 = self.head_box
+        corner = np.array([x0, y0], dtype=float)
+        shift = motion @ (corner - self.base_offset) + offset - corner
+        frame = self.static.copy()
+        frame[y0:y1, x0:x1] = cv2.warpAffine(self.static[y0:y1, x0:x1], np.hstack([motion, shift[:, None]]),
+                                             (x1 - x0, y1 - y0), flags=cv2.INTER_LINEAR,
+                                             borderMode=cv2.BORDER_REPLICATE)
         au4, au67, au910, closure = (float(v) for v in action_units)
-        self._draw_brows(frame, au4)
+        self._brows(au4)
         for side in (-1, 1):
-            self._draw_eye(frame, side, au67, closure)
-        self._draw_wrinkles(frame, au4, au67, au910)
-        self._draw_mouth(frame, au910)
+            self._eye(side, au67, closure)
+        self._wrinkles(au4, au67, au910)
+        self._mouth(au910)
         if self.subject.glasses:
-            self._draw_glasses(frame)
-        frame = cv2.multiply(frame, self.light, scale=1.0 / 128.0)
+            self._glasses()
+        self.shapes.draw(frame, linear, offset)
         positive, negative = self.noise[noise_index % len(self.noise)]
         return cv2.subtract(cv2.add(frame, positive), negative)
 
-    def _draw_brows(self, frame: np.ndarray, au4: float) -> None:
+    def _brows(self, au4: float) -> None:
         s = self.subject
+        inner = np.array([0.13 - 0.05 * au4, -0.3 + 0.13 * au4])
+        outer = np.array([0.66, -0.33 + 0.04 * au4])
+        centre = inner + _UNIT[:, None] * (outer - inner)
+        centre[:, 1] -= (0.07 - 0.05 * au4) * np.sin(math.pi * np.minimum(1.0, _UNIT * 1.3))
+        half = s.brow_thickness * (1.15 - 0.55 * _UNIT) / 2
+        outline = _band(centre[:, 0], centre[:, 1] - half, centre[:, 1] + half)
         for side in (-1, 1):
-            inner = np.array([0.13 - 0.05 * au4, -0.3 + 0.13 * au4])
-            outer = np.array([0.66, -0.33 + 0.04 * au4])
-            t = np.linspace(0.0, 1.0, 9)
-            centre = inner + t[:, None] * (outer - inner)
-            centre[:, 1] -= (0.07 - 0.05 * au4) * np.sin(math.pi * np.minimum(1.0, t * 1.3))
-            half = s.brow_thickness * (1.15 - 0.55 * t) / 2
-            upper = centre - np.stack([np.zeros_like(t), half], axis=1)
-            lower = centre + np.stack([np.zeros_like(t), half], axis=1)
-            points = np.concatenate([upper, lower[::-1]])
-            points[:, 0] *= side
-            self._poly(frame, points, self.brow)
+            self.shapes.fill(outline * (side, 1), self.brow)
 
-    def _draw_eye(self, frame: np.ndarray, side: int, au67: float, closure: float) -> None:
+    def _eye(self, side: int, au67: float, closure: float) -> None:
         s = self.subject
         u0, v0 = side * s.eye_spacing, -0.02 + 0.015 * closure - 0.01 * au67
         width = s.eye_width * (1 - 0.06 * au67)
         opening = 1.0 - closure
-        upper_height = 0.085 * (1 - 0.3 * au67) * opening
-        lower_height = 0.05 * (1 - 0.7 * au67) * opening
-        x = np.linspace(-1.0, 1.0, 13)
-        shape = 1 - x ** 2
-        upper = np.stack([u0 + width * x, v0 - upper_height * shape ** 0.8 - 0.01 * x * side], axis=1)
-        lower = np.stack([u0 + width * x, v0 + lower_height * shape], axis=1)
+        upper_height = 0.095 * (1 - 0.3 * au67) * opening
+        lower_height = 0.055 * (1 - 0.7 * au67) * opening
+        u = u0 + width * _SYMMETRIC
+        shape = 1 - _SYMMETRIC ** 2
+        upper = v0 - upper_height * shape ** 0.8
+        lower = v0 + lower_height * shape
         if opening > 0.08:
-            almond = self._to_pixels(np.concatenate([upper, lower[::-1]]))
-            x0, y0 = np.floor(almond.min(axis=0) / _ONE).astype(int) - 1
-            x1, y1 = np.ceil(almond.max(axis=0) / _ONE).astype(int) + 2
-            x0, y0, x1, y1 = max(x0, 0), max(y0, 0), min(x1, self.width), min(y1, self.height)
-            if x1 > x0 and y1 > y0:
-                roi = frame[y0:y1, x0:x1]
-                local = almond - np.array([x0, y0]) * _ONE
-                mask = np.zeros(roi.shape[:2], np.uint8)
-                cv2.fillPoly(mask, [local], 255, cv2.LINE_8, _SHIFT)
-                eye = roi.copy()
-                eye[:] = (225, 230, 235)
-                iris_centre = self._to_pixels(np.array([[u0 + 0.02 * side, v0 - 0.01]]))[0] - np.array([x0, y0]) * _ONE
-                centre = (int(iris_centre[0]), int(iris_centre[1]))
-                cv2.circle(eye, centre, self._length(0.075), s.iris, -1, cv2.LINE_AA, _SHIFT)
-                cv2.circle(eye, centre, self._length(0.035), (15, 15, 15), -1, cv2.LINE_AA, _SHIFT)
-                np.copyto(roi, eye, where=mask[..., None].astype(bool))
-        self._line(frame, upper, self.dark, 0.035)  # lash line: stays dark when the eye closes
-        self._line(frame, lower, _scaled(self.skin, 0.65), 0.015)
-        crease = _arc(u0 - width * 0.9, u0 + width * 0.9, v0 - 0.11 + 0.03 * au67 + 0.02 * closure, -0.04)
-        self._line(frame, crease, _scaled(self.skin, 0.6), 0.02)
+            self.shapes.fill(_band(u, upper, lower), (225.0, 230.0, 235.0))
+            iris_u, iris_v = u0 + 0.02 * side, v0 - 0.01
+            for radius, colour in ((0.08, s.iris), (0.036, (15.0, 15.0, 15.0))):
+                # The iris disc clipped to the open eye: between the lids, column by column.
+                ui = iris_u + radius * _SYMMETRIC
+                half = radius * np.sqrt(shape)
+                xn = np.clip((ui - u0) / width, -1.0, 1.0)
+                top = np.maximum(iris_v - half, v0 - upper_height * (1 - xn ** 2) ** 0.8)
+                bottom = np.maximum(top, np.minimum(iris_v + half, v0 + lower_height * (1 - xn ** 2)))
+                self.shapes.fill(_band(ui, top, bottom), colour)
+        self.shapes.line(_curve(u, upper), self.dark, 0.035)  # lash line: stays dark when the eye closes
+        self.shapes.line(_curve(u, lower), _scaled(self.skin, 0.65), 0.015)
+        crease = _arc(u0 - width * 0.9, u0 + width * 0.9, v0 - 0.12 + 0.03 * au67 + 0.02 * closure, -0.04)
+        self.shapes.line(crease, _scaled(self.skin, 0.6), 0.02)
 
-    def _draw_wrinkles(self, frame: np.ndarray, au4: float, au67: float, au910: float) -> None:
-        s = self.subject
+    def _wrinkles(self, au4: float, au67: float, au910: float) -> None:
+        s, shapes = self.subject, self.shapes
         if au4 > 0.1:  # vertical furrows between the lowered brows
             for side in (-1, 1):
-                self._line(frame, np.array([[side * 0.05, -0.32], [side * 0.06, -0.15]]),
-                           _mix(self.skin, self.dark, 0.7 * au4), 0.02)
-        if au67 > 0.1:  # raised cheeks: furrow under the lower lid
+                shapes.line(np.array([[side * 0.05, -0.32], [side * 0.06, -0.15]]),
+                            _mix(self.skin, self.dark, 0.7 * au4), 0.02)
+        if au67 > 0.1:  # raised cheeks: a furrow under the lower lid
             for side in (-1, 1):
                 u0 = side * s.eye_spacing
-                self._line(frame, _arc(u0 - 0.17, u0 + 0.17, 0.12 - 0.02 * au67, 0.05),
-                           _mix(self.skin, self.dark, 0.6 * au67), 0.02)
+                shapes.line(_arc(u0 - 0.17, u0 + 0.17, 0.12 - 0.02 * au67, 0.05),
+                            _mix(self.skin, self.dark, 0.6 * au67), 0.02)
         if au910 > 0.1:  # nose wrinkle
             for v in (-0.06, 0.0, 0.06):
-                self._line(frame, _arc(-0.08, 0.08, v, -0.02), _mix(self.skin, self.dark, 0.6 * au910), 0.015)
+                shapes.line(_arc(-0.08, 0.08, v, -0.02), _mix(self.skin, self.dark, 0.6 * au910), 0.015)
         for side in (-1, 1):  # nasolabial folds, deepened by the raised upper lip
-            fold = np.array([[0.17, 0.47], [0.26, 0.62], [0.33, 0.78], [0.36, 0.92]])
-            fold[:, 0] *= side
+            fold = np.array([[0.17 * side, 0.47], [0.26 * side, 0.62], [0.33 * side, 0.78], [0.36 * side, 0.92]])
             fold[:, 1] -= 0.04 * au910
-            self._line(frame, fold, _mix(self.skin, self.dark, 0.2 + 0.5 * au910), 0.02)
-            self._ellipse(frame, (side * 0.07, 0.53 - 0.03 * au910), (0.035 * (1 + 0.4 * au910), 0.018),
-                          (35, 35, 45))  # nostril
+            shapes.line(fold, _mix(self.skin, self.dark, 0.2 + 0.5 * au910), 0.02)
+            shapes.ellipse(side * 0.07, 0.53 - 0.03 * au910, 0.035 * (1 + 0.4 * au910), 0.018,
+                           (35.0, 35.0, 45.0))  # nostril
 
-    def _draw_mouth(self, frame: np.ndarray, au910: float) -> None:
-        s = self.subject
-        m, width = 0.82, s.mouth_width * (1 + 0.1 * au910)
-        x = np.linspace(-1.0, 1.0, 13)
+    def _mouth(self, au910: float) -> None:
+        s, shapes = self.subject, self.shapes
+        centre, x = 0.82, _SYMMETRIC
         shape = 1 - x ** 2
-        raise_ = 0.07 * au910
-        upper_bottom = m - raise_ * shape
-        upper_top = upper_bottom - 0.045 * np.sqrt(shape) - 0.008 * shape - 0.012 * np.cos(math.pi * x * 2) * shape
-        lower_top = m + 0.01 * au910 * shape
+        u = s.mouth_width * (1 + 0.1 * au910) * x
+        lift = 0.07 * au910  # upper-lip raise opens the mouth
+        upper_bottom = centre - lift * shape
+        upper_top = upper_bottom - 0.045 * np.sqrt(shape) - 0.008 * shape - 0.012 * np.cos(2 * math.pi * x) * shape
+        lower_top = centre + 0.01 * au910 * shape
         lower_bottom = lower_top + 0.065 * np.sqrt(shape)
-        u = width * x
-        if raise_ > 0.004:
-            gap = np.concatenate([np.stack([u, upper_bottom], 1), np.stack([u, lower_top], 1)[::-1]])
-            self._poly(frame, gap, (40, 30, 55))
-            teeth = np.concatenate([np.stack([u * 0.8, upper_bottom], 1),
-                                    np.stack([u * 0.8, upper_bottom + 0.6 * raise_ * shape], 1)[::-1]])
-            self._poly(frame, teeth, (215, 220, 225))
-        self._poly(frame, np.concatenate([np.stack([u, upper_top], 1), np.stack([u, upper_bottom], 1)[::-1]]),
-                   _scaled(self.lips, 0.92))
-        self._poly(frame, np.concatenate([np.stack([u, lower_top], 1), np.stack([u, lower_bottom], 1)[::-1]]),
-                   self.lips)
-        self._line(frame, np.stack([u, upper_bottom], 1), _scaled(self.lips, 0.55), 0.015)
+        if lift > 0.004:
+            shapes.fill(_band(u, upper_bottom, lower_top), (40.0, 30.0, 55.0))
+            shapes.fill(_band(u * 0.8, upper_bottom, upper_bottom + 0.6 * lift * shape), (215.0, 220.0, 225.0))
+        shapes.fill(_band(u, upper_top, upper_bottom), _scaled(self.lips, 0.92))
+        shapes.fill(_band(u, lower_top, lower_bottom), self.lips)
+        shapes.line(_curve(u, upper_bottom), _scaled(self.lips, 0.55), 0.015)
 
-    def _draw_glasses(self, frame: np.ndarray) -> None:
-        s = self.subject
-        colour = (30, 30, 35) if s.light_angle < math.pi else (60, 75, 95)
+    def _glasses(self) -> None:
+        s, shapes = self.subject, self.shapes
+        rim = s.eye_width + 0.09
         for side in (-1, 1):
-            u0 = side * s.eye_spacing
-            self._ellipse(frame, (u0, 0.0), (s.eye_width + 0.09, 0.15), colour, thickness=0.03)
-            self._line(frame, np.array([[side * (s.eye_spacing + s.eye_width + 0.09), -0.02], [side * 0.98, -0.05]]),
-                       colour, 0.03)
-        self._line(frame, _arc(-(s.eye_spacing - s.eye_width - 0.09), s.eye_spacing - s.eye_width - 0.09, -0.03,
-                               -0.03, 5), colour, 0.03)
-
-
-def _ellipse_points(cu: float, cv: float, au: float, av: float, start_deg: float, end_deg: float, n: int
-                    ) -> np.ndarray:
-    angles = np.radians(np.linspace(start_deg, end_deg, n))
-    return np.stack([cu + au * np.cos(angles), cv + av * np.sin(angles)], axis=1)
+            shapes.ellipse(side * s.eye_spacing, 0.0, rim, 0.15, self.glasses, width=0.03)
+            shapes.line(np.array([[side * (s.eye_spacing + rim), -0.02], [side * 0.98, -0.05]]), self.glasses, 0.03)
+        inner = s.eye_spacing - rim
+        shapes.line(_arc(-inner, inner, -0.03, -0.03), self.glasses, 0.03)
 
 
 # --------------------------------------------------------------------------------------------------------- videos
@@ -551,7 +603,7 @@ def render_frames(config: SyntheticConfig, subject: Subject, sample: Sample) -> 
     rng = _rng(config.seed, _VIDEO_STREAM, subject.subject_id, sample.number, 1)
     action_units, pose = animate(config, subject, sample, rng)
     width, height = canvas_size(config)
-    renderer = FaceRenderer(subject, width, height, config.noise_sigma, rng)
+    renderer = FaceRenderer(subject, width, height, pose[0], config.noise_sigma, rng)
     noise_order = rng.integers(0, len(renderer.noise), config.n_frames)
     for index in range(config.n_frames):
         frame = renderer.render(action_units[index], pose[index], int(noise_order[index]))

@@ -52,6 +52,13 @@ class IncompatibleWeights(RuntimeError):
     """A weights file exists but cannot be read, or does not fit the architecture."""
 
 
+_HOW_TO_PROVIDE = (
+    "Provide weights one of these ways: `make <target> WEIGHTS=/path/to/weights` (file or folder); "
+    "`model.weights=/path/to/weights` in the config or on the command line; or pre-populate the Hugging Face hub "
+    "cache. Or train from random initialisation with pretrained=false (or pretrained=auto)."
+)
+
+
 @dataclass(frozen=True)
 class ResolvedWeights:
     """A weight file to load, and the provenance to record for it."""
@@ -76,10 +83,14 @@ def resolve_weights(
     """
     if pretrained not in PRETRAINED_MODES or not isinstance(pretrained, (bool, str)):
         raise ValueError(f"pretrained must be one of True, False, 'auto'; got {pretrained!r}")
+    if weights is not None and not str(weights).strip():
+        weights = None  # an empty WEIGHTS= on the command line means "not given"
     if pretrained is False:
         if weights is not None:
-            raise ValueError(f"weights={weights!s} was given with pretrained=False; set pretrained=true (or auto) "
-                             "to load it, or drop weights for random initialisation")
+            raise ValueError(
+                f"weights={weights!s} was given with pretrained=False; set pretrained=true (or auto) "
+                "to load it, or drop weights for random initialisation"
+            )
         return None
     if weights is not None:
         path = weight_file(weights)
@@ -100,7 +111,8 @@ def _from_hub_cache(model_name: str, hub_repo: str | None, hub_filenames: Sequen
     if hub_repo is None:
         raise WeightsUnavailable(
             f"No pretrained weights for {model_name!r}: it has no Hugging Face hub repo, so only a local file works. "
-            f"{_HOW_TO_PROVIDE}")
+            f"{_HOW_TO_PROVIDE}"
+        )
     for filename in hub_filenames:
         cached = try_to_load_from_cache(hub_repo, filename, cache_dir=cache_dir)
         if isinstance(cached, str):
@@ -110,14 +122,8 @@ def _from_hub_cache(model_name: str, hub_repo: str | None, hub_filenames: Sequen
         f"No pretrained weights for {model_name!r}: hub repo {hub_repo!r} ({' or '.join(hub_filenames)}) is not in "
         f"the Hugging Face cache at {cache_dir}, and this pipeline does not download. {_HOW_TO_PROVIDE} "
         f"For the hub cache: on a machine with internet run `huggingface-cli download {hub_repo}` and copy its "
-        f"HF_HOME here, or point HF_HOME / HF_HUB_CACHE at a cache that holds it.")
-
-
-_HOW_TO_PROVIDE = (
-    "Provide weights one of these ways: `make <target> WEIGHTS=/path/to/weights` (file or folder); "
-    "`model.weights=/path/to/weights` in the config or on the command line; or pre-populate the Hugging Face hub "
-    "cache. Or train from random initialisation with pretrained=false (or pretrained=auto)."
-)
+        f"HF_HOME here, or point HF_HOME / HF_HUB_CACHE at a cache that holds it."
+    )
 
 
 def hub_cache_dir() -> Path:
@@ -143,8 +149,9 @@ def weight_file(weights: str | os.PathLike) -> Path:
     candidates = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
     if len(candidates) != 1:
         found = ", ".join(p.name for p in candidates) or "none"
-        raise IncompatibleWeights(f"weights folder {path} must hold exactly one weight file "
-                                  f"({', '.join(WEIGHT_SUFFIXES)}); found: {found}")
+        raise IncompatibleWeights(
+            f"weights folder {path} must hold exactly one weight file ({', '.join(WEIGHT_SUFFIXES)}); found: {found}"
+        )
     return candidates[0]
 
 
@@ -164,8 +171,9 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """
     path = Path(path)
     if path.suffix not in STATE_DICT_SUFFIXES:
-        raise IncompatibleWeights(f"{path}: unsupported weights format {path.suffix!r}; "
-                                  f"expected one of {', '.join(STATE_DICT_SUFFIXES)}")
+        raise IncompatibleWeights(
+            f"{path}: unsupported weights format {path.suffix!r}; expected one of {', '.join(STATE_DICT_SUFFIXES)}"
+        )
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -191,8 +199,15 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def without_prefixes(state_dict: Mapping[str, torch.Tensor], prefixes: Sequence[str]) -> dict[str, torch.Tensor]:
     """Drop the entries of modules named in `prefixes` (e.g. the source classifier head, which is never reused)."""
-    return {key: value for key, value in state_dict.items()
-            if not any(key == prefix or key.startswith(prefix + ".") for prefix in prefixes)}
+    return {
+        key: value
+        for key, value in state_dict.items()
+        if not any(key == prefix or key.startswith(prefix + ".") for prefix in prefixes)
+    }
+
+
+# BatchNorm's batch counter: torch fills it in when a checkpoint lacks it, and it is no weight worth naming first.
+_BATCH_COUNTER = "num_batches_tracked"
 
 
 def check_state_dict_fits(
@@ -204,12 +219,23 @@ def check_state_dict_fits(
     shown: int = 5,
 ) -> None:
     """Raise IncompatibleWeights naming the file and the first missing / unexpected / misshapen keys."""
-    missing = [key for key in expected if key not in state_dict]
-    unexpected = [key for key in state_dict if key not in expected]
-    misshapen = [f"{key} {tuple(state_dict[key].shape)} vs {tuple(value.shape)}"
-                 for key, value in expected.items() if key in state_dict and state_dict[key].shape != value.shape]
-    problems = [f"{len(found)} {what} (first: {', '.join(found[:shown])})"
-                for what, found in (("missing keys", missing), ("unexpected keys", unexpected),
-                                    ("shape mismatches, file vs model", misshapen)) if found]
+    missing = [key for key in expected if key not in state_dict and not key.endswith(_BATCH_COUNTER)]
+    unexpected = sorted(
+        (key for key in state_dict if key not in expected), key=lambda key: key.endswith(_BATCH_COUNTER)
+    )
+    misshapen = [
+        f"{key} {tuple(state_dict[key].shape)} vs {tuple(value.shape)}"
+        for key, value in expected.items()
+        if key in state_dict and state_dict[key].shape != value.shape
+    ]
+    problems = [
+        f"{len(found)} {what} (first: {', '.join(found[:shown])})"
+        for what, found in (
+            ("missing keys", missing),
+            ("unexpected keys", unexpected),
+            ("shape mismatches, file vs model", misshapen),
+        )
+        if found
+    ]
     if problems:
         raise IncompatibleWeights(f"{path} does not fit {architecture}: " + "; ".join(problems))

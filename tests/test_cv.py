@@ -1,0 +1,137 @@
+"""The whole `make cv` / `make compare` path on the tiny synthetic twin, in a real sqlite MLflow store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from pipeline.cli import resolve_path
+from pipeline.compare import ComparisonError, run_compare
+from pipeline.cv import run_cv, train_fold
+from pipeline.datamodule import PainDataModule
+from pipeline.module import PainClassifier
+from pipeline.prepare import fold_file_path
+from pipeline.tasks import get_task
+
+# Tiny and fast: a small timm model, 32 px inputs, no workers, two folds.
+FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
+        "loader.batch_size=8", "trainer.max_epochs=3", "trainer.patience=1", "trainer.folds=[0,1]",
+        "augment=light")
+
+
+@pytest.fixture(scope="module")
+def cv_runs(tiny_config) -> dict:
+    """Two backbones cross-validated on the same folds into one sqlite store."""
+    first = run_cv(tiny_config(*FAST))
+    second = run_cv(tiny_config(*FAST, "model=timm", "model.name=resnet10t"))
+    return {"mobilevit_xxs": first, "resnet10t": second}
+
+
+def runs_of(cfg, kind: str):
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    experiment = client.get_experiment_by_name(cfg.mlflow.experiment)
+    return client, client.search_runs([experiment.experiment_id], f"tags.`painvit.run_kind` = '{kind}'")
+
+
+def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -> None:
+    cfg = tiny_config(*FAST)
+    client, parents = runs_of(cfg, "cv")
+    parent = next(r for r in parents if r.data.tags["model"] == "mobilevit_xxs")
+    tags = parent.data.tags
+    assert parent.info.status == "FINISHED"
+    for key in ("model", "dataset", "protocol", "task", "git_commit", "seed", "weights_source", "fold_file_sha256"):
+        assert tags[key], key
+    assert (tags["dataset"], tags["protocol"], tags["task"], tags["weights_source"]) == (
+        "synthetic", "kfold5", "bl1_vs_pa4", "random")
+    for key in ("cv/video_auroc_mean", "cv/video_auroc_std", "cv/frame_accuracy_mean", "pooled/video_accuracy"):
+        assert key in parent.data.metrics, key
+    assert parent.data.params["model.name"] == "mobilevit_xxs"
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"config.yaml", "folds", "folds_summary.csv", "predictions_videos_all_folds.csv"} <= artifacts
+
+    _, children = runs_of(cfg, "fold")
+    children = [c for c in children if c.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(c.data.tags["fold"] for c in children) == ["0", "1"]
+    for child in children:
+        assert child.info.status == "FINISHED"
+        for key in ("test/video_auroc", "test/video_accuracy", "test/video_balanced_accuracy", "test/video_f1",
+                    "test/frame_auroc", "test/frame_accuracy", "best_epoch"):
+            assert key in child.data.metrics, key
+        curve = client.get_metric_history(child.info.run_id, "val/video_auroc")
+        assert [m.step for m in curve] == list(range(len(curve))) and len(curve) >= 2
+        # the test fold is evaluated exactly once
+        assert len(client.get_metric_history(child.info.run_id, "test/video_auroc")) == 1
+        names = {a.path for a in client.list_artifacts(child.info.run_id)}
+        assert {"confusion_video.png", "training_curves.png", "predictions_videos.csv",
+                "accuracy_per_subject.csv"} <= names
+        videos = pd.read_csv(client.download_artifacts(child.info.run_id, "predictions_videos.csv"))
+        assert set(videos.columns) >= {"subject_name", "sample_name", "label", "prob_BL1", "prob_PA4"}
+
+
+def test_mean_over_folds_matches_the_children(cv_runs, tiny_config) -> None:
+    cfg = tiny_config(*FAST)
+    _, parents = runs_of(cfg, "cv")
+    parent = next(r for r in parents if r.data.tags["model"] == "resnet10t")
+    _, children = runs_of(cfg, "fold")
+    scores = [c.data.metrics["test/frame_accuracy"] for c in children
+              if c.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert parent.data.metrics["cv/frame_accuracy_mean"] == pytest.approx(np.mean(scores))
+    assert parent.data.metrics["cv/frame_accuracy_std"] == pytest.approx(np.std(scores, ddof=1))
+
+
+def test_early_stopping_stops(tiny_config, tmp_path: Path) -> None:
+    """With learning rates of zero the validation metric cannot improve: training stops after `patience` epochs.
+
+    A ViT (layer norm, no dropout) so that nothing else changes the network in training mode, unlike batch norm.
+    """
+    cfg = tiny_config(*FAST, "model=timm", "model.name=vit_tiny_patch16_224", "trainer.max_epochs=8",
+                      "trainer.patience=2", "model.optim.head_lr=0", "model.optim.backbone_lr=0")
+    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
+    with mlflow.start_run():
+        result = train_fold(cfg, 0, fold_file_path(cfg), tmp_path)
+    assert result.epochs == 3 and result.best_epoch == 0
+
+
+def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Path) -> None:
+    cfg = tiny_config(*FAST, "trainer.max_epochs=3", "trainer.patience=5")
+    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
+    with mlflow.start_run():
+        result = train_fold(cfg, 1, fold_file_path(cfg), tmp_path)
+    checkpoint = torch.load(tmp_path / "best.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["epoch"] == result.best_epoch
+
+    from pipeline.backbones import create_model
+
+    task = get_task(cfg.task.name)
+    net, _ = create_model(cfg.model.name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
+    module = PainClassifier(net, task.classes)
+    module.load_state_dict(checkpoint["state_dict"])
+    module.eval()
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 1, task,
+                                net.backbone.data_config, {}, num_workers=0)
+    datamodule.setup()
+    with torch.no_grad():
+        probs = torch.cat([module(images).softmax(1) for images, _, _ in datamodule.test_dataloader()])
+    np.testing.assert_allclose(result.predictions["prob_PA4"].to_numpy(), probs[:, 1].numpy(), atol=1e-5)
+
+
+def test_compare_writes_table_and_plot(cv_runs, tiny_config) -> None:
+    cfg = tiny_config(*FAST)
+    result = run_compare(cfg)
+    summary = pd.read_csv(result["paths"]["summary"])
+    assert set(summary.model) == {"mobilevit_xxs", "resnet10t"}
+    assert all(path.stat().st_size > 0 for path in result["paths"]["plots"].values())
+    assert set(result["paired"].model_a) | set(result["paired"].model_b) == {"mobilevit_xxs", "resnet10t"}
+
+
+def test_compare_refuses_mismatched_folds(cv_runs, tiny_config, tmp_path: Path) -> None:
+    other_folds = (*FAST, f"data.manifest_dir={tmp_path}", "seed=7", "trainer.folds=[0]", "trainer.max_epochs=1")
+    run_cv(tiny_config(*other_folds, "model=timm", "model.name=resnet10t"))
+    with pytest.raises(SystemExit, match="fold"):
+        run_compare(tiny_config(*FAST))

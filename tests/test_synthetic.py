@@ -1,0 +1,236 @@
+"""The synthetic twin: BioVid's layout, real mp4 read back by OpenCV, determinism, resuming, detectable faces, pain."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipeline.faces import HaarFaceDetector, detection_rate, read_frames, square_crop
+from pipeline.synthetic import (
+    CONFIG_JSON,
+    PRESETS,
+    SAMPLE_TRUTH_CSV,
+    SUBJECTS_CSV,
+    SyntheticConfig,
+    animate,
+    generate,
+    make_samples,
+    make_subjects,
+)
+from pipeline.tasks import CLASS_NAMES
+
+TINY = PRESETS["tiny"]
+SAMPLES_COLUMNS = ["subject_id", "subject_name", "class_id", "class_name", "sample_id", "sample_name"]
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    """The tiny twin, written with two worker processes."""
+    root = tmp_path_factory.mktemp("synthetic") / "tiny"
+    generate(root, TINY, workers=2, progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_copy(tmp_path_factory) -> Path:
+    """The same twin again, written in-process: must come out identical."""
+    root = tmp_path_factory.mktemp("synthetic_copy") / "tiny"
+    generate(root, TINY, workers=1, progress=False)
+    return root
+
+
+def _samples(root: Path) -> pd.DataFrame:
+    return pd.read_csv(root / "starting_point" / "samples.csv", sep="\t")
+
+
+def _video(root: Path, row) -> Path:
+    return root / "video" / row.subject_name / f"{row.sample_name}.mp4"
+
+
+def test_layout_and_samples_csv(tiny_root):
+    assert sorted(p.name for p in tiny_root.iterdir()) == sorted(
+        [CONFIG_JSON, SAMPLE_TRUTH_CSV, SUBJECTS_CSV, "starting_point", "video"])
+    assert [p.name for p in (tiny_root / "starting_point").iterdir()] == ["samples.csv"]
+    header = (tiny_root / "starting_point" / "samples.csv").read_text().splitlines()[0]
+    assert header.split("\t") == SAMPLES_COLUMNS
+    samples = _samples(tiny_root)
+    assert list(samples.columns) == SAMPLES_COLUMNS
+    assert len(samples) == TINY.n_subjects * len(CLASS_NAMES) * TINY.samples_per_class
+    assert samples.sample_id.tolist() == list(range(len(samples)))
+    assert sorted(samples.class_name.unique()) == list(CLASS_NAMES)
+    assert (samples.class_name.map(CLASS_NAMES.index) == samples.class_id).all()
+    assert samples.subject_name.nunique() == TINY.n_subjects
+    assert samples.groupby("subject_name").subject_id.nunique().eq(1).all()
+    assert samples.groupby(["subject_name", "class_name"]).size().eq(TINY.samples_per_class).all()
+    for row in samples.itertuples():
+        match = re.fullmatch(r"(\d{2})(\d{2})(\d{2})_([wm])_(\d{2})", row.subject_name)
+        assert match, row.subject_name
+        month, day, _, _, age = (int(g) if g.isdigit() else g for g in match.groups())
+        assert 1 <= month <= 12 and 1 <= day <= 31 and 18 <= age <= 65
+        assert re.fullmatch(rf"{row.subject_name}-{row.class_name}-\d{{3}}", row.sample_name), row.sample_name
+        assert _video(tiny_root, row).is_file()
+    numbers = samples.sample_name.str[-3:].astype(int)
+    per_subject = len(CLASS_NAMES) * TINY.samples_per_class
+    for _, group in numbers.groupby(samples.subject_name):
+        assert sorted(group) == list(range(1, per_subject + 1))  # a running number per subject
+    # Shuffled like a presentation order, not BL1 first then PA1 ...
+    assert not all(sorted(g) == g.tolist() for _, g in numbers.groupby(samples.subject_name))
+
+
+def test_no_temporary_or_unlisted_files(tiny_root):
+    listed = {_video(tiny_root, row) for row in _samples(tiny_root).itertuples()}
+    on_disk = {p for p in (tiny_root / "video").rglob("*") if p.is_file()}
+    assert on_disk == listed
+    assert not [p for p in tiny_root.rglob(".*")]
+
+
+def test_videos_read_back_with_opencv(tiny_root):
+    samples = _samples(tiny_root)
+    for row in samples.iloc[:: len(samples) // 5].itertuples():
+        capture = cv2.VideoCapture(str(_video(tiny_root, row)))
+        assert capture.isOpened()
+        assert capture.get(cv2.CAP_PROP_FPS) == pytest.approx(25.0)
+        frames = []
+        while True:
+            ok, frame = capture.read()
+            if not ok:
+                break
+            frames.append(frame)
+        capture.release()
+        assert len(frames) == TINY.n_frames == 138
+        assert frames[0].shape == (TINY.height, TINY.width, 3)
+
+
+def test_ground_truth_tables(tiny_root):
+    subjects = pd.read_csv(tiny_root / SUBJECTS_CSV)
+    samples = _samples(tiny_root)
+    assert sorted(subjects.subject_name) == sorted(samples.subject_name.unique())
+    assert (~subjects.responder).sum() == round(TINY.n_subjects * TINY.non_responder_fraction)
+    assert subjects.expressiveness[~subjects.responder].max() < subjects.expressiveness[subjects.responder].min()
+    truth = pd.read_csv(tiny_root / SAMPLE_TRUTH_CSV)
+    assert truth.sample_name.tolist() == samples.sample_name.tolist()
+    assert (truth.intensity[truth.class_name == "BL1"] == 0).all()
+    assert json.loads((tiny_root / CONFIG_JSON).read_text())["seed"] == TINY.seed
+
+
+def _first_frame(path: Path) -> np.ndarray:
+    return read_frames(path, [0])[0]
+
+
+def test_same_seed_gives_identical_data(tiny_root, tiny_copy):
+    assert (tiny_root / "starting_point" / "samples.csv").read_bytes() == \
+        (tiny_copy / "starting_point" / "samples.csv").read_bytes()
+    assert (tiny_root / SUBJECTS_CSV).read_bytes() == (tiny_copy / SUBJECTS_CSV).read_bytes()
+    for row in _samples(tiny_root).iloc[[0, 17, -1]].itertuples():
+        a, b = read_frames(_video(tiny_root, row), [0, 100]), read_frames(_video(tiny_copy, row), [0, 100])
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[100], b[100])
+
+
+def test_another_seed_gives_other_data(tiny_root, tmp_path):
+    other = dataclasses.replace(TINY, seed=1, n_subjects=1, samples_per_class=1)
+    table = generate(tmp_path / "other", other, workers=1, progress=False)
+    assert not set(table.subject_name) & set(_samples(tiny_root).subject_name)
+    first_other = _first_frame(_video(tmp_path / "other", next(table.itertuples())))
+    first_tiny = _first_frame(_video(tiny_root, next(_samples(tiny_root).itertuples())))
+    assert np.abs(first_other.astype(int) - first_tiny).mean() > 5
+
+
+def test_resume_rewrites_nothing_and_fills_gaps(tiny_copy):
+    files = sorted(p for p in tiny_copy.rglob("*") if p.is_file())
+    mtimes = {p: p.stat().st_mtime_ns for p in files}
+    table = generate(tiny_copy, TINY, workers=2, progress=False)
+    assert {p: p.stat().st_mtime_ns for p in files} == mtimes
+    pd.testing.assert_frame_equal(table, _samples(tiny_copy))
+
+    # A video lost (and a temp file left by a killed run) is written again, identical, and nothing else is touched.
+    row = next(table.iloc[3:].itertuples())
+    video = _video(tiny_copy, row)
+    before = read_frames(video, [0, 60])
+    video.unlink()
+    stale = video.parent / f".{video.stem}.killed.mp4"
+    stale.write_bytes(b"half a video")
+    generate(tiny_copy, TINY, workers=1, progress=False)
+    after = read_frames(video, [0, 60])
+    np.testing.assert_array_equal(before[0], after[0])
+    np.testing.assert_array_equal(before[60], after[60])
+    assert not stale.exists()
+    assert {p: p.stat().st_mtime_ns for p in files if p != video} == {p: t for p, t in mtimes.items() if p != video}
+
+
+def test_resuming_with_another_config_refuses(tiny_root):
+    with pytest.raises(ValueError, match=CONFIG_JSON):
+        generate(tiny_root, dataclasses.replace(TINY, seed=7), workers=1, progress=False)
+
+
+def test_haar_finds_the_faces(tiny_root):
+    samples = _samples(tiny_root)
+    result = detection_rate([_video(tiny_root, row) for row in samples.itertuples()], HaarFaceDetector(),
+                            frames_per_video=8, start_s=2.0)
+    assert result["n_frames"] == 8 * len(samples)
+    assert result["overall"] >= 0.95
+    per_class = samples.assign(rate=[result["per_video"][str(_video(tiny_root, row))] for row in samples.itertuples()]
+                               ).groupby("class_name").rate.mean()
+    assert (per_class >= 0.9).all(), per_class
+
+
+def _face(root: Path, row, frame_index: int, detector: HaarFaceDetector) -> np.ndarray:
+    frame = read_frames(_video(root, row), [frame_index])[frame_index]
+    box = detector.detect(frame)
+    assert box is not None, (row.sample_name, frame_index)
+    return square_crop(frame, box, margin=0.1, size=64).astype(np.float32)
+
+
+def test_pain_visibly_changes_the_face(tiny_root):
+    """At the response peak, a responder's PA4 face differs from their BL1 face more than two BL1 faces differ."""
+    detector = HaarFaceDetector()
+    samples = _samples(tiny_root).set_index("sample_name", drop=False)
+    truth = pd.read_csv(tiny_root / SAMPLE_TRUTH_CSV)
+    responders = pd.read_csv(tiny_root / SUBJECTS_CSV).query("responder").subject_name
+    pain_differences, baseline_differences = [], []
+    for subject in responders:
+        own = truth[truth.subject_name == subject]
+        strongest = own[own.class_name == "PA4"].sort_values("intensity").iloc[-1]
+        baseline_a, baseline_b = own[own.class_name == "BL1"].sample_name.iloc[:2]
+        peak = round(strongest.peak_s * TINY.fps)
+        reference = _face(tiny_root, samples.loc[baseline_a], peak, detector)
+        pain_differences.append(np.abs(_face(tiny_root, samples.loc[strongest.sample_name], peak, detector)
+                                       - reference).mean())
+        baseline_differences.append(np.abs(_face(tiny_root, samples.loc[baseline_b], peak, detector)
+                                           - reference).mean())
+    assert np.mean(pain_differences) > 1.2 * np.mean(baseline_differences), (pain_differences, baseline_differences)
+
+
+def test_pain_response_grows_with_class_and_lags_the_onset():
+    config = PRESETS["default"]
+    subjects = make_subjects(config)
+    samples = make_samples(config, subjects)
+    mean_intensity = pd.Series({c: np.mean([s.intensity for s in samples if s.class_id == c])
+                                for c in range(len(CLASS_NAMES))})
+    assert mean_intensity[0] == 0 and mean_intensity.is_monotonic_increasing and mean_intensity.is_unique
+    responder = next(s for s in subjects if s.responder)
+    strong = max((s for s in samples if s.subject_id == responder.subject_id and s.class_id == 4),
+                 key=lambda s: s.intensity)
+    action_units, pose = animate(config, responder, strong, np.random.default_rng(0))
+    assert action_units.shape == (config.n_frames, 4) and pose.shape == (config.n_frames, 4)
+    brow_lowering = action_units[:, 0]
+    early, peak = brow_lowering[: round(1.5 * config.fps)], brow_lowering[round(strong.peak_s * config.fps)]
+    assert early.max() < 0.25 < peak
+    assert np.argmax(brow_lowering) > round(strong.onset_s * config.fps)
+
+
+def test_presets_and_config_checks():
+    full = PRESETS["full"]
+    assert (full.n_subjects, full.samples_per_class, full.width, full.height) == (87, 20, 1388, 1038)
+    assert set(PRESETS) >= {"tiny", "default", "full"}
+    with pytest.raises(ValueError, match="even"):
+        SyntheticConfig(n_subjects=2, samples_per_class=1, width=161, height=120)
+    with pytest.raises(ValueError, match="class_intensity"):
+        SyntheticConfig(n_subjects=2, samples_per_class=1, width=160, height=120, class_intensity=(0.0, 1.0))
