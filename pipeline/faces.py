@@ -52,8 +52,14 @@ class HaarFaceDetector:
 
     name = "haar"
 
-    def __init__(self, cascade: str = "haarcascade_frontalface_default.xml", scale_factor: float = 1.1,
-                 min_neighbors: int = 5, min_size_fraction: float = 0.15, max_side: int = 480) -> None:
+    def __init__(
+        self,
+        cascade: str = "haarcascade_frontalface_default.xml",
+        scale_factor: float = 1.1,
+        min_neighbors: int = 5,
+        min_size_fraction: float = 0.15,
+        max_side: int = 480,
+    ) -> None:
         if scale_factor <= 1.0:
             raise ValueError(f"scale_factor must be > 1, got {scale_factor}")
         if not 0.0 <= min_size_fraction < 1.0:
@@ -75,12 +81,14 @@ class HaarFaceDetector:
         height, width = grey.shape
         scale = min(1.0, self.max_side / max(height, width))
         if scale < 1.0:
-            grey = cv2.resize(grey, (max(1, round(width * scale)), max(1, round(height * scale))),
-                              interpolation=cv2.INTER_AREA)
+            grey = cv2.resize(
+                grey, (max(1, round(width * scale)), max(1, round(height * scale))), interpolation=cv2.INTER_AREA
+            )
         grey = cv2.equalizeHist(grey)
         min_side = max(1, int(self.min_size_fraction * min(grey.shape)))
-        faces = self.classifier.detectMultiScale(grey, scaleFactor=self.scale_factor, minNeighbors=self.min_neighbors,
-                                                 minSize=(min_side, min_side))
+        faces = self.classifier.detectMultiScale(
+            grey, scaleFactor=self.scale_factor, minNeighbors=self.min_neighbors, minSize=(min_side, min_side)
+        )
         if len(faces) == 0:
             return None
         x, y, w, h = max(faces, key=lambda box: int(box[2]) * int(box[3]))
@@ -164,7 +172,7 @@ def square_crop(frame: np.ndarray, box: Box, margin: float = 0.2, size: int = 22
     right, bottom = left + side, top + side
     if right <= 0 or bottom <= 0 or left >= frame_w or top >= frame_h:
         raise ValueError(f"box {box} lies outside the {frame_w} x {frame_h} frame")
-    inside = frame[max(0, top):min(frame_h, bottom), max(0, left):min(frame_w, right)]
+    inside = frame[max(0, top) : min(frame_h, bottom), max(0, left) : min(frame_w, right)]
     pads = (max(0, -top), max(0, bottom - frame_h), max(0, -left), max(0, right - frame_w))
     if any(pads):
         inside = cv2.copyMakeBorder(inside, *pads, borderType=cv2.BORDER_REPLICATE)
@@ -206,8 +214,9 @@ def read_frames(video_path: str | Path, indices: Iterable[int]) -> dict[int, np.
     return frames
 
 
-def detection_rate(video_paths: Iterable[str | Path], detector: FaceDetector, frames_per_video: int = 8,
-                   start_s: float = 2.0) -> dict:
+def detection_rate(
+    video_paths: Iterable[str | Path], detector: FaceDetector, frames_per_video: int = 8, start_s: float = 2.0
+) -> dict:
     """Fraction of sampled frames (from `start_s` to the end) in which `detector` finds a face.
 
     Returns {"overall", "n_frames", "n_detected", "per_video": {path: fraction}}; a sampled frame that cannot be
@@ -231,5 +240,9 @@ def detection_rate(video_paths: Iterable[str | Path], detector: FaceDetector, fr
         per_video[str(path)] = hits / len(indices) if indices else 0.0
         total += len(indices)
         detected += hits
-    return {"overall": detected / total if total else 0.0, "n_frames": total, "n_detected": detected,
-            "per_video": per_video}
+    return {
+        "overall": detected / total if total else 0.0,
+        "n_frames": total,
+        "n_detected": detected,
+        "per_video": per_video,
+    }

@@ -142,8 +142,10 @@ def _subject_names(config: SyntheticConfig) -> list[tuple[str, bool]]:
     rng = _rng(config.seed, _ROSTER_STREAM)
     names: list[str] = []
     while len(names) < config.n_subjects:
-        name = (f"{rng.integers(1, 13):02d}{rng.integers(1, 29):02d}{rng.integers(9, 17):02d}"
-                f"_{'wm'[rng.integers(0, 2)]}_{rng.integers(18, 66)}")
+        name = (
+            f"{rng.integers(1, 13):02d}{rng.integers(1, 29):02d}{rng.integers(9, 17):02d}"
+            f"_{'wm'[rng.integers(0, 2)]}_{rng.integers(18, 66)}"
+        )
         if name not in names:
             names.append(name)
     n_non = round(config.n_subjects * config.non_responder_fraction)
@@ -177,25 +179,37 @@ def make_subjects(config: SyntheticConfig) -> list[Subject]:
         hair = np.array(HAIR_COLOURS[rng.integers(len(HAIR_COLOURS))]) * rng.uniform(0.85, 1.15)
         style = HAIR_STYLES[rng.choice(5, p=[0.45, 0.05, 0.35, 0.05, 0.1] if male else [0.15, 0.4, 0.0, 0.25, 0.2])]
         back = _background_colour(rng, _luminance(skin) + rng.uniform(-70, 25))
-        subjects.append(Subject(
-            subject_id=index, subject_name=name, responder=responder,
-            expressiveness=float(rng.uniform(0.5, 1.3) if responder else rng.uniform(0.0, 0.08)),
-            au_weights=tuple(float(w) for w in rng.uniform(0.6, 1.2, 4)),
-            skin=tuple(float(c) for c in np.clip(skin, 30, 245)),
-            face_aspect=float(rng.uniform(1.22, 1.42)), face_scale=float(rng.uniform(0.165, 0.205)),
-            head_x=float(rng.uniform(0.44, 0.56)), head_y=float(rng.uniform(0.45, 0.52)),
-            hair_style=style, hair=tuple(float(c) for c in np.clip(hair, 10, 235)),
-            hairline=float(rng.uniform(0.72, 0.9) if style != "receding" else rng.uniform(1.0, 1.15)),
-            glasses=bool(rng.uniform() < 0.25),
-            beard=float(rng.choice([0.0, 0.25, 0.45], p=[0.55, 0.3, 0.15]) if male else 0.0),
-            iris=tuple(float(c) for c in IRIS_COLOURS[rng.integers(len(IRIS_COLOURS))]),
-            eye_spacing=float(rng.uniform(0.37, 0.43)), eye_width=float(rng.uniform(0.17, 0.2)),
-            mouth_width=float(rng.uniform(0.25, 0.32)), brow_thickness=float(rng.uniform(0.06, 0.085)),
-            background=(tuple(float(c) for c in back), tuple(float(c) for c in np.clip(back + rng.normal(0, 25, 3),
-                                                                                       40, 230))),
-            shirt=tuple(float(c) for c in rng.uniform(20, 220, 3)),
-            light_angle=float(rng.uniform(0, 2 * math.pi)), light_strength=float(rng.uniform(0.08, 0.22)),
-        ))
+        subjects.append(
+            Subject(
+                subject_id=index,
+                subject_name=name,
+                responder=responder,
+                expressiveness=float(rng.uniform(0.5, 1.3) if responder else rng.uniform(0.0, 0.08)),
+                au_weights=tuple(float(w) for w in rng.uniform(0.6, 1.2, 4)),
+                skin=tuple(float(c) for c in np.clip(skin, 30, 245)),
+                face_aspect=float(rng.uniform(1.22, 1.42)),
+                face_scale=float(rng.uniform(0.165, 0.205)),
+                head_x=float(rng.uniform(0.44, 0.56)),
+                head_y=float(rng.uniform(0.45, 0.52)),
+                hair_style=style,
+                hair=tuple(float(c) for c in np.clip(hair, 10, 235)),
+                hairline=float(rng.uniform(0.72, 0.9) if style != "receding" else rng.uniform(1.0, 1.15)),
+                glasses=bool(rng.uniform() < 0.25),
+                beard=float(rng.choice([0.0, 0.25, 0.45], p=[0.55, 0.3, 0.15]) if male else 0.0),
+                iris=tuple(float(c) for c in IRIS_COLOURS[rng.integers(len(IRIS_COLOURS))]),
+                eye_spacing=float(rng.uniform(0.37, 0.43)),
+                eye_width=float(rng.uniform(0.17, 0.2)),
+                mouth_width=float(rng.uniform(0.25, 0.32)),
+                brow_thickness=float(rng.uniform(0.06, 0.085)),
+                background=(
+                    tuple(float(c) for c in back),
+                    tuple(float(c) for c in np.clip(back + rng.normal(0, 25, 3), 40, 230)),
+                ),
+                shirt=tuple(float(c) for c in rng.uniform(20, 220, 3)),
+                light_angle=float(rng.uniform(0, 2 * math.pi)),
+                light_strength=float(rng.uniform(0.08, 0.22)),
+            )
+        )
     return subjects
 
 
@@ -226,12 +240,18 @@ def make_samples(config: SyntheticConfig, subjects: list[Subject]) -> list[Sampl
             intensity *= math.exp(rng.normal(0.0, config.sample_variability))
             if rng.uniform() < config.missed_response_probability:
                 intensity *= rng.uniform(0.0, 0.3)
-            samples.append(Sample(
-                subject_id=subject.subject_id, class_id=class_id, number=number, sample_id=0,
-                sample_name=f"{subject.subject_name}-{CLASS_NAMES[class_id]}-{number:03d}",
-                intensity=float(min(intensity, 1.3)), onset_s=float(rng.uniform(*config.onset_s)),
-                peak_s=float(rng.uniform(*config.peak_s)),
-            ))
+            samples.append(
+                Sample(
+                    subject_id=subject.subject_id,
+                    class_id=class_id,
+                    number=number,
+                    sample_id=0,
+                    sample_name=f"{subject.subject_name}-{CLASS_NAMES[class_id]}-{number:03d}",
+                    intensity=float(min(intensity, 1.3)),
+                    onset_s=float(rng.uniform(*config.onset_s)),
+                    peak_s=float(rng.uniform(*config.peak_s)),
+                )
+            )
     samples.sort(key=lambda s: (s.subject_id, s.class_id, s.number))
     return [dataclasses.replace(sample, sample_id=index) for index, sample in enumerate(samples)]
 
@@ -242,8 +262,9 @@ def _smoothstep(x: np.ndarray) -> np.ndarray:
     return x * x * (3 - 2 * x)
 
 
-def animate(config: SyntheticConfig, subject: Subject, sample: Sample, rng: np.random.Generator
-            ) -> tuple[np.ndarray, np.ndarray]:
+def animate(
+    config: SyntheticConfig, subject: Subject, sample: Sample, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-frame action units (AU4, AU6/7, AU9/10, eye closure) in [0, 1] and head pose (dx, dy, roll, scale).
 
     Pose offsets are in face half-widths, roll in radians.
@@ -255,8 +276,12 @@ def animate(config: SyntheticConfig, subject: Subject, sample: Sample, rng: np.r
     pain = sample.intensity * rise * decay * wobble
 
     def fidget(amplitude: float) -> np.ndarray:  # small spontaneous movement, present in every class
-        return amplitude * rng.uniform(0, 1) * 0.5 * (1 + np.sin(2 * math.pi * rng.uniform(0.1, 0.5) * t
-                                                               + rng.uniform(0, 2 * math.pi)))
+        return (
+            amplitude
+            * rng.uniform(0, 1)
+            * 0.5
+            * (1 + np.sin(2 * math.pi * rng.uniform(0.1, 0.5) * t + rng.uniform(0, 2 * math.pi)))
+        )
 
     w4, w67, w910, w43 = subject.au_weights
     au4 = w4 * pain + fidget(0.15)
@@ -271,13 +296,22 @@ def animate(config: SyntheticConfig, subject: Subject, sample: Sample, rng: np.r
     def drift(amplitude: float) -> np.ndarray:
         out = np.zeros_like(t)
         for _ in range(2):
-            out += amplitude * rng.normal() * np.sin(2 * math.pi * rng.uniform(0.05, 0.45) * t
-                                                      + rng.uniform(0, 2 * math.pi))
+            out += (
+                amplitude
+                * rng.normal()
+                * np.sin(2 * math.pi * rng.uniform(0.05, 0.45) * t + rng.uniform(0, 2 * math.pi))
+            )
         return out
 
-    pose = np.stack([rng.normal(0, 0.04) + drift(0.015), rng.normal(0, 0.04) + drift(0.015),
-                     math.radians(rng.normal(0, 2.0)) + drift(math.radians(0.6)),
-                     1.0 + rng.normal(0, 0.015) + drift(0.006)], axis=1)
+    pose = np.stack(
+        [
+            rng.normal(0, 0.04) + drift(0.015),
+            rng.normal(0, 0.04) + drift(0.015),
+            math.radians(rng.normal(0, 2.0)) + drift(math.radians(0.6)),
+            1.0 + rng.normal(0, 0.015) + drift(0.006),
+        ],
+        axis=1,
+    )
     return action_units, pose
 
 
@@ -306,8 +340,9 @@ def _arc(u0: float, u1: float, v: float, bulge: float) -> np.ndarray:
     return _curve(u0 + (u1 - u0) * _UNIT, v + bulge * _UNIT_BUMP)
 
 
-def _ellipse_points(cu: float, cv: float, au: float, av: float, start_deg: float = 0.0, end_deg: float | None = None,
-                    n: int = 17) -> np.ndarray:
+def _ellipse_points(
+    cu: float, cv: float, au: float, av: float, start_deg: float = 0.0, end_deg: float | None = None, n: int = 17
+) -> np.ndarray:
     if end_deg is None:
         return _CIRCLE * (au, av) + (cu, cv)
     angles = np.radians(np.linspace(start_deg, end_deg, n))
@@ -358,12 +393,13 @@ class _Shapes:
         pixels = np.rint((points @ linear.T + offset) * _ONE).astype(np.int32)
         start = 0
         for shape_points, colour, width, closed in self.items:
-            part, start = pixels[start:start + len(shape_points)], start + len(shape_points)
+            part, start = pixels[start : start + len(shape_points)], start + len(shape_points)
             if width == 0.0:
                 cv2.fillPoly(image, [part], colour, cv2.LINE_AA, _SHIFT)
             else:
-                cv2.polylines(image, [part], closed, colour, max(1, round(width * pixels_per_unit)), cv2.LINE_AA,
-                              _SHIFT)
+                cv2.polylines(
+                    image, [part], closed, colour, max(1, round(width * pixels_per_unit)), cv2.LINE_AA, _SHIFT
+                )
         self.items.clear()
 
 
@@ -375,8 +411,15 @@ class FaceRenderer:
     region is warped each frame (warping the whole frame costs more than everything else together).
     """
 
-    def __init__(self, subject: Subject, width: int, height: int, base_pose: np.ndarray, noise_sigma: float,
-                 rng: np.random.Generator):
+    def __init__(
+        self,
+        subject: Subject,
+        width: int,
+        height: int,
+        base_pose: np.ndarray,
+        noise_sigma: float,
+        rng: np.random.Generator,
+    ):
         self.subject, self.width, self.height = subject, width, height
         self.half_width = subject.face_scale * height
         self.centre = np.array([subject.head_x * width, subject.head_y * height])
@@ -397,8 +440,12 @@ class FaceRenderer:
         b = subject.face_aspect
         x0, y0 = self.base_offset + self.half_width * np.array([-1.45, -b - 0.6])
         x1, y1 = self.base_offset + self.half_width * np.array([1.45, b + 1.0])
-        self.head_box = (max(0, int(x0)), max(0, int(y0)), min(width, int(math.ceil(x1))),
-                         min(height, int(math.ceil(y1))))
+        self.head_box = (
+            max(0, int(x0)),
+            max(0, int(y0)),
+            min(width, int(math.ceil(x1))),
+            min(height, int(math.ceil(y1))),
+        )
 
     def _pose_transform(self, pose: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Face-local -> pixel map (linear part, offset) for a pose (dx, dy in half-widths, roll, scale)."""
@@ -413,8 +460,8 @@ class FaceRenderer:
     def _light_gain(self) -> np.ndarray:
         """Lighting from one side (the lamp does not move with the head: it is baked in before any head motion)."""
         s = self.subject
-        ys, xs = np.mgrid[0:self.height, 0:self.width].astype(np.float32)
-        along = ((xs - self.centre[0]) * math.cos(s.light_angle) + (ys - self.centre[1]) * math.sin(s.light_angle))
+        ys, xs = np.mgrid[0 : self.height, 0 : self.width].astype(np.float32)
+        along = (xs - self.centre[0]) * math.cos(s.light_angle) + (ys - self.centre[1]) * math.sin(s.light_angle)
         return np.clip(0.97 + s.light_strength * along / (1.5 * self.half_width), 0.55, 1.35)
 
     def _static_layer(self, light: np.ndarray) -> np.ndarray:
@@ -422,8 +469,9 @@ class FaceRenderer:
         skin = s.skin
         ramp = np.linspace(0.0, 1.0, self.height, dtype=np.float32)[:, None, None]
         top, bottom = np.array(s.background[0], np.float32), np.array(s.background[1], np.float32)
-        image = np.ascontiguousarray(np.broadcast_to(top + ramp * (bottom - top), (self.height, self.width, 3))
-                                     .astype(np.uint8))
+        image = np.ascontiguousarray(
+            np.broadcast_to(top + ramp * (bottom - top), (self.height, self.width, 3)).astype(np.uint8)
+        )
         shapes.ellipse(0.0, b + 1.9, 2.5, 1.3, s.shirt)  # shoulders
         if s.hair_style == "long":
             shapes.fill(np.array([[-1.2, -0.4], [-1.35, b + 1.0], [1.35, b + 1.0], [1.2, -0.4]]), s.hair)
@@ -490,9 +538,13 @@ class FaceRenderer:
         corner = np.array([x0, y0], dtype=float)
         shift = motion @ (corner - self.base_offset) + offset - corner
         frame = self.static.copy()
-        frame[y0:y1, x0:x1] = cv2.warpAffine(self.static[y0:y1, x0:x1], np.hstack([motion, shift[:, None]]),
-                                             (x1 - x0, y1 - y0), flags=cv2.INTER_LINEAR,
-                                             borderMode=cv2.BORDER_REPLICATE)
+        frame[y0:y1, x0:x1] = cv2.warpAffine(
+            self.static[y0:y1, x0:x1],
+            np.hstack([motion, shift[:, None]]),
+            (x1 - x0, y1 - y0),
+            flags=cv2.INTER_LINEAR,
+            borderMode=cv2.BORDER_REPLICATE,
+        )
         au4, au67, au910, closure = (float(v) for v in action_units)
         self._brows(au4)
         for side in (-1, 1):
@@ -524,8 +576,8 @@ class FaceRenderer:
         upper_height = 0.095 * (1 - 0.3 * au67) * opening
         lower_height = 0.055 * (1 - 0.7 * au67) * opening
         u = u0 + width * _SYMMETRIC
-        shape = 1 - _SYMMETRIC ** 2
-        upper = v0 - upper_height * shape ** 0.8
+        shape = 1 - _SYMMETRIC**2
+        upper = v0 - upper_height * shape**0.8
         lower = v0 + lower_height * shape
         if opening > 0.08:
             self.shapes.fill(_band(u, upper, lower), (225.0, 230.0, 235.0))
@@ -535,8 +587,8 @@ class FaceRenderer:
                 ui = iris_u + radius * _SYMMETRIC
                 half = radius * np.sqrt(shape)
                 xn = np.clip((ui - u0) / width, -1.0, 1.0)
-                top = np.maximum(iris_v - half, v0 - upper_height * (1 - xn ** 2) ** 0.8)
-                bottom = np.maximum(top, np.minimum(iris_v + half, v0 + lower_height * (1 - xn ** 2)))
+                top = np.maximum(iris_v - half, v0 - upper_height * (1 - xn**2) ** 0.8)
+                bottom = np.maximum(top, np.minimum(iris_v + half, v0 + lower_height * (1 - xn**2)))
                 self.shapes.fill(_band(ui, top, bottom), colour)
         self.shapes.line(_curve(u, upper), self.dark, 0.035)  # lash line: stays dark when the eye closes
         self.shapes.line(_curve(u, lower), _scaled(self.skin, 0.65), 0.015)
@@ -547,13 +599,15 @@ class FaceRenderer:
         s, shapes = self.subject, self.shapes
         if au4 > 0.1:  # vertical furrows between the lowered brows
             for side in (-1, 1):
-                shapes.line(np.array([[side * 0.05, -0.32], [side * 0.06, -0.15]]),
-                            _mix(self.skin, self.dark, 0.7 * au4), 0.02)
+                shapes.line(
+                    np.array([[side * 0.05, -0.32], [side * 0.06, -0.15]]), _mix(self.skin, self.dark, 0.7 * au4), 0.02
+                )
         if au67 > 0.1:  # raised cheeks: a furrow under the lower lid
             for side in (-1, 1):
                 u0 = side * s.eye_spacing
-                shapes.line(_arc(u0 - 0.17, u0 + 0.17, 0.12 - 0.02 * au67, 0.05),
-                            _mix(self.skin, self.dark, 0.6 * au67), 0.02)
+                shapes.line(
+                    _arc(u0 - 0.17, u0 + 0.17, 0.12 - 0.02 * au67, 0.05), _mix(self.skin, self.dark, 0.6 * au67), 0.02
+                )
         if au910 > 0.1:  # nose wrinkle
             for v in (-0.06, 0.0, 0.06):
                 shapes.line(_arc(-0.08, 0.08, v, -0.02), _mix(self.skin, self.dark, 0.6 * au910), 0.015)
@@ -561,13 +615,14 @@ class FaceRenderer:
             fold = np.array([[0.17 * side, 0.47], [0.26 * side, 0.62], [0.33 * side, 0.78], [0.36 * side, 0.92]])
             fold[:, 1] -= 0.04 * au910
             shapes.line(fold, _mix(self.skin, self.dark, 0.2 + 0.5 * au910), 0.02)
-            shapes.ellipse(side * 0.07, 0.53 - 0.03 * au910, 0.035 * (1 + 0.4 * au910), 0.018,
-                           (35.0, 35.0, 45.0))  # nostril
+            shapes.ellipse(
+                side * 0.07, 0.53 - 0.03 * au910, 0.035 * (1 + 0.4 * au910), 0.018, (35.0, 35.0, 45.0)
+            )  # nostril
 
     def _mouth(self, au910: float) -> None:
         s, shapes = self.subject, self.shapes
         centre, x = 0.82, _SYMMETRIC
-        shape = 1 - x ** 2
+        shape = 1 - x**2
         u = s.mouth_width * (1 + 0.1 * au910) * x
         lift = 0.07 * au910  # upper-lip raise opens the mouth
         upper_bottom = centre - lift * shape
@@ -618,9 +673,12 @@ def video_is_complete(path: Path, config: SyntheticConfig) -> bool:
         return False
     capture = cv2.VideoCapture(str(path))
     try:
-        return (capture.isOpened() and int(capture.get(cv2.CAP_PROP_FRAME_COUNT)) == config.n_frames
-                and int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)) == config.width
-                and int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT)) == config.height)
+        return (
+            capture.isOpened()
+            and int(capture.get(cv2.CAP_PROP_FRAME_COUNT)) == config.n_frames
+            and int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)) == config.width
+            and int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT)) == config.height
+        )
     finally:
         capture.release()
 
@@ -630,8 +688,9 @@ def write_video(path: Path, config: SyntheticConfig, subject: Subject, sample: S
     for stale in path.parent.glob(f".{path.stem}.*{path.suffix}"):  # left by a killed run
         stale.unlink(missing_ok=True)
     with atomic_path(path) as tmp:
-        writer = cv2.VideoWriter(str(tmp), cv2.VideoWriter_fourcc(*config.fourcc), config.fps,
-                                 (config.width, config.height))
+        writer = cv2.VideoWriter(
+            str(tmp), cv2.VideoWriter_fourcc(*config.fourcc), config.fps, (config.width, config.height)
+        )
         if not writer.isOpened():
             raise RuntimeError(f"OpenCV cannot write {config.fourcc} video to {tmp}")
         try:
@@ -653,8 +712,13 @@ def _init_worker() -> None:
 def samples_table(subjects: list[Subject], samples: list[Sample]) -> pd.DataFrame:
     """The samples.csv rows, in BioVid's column order."""
     names = {s.subject_id: s.subject_name for s in subjects}
-    return pd.DataFrame([(s.subject_id, names[s.subject_id], s.class_id, CLASS_NAMES[s.class_id], s.sample_id,
-                          s.sample_name) for s in samples], columns=list(SAMPLES_COLUMNS))
+    return pd.DataFrame(
+        [
+            (s.subject_id, names[s.subject_id], s.class_id, CLASS_NAMES[s.class_id], s.sample_id, s.sample_name)
+            for s in samples
+        ],
+        columns=list(SAMPLES_COLUMNS),
+    )
 
 
 def _subjects_table(subjects: list[Subject]) -> pd.DataFrame:
@@ -669,10 +733,13 @@ def _subjects_table(subjects: list[Subject]) -> pd.DataFrame:
 
 def _truth_table(subjects: list[Subject], samples: list[Sample]) -> pd.DataFrame:
     names = {s.subject_id: s.subject_name for s in subjects}
-    return pd.DataFrame([(names[s.subject_id], s.sample_name, CLASS_NAMES[s.class_id], s.intensity, s.onset_s,
-                          s.peak_s) for s in samples],
-                        columns=["subject_name", "sample_name", "class_name", "intensity", "onset_s", "peak_s"]
-                        ).round(4)
+    return pd.DataFrame(
+        [
+            (names[s.subject_id], s.sample_name, CLASS_NAMES[s.class_id], s.intensity, s.onset_s, s.peak_s)
+            for s in samples
+        ],
+        columns=["subject_name", "sample_name", "class_name", "intensity", "onset_s", "peak_s"],
+    ).round(4)
 
 
 def _write_if_changed(path: Path, text: str) -> None:
@@ -686,8 +753,10 @@ def _check_config(root: Path, config: SyntheticConfig) -> str:
     text = json.dumps(dataclasses.asdict(config), indent=2, sort_keys=True) + "\n"
     path = root / CONFIG_JSON
     if path.is_file() and json.loads(path.read_text(encoding="utf-8")) != json.loads(text):
-        raise ValueError(f"{path} was written with another synthetic config; generate into a new folder or delete "
-                         f"{root} (found {path.read_text(encoding='utf-8').strip()}, asked for {config})")
+        raise ValueError(
+            f"{path} was written with another synthetic config; generate into a new folder or delete "
+            f"{root} (found {path.read_text(encoding='utf-8').strip()}, asked for {config})"
+        )
     return text
 
 

@@ -56,7 +56,8 @@ def _video(root: Path, row) -> Path:
 
 def test_layout_and_samples_csv(tiny_root):
     assert sorted(p.name for p in tiny_root.iterdir()) == sorted(
-        [CONFIG_JSON, SAMPLE_TRUTH_CSV, SUBJECTS_CSV, "starting_point", "video"])
+        [CONFIG_JSON, SAMPLE_TRUTH_CSV, SUBJECTS_CSV, "starting_point", "video"]
+    )
     assert [p.name for p in (tiny_root / "starting_point").iterdir()] == ["samples.csv"]
     header = (tiny_root / "starting_point" / "samples.csv").read_text().splitlines()[0]
     assert header.split("\t") == SAMPLES_COLUMNS
@@ -125,8 +126,9 @@ def _first_frame(path: Path) -> np.ndarray:
 
 
 def test_same_seed_gives_identical_data(tiny_root, tiny_copy):
-    assert (tiny_root / "starting_point" / "samples.csv").read_bytes() == \
-        (tiny_copy / "starting_point" / "samples.csv").read_bytes()
+    assert (tiny_root / "starting_point" / "samples.csv").read_bytes() == (
+        tiny_copy / "starting_point" / "samples.csv"
+    ).read_bytes()
     assert (tiny_root / SUBJECTS_CSV).read_bytes() == (tiny_copy / SUBJECTS_CSV).read_bytes()
     for row in _samples(tiny_root).iloc[[0, 17, -1]].itertuples():
         a, b = read_frames(_video(tiny_root, row), [0, 100]), read_frames(_video(tiny_copy, row), [0, 100])
@@ -172,12 +174,16 @@ def test_resuming_with_another_config_refuses(tiny_root):
 
 def test_haar_finds_the_faces(tiny_root):
     samples = _samples(tiny_root)
-    result = detection_rate([_video(tiny_root, row) for row in samples.itertuples()], HaarFaceDetector(),
-                            frames_per_video=8, start_s=2.0)
+    result = detection_rate(
+        [_video(tiny_root, row) for row in samples.itertuples()], HaarFaceDetector(), frames_per_video=8, start_s=2.0
+    )
     assert result["n_frames"] == 8 * len(samples)
     assert result["overall"] >= 0.95
-    per_class = samples.assign(rate=[result["per_video"][str(_video(tiny_root, row))] for row in samples.itertuples()]
-                               ).groupby("class_name").rate.mean()
+    per_class = (
+        samples.assign(rate=[result["per_video"][str(_video(tiny_root, row))] for row in samples.itertuples()])
+        .groupby("class_name")
+        .rate.mean()
+    )
     assert (per_class >= 0.9).all(), per_class
 
 
@@ -201,10 +207,12 @@ def test_pain_visibly_changes_the_face(tiny_root):
         baseline_a, baseline_b = own[own.class_name == "BL1"].sample_name.iloc[:2]
         peak = round(strongest.peak_s * TINY.fps)
         reference = _face(tiny_root, samples.loc[baseline_a], peak, detector)
-        pain_differences.append(np.abs(_face(tiny_root, samples.loc[strongest.sample_name], peak, detector)
-                                       - reference).mean())
-        baseline_differences.append(np.abs(_face(tiny_root, samples.loc[baseline_b], peak, detector)
-                                           - reference).mean())
+        pain_differences.append(
+            np.abs(_face(tiny_root, samples.loc[strongest.sample_name], peak, detector) - reference).mean()
+        )
+        baseline_differences.append(
+            np.abs(_face(tiny_root, samples.loc[baseline_b], peak, detector) - reference).mean()
+        )
     assert np.mean(pain_differences) > 1.2 * np.mean(baseline_differences), (pain_differences, baseline_differences)
 
 
@@ -212,12 +220,14 @@ def test_pain_response_grows_with_class_and_lags_the_onset():
     config = PRESETS["default"]
     subjects = make_subjects(config)
     samples = make_samples(config, subjects)
-    mean_intensity = pd.Series({c: np.mean([s.intensity for s in samples if s.class_id == c])
-                                for c in range(len(CLASS_NAMES))})
+    mean_intensity = pd.Series(
+        {c: np.mean([s.intensity for s in samples if s.class_id == c]) for c in range(len(CLASS_NAMES))}
+    )
     assert mean_intensity[0] == 0 and mean_intensity.is_monotonic_increasing and mean_intensity.is_unique
     responder = next(s for s in subjects if s.responder)
-    strong = max((s for s in samples if s.subject_id == responder.subject_id and s.class_id == 4),
-                 key=lambda s: s.intensity)
+    strong = max(
+        (s for s in samples if s.subject_id == responder.subject_id and s.class_id == 4), key=lambda s: s.intensity
+    )
     action_units, pose = animate(config, responder, strong, np.random.default_rng(0))
     assert action_units.shape == (config.n_frames, 4) and pose.shape == (config.n_frames, 4)
     brow_lowering = action_units[:, 0]

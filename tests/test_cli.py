@@ -1,0 +1,101 @@
+"""The front door: config composition, `python -m pipeline data` / `aug-preview` on a fresh folder, `make ui`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import cv2
+import pandas as pd
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from pipeline import PROJECT_ROOT
+from pipeline.cli import load_config
+from tests.conftest import tiny_overrides
+
+
+def run_pipeline(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_config_composes_groups_and_rejects_unknown_keys() -> None:
+    cfg = load_config(["model=cvt_13", "protocol=loso", "task=five_class"])
+    assert (cfg.model.name, cfg.protocol.name, cfg.task.name) == ("cvt_13", "loso", "five_class")
+    assert cfg.fold_file.endswith("loso_all.csv")
+    biovid = load_config(["data=biovid", "data.root=/somewhere"])
+    assert biovid.model.pretrained is True and biovid.fold_file.endswith("data_manifests/biovid/kfold5_all87.csv")
+    with pytest.raises(ConfigCompositionException):
+        load_config(["model.optim.head_rate=1"])
+    with pytest.raises(ValueError, match="adding keys is not allowed"):
+        load_config(["+trainer.new_key=1"])
+
+
+def test_data_command_on_a_fresh_folder(tmp_path: Path) -> None:
+    """Generate the twin, crop faces and write folds from nothing, as `make data` does."""
+    result = run_pipeline("data", *tiny_overrides(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "data ready" in result.stdout
+    samples = pd.read_csv(tmp_path / "raw" / "starting_point" / "samples.csv", sep="\t")
+    frames = pd.read_csv(tmp_path / "processed" / "frames.csv")
+    failures = pd.read_csv(tmp_path / "processed" / "failures.csv")
+    assert frames.sample_name.nunique() + len(failures) == len(samples)
+    assert json.loads((tmp_path / "processed" / "preprocess.json").read_text())["frames_per_video"] == 3
+    folds = pd.read_csv(tmp_path / "manifests" / "kfold5_all.csv")
+    assert folds.fold.nunique() == 5 and set(folds.role) == {"train", "val", "test"}
+    # a rerun resumes: nothing is processed again
+    again = run_pipeline("data", *tiny_overrides(tmp_path))
+    assert again.returncode == 0 and "0 processed now" in again.stdout
+
+
+def test_biovid_without_root_says_how_to_set_it(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "BIOVID_ROOT"}
+    result = subprocess.run([sys.executable, "-m", "pipeline", "data", "data=biovid"], cwd=PROJECT_ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "BIOVID_ROOT=" in result.stderr
+    result = run_pipeline("data", "data=biovid", f"data.root={tmp_path}")
+    assert result.returncode != 0 and "not a BioVid Part A folder" in result.stderr
+
+
+def test_aug_preview_writes_a_png(tiny_base: Path) -> None:
+    result = run_pipeline("aug-preview", *tiny_overrides(tiny_base, "model=mobilevit_xxs", "model.img_size=64"))
+    assert result.returncode == 0, result.stderr
+    image = cv2.imread(str(tiny_base / "reports" / "aug_preview_synthetic_mobilevit_xxs.png"))
+    assert image is not None and image.shape[0] > 64 and image.shape[1] > 64
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_make_ui_serves_the_store(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'ui.db'}"}
+    server = subprocess.Popen(["make", "--no-print-directory", "ui", f"MLFLOW_PORT={port}"], cwd=PROJECT_ROOT,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                    assert response.status == 200
+                    break
+            except OSError:
+                assert server.poll() is None, "make ui exited"
+                assert time.time() < deadline, "the MLflow UI did not come up within 120 s"
+                time.sleep(1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as response:
+            assert b"MLflow" in response.read()
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
