@@ -12,7 +12,7 @@ import torch
 from mlflow import MlflowClient
 
 from pipeline.cli import resolve_path
-from pipeline.compare import ComparisonError, run_compare
+from pipeline.compare import run_compare
 from pipeline.cv import run_cv, train_fold
 from pipeline.datamodule import PainDataModule
 from pipeline.module import PainClassifier
