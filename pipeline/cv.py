@@ -139,7 +139,8 @@ def train_fold(cfg: DictConfig, fold: int, fold_file: Path, work_dir: Path) -> F
         resolve_path(cfg.data.processed_dir), fold_file, fold, task, net.backbone.data_config,
         OmegaConf.to_container(cfg.augment), batch_size=cfg.loader.batch_size,
         eval_batch_size=cfg.loader.eval_batch_size, num_workers=cfg.loader.num_workers,
-        balanced_sampling=cfg.loader.balanced_sampling, seed=cfg.seed)
+        balanced_sampling=cfg.loader.balanced_sampling, seed=cfg.seed,
+        frames_per_video=cfg.loader.frames_per_video)
     datamodule.setup()
     train_labels = datamodule.frames("train")["label"].to_numpy()
     module = PainClassifier(

@@ -90,6 +90,22 @@ def class_balanced_weights(labels: np.ndarray) -> np.ndarray:
     return 1.0 / counts[labels]
 
 
+def evenly_spaced_frames(frames: pd.DataFrame, per_video: int) -> pd.DataFrame:
+    """Keep `per_video` crops of each video, evenly spread over its sampled frames (all of them if it has fewer).
+
+    Lets a slow backbone train on fewer crops per clip without re-running the face-crop preprocessing.
+    """
+    ordered = frames.sort_values(["subject_name", "sample_name", "frame_index"])
+    position = ordered.groupby(["subject_name", "sample_name"]).cumcount().to_numpy()
+    count = ordered.groupby(["subject_name", "sample_name"])["frame_index"].transform("size").to_numpy()
+    # the k-th kept crop of a video with n crops is at round(k * (n - 1) / (per_video - 1))
+    keep = np.zeros(len(ordered), dtype=bool)
+    for n in np.unique(count):
+        wanted = np.unique(np.linspace(0, n - 1, min(per_video, n)).round().astype(int))
+        keep |= (count == n) & np.isin(position, wanted)
+    return ordered[keep].sort_index()
+
+
 class PainDataModule(pl.LightningDataModule):
     """Train / val / test frames of fold `fold` in `fold_file` for `task`, over the crops in `processed_dir`."""
 
@@ -109,6 +125,7 @@ class PainDataModule(pl.LightningDataModule):
         pin_memory: bool | None = None,
         persistent_workers: bool = True,
         prefetch_factor: int = 4,
+        frames_per_video: int | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
@@ -127,6 +144,9 @@ class PainDataModule(pl.LightningDataModule):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.persistent_workers = persistent_workers and self.num_workers > 0
         self.prefetch_factor = prefetch_factor
+        if frames_per_video is not None and frames_per_video < 1:
+            raise ValueError(f"frames_per_video must be >= 1 or None, got {frames_per_video}")
+        self.frames_per_video = frames_per_video
         # Built now so that a bad augment config fails before any data is read.
         self.train_transform = build_train_transform(data_config, augment)
         self.eval_transform = build_eval_transform(data_config)
@@ -156,6 +176,8 @@ class PainDataModule(pl.LightningDataModule):
             )
         task_frames = table[table["class_name"].isin(self.task.classes)].copy()
         task_frames["label"] = task_frames["class_name"].map(self.task.label_map()).astype(np.int64)
+        if self.frames_per_video is not None:
+            task_frames = evenly_spaced_frames(task_frames, self.frames_per_video)
         splits = {}
         for role in ROLES:
             rows = task_frames[task_frames["subject_name"].isin(roles[role])]

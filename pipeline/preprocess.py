@@ -168,7 +168,8 @@ def _run(samples: list[dict], out_dir: Path, config: PreprocessConfig, workers: 
         _init_worker(out_dir, config)
         yield from map(_work, samples)
         return
-    context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    # forkserver: forking a parent whose OpenCV threads already ran can deadlock the children
+    context = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
     with context.Pool(workers, initializer=_init_worker, initargs=(out_dir, config)) as pool:
         yield from pool.imap_unordered(_work, samples, chunksize=1)
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import multiprocessing
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from multiprocessing import Pool
 from pathlib import Path
 
 import cv2
@@ -64,7 +64,7 @@ class SyntheticConfig:
     non_responder_fraction: float = 0.15
     class_intensity: tuple[float, ...] = (0.0, 0.3, 0.5, 0.75, 1.0)  # mean peak response per class, BL1..PA4
     sample_variability: float = 0.3  # log-normal sigma of a sample's response around its class/subject mean
-    missed_response_probability: float = 0.1  # a responder shows (almost) nothing on this share of pain samples
+    missed_response_probability: float = 0.05  # a responder shows (almost) nothing on this share of pain samples
     onset_s: tuple[float, float] = (1.8, 2.6)  # the response starts in this window (uniform)
     peak_s: tuple[float, float] = (3.5, 5.0)  # and reaches its peak in this one
     blink_rate_hz: float = 0.3  # spontaneous blinks, in every class
@@ -238,8 +238,9 @@ def make_samples(config: SyntheticConfig, subjects: list[Subject]) -> list[Sampl
             rng = _rng(config.seed, _VIDEO_STREAM, subject.subject_id, number, 0)
             intensity = config.class_intensity[class_id] * subject.expressiveness
             intensity *= math.exp(rng.normal(0.0, config.sample_variability))
-            if rng.uniform() < config.missed_response_probability:
-                intensity *= rng.uniform(0.0, 0.3)
+            missed, damping = rng.uniform() < config.missed_response_probability, rng.uniform(0.0, 0.3)
+            if missed:
+                intensity *= damping
             samples.append(
                 Sample(
                     subject_id=subject.subject_id,
@@ -305,10 +306,10 @@ def animate(
 
     pose = np.stack(
         [
-            rng.normal(0, 0.04) + drift(0.015),
-            rng.normal(0, 0.04) + drift(0.015),
-            math.radians(rng.normal(0, 2.0)) + drift(math.radians(0.6)),
-            1.0 + rng.normal(0, 0.015) + drift(0.006),
+            rng.normal(0, 0.02) + drift(0.015),
+            rng.normal(0, 0.02) + drift(0.015),
+            math.radians(rng.normal(0, 1.0)) + drift(math.radians(0.6)),
+            1.0 + rng.normal(0, 0.008) + drift(0.006),
         ],
         axis=1,
     )
@@ -453,12 +454,12 @@ class FaceRenderer:
         rotation = scale * np.array([[math.cos(roll), -math.sin(roll)], [math.sin(roll), math.cos(roll)]])
         return self.half_width * rotation, self.centre + self.half_width * np.array([dx, dy])
 
-    def _identity(self) -> tuple[np.ndarray, np.ndarray]:
+    def _base_transform(self) -> tuple[np.ndarray, np.ndarray]:
         return self.base_linear, self.base_offset
 
     # -- the parts that do not move relative to the head
     def _light_gain(self) -> np.ndarray:
-        """Lighting from one side (the lamp does not move with the head: it is baked in before any head motion)."""
+        """Multiplicative light from one side, baked into the static layer (head motion is too small to show it)."""
         s = self.subject
         ys, xs = np.mgrid[0 : self.height, 0 : self.width].astype(np.float32)
         along = (xs - self.centre[0]) * math.cos(s.light_angle) + (ys - self.centre[1]) * math.sin(s.light_angle)
@@ -494,16 +495,16 @@ class FaceRenderer:
         shapes.ellipse(0.0, 0.1, 0.06, 0.34, _scaled(skin, 1.1))  # nose bridge highlight
         shapes.ellipse(0.0, 0.47, 0.11, 0.085, _scaled(skin, 1.06))  # nose tip
         shapes.ellipse(0.0, 0.99, 0.22, 0.07, _scaled(skin, 0.9))  # under the lower lip
-        shapes.draw(image, *self._identity())
+        shapes.draw(image, *self._base_transform())
         image = cv2.GaussianBlur(image, (0, 0), max(0.6, 0.03 * self.half_width))
         shapes.fill(self._hair_cap(), s.hair)
-        shapes.draw(image, *self._identity())
+        shapes.draw(image, *self._base_transform())
         if s.beard > 0:
             beard = image.copy()
             u = np.linspace(-0.96, 0.96, 13)
             top_edge = np.stack([u, 0.1 + 0.5 * (1 - (u / 0.96) ** 2)], axis=1)  # sideburns to under the nose
             shapes.fill(np.concatenate([top_edge, _ellipse_points(0.0, 0.0, 0.97, b, 5, 175)]), s.hair)
-            shapes.draw(beard, *self._identity())
+            shapes.draw(beard, *self._base_transform())
             image = cv2.addWeighted(beard, s.beard, image, 1 - s.beard, 0)
         image = cv2.GaussianBlur(image, (0, 0), max(0.5, 0.015 * self.half_width))
         lit = image.astype(np.float32) * light[..., None]
@@ -750,8 +751,14 @@ def _write_if_changed(path: Path, text: str) -> None:
 
 
 def _check_config(root: Path, config: SyntheticConfig) -> str:
+    """The config as JSON; refuses a folder written with another config, or one that is not a synthetic twin."""
     text = json.dumps(dataclasses.asdict(config), indent=2, sort_keys=True) + "\n"
     path = root / CONFIG_JSON
+    if not path.is_file() and ((root / SAMPLES_CSV).exists() or (root / VIDEO_DIR).exists()):
+        raise ValueError(
+            f"{root} holds a dataset but no {CONFIG_JSON}: not a synthetic twin (the real BioVid?), "
+            f"refusing to write into it"
+        )
     if path.is_file() and json.loads(path.read_text(encoding="utf-8")) != json.loads(text):
         raise ValueError(
             f"{path} was written with another synthetic config; generate into a new folder or delete "
@@ -788,7 +795,9 @@ def generate(root: Path, config: SyntheticConfig, workers: int | None = None, pr
                 _write_video_job(job)
                 bar.update()
         else:
-            with Pool(workers, initializer=_init_worker) as pool:
+            # Not fork: forking a process whose OpenCV thread pool is running can deadlock the children.
+            context = multiprocessing.get_context("forkserver" if os.name == "posix" else "spawn")
+            with context.Pool(workers, initializer=_init_worker) as pool:
                 for _ in pool.imap_unordered(_write_video_job, jobs):
                     bar.update()
     _write_if_changed(root / SUBJECTS_CSV, _subjects_table(subjects).to_csv(index=False))

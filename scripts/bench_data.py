@@ -21,6 +21,9 @@ Run:
 
 Prints a results table; writes reports/bench/bench_data.json and bench_data.png (atomic writes). Works on a CPU-only
 laptop and on a GPU server (device auto-detected; on CUDA bf16 autocast and channels_last for convolutional nets).
+CPU training steps use all cores by default; on a shared machine OpenMP threads that wait for a busy core slow every
+step several-fold (2 threads were 4-5x slower than 1 on a 2-core box with one core taken), so there pass --threads 1
+and read the load average recorded with the results.
 The helpers above `main` are shared with scripts/bench_train.py.
 """
 
@@ -144,8 +147,9 @@ def check_model_names(names: Sequence[str]) -> None:
 
     unknown = [name for name in names if name not in BACKBONE_NAMES and not timm.is_model(name)]
     if unknown:
-        raise SystemExit(f"unknown backbone(s) {', '.join(unknown)}: use one of {', '.join(BACKBONE_NAMES)} or any "
-                         f"timm model name")
+        raise SystemExit(
+            f"unknown backbone(s) {', '.join(unknown)}: use one of {', '.join(BACKBONE_NAMES)} or any timm model name"
+        )
 
 
 def synchronize(device: torch.device) -> None:
@@ -163,9 +167,22 @@ def timed() -> Iterator[Callable[[], float]]:
     end.append(time.perf_counter())
 
 
-def bare_training_throughput(model: nn.Module, optim, *, batch_size: int, img_size: int, n_classes: int, steps: int,
-                             warmup_steps: int, precision: str, channels_last: bool, gradient_clip: float | None = 1.0,
-                             seed: int = 0, progress: bool = True, desc: str = "bare steps") -> dict[str, float]:
+def bare_training_throughput(
+    model: nn.Module,
+    optim,
+    *,
+    batch_size: int,
+    img_size: int,
+    n_classes: int,
+    steps: int,
+    warmup_steps: int,
+    precision: str,
+    channels_last: bool,
+    gradient_clip: float | None = 1.0,
+    seed: int = 0,
+    progress: bool = True,
+    desc: str = "bare steps",
+) -> dict[str, float]:
     """Images/s of a plain PyTorch loop: one pre-made random batch, fwd + loss + bwd + clip + AdamW + LR step.
 
     The optimizer groups and schedule are the real recipe's (`pipeline.module.parameter_groups`, warm-up cosine),
@@ -188,8 +205,11 @@ def bare_training_throughput(model: nn.Module, optim, *, batch_size: int, img_si
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision.startswith("bf16")
-                    else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(device.type, dtype=torch.bfloat16)
+            if precision.startswith("bf16")
+            else contextlib.nullcontext()
+        )
         with autocast:
             logits = model(images)
         loss = F.cross_entropy(logits.float(), labels)
@@ -209,8 +229,9 @@ def bare_training_throughput(model: nn.Module, optim, *, batch_size: int, img_si
     return {"images_per_s": steps * batch_size / seconds(), "seconds_per_step": seconds() / steps}
 
 
-def generate_subset(root: Path, preset: str, n_subjects: int, samples_per_class: int, workers: int,
-                    progress: bool = True) -> tuple[pd.DataFrame, float]:
+def generate_subset(
+    root: Path, preset: str, n_subjects: int, samples_per_class: int, workers: int, progress: bool = True
+) -> tuple[pd.DataFrame, float]:
     """Generate a small synthetic subset of `preset` into `root`; returns its sample table and the seconds taken.
 
     Generation is resumable, so a folder that already holds the videos costs ~0 s: delete it first to time it.
@@ -227,8 +248,9 @@ def generate_subset(root: Path, preset: str, n_subjects: int, samples_per_class:
     return samples, seconds()
 
 
-def prepared_subset(work_dir: Path, preset: str, n_subjects: int, samples_per_class: int,
-                    progress: bool = True) -> Path:
+def prepared_subset(
+    work_dir: Path, preset: str, n_subjects: int, samples_per_class: int, progress: bool = True
+) -> Path:
     """A generated and cropped subset in `work_dir` (made once, reused); returns its processed folder."""
     from pipeline.preprocess import preprocess
 
@@ -240,8 +262,9 @@ def prepared_subset(work_dir: Path, preset: str, n_subjects: int, samples_per_cl
     return processed
 
 
-def loader_dataset(source_dir: Path, out_dir: Path, min_train_images: int, classes: Sequence[str] = CLASS_NAMES,
-                   seed: int = 0) -> dict[str, Any]:
+def loader_dataset(
+    source_dir: Path, out_dir: Path, min_train_images: int, classes: Sequence[str] = CLASS_NAMES, seed: int = 0
+) -> dict[str, Any]:
     """A frame table and hold-out fold file over `source_dir`'s crops, with at least `min_train_images` training
     frames of `classes`.
 
@@ -280,8 +303,14 @@ def loader_dataset(source_dir: Path, out_dir: Path, min_train_images: int, class
     atomic_write_csv(out_dir / "frames.csv", table)
     fold_file = out_dir / "holdout.csv"
     write_folds(folds, fold_file)
-    return {"processed_dir": out_dir, "fold_file": fold_file, "source": str(source_dir), "copies": n_copies,
-            "source_frames": len(source), "train_frames": n_train}
+    return {
+        "processed_dir": out_dir,
+        "fold_file": fold_file,
+        "source": str(source_dir),
+        "copies": n_copies,
+        "source_frames": len(source),
+        "train_frames": n_train,
+    }
 
 
 def write_report(out_dir: Path, stem: str, report: Mapping[str, Any]) -> Path:
@@ -338,18 +367,30 @@ def bench_detection(samples: pd.DataFrame, progress: bool) -> dict[str, Any]:
         rate = detection_rate(samples.loc[samples["class_name"] == class_name, "video_path"], detector)
         per_class[class_name] = rate["overall"]
         frames, detected = frames + rate["n_frames"], detected + rate["n_detected"]
-    return {"overall": detected / frames if frames else 0.0, "n_frames": frames, "n_detected": detected,
-            "per_class": per_class}
+    return {
+        "overall": detected / frames if frames else 0.0,
+        "n_frames": frames,
+        "n_detected": detected,
+        "per_class": per_class,
+    }
 
 
-def bench_loader(dataset: Mapping[str, Any], data_config, augment: Mapping[str, Any], batch_size: int, passes: int,
-                 progress: bool) -> dict[str, Any]:
+def bench_loader(
+    dataset: Mapping[str, Any], data_config, augment: Mapping[str, Any], batch_size: int, passes: int, progress: bool
+) -> dict[str, Any]:
     """Images/s of the training loader over `passes` full passes after one warm-up pass (workers persist)."""
     from pipeline.datamodule import PainDataModule
     from pipeline.tasks import get_task
 
-    datamodule = PainDataModule(dataset["processed_dir"], dataset["fold_file"], 0, get_task("five_class"),
-                                data_config, augment, batch_size=batch_size)
+    datamodule = PainDataModule(
+        dataset["processed_dir"],
+        dataset["fold_file"],
+        0,
+        get_task("five_class"),
+        data_config,
+        augment,
+        batch_size=batch_size,
+    )
     datamodule.setup()
     loader = datamodule.train_dataloader()
     size = data_config.input_size[1]
@@ -358,12 +399,18 @@ def bench_loader(dataset: Mapping[str, Any], data_config, augment: Mapping[str, 
     images = 0
     with timed() as seconds:
         for index in range(passes):
-            for batch in tqdm(loader, desc=f"loader {size} px pass {index + 1}/{passes}", leave=False,
-                              disable=not progress):
+            for batch in tqdm(
+                loader, desc=f"loader {size} px pass {index + 1}/{passes}", leave=False, disable=not progress
+            ):
                 images += len(batch[0])
     del loader  # shuts the persistent workers down
-    return {"images_per_s": images / seconds(), "images": images, "passes": passes,
-            "workers": datamodule.num_workers, "batch_size": batch_size}
+    return {
+        "images_per_s": images / seconds(),
+        "images": images,
+        "passes": passes,
+        "workers": datamodule.num_workers,
+        "batch_size": batch_size,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -375,11 +422,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     progress = not args.no_progress
     cores = cpu_cores()
-    report: dict[str, Any] = {"environment": environment(), "settings": {
-        key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}}
+    report: dict[str, Any] = {
+        "environment": environment(),
+        "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+    }
     report["settings"]["torch_threads"] = torch.get_num_threads()
-    print(f"bench_data on {report['environment']['device']} ({report['environment']['device_name']}), {cores} cores, "
-          f"load {report['environment']['load_average_1min']}, torch threads {torch.get_num_threads()}")
+    print(
+        f"bench_data on {report['environment']['device']} ({report['environment']['device_name']}), {cores} cores, "
+        f"load {report['environment']['load_average_1min']}, torch threads {torch.get_num_threads()}"
+    )
 
     # 1 + 2: preprocessing throughput and detection rate, per preset.
     report["preprocess"], report["detection"] = {}, {}
@@ -387,22 +438,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for preset in args.presets:
         preset_dir = args.work_dir / preset
         shutil.rmtree(preset_dir, ignore_errors=True)  # generation is resumable: start empty so it is timed
-        samples, generate_seconds = generate_subset(preset_dir / "raw", preset, args.subjects,
-                                                    args.samples_per_class, args.workers, progress)
+        samples, generate_seconds = generate_subset(
+            preset_dir / "raw", preset, args.subjects, args.samples_per_class, args.workers, progress
+        )
         figures, processed_by_preset[preset] = bench_preprocess(samples, preset_dir, args.workers, progress)
         report["preprocess"][preset] = {
-            "width": PRESETS[preset].width, "height": PRESETS[preset].height, "videos": len(samples),
+            "width": PRESETS[preset].width,
+            "height": PRESETS[preset].height,
+            "videos": len(samples),
             "generate_s_per_video": generate_seconds / len(samples),
             "generate_core_s_per_video": generate_seconds * min(args.workers, len(samples)) / len(samples),
-            **figures}
+            **figures,
+        }
         report["detection"][preset] = bench_detection(samples, progress)
-    print_table("Preprocessing (face crops) and synthetic detection rate", [{
-        "preset": preset, "size": f"{p['width']}x{p['height']}", "videos": p["videos"],
-        "gen s/video": p["generate_s_per_video"], "videos/s/core": p["videos_per_s_per_core"],
-        f"videos/s ({p['workers']} workers)": p["videos_per_s_all_cores"], "efficiency": p["parallel_efficiency"],
-        "detected": report["detection"][preset]["overall"],
-        **{f"det {k}": v for k, v in report["detection"][preset]["per_class"].items()}}
-        for preset, p in report["preprocess"].items()])
+    print_table(
+        "Preprocessing (face crops) and synthetic detection rate",
+        [
+            {
+                "preset": preset,
+                "size": f"{p['width']}x{p['height']}",
+                "videos": p["videos"],
+                "gen s/video": p["generate_s_per_video"],
+                "videos/s/core": p["videos_per_s_per_core"],
+                f"videos/s ({p['workers']} workers)": p["videos_per_s_all_cores"],
+                "efficiency": p["parallel_efficiency"],
+                "detected": report["detection"][preset]["overall"],
+                **{f"det {k}": v for k, v in report["detection"][preset]["per_class"].items()},
+            }
+            for preset, p in report["preprocess"].items()
+        ],
+    )
 
     # 3: loader throughput against training throughput.
     if args.loader_data == "auto" and (PROJECT_PROCESSED / "frames.csv").is_file():
@@ -411,8 +476,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         preset = "default" if "default" in processed_by_preset else args.presets[0]
         source, source_kind = processed_by_preset[preset], f"subset:{preset}"
     dataset = loader_dataset(source, args.work_dir / "loader", args.batch_size * args.loader_batches)
-    report["loader_dataset"] = {"kind": source_kind, **{k: v for k, v in dataset.items()
-                                                        if k not in ("processed_dir", "fold_file")}}
+    report["loader_dataset"] = {
+        "kind": source_kind,
+        **{k: v for k, v in dataset.items() if k not in ("processed_dir", "fold_file")},
+    }
     augment = load_augment(args.augment)
     base_config = create_backbone(args.train_model, pretrained=False)[0].data_config
     device = compute_device()
@@ -420,29 +487,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     channels_last = use_channels_last("auto", args.train_model)
     report["loader"] = {}
     for size in args.img_sizes:
-        loader = bench_loader(dataset, base_config.with_image_size(size), augment, args.batch_size, args.passes,
-                              progress)
+        loader = bench_loader(
+            dataset, base_config.with_image_size(size), augment, args.batch_size, args.passes, progress
+        )
         torch.manual_seed(0)
         model, _ = create_model(args.train_model, n_classes=2, pretrained=False, img_size=size)
         training = bare_training_throughput(
-            model, load_optim(args.train_model), batch_size=args.batch_size, img_size=size, n_classes=2,
-            steps=args.train_steps, warmup_steps=args.train_warmup, precision=precision, channels_last=channels_last,
-            progress=progress, desc=f"{args.train_model} {size} px")
+            model,
+            load_optim(args.train_model),
+            batch_size=args.batch_size,
+            img_size=size,
+            n_classes=2,
+            steps=args.train_steps,
+            warmup_steps=args.train_warmup,
+            precision=precision,
+            channels_last=channels_last,
+            progress=progress,
+            desc=f"{args.train_model} {size} px",
+        )
         del model
         report["loader"][str(size)] = {
-            **loader, "training_images_per_s": training["images_per_s"],
+            **loader,
+            "training_images_per_s": training["images_per_s"],
             "training_seconds_per_step": training["seconds_per_step"],
             "ratio": loader["images_per_s"] / training["images_per_s"],
-            "model": args.train_model, "precision": precision, "channels_last": channels_last,
-            "device": device.type}
+            "model": args.train_model,
+            "precision": precision,
+            "channels_last": channels_last,
+            "device": device.type,
+        }
     report["loader_target_ratio"] = LOADER_TARGET_RATIO
-    print_table(f"Training loader ({args.augment} augmentation, {report['loader_dataset']['kind']} data) against "
-                f"{args.train_model} training on {device.type}", [{
-                    "img px": int(size), "batch": entry["batch_size"], "workers": entry["workers"],
-                    "loader img/s": entry["images_per_s"], "train img/s": entry["training_images_per_s"],
-                    "loader/train": entry["ratio"],
-                    "target": f">= {LOADER_TARGET_RATIO:g}: {'ok' if entry['ratio'] >= LOADER_TARGET_RATIO else 'LOW'}"}
-                    for size, entry in report["loader"].items()])
+    print_table(
+        f"Training loader ({args.augment} augmentation, {report['loader_dataset']['kind']} data) against "
+        f"{args.train_model} training on {device.type}",
+        [
+            {
+                "img px": int(size),
+                "batch": entry["batch_size"],
+                "workers": entry["workers"],
+                "loader img/s": entry["images_per_s"],
+                "train img/s": entry["training_images_per_s"],
+                "loader/train": entry["ratio"],
+                "target": f">= {LOADER_TARGET_RATIO:g}: {'ok' if entry['ratio'] >= LOADER_TARGET_RATIO else 'LOW'}",
+            }
+            for size, entry in report["loader"].items()
+        ],
+    )
     return report
 
 
@@ -456,70 +546,124 @@ def plot(report: Mapping[str, Any], path: Path) -> Path:
     presets = list(report["preprocess"])
     x = np.arange(len(presets))
     left.bar(x - 0.2, [report["preprocess"][p]["videos_per_s_per_core"] for p in presets], 0.4, label="1 worker")
-    left.bar(x + 0.2, [report["preprocess"][p]["videos_per_s_all_cores"] for p in presets], 0.4,
-             label="all cores")
-    left.set_xticks(x, [f"{p}\n{report['preprocess'][p]['width']}x{report['preprocess'][p]['height']}"
-                        for p in presets])
+    left.bar(x + 0.2, [report["preprocess"][p]["videos_per_s_all_cores"] for p in presets], 0.4, label="all cores")
+    left.set_xticks(
+        x, [f"{p}\n{report['preprocess'][p]['width']}x{report['preprocess'][p]['height']}" for p in presets]
+    )
     left.set_ylabel("videos / s")
     left.set_title("preprocessing throughput")
-    left.legend()
+    left.legend(fontsize="small")
     sizes = list(report["loader"])
     x = np.arange(len(sizes))
     right.bar(x - 0.2, [report["loader"][s]["images_per_s"] for s in sizes], 0.4, label="training loader")
-    right.bar(x + 0.2, [report["loader"][s]["training_images_per_s"] for s in sizes], 0.4,
-              label=f"{report['settings']['train_model']} training")
+    right.bar(
+        x + 0.2,
+        [report["loader"][s]["training_images_per_s"] for s in sizes],
+        0.4,
+        label=f"{report['settings']['train_model']} training",
+    )
     right.set_xticks(x, [f"{s} px" for s in sizes])
     right.set_ylabel("images / s")
     right.set_yscale("log")
     right.set_title("loader against training")
-    right.legend()
-    figure.suptitle(f"bench_data on {report['environment']['device_name']} ({report['environment']['cpu_cores']} "
-                    f"cores)")
+    right.margins(y=0.2)
+    right.legend(fontsize="small")
+    figure.suptitle(
+        f"bench_data on {report['environment']['device_name']} ({report['environment']['cpu_cores']} cores)"
+    )
     return save_figure(figure, path)
 
 
 FULL_DEFAULTS: dict[str, Any] = {
-    "presets": ["default", "full"], "subjects": 2, "samples_per_class": 2, "img_sizes": [224, 112],
-    "batch_size": 32, "passes": 3, "loader_batches": 32, "train_model": "mobilevit_s", "train_steps": 3,
-    "train_warmup": 1, "threads": lambda args: cpu_cores(),
+    "presets": ["default", "full"],
+    "subjects": 2,
+    "samples_per_class": 2,
+    "img_sizes": [224, 112],
+    "batch_size": 32,
+    "passes": 3,
+    "loader_batches": 32,
+    "train_model": "mobilevit_s",
+    "train_steps": lambda args: 20 if torch.cuda.is_available() else 3,  # a GPU step is fast; a few more steady it
+    "train_warmup": lambda args: 5 if torch.cuda.is_available() else 1,
+    "threads": lambda args: cpu_cores(),
 }
 QUICK_DEFAULTS: dict[str, Any] = {
-    "presets": ["tiny"], "subjects": 1, "samples_per_class": 1, "img_sizes": [32], "batch_size": 8, "passes": 1,
-    "loader_batches": 4, "train_model": "mobilevit_xxs", "train_steps": 2, "train_warmup": 1, "threads": 1,
+    "presets": ["tiny"],
+    "subjects": 1,
+    "samples_per_class": 1,
+    "img_sizes": [32],
+    "batch_size": 8,
+    "passes": 1,
+    "loader_batches": 4,
+    "train_model": "mobilevit_xxs",
+    "train_steps": 2,
+    "train_warmup": 1,
+    "threads": 1,
 }
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run: preset tiny, 5 videos, 32 px, "
-                        "MobileViT-XXS (explicit options still win)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny smoke run: preset tiny, 5 videos, 32 px, MobileViT-XXS (explicit options still win)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (default: %(default)s)")
-    parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK,
-                        help="generated subsets and crops; each preset's folder is recreated (default: %(default)s)")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=DEFAULT_WORK,
+        help="generated subsets and crops; each preset's folder is recreated (default: %(default)s)",
+    )
     parser.add_argument("--presets", type=name_list, help="synthetic presets to time (default: default,full)")
     parser.add_argument("--subjects", type=int, help="subjects per subset (default: 2)")
     parser.add_argument("--samples-per-class", type=int, help="videos per subject and class (default: 2)")
-    parser.add_argument("--workers", type=int, default=cpu_cores(),
-                        help="processes of the all-cores runs (default: all cores, %(default)s)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=cpu_cores(),
+        help="processes of the all-cores runs (default: all cores, %(default)s)",
+    )
     parser.add_argument("--img-sizes", type=positive_int_list, help="loader/training input sizes (default: 224,112)")
     parser.add_argument("--batch-size", type=int, help="loader and training batch (default: 32)")
     parser.add_argument("--passes", type=int, help="timed loader passes after one warm-up pass (default: 3)")
-    parser.add_argument("--loader-batches", type=int,
-                        help="at least this many batches per loader pass; a small subset is repeated (default: 32)")
-    parser.add_argument("--loader-data", choices=("auto", "subset"), default="auto",
-                        help=f"auto: {PROJECT_PROCESSED.relative_to(PROJECT_ROOT)} if prepared, else the subset")
+    parser.add_argument(
+        "--loader-batches",
+        type=int,
+        help="at least this many batches per loader pass; a small subset is repeated (default: 32)",
+    )
+    parser.add_argument(
+        "--loader-data",
+        choices=("auto", "subset"),
+        default="auto",
+        help=f"auto: {PROJECT_PROCESSED.relative_to(PROJECT_ROOT)} if prepared, else the subset",
+    )
     parser.add_argument("--augment", default="heavy", help="configs/augment/<name>.yaml (default: %(default)s)")
-    parser.add_argument("--train-model", help="backbone whose training speed the loader is compared with "
-                        "(default: mobilevit_s)")
-    parser.add_argument("--train-steps", type=int, help="timed training steps (default: 3)")
-    parser.add_argument("--train-warmup", type=int, help="untimed training steps first (default: 1)")
-    parser.add_argument("--threads", type=int, help="torch threads of the training steps (default: all cores; "
-                        "--quick: 1)")
+    parser.add_argument(
+        "--train-model", help="backbone whose training speed the loader is compared with (default: mobilevit_s)"
+    )
+    parser.add_argument("--train-steps", type=int, help="timed training steps (default: 20 on a GPU, 3 on a CPU)")
+    parser.add_argument(
+        "--train-warmup", type=int, help="untimed training steps first (default: 5 on a GPU, 1 on a CPU)"
+    )
+    parser.add_argument(
+        "--threads", type=int, help="torch threads of the training steps (default: all cores; --quick: 1)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = fill_defaults(parser.parse_args(argv), FULL_DEFAULTS, QUICK_DEFAULTS)
-    for key in ("subjects", "samples_per_class", "workers", "batch_size", "passes", "loader_batches", "train_steps",
-                "threads"):
+    for key in (
+        "subjects",
+        "samples_per_class",
+        "workers",
+        "batch_size",
+        "passes",
+        "loader_batches",
+        "train_steps",
+        "threads",
+    ):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
     if args.train_warmup < 0:

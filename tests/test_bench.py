@@ -20,14 +20,23 @@ SCRIPTS = PROJECT_ROOT / "scripts"
 
 
 def run_script(name: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(SCRIPTS / name), "--out", str(tmp_path / "out"), "--work-dir",
-               str(tmp_path / "work"), "--no-progress", *extra]
+    command = [
+        sys.executable,
+        str(SCRIPTS / name),
+        "--out",
+        str(tmp_path / "out"),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--no-progress",
+        *extra,
+    ]
     return subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
 
 
 def assert_ran(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\n" \
-                                   f"stderr:\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    )
 
 
 def assert_positive(section: dict, keys: tuple[str, ...], where: str) -> None:
@@ -44,9 +53,19 @@ def test_bench_data_quick(tmp_path: Path) -> None:
     assert report["environment"]["cpu_cores"] >= 1
 
     preprocess = report["preprocess"]["tiny"]
-    assert_positive(preprocess, ("videos", "generate_s_per_video", "generate_core_s_per_video",
-                                 "videos_per_s_per_core", "videos_per_s_all_cores", "parallel_efficiency", "crops"),
-                    "preprocess.tiny")
+    assert_positive(
+        preprocess,
+        (
+            "videos",
+            "generate_s_per_video",
+            "generate_core_s_per_video",
+            "videos_per_s_per_core",
+            "videos_per_s_all_cores",
+            "parallel_efficiency",
+            "crops",
+        ),
+        "preprocess.tiny",
+    )
     assert preprocess["videos"] == 5 and preprocess["failed_videos"] == 0
     assert (preprocess["width"], preprocess["height"]) == (160, 120)
 
@@ -73,8 +92,11 @@ def test_bench_train_quick(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "bench_train.png").stat().st_size > 0
     assert list(report["models"]) == ["mobilevit_xxs"]
     entry = report["models"]["mobilevit_xxs"]
-    assert_positive(entry, ("lightning_images_per_s", "bare_images_per_s", "ratio", "bare_seconds_per_step",
-                            "parameters_M"), "models.mobilevit_xxs")
+    assert_positive(
+        entry,
+        ("lightning_images_per_s", "bare_images_per_s", "ratio", "bare_seconds_per_step", "parameters_M"),
+        "models.mobilevit_xxs",
+    )
     assert entry["ratio"] == pytest.approx(entry["lightning_images_per_s"] / entry["bare_images_per_s"])
     settings = report["settings"]
     assert settings["img_size"] == 32 and settings["batch_size"] == 8 and settings["steps"] == 3
