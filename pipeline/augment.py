@@ -134,7 +134,18 @@ def _normalize_to_tensor(data_config: DataConfigLike) -> list[A.BasicTransform]:
     return [A.Normalize(mean=mean, std=std, max_pixel_value=255.0), ToTensorV2()]
 
 
-def build_train_transform(data_config: DataConfigLike, params: Mapping[str, Any] | None) -> A.Compose:
+def _centre(crop_fraction: float) -> list[A.BasicTransform]:
+    """Keep the central `crop_fraction` of each side of the face crop: a tighter view of the face, chosen at training
+    time without re-running the face-crop preprocessing."""
+    if not 0 < crop_fraction <= 1:
+        raise ValueError(f"crop_fraction must be in (0, 1], got {crop_fraction}")
+    if crop_fraction == 1:
+        return []
+    return [A.CropAndPad(percent=-(1 - crop_fraction) / 2, keep_size=False, p=1.0)]
+
+
+def build_train_transform(data_config: DataConfigLike, params: Mapping[str, Any] | None,
+                          crop_fraction: float = 1.0) -> A.Compose:
     """Training augmentation in a fixed order, each step configured (or switched off) by its entry in `params`.
 
     Without a random resized crop the image is resized to the input size, so every output has the model's shape.
@@ -154,7 +165,7 @@ def build_train_transform(data_config: DataConfigLike, params: Mapping[str, Any]
             steps.append(_blur(params[name]))
         else:
             steps.append(_configured(name, transform, kwargs))
-    return A.Compose([*steps, *_normalize_to_tensor(data_config)], strict=True)
+    return A.Compose([*_centre(crop_fraction), *steps, *_normalize_to_tensor(data_config)], strict=True)
 
 
 def _random_resized_crop(data_config: DataConfigLike, kwargs: dict[str, Any]) -> A.RandomResizedCrop:
@@ -169,9 +180,9 @@ def _random_resized_crop(data_config: DataConfigLike, kwargs: dict[str, Any]) ->
     return _configured("random_resized_crop", A.RandomResizedCrop, {"size": input_hw(data_config), **kwargs})
 
 
-def build_eval_transform(data_config: DataConfigLike) -> A.Compose:
-    """Deterministic: resize the whole face crop to the input size (no center crop that could cut the face)."""
-    return A.Compose([_resize(data_config), *_normalize_to_tensor(data_config)], strict=True)
+def build_eval_transform(data_config: DataConfigLike, crop_fraction: float = 1.0) -> A.Compose:
+    """Deterministic: resize the face crop (its central `crop_fraction`, all of it by default) to the input size."""
+    return A.Compose([*_centre(crop_fraction), _resize(data_config), *_normalize_to_tensor(data_config)], strict=True)
 
 
 def seed_transform(transform: A.BaseCompose, seed: int) -> None:

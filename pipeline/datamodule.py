@@ -126,6 +126,7 @@ class PainDataModule(pl.LightningDataModule):
         persistent_workers: bool = True,
         prefetch_factor: int = 4,
         frames_per_video: int | None = None,
+        crop_fraction: float = 1.0,
     ) -> None:
         super().__init__()
         if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
@@ -148,8 +149,8 @@ class PainDataModule(pl.LightningDataModule):
             raise ValueError(f"frames_per_video must be >= 1 or None, got {frames_per_video}")
         self.frames_per_video = frames_per_video
         # Built now so that a bad augment config fails before any data is read.
-        self.train_transform = build_train_transform(data_config, augment)
-        self.eval_transform = build_eval_transform(data_config)
+        self.train_transform = build_train_transform(data_config, augment, crop_fraction)
+        self.eval_transform = build_eval_transform(data_config, crop_fraction)
         seed_transform(self.train_transform, seed)  # the stream used when loading in the main process
         self._splits: dict[str, pd.DataFrame] | None = None
         self._datasets: dict[str, FrameDataset] = {}

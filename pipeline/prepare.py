@@ -107,7 +107,8 @@ def run_aug_preview(cfg: DictConfig) -> None:
     if frames is None:
         frames = prepare_data(cfg)[0].frames
     backbone, _ = create_backbone(cfg.model.name, pretrained=False, img_size=cfg.model.img_size)
-    transform = build_train_transform(backbone.data_config, OmegaConf.to_container(cfg.augment))
+    transform = build_train_transform(backbone.data_config, OmegaConf.to_container(cfg.augment),
+                                      cfg.loader.crop_fraction)
     picks = frames.groupby("class_name", group_keys=False).apply(lambda g: g.sample(min(len(g), 2), random_state=0))
     paths = [resolve_path(cfg.data.processed_dir) / p for p in picks.crop_path]
     out = resolve_path(cfg.reports_dir) / f"aug_preview_{cfg.data.name}_{cfg.model.name}.png"
