@@ -89,8 +89,10 @@ def latest_cvs(
     protocol: str,
     task: str,
     subject_set: str | None = None,
+    fold_file_sha256: str | None = None,
 ) -> dict[str, Run]:
-    """The most recently started FINISHED parent CV run per `model` tag for this dataset, protocol and task."""
+    """The most recently started FINISHED parent CV run per `model` tag for this dataset, protocol and task
+    (and, when given, subject set and fold file)."""
     conditions = [
         f"tags.`{RUN_KIND_TAG}` = 'cv'",
         f"attributes.status = '{RunStatus.to_string(RunStatus.FINISHED)}'",
@@ -100,6 +102,8 @@ def latest_cvs(
     ]
     if subject_set is not None:
         conditions.append(f"tags.subject_set = {_quoted(subject_set, 'subject_set')}")
+    if fold_file_sha256 is not None:
+        conditions.append(f"tags.{FOLD_FILE_TAG} = {_quoted(fold_file_sha256, FOLD_FILE_TAG)}")
     runs = _search_all(client, experiment_ids, " and ".join(conditions))
     latest: dict[str, Run] = {}
     for run in sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.end_time or 0), reverse=True):
@@ -268,6 +272,7 @@ def compare(
     experiment: str = tracking.DEFAULT_EXPERIMENT,
     metrics: Sequence[str] = DEFAULT_METRICS,
     subject_set: str | None = None,
+    fold_file_sha256: str | None = None,
 ) -> dict:
     """Compare the latest finished CV of every backbone for one dataset/protocol/task, write tables and plots.
 
@@ -282,7 +287,7 @@ def compare(
     if found is None:
         raise ComparisonError(f"no MLflow experiment {experiment!r} at {uri}")
     experiment_id = found.experiment_id
-    runs = latest_cvs(client, [experiment_id], dataset, protocol, task, subject_set)
+    runs = latest_cvs(client, [experiment_id], dataset, protocol, task, subject_set, fold_file_sha256)
     where = f"dataset={dataset}, protocol={protocol}, task={task}" + (
         f", subject_set={subject_set}" if subject_set else ""
     )
@@ -357,11 +362,15 @@ def compare(
 def run_compare(cfg) -> dict:
     """`make compare`: the latest finished cross-validation of each backbone on the config's data/protocol/task."""
     from pipeline.cli import resolve_path
+    from pipeline.folds import fold_file_sha256 as sha256_of_folds
 
+    # Only CVs on the current fold file: runs on older or other folds never enter the comparison.
+    fold_file = resolve_path(cfg.fold_file)
+    sha = sha256_of_folds(fold_file) if fold_file.is_file() else None
     try:
         result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, resolve_path(cfg.reports_dir),
                          tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
-                         subject_set=cfg.data.subject_set)
+                         subject_set=cfg.data.subject_set, fold_file_sha256=sha)
     except ComparisonError as error:
         raise SystemExit(f"compare: {error}") from None
     summary = result["summary"]
@@ -372,5 +381,8 @@ def run_compare(cfg) -> dict:
         index=False, float_format=lambda v: f"{v:.4f}"))
     for name, path in result["paths"].items():
         print(f"{name}: {path}")
+    for model, run_id in result["parent_run_ids"].items():
+        note = "" if result["complete"].get(model, True) else "  (INCOMPLETE: a smoke run on some folds only)"
+        print(f"compared {model}: parent run {run_id}{note}")
     print(f"MLflow comparison run {result['run_id']}")
     return result

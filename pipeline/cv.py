@@ -27,7 +27,7 @@ from pipeline import PROJECT_ROOT, tracking
 from pipeline.backbones import create_model
 from pipeline.cli import resolve_path
 from pipeline.datamodule import PainDataModule
-from pipeline.folds import fold_file_sha256, read_folds
+from pipeline.folds import fold_file_sha256
 from pipeline.metrics import (
     classification_metrics,
     evaluate_predictions,
@@ -37,7 +37,7 @@ from pipeline.metrics import (
     summarize_folds,
 )
 from pipeline.module import FreezeBackbone, OptimConfig, PainClassifier
-from pipeline.prepare import prepare_data
+from pipeline.prepare import prepare_data, read_fold_file
 from pipeline.tasks import get_task
 from pipeline.weights import WeightsSource
 
@@ -128,6 +128,8 @@ def warn_from_scratch(model_name: str, source: WeightsSource) -> None:
 def train_fold(cfg: DictConfig, fold: int, fold_file: Path, work_dir: Path) -> FoldResult:
     """Train on the fold's training subjects, select on its validation subjects, test once on its test subjects."""
     started = time.time()
+    if cfg.trainer.devices != 1:
+        raise ValueError("trainer.devices must be 1: video-level metrics are computed from one process's predictions")
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = get_task(cfg.task.name)
     net, _ = create_model(cfg.model.name, n_classes=task.n_classes, pretrained=cfg.model.pretrained,
@@ -165,7 +167,10 @@ def train_fold(cfg: DictConfig, fold: int, fold_file: Path, work_dir: Path) -> F
         callbacks=callbacks, logger=False, default_root_dir=work_dir, enable_model_summary=False,
         num_sanity_val_steps=0, **limits)
     trainer.fit(module, datamodule=datamodule)
-    trainer.test(module, datamodule=datamodule, ckpt_path=checkpoint.best_model_path or None, verbose=False)
+    if not checkpoint.best_model_path:
+        raise RuntimeError(f"fold {fold}: no checkpoint was selected on {cfg.trainer.monitor} (was it logged?); "
+                           f"refusing to test the last epoch's weights instead")
+    trainer.test(module, datamodule=datamodule, ckpt_path=checkpoint.best_model_path, verbose=False)
 
     results = module.test_results
     metrics = {f"test/{level}_{name}": float(value) for level in ("frame", "video")
@@ -214,7 +219,7 @@ def fold_line(result: FoldResult, index: int, n_folds: int) -> str:
 def run_cv(cfg: DictConfig) -> dict:
     """Prepare data if needed, then cross-validate cfg.model on every fold; returns the aggregate metrics."""
     frames_result, fold_file = prepare_data(cfg)
-    folds = read_folds(fold_file, subjects=sorted(set(frames_result.frames.subject_name)))
+    folds = read_fold_file(fold_file, sorted(set(frames_result.frames.subject_name)))
     fold_ids = sorted(folds.fold.unique()) if cfg.trainer.folds is None else list(cfg.trainer.folds)
     task = get_task(cfg.task.name)
 
@@ -232,6 +237,9 @@ def run_cv(cfg: DictConfig) -> dict:
             "protocol": cfg.protocol.name, "task": task.name, "subject_set": cfg.data.subject_set,
             "seed": str(cfg.seed), "git_commit": git_commit(), "fold_file": str(fold_file),
             "fold_file_sha256": fold_file_sha256(fold_file), "n_folds": str(len(fold_ids)),
+            # a smoke run (some folds, limited batches) is marked so that nobody mistakes it for a full CV
+            "complete": str(len(fold_ids) == folds.fold.nunique() and cfg.trainer.limit_train_batches is None
+                            and cfg.trainer.limit_val_batches is None).lower(),
             **weights.as_tags()}
     run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
     print(f"cross-validation: {run_name}, {len(fold_ids)} folds, weights: {weights.kind} {weights.ref}")

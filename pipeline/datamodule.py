@@ -229,7 +229,7 @@ class PainDataModule(pl.LightningDataModule):
         return self._datasets[split]
 
     def split_summary(self) -> dict[str, dict[str, Any]]:
-        """Per split: subjects, videos, frames and frames per class (for logging)."""
+        """Per split: who (subject names), and how many subjects, videos, frames and frames per class."""
         summary = {}
         for split in ROLES:
             rows = self.frames(split)
@@ -239,6 +239,7 @@ class PainDataModule(pl.LightningDataModule):
                 "videos": int(rows["sample_name"].nunique()),
                 "frames": len(rows),
                 "class_counts": {name: int(counts.get(name, 0)) for name in self.task.classes},
+                "subject_names": sorted(rows["subject_name"].unique()),
             }
         return summary
 

@@ -31,7 +31,7 @@ MIN_SUBJECTS = 3  # one train, one val and one test subject at the very least
 STRATUM_SEPARATOR = "/"  # "w/age<=35": the part before the separator is the coarser stratum ("w")
 
 SUBJECT_SETS = ("all87", "responders67")
-BIOVID_PROTOCOLS = ("loso", "kfold5", "holdout")
+BIOVID_PROTOCOLS = ("loso", "kfold5", "kfold10", "holdout")
 BIOVID_SEED = 0
 BIOVID_MANIFEST_DIR = PROJECT_ROOT / "data_manifests" / "biovid"
 BIOVID_SUBJECTS_CSV = BIOVID_MANIFEST_DIR / "subjects.csv"

@@ -48,16 +48,26 @@ def fold_file_path(cfg: DictConfig) -> Path:
     return resolve_path(cfg.fold_file)
 
 
+def read_fold_file(path: Path, subjects_with_frames: list[str]) -> pd.DataFrame:
+    """Read and leak-check a fold file whose subjects must all have crops (it may cover a subset, e.g. 67 of 87)."""
+    folds = read_folds(path)
+    missing = sorted(set(folds.subject_name) - set(subjects_with_frames))
+    if missing:
+        raise SystemExit(f"{path}: {len(missing)} subject(s) of the fold file have no usable videos: "
+                         f"{', '.join(missing)} (see failures.csv and the warnings above)")
+    return folds
+
+
 def ensure_folds(cfg: DictConfig, subjects: list[str]) -> Path:
     """Read (and leak-check) the fold file; the synthetic twin's is generated on first use, BioVid's is committed."""
     path = fold_file_path(cfg)
     if path.is_file():
-        read_folds(path, subjects=subjects)
+        read_fold_file(path, subjects)
         return path
     if cfg.data.name != "synthetic":
         raise SystemExit(f"fold file {path} does not exist. BioVid's fold files are committed in data_manifests/; "
                          f"regenerate them with `python -m pipeline.folds write-biovid`")
-    folds = make_folds(subjects, cfg.protocol.name, seed=cfg.seed, val_fraction=cfg.protocol.val_fraction,
+    folds = make_folds(subjects, cfg.protocol.name, seed=cfg.protocol.seed, val_fraction=cfg.protocol.val_fraction,
                        test_fraction=cfg.protocol.test_fraction, strata=subject_strata(subjects))
     write_folds(folds, path)
     log.info("wrote fold file %s (%d folds over %d subjects)", path, folds.fold.nunique(), len(subjects))
@@ -69,10 +79,11 @@ def prepare_data(cfg: DictConfig, progress: bool = True) -> tuple[PreprocessResu
     root = dataset_root(cfg)
     if cfg.data.name == "synthetic":
         generate_synthetic(cfg, root)
-    samples, report = load_samples(root, subject_set=cfg.data.subject_set)
+    # Every subject is cropped; the subject set only picks the fold file, so one frame table serves both sets.
+    samples, report = load_samples(root, subject_set="all")
     log.info("%s: %d samples of %d subjects (%d skipped, %d unlisted videos ignored)", root / SAMPLES_CSV,
              len(samples), samples.subject_name.nunique(), report.n_skipped, len(report.unlisted_videos))
-    if cfg.data.name == "biovid" and cfg.data.subject_set != "all":
+    if cfg.data.name == "biovid":
         expected = set(biovid_subjects(cfg.data.subject_set))
         missing = sorted(expected - set(samples.subject_name))
         if missing:

@@ -20,6 +20,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from pipeline.faces import FaceDetector, build_detector, smooth_track, square_crop
+from pipeline.faces import read_frames as read_video_frames
 from pipeline.io import atomic_write_bytes, atomic_write_csv, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,12 @@ def sample_indices(n_frames: int, fps: float, config: PreprocessConfig) -> np.nd
 
 
 def read_frames(video_path: Path, config: PreprocessConfig) -> tuple[np.ndarray, list[np.ndarray], float]:
-    """Decode the clip sequentially (seeking is unreliable in mp4) and keep the sampled frames."""
+    """Decode the clip sequentially (seeking is unreliable in mp4) and keep only the sampled frames in memory.
+
+    A full-resolution BioVid clip is ~600 MB decoded; holding only the sampled frames keeps a worker at a few MB.
+    The sample positions come from the container's frame count; if the stream turns out shorter, they are
+    recomputed from the real count and the clip is read once more.
+    """
     if not video_path.is_file():
         raise VideoFailure("missing file")
     if video_path.stat().st_size == 0:
@@ -90,18 +96,31 @@ def read_frames(video_path: Path, config: PreprocessConfig) -> tuple[np.ndarray,
         if not capture.isOpened():
             raise VideoFailure("unreadable: OpenCV cannot open it")
         fps = capture.get(cv2.CAP_PROP_FPS) or 25.0
-        frames = []
-        while True:
-            ok, frame = capture.read()
-            if not ok:
-                break
-            frames.append(frame)
+        n_frames = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
     finally:
         capture.release()
-    if not frames:
-        raise VideoFailure("unreadable: no frame could be decoded")
-    indices = sample_indices(len(frames), fps, config)
-    return indices, [frames[i] for i in indices], fps
+    if n_frames <= 0:
+        n_frames = _count_frames(video_path)
+    for _ in range(2):
+        if n_frames == 0:
+            raise VideoFailure("unreadable: no frame could be decoded")
+        indices = sample_indices(n_frames, fps, config)
+        frames = read_video_frames(video_path, indices)
+        if len(frames) == len(indices):
+            return indices, [frames[i] for i in indices], fps
+        n_frames = _count_frames(video_path)  # the container's count was wrong: trust the stream
+    raise VideoFailure(f"unreadable: frames {sorted(set(indices) - set(frames))} could not be decoded")
+
+
+def _count_frames(video_path: Path) -> int:
+    capture = cv2.VideoCapture(str(video_path))
+    count = 0
+    try:
+        while capture.grab():
+            count += 1
+    finally:
+        capture.release()
+    return count
 
 
 def crop_video(sample: dict, out_dir: Path, config: PreprocessConfig, detector: FaceDetector) -> pd.DataFrame:

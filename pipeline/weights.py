@@ -121,7 +121,7 @@ def _from_hub_cache(model_name: str, hub_repo: str | None, hub_filenames: Sequen
     raise WeightsUnavailable(
         f"No pretrained weights for {model_name!r}: hub repo {hub_repo!r} ({' or '.join(hub_filenames)}) is not in "
         f"the Hugging Face cache at {cache_dir}, and this pipeline does not download. {_HOW_TO_PROVIDE} "
-        f"For the hub cache: on a machine with internet run `huggingface-cli download {hub_repo}` and copy its "
+        f"For the hub cache: on a machine with internet run `hf download {hub_repo}` and copy its "
         f"HF_HOME here, or point HF_HOME / HF_HUB_CACHE at a cache that holds it."
     )
 

@@ -99,3 +99,11 @@ def test_make_ui_serves_the_store(tmp_path: Path) -> None:
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+
+
+def test_notebook_is_valid_and_its_code_compiles() -> None:
+    notebook = json.loads((PROJECT_ROOT / "notebooks" / "review_cross_validation.ipynb").read_text())
+    sources = ["".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    assert sources
+    for index, source in enumerate(sources):
+        compile(source, f"notebook cell {index}", "exec")

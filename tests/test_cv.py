@@ -12,12 +12,13 @@ import torch
 from mlflow import MlflowClient
 
 from pipeline.cli import resolve_path
-from pipeline.compare import run_compare
+from pipeline.compare import ComparisonError, compare, run_compare
 from pipeline.cv import run_cv, train_fold
 from pipeline.datamodule import PainDataModule
 from pipeline.module import PainClassifier
 from pipeline.prepare import fold_file_path
 from pipeline.tasks import get_task
+from pipeline.tracking import get_or_create_experiment
 
 # Tiny and fast: a small timm model, 32 px inputs, no workers, two folds.
 FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
@@ -31,6 +32,13 @@ def cv_runs(tiny_config) -> dict:
     first = run_cv(tiny_config(*FAST))
     second = run_cv(tiny_config(*FAST, "model=timm", "model.name=resnet10t"))
     return {"mobilevit_xxs": first, "resnet10t": second}
+
+
+def fold_run(cfg):
+    """An MLflow run in the test's own store and artifact folder, for calling train_fold directly."""
+    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
+    experiment_id = get_or_create_experiment("train-fold-tests", Path(cfg.mlflow.artifact_root))
+    return mlflow.start_run(experiment_id=experiment_id)
 
 
 def runs_of(cfg, kind: str):
@@ -92,16 +100,14 @@ def test_early_stopping_stops(tiny_config, tmp_path: Path) -> None:
     """
     cfg = tiny_config(*FAST, "model=timm", "model.name=vit_tiny_patch16_224", "trainer.max_epochs=8",
                       "trainer.patience=2", "model.optim.head_lr=0", "model.optim.backbone_lr=0")
-    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
-    with mlflow.start_run():
+    with fold_run(cfg):
         result = train_fold(cfg, 0, fold_file_path(cfg), tmp_path)
     assert result.epochs == 3 and result.best_epoch == 0
 
 
 def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Path) -> None:
     cfg = tiny_config(*FAST, "trainer.max_epochs=3", "trainer.patience=5")
-    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
-    with mlflow.start_run():
+    with fold_run(cfg):
         result = train_fold(cfg, 1, fold_file_path(cfg), tmp_path)
     checkpoint = torch.load(tmp_path / "best.ckpt", map_location="cpu", weights_only=False)
     assert checkpoint["epoch"] == result.best_epoch
@@ -131,7 +137,15 @@ def test_compare_writes_table_and_plot(cv_runs, tiny_config) -> None:
 
 
 def test_compare_refuses_mismatched_folds(cv_runs, tiny_config, tmp_path: Path) -> None:
-    other_folds = (*FAST, f"data.manifest_dir={tmp_path}", "seed=7", "trainer.folds=[0]", "trainer.max_epochs=1")
+    other_folds = (*FAST, f"data.manifest_dir={tmp_path}", "protocol.seed=7", "trainer.folds=[0]",
+                   "trainer.max_epochs=1")
     run_cv(tiny_config(*other_folds, "model=timm", "model.name=resnet10t"))
-    with pytest.raises(SystemExit, match="fold"):
-        run_compare(tiny_config(*FAST))
+    cfg = tiny_config(*FAST)
+    # The latest resnet10t CV ran on other folds: an unfiltered comparison must refuse ...
+    with pytest.raises(ComparisonError, match="different fold files"):
+        compare("synthetic", "kfold5", "bl1_vs_pa4", tmp_path, tracking_uri=cfg.mlflow.tracking_uri)
+    # ... and `make compare` only considers CVs on the current fold file, so it pairs the two on identical folds.
+    result = run_compare(cfg)
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    hashes = {client.get_run(run_id).data.tags["fold_file_sha256"] for run_id in result["parent_run_ids"].values()}
+    assert len(hashes) == 1

@@ -296,7 +296,7 @@ def test_pretrained_without_weights_or_cache_says_how_to_provide_them(
     with pytest.raises(WeightsUnavailable) as raised:
         create_backbone(name, pretrained=True)
     message = str(raised.value)
-    for needed in ("WEIGHTS=", "model.weights=", "HF_HOME", f"huggingface-cli download {repo_id}"):
+    for needed in ("WEIGHTS=", "model.weights=", "HF_HOME", f"hf download {repo_id}"):
         assert needed in message
     assert str(empty_offline_hub_cache) in message
 
