@@ -183,7 +183,7 @@ def train_fold(cfg: DictConfig, fold: int, fold_file: Path, work_dir: Path) -> F
 
     # Fold artifacts: plots and tables a person opens in the MLflow UI. Names and predictions only, never faces.
     out = work_dir / "artifacts"
-    out.mkdir()
+    out.mkdir(parents=True)
     videos = results["videos"]
     plot_confusion(results["confusion_video"], task.classes, out / "confusion_video.png", f"fold {fold}: videos")
     plot_confusion(results["confusion_frame"], task.classes, out / "confusion_frame.png", f"fold {fold}: frames")

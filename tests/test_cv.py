@@ -149,3 +149,13 @@ def test_compare_refuses_mismatched_folds(cv_runs, tiny_config, tmp_path: Path) 
     client = MlflowClient(cfg.mlflow.tracking_uri)
     hashes = {client.get_run(run_id).data.tags["fold_file_sha256"] for run_id in result["parent_run_ids"].values()}
     assert len(hashes) == 1
+
+
+def test_a_seeded_fold_is_reproducible(tiny_config, tmp_path: Path) -> None:
+    cfg = tiny_config(*FAST, "trainer.max_epochs=2", "augment=heavy")
+    predictions = []
+    for attempt in range(2):
+        with fold_run(cfg):
+            result = train_fold(cfg, 0, fold_file_path(cfg), tmp_path / str(attempt))
+        predictions.append(result.predictions["prob_PA4"].to_numpy())
+    np.testing.assert_array_equal(predictions[0], predictions[1])
