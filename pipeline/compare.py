@@ -356,6 +356,7 @@ def compare(
         "paths": {**paths, "plots": plots},
         "run_id": run_id,
         "parent_run_ids": {model: run.info.run_id for model, run in runs.items()},
+        "complete": {model: run.data.tags.get("complete", "true") == "true" for model, run in runs.items()},
     }
 
 

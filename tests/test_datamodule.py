@@ -164,6 +164,7 @@ def test_task_filters_classes_and_labels(processed: Path, fold_file: Path, task_
             "videos": len(roles) * n_classes * 2,
             "frames": len(rows),
             "class_counts": dict.fromkeys(task.classes, per_class),
+            "subject_names": sorted(roles),
         }
 
 
