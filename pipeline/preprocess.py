@@ -203,7 +203,10 @@ def preprocess(samples: pd.DataFrame, out_dir: str | Path, config: PreprocessCon
     tables, todo = [], []
     for sample in records:
         done = video_table_path(out_dir, sample)
-        (tables.append(pd.read_csv(done)) if done.is_file() else todo.append(sample))
+        if done.is_file():
+            tables.append(pd.read_csv(done))
+        else:
+            todo.append(sample)
     n_resumed = len(tables)
     workers = workers or len(os.sched_getaffinity(0))
     failures = []
