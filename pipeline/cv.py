@@ -142,7 +142,8 @@ def train_fold(cfg: DictConfig, fold: int, fold_file: Path, work_dir: Path) -> F
         OmegaConf.to_container(cfg.augment), batch_size=cfg.loader.batch_size,
         eval_batch_size=cfg.loader.eval_batch_size, num_workers=cfg.loader.num_workers,
         balanced_sampling=cfg.loader.balanced_sampling, seed=cfg.seed,
-        frames_per_video=cfg.loader.frames_per_video, crop_fraction=cfg.loader.crop_fraction)
+        frames_per_video=cfg.loader.frames_per_video, crop_fraction=cfg.loader.crop_fraction,
+        from_s=cfg.loader.from_s)
     datamodule.setup()
     train_labels = datamodule.frames("train")["label"].to_numpy()
     module = PainClassifier(

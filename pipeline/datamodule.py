@@ -106,6 +106,23 @@ def evenly_spaced_frames(frames: pd.DataFrame, per_video: int) -> pd.DataFrame:
     return ordered[keep].sort_index()
 
 
+def frames_from(frames: pd.DataFrame, from_s: float, source: Path) -> pd.DataFrame:
+    """Keep the crops taken at or after `from_s` seconds into their clip (the response builds up over the clip).
+
+    A video left with no crop is an error naming it: the preprocessing window and this one do not overlap for it.
+    """
+    if "time_s" not in frames.columns:
+        raise ValueError(f"{source}: loader.from_s needs a time_s column (seconds into the clip), and there is none")
+    kept = frames[pd.to_numeric(frames["time_s"], errors="raise") >= from_s]
+    lost = sorted(set(frames["sample_name"]) - set(kept["sample_name"]))
+    if lost:
+        raise ValueError(
+            f"{source}: {len(lost)} video(s) have no crop at or after loader.from_s={from_s} s (e.g. {lost[0]}); "
+            f"lower from_s or re-run the preprocessing with a later preprocess.end_s"
+        )
+    return kept
+
+
 class PainDataModule(pl.LightningDataModule):
     """Train / val / test frames of fold `fold` in `fold_file` for `task`, over the crops in `processed_dir`."""
 
@@ -127,6 +144,7 @@ class PainDataModule(pl.LightningDataModule):
         prefetch_factor: int = 4,
         frames_per_video: int | None = None,
         crop_fraction: float = 1.0,
+        from_s: float | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1 or (eval_batch_size is not None and eval_batch_size < 1):
@@ -148,6 +166,9 @@ class PainDataModule(pl.LightningDataModule):
         if frames_per_video is not None and frames_per_video < 1:
             raise ValueError(f"frames_per_video must be >= 1 or None, got {frames_per_video}")
         self.frames_per_video = frames_per_video
+        if from_s is not None and from_s < 0:
+            raise ValueError(f"from_s must be >= 0 or None, got {from_s}")
+        self.from_s = from_s
         # Built now so that a bad augment config fails before any data is read.
         self.train_transform = build_train_transform(data_config, augment, crop_fraction)
         self.eval_transform = build_eval_transform(data_config, crop_fraction)
@@ -177,6 +198,8 @@ class PainDataModule(pl.LightningDataModule):
             )
         task_frames = table[table["class_name"].isin(self.task.classes)].copy()
         task_frames["label"] = task_frames["class_name"].map(self.task.label_map()).astype(np.int64)
+        if self.from_s is not None:
+            task_frames = frames_from(task_frames, self.from_s, self.frames_csv)
         if self.frames_per_video is not None:
             task_frames = evenly_spaced_frames(task_frames, self.frames_per_video)
         splits = {}

@@ -254,3 +254,20 @@ def test_role_without_task_frames_is_an_error(tmp_path: Path, fold_file: Path) -
     with pytest.raises(ValueError, match="role 'test' has no frames of task bl1_vs_pa4"):
         make_datamodule(processed, fold_file, task="bl1_vs_pa4")
     make_datamodule(processed, fold_file, task="bl1_vs_pa1")  # other tasks are unaffected
+
+
+def test_from_s_keeps_only_later_crops_of_every_video(processed: Path, fold_file: Path) -> None:
+    every = make_datamodule(processed, fold_file)
+    late = make_datamodule(processed, fold_file, from_s=2.0)  # crops at 1.6 s and 3.2 s: only the second stays
+    for split in ("train", "val", "test"):
+        frames = late.frames(split)
+        assert set(frames["frame_index"]) == {FRAME_INDICES[1]}
+        assert (frames["time_s"] >= 2.0).all()
+        assert set(frames["sample_name"]) == set(every.frames(split)["sample_name"])  # no video lost
+
+
+def test_from_s_past_every_crop_names_the_frame_table(processed: Path, fold_file: Path) -> None:
+    with pytest.raises(ValueError, match=r"frames\.csv: .*no crop at or after loader\.from_s=3\.5"):
+        make_datamodule(processed, fold_file, from_s=3.5)
+    with pytest.raises(ValueError, match="from_s must be >= 0"):
+        make_datamodule(processed, fold_file, from_s=-1.0)

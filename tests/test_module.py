@@ -92,3 +92,48 @@ def test_frozen_backbone_does_not_move(tiny_config) -> None:
     trainer.fit(PainClassifier(net, task.classes, OPTIM), datamodule=datamodule)
     assert all(torch.equal(before[k], v) for k, v in net.backbone.state_dict().items())
     assert not torch.equal(head_before, net.head.weight)
+
+
+class RecordGradientNorms(pl.Callback):
+    """Gradient norm before clipping (Lightning's hook) and after it (what the optimizer step really sees)."""
+
+    def __init__(self) -> None:
+        self.before: list[float] = []
+        self.after: list[float] = []
+        self.fused: list[bool] = []
+
+    @staticmethod
+    def _norm(optimizer: torch.optim.Optimizer) -> float:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        optimizer = trainer.optimizers[0]
+        self.fused.append(bool(optimizer.defaults.get("fused")))
+        # Lightning runs forward and backward inside optimizer.step(closure): the gradients the update used are read
+        # after the step (it leaves them as they were; zero_grad comes before the next backward)
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after.append(self._norm(opt)))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.before.append(self._norm(optimizer))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_fused_adamw_still_clips_gradients(tiny_config, precision: str) -> None:
+    """AdamW is fused on the CPU (a third of a ViT-B step otherwise); Lightning's AMP plugin refuses to clip a fused
+    optimizer, so the module clips itself: the step must see the clipped norm, in fp32 and in bf16 autocast."""
+    cfg = tiny_config()
+    task = get_task("bl1_vs_pa4")
+    net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, task,
+                                net.backbone.data_config, {}, batch_size=4, num_workers=0)
+    recorder = RecordGradientNorms()
+    clip = 1e-3
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=3, accelerator="cpu", logger=False, precision=precision,
+                         gradient_clip_val=clip, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, callbacks=[recorder])
+    trainer.fit(PainClassifier(net, task.classes, OPTIM), datamodule=datamodule)
+    assert recorder.fused == [True]
+    assert len(recorder.before) == len(recorder.after) == 3
+    assert min(recorder.before) > 10 * clip  # clipping had work to do
+    assert max(recorder.after) == pytest.approx(clip, rel=1e-3)
