@@ -188,13 +188,13 @@ def bare_training_throughput(
     The optimizer groups and schedule are the real recipe's (`pipeline.module.parameter_groups`, warm-up cosine),
     so the only thing missing compared with training is the data loading and Lightning's bookkeeping.
     """
-    from pipeline.module import parameter_groups, warmup_cosine
+    from pipeline.module import fused_adamw_supported, parameter_groups, warmup_cosine
 
     device = compute_device()
     model = model.to(device).train()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.AdamW(parameter_groups(model, optim))
+    optimizer = torch.optim.AdamW(parameter_groups(model, optim), fused=fused_adamw_supported(model))  # as the module
     total = warmup_steps + steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, 1, total))
     generator = torch.Generator().manual_seed(seed)

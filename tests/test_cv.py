@@ -106,9 +106,12 @@ def test_early_stopping_stops(tiny_config, tmp_path: Path) -> None:
 
 
 def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Path) -> None:
-    cfg = tiny_config(*FAST, "trainer.max_epochs=3", "trainer.patience=5")
+    # the crop window travels from the config to the data: crops at 2.0, 3.8 and 5.5 s, only the later two used
+    cfg = tiny_config(*FAST, "trainer.max_epochs=3", "trainer.patience=5", "loader.from_s=3.0")
     with fold_run(cfg):
         result = train_fold(cfg, 1, fold_file_path(cfg), tmp_path)
+    assert result.predictions["time_s"].min() >= 3.0
+    assert result.predictions.groupby("sample_name").size().eq(2).all()
     checkpoint = torch.load(tmp_path / "best.ckpt", map_location="cpu", weights_only=False)
     assert checkpoint["epoch"] == result.best_epoch
 
@@ -120,7 +123,7 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
     module.load_state_dict(checkpoint["state_dict"])
     module.eval()
     datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 1, task,
-                                net.backbone.data_config, {}, num_workers=0)
+                                net.backbone.data_config, {}, num_workers=0, from_s=3.0)
     datamodule.setup()
     with torch.no_grad():
         probs = torch.cat([module(images).softmax(1) for images, _, _ in datamodule.test_dataloader()])
