@@ -23,7 +23,7 @@ from pipeline.augment import DataConfigLike, build_eval_transform, build_train_t
 from pipeline.folds import ROLES, fold_subjects, read_folds
 from pipeline.tasks import CLASS_NAMES, Task
 
-FRAME_TABLE_COLUMNS = ("subject_name", "sample_name", "class_name", "frame_index", "crop_path")
+FRAME_TABLE_COLUMNS = ("subject_name", "sample_name", "class_name", "frame_index", "time_s", "crop_path")
 ROW_INDEX_NAME = "frame_row"  # the frames(split) index: the row's 0-based data-row number in frames.csv
 MAX_AUTO_WORKERS = 8
 
@@ -111,9 +111,7 @@ def frames_from(frames: pd.DataFrame, from_s: float, source: Path) -> pd.DataFra
 
     A video left with no crop is an error naming it: the preprocessing window and this one do not overlap for it.
     """
-    if "time_s" not in frames.columns:
-        raise ValueError(f"{source}: loader.from_s needs a time_s column (seconds into the clip), and there is none")
-    kept = frames[pd.to_numeric(frames["time_s"], errors="raise") >= from_s]
+    kept = frames[frames["time_s"] >= from_s]
     lost = sorted(set(frames["sample_name"]) - set(kept["sample_name"]))
     if lost:
         raise ValueError(

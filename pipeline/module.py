@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.plugins.precision import Precision
 from torch import nn
 from torch.nn import functional as F
 
@@ -148,17 +149,13 @@ class PainClassifier(pl.LightningModule):
         self.test_predictions, self.test_results = results.pop("predictions"), results
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Lightning's AMP plugin refuses to clip for a fused optimizer, for fear of scaled gradients; ours is fused only
-        without a grad scaler (bf16 or fp32), so its gradients are the true ones and are clipped here directly."""
-        if not (gradient_clip_val and optimizer.defaults.get("fused")):
+        """Lightning's AMP plugin refuses to clip for any fused optimizer, for fear of scaled gradients; ours is fused
+        only without a grad scaler (bf16 or fp32), so its gradients are the true ones: clip them with Lightning's
+        plain (non-AMP) clipping."""
+        if not optimizer.defaults.get("fused"):
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if gradient_clip_algorithm in (None, "norm"):
-            nn.utils.clip_grad_norm_(parameters, gradient_clip_val)
-        elif gradient_clip_algorithm == "value":
-            nn.utils.clip_grad_value_(parameters, gradient_clip_val)
-        else:
-            raise ValueError(f"unknown gradient_clip_algorithm {gradient_clip_algorithm!r}")
+        Precision.clip_gradients(self.trainer.precision_plugin, optimizer, gradient_clip_val or 0.0,
+                                 gradient_clip_algorithm or "norm")
 
     def configure_optimizers(self):
         groups = parameter_groups(self.model, self.optim)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -22,6 +21,7 @@ from tqdm import tqdm
 from pipeline.faces import FaceDetector, build_detector, smooth_track, square_crop
 from pipeline.faces import read_frames as read_video_frames
 from pipeline.io import atomic_write_bytes, atomic_write_csv, atomic_write_text
+from pipeline.parallel import process_pool
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +187,7 @@ def _run(samples: list[dict], out_dir: Path, config: PreprocessConfig, workers: 
         _init_worker(out_dir, config)
         yield from map(_work, samples)
         return
-    # forkserver: forking a parent whose OpenCV threads already ran can deadlock the children
-    context = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-    with context.Pool(workers, initializer=_init_worker, initargs=(out_dir, config)) as pool:
+    with process_pool(workers, _init_worker, (out_dir, config)) as pool:
         yield from pool.imap_unordered(_work, samples, chunksize=1)
 
 

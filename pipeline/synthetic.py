@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import multiprocessing
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from pipeline.io import atomic_path, atomic_write_text
+from pipeline.parallel import process_pool
 from pipeline.tasks import CLASS_NAMES
 
 SAMPLES_CSV = Path("starting_point") / "samples.csv"
@@ -795,9 +795,7 @@ def generate(root: Path, config: SyntheticConfig, workers: int | None = None, pr
                 _write_video_job(job)
                 bar.update()
         else:
-            # Not fork: forking a process whose OpenCV thread pool is running can deadlock the children.
-            context = multiprocessing.get_context("forkserver" if os.name == "posix" else "spawn")
-            with context.Pool(workers, initializer=_init_worker) as pool:
+            with process_pool(workers, _init_worker) as pool:
                 for _ in pool.imap_unordered(_write_video_job, jobs):
                     bar.update()
     _write_if_changed(root / SUBJECTS_CSV, _subjects_table(subjects).to_csv(index=False))
