@@ -238,6 +238,7 @@ def make_samples(config: SyntheticConfig, subjects: list[Subject]) -> list[Sampl
             rng = _rng(config.seed, _VIDEO_STREAM, subject.subject_id, number, 0)
             intensity = config.class_intensity[class_id] * subject.expressiveness
             intensity *= math.exp(rng.normal(0.0, config.sample_variability))
+            # both numbers are drawn either way, so the probability does not shift the stream of later draws
             missed, damping = rng.uniform() < config.missed_response_probability, rng.uniform(0.0, 0.3)
             if missed:
                 intensity *= damping
