@@ -13,15 +13,26 @@ TASK ?= bl1_vs_pa4
 BIOVID_ROOT ?=
 WEIGHTS ?=
 ARGS ?=
+LAUNCHER ?= local
+JOBS ?=
+RESUME ?=
+VERBOSE ?=
 MLFLOW_PORT ?= 5000
+# `make server`: a tracking server for fold jobs on other nodes (LAUNCHER=slurm); see the README.
+SERVER_HOST ?= 127.0.0.1
+SERVER_PORT ?= 5000
+SERVER_STORE ?= sqlite:///$(CURDIR)/mlflow.db
+SERVER_ARTIFACTS ?= $(CURDIR)/mlartifacts
+export VERBOSE
 
 # A backbone without its own file in configs/model/ is any timm model name.
 MODEL_OVERRIDE = $(if $(wildcard configs/model/$(MODEL).yaml),model=$(MODEL),model=timm model.name=$(MODEL))
 OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) task=$(TASK) $(MODEL_OVERRIDE) \
-	$(if $(BIOVID_ROOT),data.root=$(abspath $(BIOVID_ROOT))) $(if $(WEIGHTS),model.weights=$(abspath $(WEIGHTS))) $(ARGS)
+	$(if $(BIOVID_ROOT),data.root=$(abspath $(BIOVID_ROOT))) $(if $(WEIGHTS),model.weights=$(abspath $(WEIGHTS))) \
+	launcher=$(LAUNCHER) $(if $(JOBS),launcher.jobs=$(JOBS)) $(if $(RESUME),cv.resume=$(RESUME)) $(ARGS)
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 
-.PHONY: help install data aug-preview cv compare ui test lint bench bench-data clean clean-data
+.PHONY: help install data aug-preview cv compare ui server test lint bench bench-data clean clean-data
 
 help: ## list the targets
 	@echo "Pain detection from facial video: fine-tune and compare backbones on BioVid Part A (or its synthetic twin)."
@@ -29,6 +40,7 @@ help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-12s %s\n", $$1, $$2}'
 	@echo
 	@echo "Variables: MODEL=$(MODEL) DATA=$(DATA) PROTOCOL=$(PROTOCOL) TASK=$(TASK) BIOVID_ROOT= WEIGHTS= ARGS='key=value ...'"
+	@echo "           LAUNCHER=$(LAUNCHER) (local|parallel|slurm) JOBS= RESUME= (never: a new run) VERBOSE= (1: all library output)"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +66,10 @@ ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store
 	$(VENV)/bin/mlflow ui --backend-store-uri $(TRACKING_URI) --default-artifact-root $(CURDIR)/mlartifacts \
 		--host 127.0.0.1 --port $(MLFLOW_PORT)
 
+server: install ## MLflow tracking server for fold jobs on other nodes (SERVER_HOST, SERVER_PORT, SERVER_STORE)
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server --backend-store-uri $(SERVER_STORE) \
+		--serve-artifacts --artifacts-destination $(SERVER_ARTIFACTS) --host $(SERVER_HOST) --port $(SERVER_PORT)
+
 test: install ## run the test suite
 	$(PY) -m pytest
 
@@ -70,4 +86,4 @@ clean-data: ## delete generated data (data/)
 	rm -rf data
 
 clean: ## delete generated data, runs and reports (keeps .venv)
-	rm -rf data mlflow.db mlartifacts reports lightning_logs
+	rm -rf data mlflow.db mlartifacts reports lightning_logs runs

@@ -209,23 +209,13 @@ def create_backbone(
     "auto" (random init with a loud warning when no weights are found). img_size overrides the input size; ViT
     position embeddings are interpolated to it and data_config.input_size follows.
     """
+    resolved = _resolve_backbone_weights(name, pretrained, weights)
     if name in CVT_VARIANTS:
-        variant = CVT_VARIANTS[name]
-        resolved = resolve_weights(pretrained, weights, model_name=name, hub_repo=variant.hub_repo)
-        backbone: Backbone = CvtBackbone(name, variant, img_size)
+        backbone: Backbone = CvtBackbone(name, CVT_VARIANTS[name], img_size)
         if resolved is not None:
             load_cvt_weights(backbone, resolved.path)
     else:
-        architecture = _timm_architecture(name)
-        pretrained_cfg = timm.models.get_pretrained_cfg(architecture)
-        hub_repo = pretrained_cfg.hf_hub_id if pretrained_cfg else None
-        hub_filenames = (
-            (pretrained_cfg.hf_hub_filename,)
-            if pretrained_cfg and pretrained_cfg.hf_hub_filename
-            else HUB_WEIGHT_FILENAMES
-        )
-        resolved = resolve_weights(pretrained, weights, model_name=name, hub_repo=hub_repo, hub_filenames=hub_filenames)
-        model = _create_timm_model(architecture, resolved, img_size)
+        model = _create_timm_model(_timm_architecture(name), resolved, img_size)
         backbone = TimmBackbone(name, model, img_size)
     source = resolved.source if resolved is not None else RANDOM_INIT
     logger.info(
@@ -237,6 +227,23 @@ def create_backbone(
         source.ref,
     )
     return backbone, source
+
+
+def weights_source(name: str, pretrained: bool | str = False, weights: str | Path | None = None) -> WeightsSource:
+    """Where `create_backbone` would take the weights from, without building the model (fails the same way)."""
+    resolved = _resolve_backbone_weights(name, pretrained, weights)
+    return resolved.source if resolved is not None else RANDOM_INIT
+
+
+def _resolve_backbone_weights(name: str, pretrained: bool | str, weights: str | Path | None):
+    if name in CVT_VARIANTS:
+        return resolve_weights(pretrained, weights, model_name=name, hub_repo=CVT_VARIANTS[name].hub_repo)
+    pretrained_cfg = timm.models.get_pretrained_cfg(_timm_architecture(name))
+    hub_repo = pretrained_cfg.hf_hub_id if pretrained_cfg else None
+    hub_filenames = (
+        (pretrained_cfg.hf_hub_filename,) if pretrained_cfg and pretrained_cfg.hf_hub_filename else HUB_WEIGHT_FILENAMES
+    )
+    return resolve_weights(pretrained, weights, model_name=name, hub_repo=hub_repo, hub_filenames=hub_filenames)
 
 
 def create_model(

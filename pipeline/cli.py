@@ -12,39 +12,59 @@ The Makefile is the front door (`make help`); it turns MODEL=, DATA=, PROTOCOL=,
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline import PROJECT_ROOT
+# resolve_path lives in pipeline/ now; re-exported here until every caller imports it from there.
+from pipeline import PROJECT_ROOT, resolve_path  # noqa: F401
 
 CONFIG_DIR = PROJECT_ROOT / "configs"
 log = logging.getLogger("pipeline")
 
 
 def load_config(overrides: Sequence[str] = (), config_dir: Path = CONFIG_DIR) -> DictConfig:
-    """Compose configs/config.yaml with overrides; unknown keys are errors (no `+key=` additions)."""
+    """Compose configs/config.yaml with overrides; unknown keys are errors (no `+key=` additions).
+
+    As under @hydra.main, ${hydra:runtime.choices.<group>} is the option chosen for a group (the protocol and task
+    files take their name from it); the hydra node itself is left out of the result.
+    """
     added = [o for o in overrides if o.lstrip().startswith("+")]
     if added:
         raise ValueError(f"adding keys is not allowed ({', '.join(added)}): every key must exist in configs/")
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
     OmegaConf.set_struct(cfg, True)
     OmegaConf.resolve(cfg)
     return cfg
 
 
-def resolve_path(path: str | Path) -> Path:
-    """Relative paths in the config are relative to the project root, so commands work from any folder."""
-    path = Path(path).expanduser()
-    return path if path.is_absolute() else (PROJECT_ROOT / path).resolve()
+def setup_logging(verbose: bool | None = None) -> None:
+    """What a person sees: the pipeline's own lines, its warnings about the run, progress bars and results.
 
-
-def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    Quiet by default: other libraries' info lines (Lightning's tips and device banners) and warnings (deprecations
+    inside dependencies) are hidden. VERBOSE=1 (`make cv VERBOSE=1`) brings everything back.
+    """
+    verbose = os.environ.get("VERBOSE", "") not in ("", "0") if verbose is None else verbose
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    if verbose:
+        logging.getLogger("pipeline").setLevel(logging.INFO)
+        return
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning", "mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=r"pipeline(\.|$)")  # the pipeline's own warnings stay
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     command, overrides = argv[0], argv[1:]
-    _setup_logging()
+    setup_logging()
     cfg = load_config(overrides)
     if command == "config":
         print(OmegaConf.to_yaml(cfg))

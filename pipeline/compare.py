@@ -21,13 +21,12 @@ from mlflow import MlflowClient
 from mlflow.entities import Run, RunStatus
 from scipy import stats
 
-from pipeline import tracking
+from pipeline import PROJECT_ROOT, resolve_path, tracking
 from pipeline.io import atomic_write_csv
 from pipeline.metrics import save_png
 
 logger = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RUN_KIND_TAG = "painvit.run_kind"
 FOLD_FILE_TAG = "fold_file_sha256"
 DEFAULT_METRICS: tuple[str, ...] = (
@@ -362,7 +361,6 @@ def compare(
 
 def run_compare(cfg) -> dict:
     """`make compare`: the latest finished cross-validation of each backbone on the config's data/protocol/task."""
-    from pipeline.cli import resolve_path
     from pipeline.folds import fold_file_sha256 as sha256_of_folds
 
     # Only CVs on the current fold file: runs on older or other folds never enter the comparison.

@@ -1,77 +1,51 @@
-"""`make cv`: participant-grouped cross-validation of one backbone, tracked in MLflow.
+"""`make cv`: participant-grouped cross-validation of one backbone, tracked in MLflow, resumable, on any launcher.
 
-One parent run per cross-validation (tags say what was compared on what), one child run per fold (per-epoch curves,
-test metrics, plots, per-video predictions). A fresh model and optimizer per fold; early stopping and checkpoint
-selection on the fold's inner-validation subjects; exactly one evaluation of the best checkpoint on the test subjects.
+plan -> launch -> aggregate:
+- **plan**: compose the config, prepare the data, read the fold file, resolve the weights (a missing checkpoint fails
+  in seconds), then find the parent run of an unfinished cross-validation with the same identity (model, dataset,
+  protocol, task, subject set, seed, fold file and the resolved config's hash) or create one; folds that have a
+  FINISHED child run are done.
+- **launch** the pending folds as `FoldJob`s on the configured launcher (`pipeline.launchers`).
+- **aggregate** once every fold has a finished child run: mean and spread over folds, pooled metrics, plots, onto
+  the parent run, which is then FINISHED. A finished cross-validation with the same identity is not trained again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import logging
+import os
 import subprocess
 import tempfile
 import time
-import warnings
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import mlflow
 import numpy as np
 import pandas as pd
-import pytorch_lightning as pl
-import torch
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import PROJECT_ROOT, tracking
-from pipeline.backbones import create_model
-from pipeline.cli import resolve_path
-from pipeline.datamodule import PainDataModule
+from pipeline import PROJECT_ROOT, launchers, resolve_path, tracking
+from pipeline.backbones import weights_source
+from pipeline.devices import cpu_description, precision_for
+from pipeline.fold import FoldJob, FoldResult, fold_runs, result_from_run
 from pipeline.folds import fold_file_sha256
-from pipeline.metrics import (
-    classification_metrics,
-    evaluate_predictions,
-    plot_confusion,
-    plot_roc,
-    plot_training_curves,
-    summarize_folds,
-)
-from pipeline.module import FreezeBackbone, OptimConfig, PainClassifier
+from pipeline.metrics import classification_metrics, evaluate_predictions, plot_confusion, plot_roc, summarize_folds
 from pipeline.prepare import prepare_data, read_fold_file
 from pipeline.tasks import get_task
 from pipeline.weights import WeightsSource
 
 log = logging.getLogger(__name__)
 REPORTED = ("auroc", "accuracy", "balanced_accuracy", "f1")
-
-
-@dataclass
-class FoldResult:
-    fold: int
-    metrics: dict[str, float]  # test/<level>_<metric>
-    predictions: pd.DataFrame  # per-frame test predictions
-    videos: pd.DataFrame  # per-video test predictions
-    epochs: int
-    best_epoch: int
-    seconds: float
-
-
-class MlflowEpochLogger(pl.Callback):
-    """Logs each epoch's train/val metrics to the active MLflow run (step = epoch) and keeps them for the plot.
-
-    Hooked on the end of the training epoch: by then the epoch's validation has run and Lightning has reduced the
-    epoch-level train metrics (callbacks' on_validation_epoch_end runs before the module has logged val metrics).
-    """
-
-    def __init__(self) -> None:
-        self.history: list[dict] = []
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
-                   if k.startswith(("train/", "val/")) and torch.numel(v) == 1}
-        metrics["lr/head"] = trainer.optimizers[0].param_groups[-1]["lr"] if trainer.optimizers else float("nan")
-        mlflow.log_metrics(metrics, step=trainer.current_epoch)
-        self.history.append({"epoch": trainer.current_epoch, **metrics})
+# Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
+NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "data.synthetic.workers")
+IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256")
 
 
 def git_commit() -> str:
@@ -86,33 +60,6 @@ def git_commit() -> str:
         return "unknown"
 
 
-def precision_for(setting: str) -> str:
-    if setting != "auto":
-        return setting
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return "bf16-mixed"
-    return "32-true"
-
-
-def use_channels_last(setting: bool | str, model_name: str) -> bool:
-    """channels_last helps convolutions on GPUs; a plain ViT gains nothing from it."""
-    if setting != "auto":
-        return bool(setting)
-    return torch.cuda.is_available() and not model_name.startswith("vit")
-
-
-def class_weights_for(setting, train_labels: np.ndarray, n_classes: int) -> list[float] | None:
-    if setting is None:
-        return None
-    if setting == "balanced":
-        counts = np.bincount(train_labels, minlength=n_classes).astype(float)
-        return list(len(train_labels) / (n_classes * np.maximum(counts, 1)))
-    weights = list(setting)
-    if len(weights) != n_classes:
-        raise ValueError(f"trainer.class_weights has {len(weights)} values for {n_classes} classes")
-    return weights
-
-
 def warn_from_scratch(model_name: str, source: WeightsSource) -> None:
     if source.kind != "random":
         return
@@ -122,177 +69,296 @@ def warn_from_scratch(model_name: str, source: WeightsSource) -> None:
                f"cope better with little data. Scores are not comparable with fine-tuned runs; provide weights "
                f"with WEIGHTS=/path or pretrained=true to fine-tune.")
     log.warning(message)
-    warnings.warn(message, stacklevel=2)
 
 
-def train_fold(cfg: DictConfig, fold: int, fold_file: Path, work_dir: Path) -> FoldResult:
-    """Train on the fold's training subjects, select on its validation subjects, test once on its test subjects."""
-    started = time.time()
-    if cfg.trainer.devices != 1:
-        raise ValueError("trainer.devices must be 1: video-level metrics are computed from one process's predictions")
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    task = get_task(cfg.task.name)
-    net, _ = create_model(cfg.model.name, n_classes=task.n_classes, pretrained=cfg.model.pretrained,
-                          weights=cfg.model.weights, img_size=cfg.model.img_size)
-    channels_last = use_channels_last(cfg.trainer.channels_last, cfg.model.name)
-    if channels_last:
-        net = net.to(memory_format=torch.channels_last)
-    datamodule = PainDataModule(
-        resolve_path(cfg.data.processed_dir), fold_file, fold, task, net.backbone.data_config,
-        OmegaConf.to_container(cfg.augment), batch_size=cfg.loader.batch_size,
-        eval_batch_size=cfg.loader.eval_batch_size, num_workers=cfg.loader.num_workers,
-        balanced_sampling=cfg.loader.balanced_sampling, seed=cfg.seed,
-        frames_per_video=cfg.loader.frames_per_video, crop_fraction=cfg.loader.crop_fraction,
-        from_s=cfg.loader.from_s)
-    datamodule.setup()
-    train_labels = datamodule.frames("train")["label"].to_numpy()
-    module = PainClassifier(
-        net, task.classes, OptimConfig(**OmegaConf.to_container(cfg.model.optim)),
-        label_smoothing=cfg.trainer.label_smoothing,
-        class_weights=class_weights_for(cfg.trainer.class_weights, train_labels, task.n_classes),
-        aggregation=cfg.trainer.aggregation, topk=cfg.trainer.topk, channels_last=channels_last)
-
-    epoch_logger = MlflowEpochLogger()
-    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=work_dir, filename="best", monitor=cfg.trainer.monitor,
-                                              mode=cfg.trainer.monitor_mode, save_top_k=1, save_weights_only=True)
-    early_stopping = pl.callbacks.EarlyStopping(monitor=cfg.trainer.monitor, mode=cfg.trainer.monitor_mode,
-                                                patience=cfg.trainer.patience)
-    callbacks = [epoch_logger, checkpoint, early_stopping]
-    if cfg.model.optim.freeze_backbone_epochs > 0:
-        callbacks.append(FreezeBackbone(cfg.model.optim.freeze_backbone_epochs))
-    limits = {k: cfg.trainer[k] for k in ("limit_train_batches", "limit_val_batches") if cfg.trainer[k] is not None}
-    trainer = pl.Trainer(
-        max_epochs=cfg.trainer.max_epochs, accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices,
-        precision=precision_for(cfg.trainer.precision), gradient_clip_val=cfg.trainer.gradient_clip_val,
-        deterministic=cfg.trainer.deterministic, log_every_n_steps=cfg.trainer.log_every_n_steps,
-        callbacks=callbacks, logger=False, default_root_dir=work_dir, enable_model_summary=False,
-        num_sanity_val_steps=0, **limits)
-    trainer.fit(module, datamodule=datamodule)
-    if not checkpoint.best_model_path:
-        raise RuntimeError(f"fold {fold}: no checkpoint was selected on {cfg.trainer.monitor} (was it logged?); "
-                           f"refusing to test the last epoch's weights instead")
-    trainer.test(module, datamodule=datamodule, ckpt_path=checkpoint.best_model_path, verbose=False)
-
-    results = module.test_results
-    metrics = {f"test/{level}_{name}": float(value) for level in ("frame", "video")
-               for name, value in results[level].items()}
-    best_epoch = next((h["epoch"] for h in epoch_logger.history
-                       if checkpoint.best_model_score is not None
-                       and np.isclose(h.get(cfg.trainer.monitor, np.nan), float(checkpoint.best_model_score))), -1)
-    metrics.update({"best_epoch": best_epoch, "epochs_trained": len(epoch_logger.history),
-                    "best_val_score": float(checkpoint.best_model_score or np.nan)})
-
-    # Fold artifacts: plots and tables a person opens in the MLflow UI. Names and predictions only, never faces.
-    out = work_dir / "artifacts"
-    out.mkdir(parents=True)
-    videos = results["videos"]
-    plot_confusion(results["confusion_video"], task.classes, out / "confusion_video.png", f"fold {fold}: videos")
-    plot_confusion(results["confusion_frame"], task.classes, out / "confusion_frame.png", f"fold {fold}: frames")
-    if task.is_binary and videos["label"].nunique() == 2:
-        plot_roc(videos["label"].to_numpy(), videos[f"prob_{task.classes[1]}"].to_numpy(), out / "roc_video.png",
-                 f"fold {fold}: video ROC")
-    if epoch_logger.history:
-        plot_training_curves(pd.DataFrame(epoch_logger.history), out / "training_curves.png")
-    videos.to_csv(out / "predictions_videos.csv", index=False)
-    module.test_predictions.drop(columns=["crop_path"], errors="ignore").to_csv(out / "predictions_frames.csv",
-                                                                               index=False)
-    results["per_subject"].to_csv(out / "accuracy_per_subject.csv", index=False)
-    (out / "splits.json").write_text(json.dumps(datamodule.split_summary(), indent=2, default=str))
-    mlflow.log_metrics(metrics)
-    mlflow.log_artifacts(str(out))
-    return FoldResult(fold, metrics, module.test_predictions, videos, len(epoch_logger.history), best_epoch,
-                      time.time() - started)
+def identity_config(cfg: DictConfig) -> dict:
+    """The resolved config without the settings in NOT_IDENTITY."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    for key in NOT_IDENTITY:
+        *parents, leaf = key.split(".")
+        node = config
+        for parent in parents:
+            node = node.get(parent, {})
+        node.pop(leaf, None)
+    return config
 
 
-def _flat_params(cfg: DictConfig) -> dict[str, str]:
-    flat = pd.json_normalize(OmegaConf.to_container(cfg), sep=".").iloc[0].to_dict()
+def config_sha256(cfg: DictConfig) -> str:
+    return hashlib.sha256(json.dumps(identity_config(cfg), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def flat_params(config: dict) -> dict[str, str]:
+    flat = pd.json_normalize(config, sep=".").iloc[0].to_dict()
     return {k: str(v)[:500] for k, v in flat.items()}
 
 
-def fold_line(result: FoldResult, index: int, n_folds: int) -> str:
+@dataclass
+class Plan:
+    """A cross-validation ready to launch: its parent run and the folds still to do."""
+
+    cfg: DictConfig
+    fold_file: Path
+    fold_ids: list[int]
+    class_names: tuple[str, ...]
+    tracking_uri: str
+    experiment_id: str
+    parent_run_id: str
+    work_dir: Path
+    done: list[int] = field(default_factory=list)
+    finished: bool = False  # aggregated before: nothing to do
+
+    @property
+    def pending(self) -> list[int]:
+        return [fold for fold in self.fold_ids if fold not in self.done]
+
+    def job(self, fold: int, tracking_uri: str | None = None) -> FoldJob:
+        return FoldJob(OmegaConf.to_container(self.cfg, resolve=True), int(fold), self.parent_run_id,
+                       tracking_uri or self.tracking_uri, str(self.work_dir / f"fold_{fold}"))
+
+
+def _differences(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [f"{k}: {old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in keys if old.get(k) != new.get(k)]
+
+
+def find_parent(client: MlflowClient, experiment_id: str, tags: dict[str, str], cfg: DictConfig):
+    """The newest parent run with these identity tags; if there is none, say why an older CV is not resumed."""
+    query = " and ".join(["tags.`painvit.run_kind` = 'cv'"]
+                         + [f"tags.`{key}` = '{tags[key]}'" for key in IDENTITY_TAGS])
+    runs = client.search_runs([experiment_id], query, order_by=["attribute.start_time DESC"], max_results=1)
+    if runs:
+        return runs[0]
+    similar = " and ".join(["tags.`painvit.run_kind` = 'cv'"]
+                           + [f"tags.`{key}` = '{tags[key]}'" for key in ("model", "dataset", "protocol", "task")])
+    older = client.search_runs([experiment_id], similar, order_by=["attribute.start_time DESC"], max_results=1)
+    if older:
+        previous = older[0]
+        changes = [f"{key}: {previous.data.tags.get(key)} -> {tags[key]}" for key in IDENTITY_TAGS
+                   if key != "config_sha256" and previous.data.tags.get(key) != tags[key]]
+        changes += _differences({k: v for k, v in previous.data.params.items()},
+                                flat_params(identity_config(cfg)))
+        print(f"not resuming {previous.info.run_name!r} ({previous.info.run_id}): its settings differ "
+              f"({'; '.join(changes[:8]) or 'config hash'}{' ...' if len(changes) > 8 else ''}); "
+              f"starting a new cross-validation")
+    return None
+
+
+@contextlib.contextmanager
+def identity_lock(work_dir: Path, identity: str) -> Iterator[None]:
+    """One driver per cross-validation identity on this machine: a second one refuses instead of training the
+    same folds twice. An OS lock, so a killed driver releases it."""
+    path = work_dir / "locks" / f"{identity}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise SystemExit(f"error: the same cross-validation is already running ({holder}); wait for it to "
+                             f"finish or stop it, then run the command again to resume") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
+    frames_result, fold_file = prepare_data(cfg)
+    folds = read_fold_file(fold_file, sorted(set(frames_result.frames.subject_name)))
+    fold_ids = sorted(int(f) for f in folds.fold.unique()) if cfg.trainer.folds is None else list(cfg.trainer.folds)
+    task = get_task(cfg.task.name)
+    # Where the weights come from, before any training: a missing checkpoint fails in seconds, not after fold 1.
+    weights = weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
+    warn_from_scratch(cfg.model.name, weights)
+
+    artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
+        PROJECT_ROOT)
+    experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
+    tags = {"model": cfg.model.name, "dataset": cfg.data.name, "protocol": cfg.protocol.name, "task": task.name,
+            "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
+            "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg)}
+    plan = Plan(cfg, fold_file, fold_ids, task.classes, tracking_uri, experiment_id, "", Path())
+    parent = find_parent(client, experiment_id, tags, cfg) if cfg.cv.resume == "auto" else None
+    if parent is None:
+        run_tags = {**tags, "painvit.run_kind": "cv", "git_commit": git_commit(), "fold_file": str(fold_file),
+                    "n_folds": str(len(fold_ids)),
+                    # a smoke run (some folds, limited batches) is marked so nobody mistakes it for a full CV
+                    "complete": str(len(fold_ids) == folds.fold.nunique() and cfg.trainer.limit_train_batches is None
+                                    and cfg.trainer.limit_val_batches is None).lower(),
+                    "precision": precision_for(cfg.trainer.precision, cfg.trainer.accelerator),
+                    "cpu": cpu_description(), **weights.as_tags()}
+        run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
+        parent = client.create_run(experiment_id, run_name=run_name, tags=run_tags)
+        run_id = parent.info.run_id
+        for chunk in _chunks(list(flat_params(identity_config(cfg)).items()), 100):
+            client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
+        client.log_text(run_id, OmegaConf.to_yaml(cfg), "config.yaml")
+        client.log_artifact(run_id, str(fold_file), "folds")
+    else:
+        plan.finished = parent.info.status == "FINISHED"
+        if not plan.finished:
+            client.update_run(parent.info.run_id, status="RUNNING")
+    plan.parent_run_id = parent.info.run_id
+    plan.work_dir = resolve_path(cfg.cv.work_dir) / plan.parent_run_id
+    finished = {int(run.data.tags["fold"]) for run in fold_runs(client, plan.parent_run_id)
+                if run.info.status == "FINISHED"}
+    plan.done = [fold for fold in fold_ids if fold in finished]
+    return plan
+
+
+def _chunks(items: list, size: int) -> Iterator[list]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def fold_line(result: FoldResult) -> str:
     m = result.metrics
-    return (f"fold {result.fold} ({index}/{n_folds}): video AUROC {m['test/video_auroc']:.3f} "
-            f"acc {m['test/video_accuracy']:.3f} bal-acc {m['test/video_balanced_accuracy']:.3f} | "
-            f"frame AUROC {m['test/frame_auroc']:.3f} | {result.epochs} epochs (best {result.best_epoch}) | "
-            f"{result.seconds:.0f} s")
+    return (f"video AUROC {m['test/video_auroc']:.3f} acc {m['test/video_accuracy']:.3f} "
+            f"bal-acc {m['test/video_balanced_accuracy']:.3f} | frame AUROC {m['test/frame_auroc']:.3f} | "
+            f"{result.epochs} epochs (best {result.best_epoch}) | {result.seconds:.0f} s")
+
+
+class Progress:
+    """One line per fold state change, with the overall count: what a person follows in the terminal."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.total, self.finished = len(plan.fold_ids), len(plan.done)
+
+    def __call__(self, fold: int, state: str, detail) -> None:
+        if state == "done":
+            self.finished += 1
+            text = f"fold {fold}: done, {fold_line(detail)}"
+        else:
+            text = f"fold {fold}: {state}" + (f" ({detail})" if detail else "")
+        print(f"[{self.finished}/{self.total} folds done] {text}", flush=True)
+
+
+def launch(plan: Plan, client: MlflowClient) -> launchers.LaunchOutcome:
+    """Run the pending folds on the configured launcher (SLURM jobs of an earlier `launcher.wait=false` run that
+    are still queued are followed, not submitted again)."""
+    launcher = plan.cfg.launcher
+    report = Progress(plan)
+
+    def result_of(fold: int) -> FoldResult | None:
+        runs = [run for run in fold_runs(client, plan.parent_run_id, fold) if run.info.status == "FINISHED"]
+        return result_from_run(client, runs[0]) if runs else None
+
+    def fold_status(fold: int) -> str:
+        runs = fold_runs(client, plan.parent_run_id, fold)
+        return "FINISHED" if any(run.info.status == "FINISHED" for run in runs) else "other"
+
+    if launcher.name == "local":
+        return launchers.launch_local([plan.job(fold) for fold in plan.pending], report)
+    if launcher.name == "parallel":
+        if plan.tracking_uri.startswith("sqlite:"):  # several writers: through a server, never the file itself
+            artifact_root = client.get_experiment(plan.experiment_id).artifact_location
+            with launchers.tracking_server(plan.tracking_uri, artifact_root) as uri:
+                print(f"MLflow server for the fold jobs: {uri} (over {plan.tracking_uri})")
+                return launchers.launch_parallel([plan.job(fold, uri) for fold in plan.pending], launcher.jobs,
+                                                 report, result_of)
+        return launchers.launch_parallel([plan.job(fold) for fold in plan.pending], launcher.jobs, report, result_of)
+    # slurm
+    parent = client.get_run(plan.parent_run_id)
+    submitted = {int(k): v for k, v in json.loads(parent.data.tags.get("painvit.slurm_jobs", "{}")).items()}
+    alive = launchers.slurm_states(list(submitted.values()))
+    queued = {fold: job_id for fold, job_id in submitted.items() if fold in plan.pending and job_id in alive}
+    to_submit = [fold for fold in plan.pending if fold not in queued]
+    if to_submit:
+        name = f"painvit-{plan.cfg.model.name}-{plan.parent_run_id[:8]}"
+        new = launchers.submit_slurm([plan.job(fold) for fold in to_submit], launcher, plan.work_dir / "slurm", name)
+        submitted.update(new)
+        queued.update(new)
+        client.set_tag(plan.parent_run_id, "painvit.slurm_jobs", launchers.job_ids_tag(submitted))
+        print(f"submitted {len(new)} fold job(s) to SLURM: {', '.join(f'fold {f} -> {j}' for f, j in new.items())}")
+    if not launcher.wait:
+        return launchers.LaunchOutcome(submitted=queued)
+    return launchers.wait_slurm(queued, report, fold_status, result_of, launcher.poll_s)
 
 
 def run_cv(cfg: DictConfig) -> dict:
-    """Prepare data if needed, then cross-validate cfg.model on every fold; returns the aggregate metrics."""
-    frames_result, fold_file = prepare_data(cfg)
-    folds = read_fold_file(fold_file, sorted(set(frames_result.frames.subject_name)))
-    fold_ids = sorted(folds.fold.unique()) if cfg.trainer.folds is None else list(cfg.trainer.folds)
-    task = get_task(cfg.task.name)
+    """Plan, launch the pending folds, aggregate; returns the aggregate metrics (empty if folds remain)."""
+    tracking_uri = cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT)
+    launchers.check_launcher(cfg.launcher, tracking_uri)
+    client = MlflowClient(tracking_uri)
+    identity_dir = resolve_path(cfg.cv.work_dir)
+    with identity_lock(identity_dir, f"{cfg.model.name}-{cfg.data.name}-{cfg.protocol.name}-{cfg.task.name}"):
+        plan = plan_cv(cfg, client, tracking_uri)
+        name = client.get_run(plan.parent_run_id).info.run_name
+        if plan.finished:
+            print(f"cross-validation {name!r} already finished with these settings: parent run {plan.parent_run_id} "
+                  f"(`make ui` to review; RESUME=never trains a new one)")
+            return dict(client.get_run(plan.parent_run_id).data.metrics)
+        resumed = f", resuming: {len(plan.done)} fold(s) already done" if plan.done else ""
+        print(f"cross-validation: {name}, {len(plan.fold_ids)} folds{resumed}, launcher {cfg.launcher.name}, "
+              f"precision {precision_for(cfg.trainer.precision, cfg.trainer.accelerator)} on {cpu_description()}")
+        print(f"MLflow: {tracking_uri} (experiment {cfg.mlflow.experiment}, parent run {plan.parent_run_id}); "
+              f"`make ui` to review")
+        try:
+            outcome = launch(plan, client) if plan.pending else launchers.LaunchOutcome()
+        except BaseException:
+            client.set_terminated(plan.parent_run_id, "KILLED")
+            raise
+        if outcome.submitted:
+            print(f"{len(outcome.submitted)} fold(s) queued on SLURM; run the same command again to follow them "
+                  f"and aggregate once all are done")
+            return {}
+        if outcome.failed:
+            client.set_terminated(plan.parent_run_id, "FAILED")
+            failed = ", ".join(str(fold) for fold in sorted(outcome.failed))
+            raise SystemExit(f"error: fold(s) {failed} failed (traceback in each fold's run); the other folds are "
+                             f"kept: run the same command again to retry only the failed ones")
+        summary = aggregate(plan, client)
+        print(f"parent run {plan.parent_run_id}")
+        return summary
 
-    # Resolve the weights once before any training, so a missing checkpoint fails in seconds, not after fold 1.
-    _, weights = create_model(cfg.model.name, n_classes=task.n_classes, pretrained=cfg.model.pretrained,
-                              weights=cfg.model.weights, img_size=cfg.model.img_size)
-    warn_from_scratch(cfg.model.name, weights)
 
-    uri = cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT)
-    mlflow.set_tracking_uri(uri)
-    artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
-        PROJECT_ROOT)
-    experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root)
-    tags = {"painvit.run_kind": "cv", "model": cfg.model.name, "dataset": cfg.data.name,
-            "protocol": cfg.protocol.name, "task": task.name, "subject_set": cfg.data.subject_set,
-            "seed": str(cfg.seed), "git_commit": git_commit(), "fold_file": str(fold_file),
-            "fold_file_sha256": fold_file_sha256(fold_file), "n_folds": str(len(fold_ids)),
-            # a smoke run (some folds, limited batches) is marked so that nobody mistakes it for a full CV
-            "complete": str(len(fold_ids) == folds.fold.nunique() and cfg.trainer.limit_train_batches is None
-                            and cfg.trainer.limit_val_batches is None).lower(),
-            **weights.as_tags()}
-    run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
-    print(f"cross-validation: {run_name}, {len(fold_ids)} folds, weights: {weights.kind} {weights.ref}")
-    print(f"MLflow: {uri} (experiment {cfg.mlflow.experiment}); `make ui` to review")
-
-    results: list[FoldResult] = []
-    with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=tags) as parent:
-        mlflow.log_params(_flat_params(cfg))
-        mlflow.log_text(OmegaConf.to_yaml(cfg), "config.yaml")
-        mlflow.log_artifact(str(fold_file), "folds")
-        for fold in fold_ids:
-            child_tags = {k: tags[k] for k in ("model", "dataset", "protocol", "task", "subject_set", "seed")}
-            with mlflow.start_run(experiment_id=experiment_id, run_name=f"fold {fold}", nested=True,
-                                  tags={**child_tags, "painvit.run_kind": "fold", "fold": str(fold)}):
-                mlflow.log_params({"fold": fold, **{f"weights.{k}": v for k, v in weights.as_tags().items()}})
-                with tempfile.TemporaryDirectory(prefix=f"fold{fold}-") as work_dir:
-                    result = train_fold(cfg, int(fold), fold_file, Path(work_dir))
-            results.append(result)
-            print(fold_line(result, len(results), len(fold_ids)), flush=True)
-        summary = log_aggregate(results, task.classes, cfg)
-        print_table(results, summary)
-        print(f"parent run {parent.info.run_id}")
+def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
+    """Mean and std across folds, and pooled metrics over all test videos/frames, onto the parent run."""
+    results = []
+    for fold in plan.fold_ids:
+        runs = [r for r in fold_runs(client, plan.parent_run_id, fold) if r.info.status == "FINISHED"]
+        results.append(result_from_run(client, runs[0]))
+    summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, plan.cfg)
+    client.set_terminated(plan.parent_run_id, "FINISHED")
+    print_table(results, summary)
     return summary
 
 
-def log_aggregate(results: list[FoldResult], class_names, cfg: DictConfig) -> dict[str, float]:
-    """Mean and std across folds, and pooled metrics over all test videos/frames, onto the parent run."""
+def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], class_names,
+                  cfg: DictConfig) -> dict[str, float]:
     fold_metrics = [{k.removeprefix("test/"): v for k, v in r.metrics.items() if k.startswith("test/")}
                     for r in results]
     summary = {f"cv/{k}": v for k, v in summarize_folds(fold_metrics).items()}
-    videos = pd.concat([r.videos for r in results], ignore_index=True)
-    frames = pd.concat([r.predictions for r in results], ignore_index=True)
+    videos = pd.concat([r.video_predictions for r in results], ignore_index=True)
+    frames = pd.concat([r.frame_predictions for r in results], ignore_index=True)
     prob_columns = [f"prob_{c}" for c in class_names]
     pooled_video = classification_metrics(videos["label"].to_numpy(), videos[prob_columns].to_numpy())
     pooled_frame = classification_metrics(frames["label"].to_numpy(), frames[prob_columns].to_numpy())
     summary.update({f"pooled/video_{k}": v for k, v in pooled_video.items()})
     summary.update({f"pooled/frame_{k}": v for k, v in pooled_frame.items()})
-    mlflow.log_metrics({k: float(v) for k, v in summary.items() if np.isfinite(v)})
+    now = int(time.time() * 1000)
+    metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
+    for chunk in _chunks(metrics, 500):
+        client.log_batch(run_id, metrics=chunk)
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        table = pd.DataFrame([{"fold": r.fold, **r.metrics, "seconds": round(r.seconds, 1)} for r in results])
+        table = pd.DataFrame([{"fold": r.fold, "run_id": r.run_id, **r.metrics, "seconds": round(r.seconds, 1)}
+                              for r in results])
         table.to_csv(out / "folds_summary.csv", index=False)
         videos.to_csv(out / "predictions_videos_all_folds.csv", index=False)
         pooled = evaluate_predictions(frames, class_names, cfg.trainer.aggregation, cfg.trainer.topk)
-        plot_confusion(pooled["confusion_video"], class_names, out / "confusion_video_pooled.png",
-                       "all test videos")
+        plot_confusion(pooled.confusion_video, class_names, out / "confusion_video_pooled.png", "all test videos")
         if len(class_names) == 2 and videos["label"].nunique() == 2:
             plot_roc(videos["label"].to_numpy(), videos[prob_columns[1]].to_numpy(), out / "roc_video_pooled.png",
                      "all test videos")
-        pooled["per_subject"].to_csv(out / "accuracy_per_subject.csv", index=False)
-        mlflow.log_artifacts(str(out))
+        pooled.per_subject.to_csv(out / "accuracy_per_subject.csv", index=False)
+        client.log_artifacts(run_id, str(out))
     return summary
 
 

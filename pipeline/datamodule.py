@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler, get_wor
 
 from pipeline.augment import DataConfigLike, build_eval_transform, build_train_transform, seed_transform
 from pipeline.folds import ROLES, fold_subjects, read_folds
+from pipeline.parallel import available_cpus
 from pipeline.tasks import CLASS_NAMES, Task
 
 FRAME_TABLE_COLUMNS = ("subject_name", "sample_name", "class_name", "frame_index", "time_s", "crop_path")
@@ -77,11 +78,7 @@ def _seed_worker(worker_id: int) -> None:
 
 def default_num_workers() -> int:
     """Dataloader workers from the CPUs this process may use (its affinity mask, not the machine's count)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return min(cpus, MAX_AUTO_WORKERS)
+    return min(available_cpus(), MAX_AUTO_WORKERS)
 
 
 def class_balanced_weights(labels: np.ndarray) -> np.ndarray:

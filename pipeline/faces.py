@@ -14,6 +14,8 @@ from typing import Protocol
 import cv2
 import numpy as np
 
+from pipeline.video import VideoFailure, read_sampled_frames
+
 Box = tuple[int, int, int, int]
 """A face box: x, y, width, height in pixels of the frame it was found in."""
 
@@ -182,67 +184,40 @@ def square_crop(frame: np.ndarray, box: Box, margin: float = 0.2, size: int = 22
     return cv2.resize(inside, (size, size), interpolation=interpolation)
 
 
-def sample_frame_indices(frame_count: int, fps: float, frames_per_video: int, start_s: float) -> list[int]:
-    """Evenly spaced frame indices from `start_s` to the last frame (all of them when there are fewer)."""
-    if frame_count <= 0:
-        return []
-    start = min(frame_count - 1, max(0, round(start_s * fps)))
-    available = frame_count - start
-    if available <= frames_per_video:
-        return list(range(start, frame_count))
-    return sorted({int(round(v)) for v in np.linspace(start, frame_count - 1, frames_per_video)})
-
-
-def read_frames(video_path: str | Path, indices: Iterable[int]) -> dict[int, np.ndarray]:
-    """Decode the given frames of a video by reading it sequentially (exact, unlike seeking in some codecs)."""
-    wanted = set(indices)
-    capture = cv2.VideoCapture(str(video_path))
-    if not capture.isOpened():
-        raise ValueError(f"cannot open video {video_path}")
-    frames: dict[int, np.ndarray] = {}
-    try:
-        index = 0
-        last = max(wanted, default=-1)
-        while index <= last and capture.grab():
-            if index in wanted:
-                ok, frame = capture.retrieve()
-                if ok:
-                    frames[index] = frame
-            index += 1
-    finally:
-        capture.release()
-    return frames
-
-
 def detection_rate(
-    video_paths: Iterable[str | Path], detector: FaceDetector, frames_per_video: int = 8, start_s: float = 2.0
+    video_paths: Iterable[str | Path],
+    detector: FaceDetector,
+    frames_per_video: int = 8,
+    start_s: float = 2.0,
+    end_s: float | None = None,
 ) -> dict:
-    """Fraction of sampled frames (from `start_s` to the end) in which `detector` finds a face.
+    """Fraction of sampled frames in which `detector` finds a face, over the frames preprocessing would crop.
 
-    Returns {"overall", "n_frames", "n_detected", "per_video": {path: fraction}}; a sampled frame that cannot be
-    decoded counts as not detected.
+    Frames are chosen and decoded exactly as preprocessing does (`pipeline.video.read_sampled_frames`), so a video
+    that preprocessing would reject (too short for the window, undecodable) contributes no frames and is listed
+    under "failed" with the reason. Returns {"overall", "n_frames", "n_detected", "per_video": {path: fraction},
+    "failed": {path: reason}}. A path that does not exist is an error.
     """
     per_video: dict[str, float] = {}
+    failed: dict[str, str] = {}
     total = detected = 0
     for path in video_paths:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"video not found: {path}")
-        capture = cv2.VideoCapture(str(path))
-        if not capture.isOpened():
-            raise ValueError(f"cannot open video {path}")
-        frame_count = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
-        fps = capture.get(cv2.CAP_PROP_FPS) or 25.0
-        capture.release()
-        indices = sample_frame_indices(frame_count, fps, frames_per_video, start_s)
-        frames = read_frames(path, indices)
-        hits = sum(detector.detect(frames[i]) is not None for i in indices if i in frames)
-        per_video[str(path)] = hits / len(indices) if indices else 0.0
-        total += len(indices)
+        try:
+            _, frames, _ = read_sampled_frames(path, frames_per_video, start_s, end_s)
+        except VideoFailure as failure:
+            failed[str(path)] = str(failure)
+            continue
+        hits = sum(detector.detect(frame) is not None for frame in frames)
+        per_video[str(path)] = hits / len(frames)
+        total += len(frames)
         detected += hits
     return {
         "overall": detected / total if total else 0.0,
         "n_frames": total,
         "n_detected": detected,
         "per_video": per_video,
+        "failed": failed,
     }

@@ -2,9 +2,11 @@
 
 Folds are generated once (`make_folds`), reviewed, committed and from then on only read (`read_folds`), so every
 backbone is compared on identical subject splits, and a leak (one person's frames on both sides of a split) fails
-loudly every time a file is loaded.
+loudly every time a file is loaded. The parameters a fold file was made with (protocol, seed, fractions) are recorded
+in a JSON sidecar beside it (`kfold5_all87.csv` -> `kfold5_all87.json`), so a config asking for other ones is refused
+(`check_fold_parameters`) instead of silently getting the old folds.
 
-    python -m pipeline.folds write-biovid              # regenerate data_manifests/biovid/*.csv (seed 0)
+    python -m pipeline.folds write-biovid              # regenerate data_manifests/biovid/*.csv and *.json (seed 0)
     python -m pipeline.folds check PATH... [--subject-set all87]
 """
 
@@ -12,17 +14,21 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
+import logging
 import math
 import re
 import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from pipeline import PROJECT_ROOT
+from pipeline.biovid import NON_RESPONDERS
 from pipeline.io import atomic_write_text
 
 ROLES = ("train", "val", "test")
@@ -33,11 +39,15 @@ STRATUM_SEPARATOR = "/"  # "w/age<=35": the part before the separator is the coa
 SUBJECT_SETS = ("all87", "responders67")
 BIOVID_PROTOCOLS = ("loso", "kfold5", "kfold10", "holdout")
 BIOVID_SEED = 0
+BIOVID_VAL_FRACTION = 0.15
+BIOVID_TEST_FRACTION = 0.3
 BIOVID_MANIFEST_DIR = PROJECT_ROOT / "data_manifests" / "biovid"
 BIOVID_SUBJECTS_CSV = BIOVID_MANIFEST_DIR / "subjects.csv"
 
 _BIOVID_SUBJECT_NAME = re.compile(r"(?P<date>\d{6})_(?P<sex>[wm])_(?P<age>\d{1,3})")
 _ROLE_RANK = {role: rank for rank, role in enumerate(ROLES)}
+
+log = logging.getLogger(__name__)
 
 
 class FoldError(ValueError):
@@ -301,11 +311,97 @@ def check_folds(folds: pd.DataFrame, source: str = "<memory>", subjects: Iterabl
 # --- files -----------------------------------------------------------------------------------------------------------
 
 
-def write_folds(folds: pd.DataFrame, path: Path) -> None:
-    """Check `folds`, then write them atomically as CSV with '\\n' line ends (byte-identical on every platform)."""
+def fold_parameters(
+    protocol: str, seed: int, val_fraction: float, test_fraction: float | None = None
+) -> dict[str, Any]:
+    """The `make_folds` arguments that decide a fold file (`make_folds(subjects, **parameters, strata=...)`), as
+    recorded in its sidecar and compared on every read.
+
+    test_fraction is kept only for hold-out, the one protocol it changes (LOSO and k-fold choose their own test sets).
+    """
+    kind, _ = protocol_spec(protocol)
+    parameters: dict[str, Any] = {"protocol": protocol, "seed": int(seed), "val_fraction": float(val_fraction)}
+    if kind == "holdout":
+        if test_fraction is None:
+            raise ValueError("protocol 'holdout' needs a test_fraction")
+        parameters["test_fraction"] = float(test_fraction)
+    return parameters
+
+
+def parameters_path(fold_file: Path) -> Path:
+    """The sidecar that records how a fold file was made: kfold5_all87.csv -> kfold5_all87.json."""
+    return Path(fold_file).with_suffix(".json")
+
+
+def write_folds(folds: pd.DataFrame, path: Path, parameters: Mapping[str, Any] | None = None) -> None:
+    """Check `folds`, then write them atomically as CSV with '\\n' line ends (byte-identical on every platform).
+
+    With `parameters` (from `fold_parameters`), the sidecar is written too: those parameters, the number of subjects
+    and the CSV's SHA-256. It is written first, so a run killed in between leaves no fold file that a stale record
+    would seem to describe; without `parameters`, a sidecar left by an earlier file is removed.
+    """
     check_folds(folds, source=str(path))
-    table = folds.loc[:, list(FOLD_COLUMNS)]
-    atomic_write_text(path, table.to_csv(index=False, lineterminator="\n"))
+    text = folds.loc[:, list(FOLD_COLUMNS)].to_csv(index=False, lineterminator="\n")
+    sidecar = parameters_path(path)
+    if parameters is None:
+        sidecar.unlink(missing_ok=True)
+    else:
+        record = {
+            **parameters,
+            "n_subjects": int(folds["subject_name"].nunique()),
+            "fold_file_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        }
+        atomic_write_text(sidecar, json.dumps(record, indent=2) + "\n")
+    atomic_write_text(path, text)
+
+
+def read_fold_parameters(path: Path) -> dict[str, Any] | None:
+    """The parameters recorded beside a fold file, or None when it has no sidecar (files written before sidecars).
+
+    A sidecar whose SHA-256 is not the fold file's is an error: the file was changed after the record was written.
+    """
+    path, sidecar = Path(path), parameters_path(path)
+    if not sidecar.is_file():
+        return None
+    try:
+        recorded = json.loads(sidecar.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise FoldError(f"{sidecar}: not valid JSON ({error})") from error
+    if not isinstance(recorded, dict) or "fold_file_sha256" not in recorded:
+        raise FoldError(f"{sidecar}: expected a JSON object with the fold parameters and 'fold_file_sha256'")
+    actual = fold_file_sha256(path)
+    if recorded["fold_file_sha256"] != actual:
+        raise FoldError(
+            f"{path}: SHA-256 {actual} differs from the {recorded['fold_file_sha256']} recorded in {sidecar}; "
+            "the fold file was changed after it was written, so the parameters recorded there may not describe it"
+        )
+    return recorded
+
+
+def check_fold_parameters(path: Path, expected: Mapping[str, Any], remedy: str = "") -> None:
+    """Refuse a fold file whose recorded parameters differ from `expected` (a `fold_parameters` dict).
+
+    The message names the fold file, its sidecar, and every differing key with both values, then `remedy` (how to
+    get a fold file with the expected parameters). A fold file without a sidecar is accepted with a warning.
+    """
+    recorded = read_fold_parameters(path)
+    if recorded is None:
+        log.warning(
+            "%s has no parameter record %s (written before fold files had one): cannot check that it was made "
+            "with %s", path, parameters_path(path).name, ", ".join(f"{k}={v}" for k, v in expected.items())
+        )
+        return
+    keys = [key for key in ("protocol", "seed", "val_fraction", "test_fraction") if key in expected or key in recorded]
+    differing = [
+        f"{key}: file {recorded.get(key, 'not recorded')!r}, config {expected.get(key, 'not applicable')!r}"
+        for key in keys
+        if recorded.get(key) != expected.get(key)
+    ]
+    if differing:
+        raise FoldError(
+            f"{path} was made with other fold parameters than the config asks for (recorded in "
+            f"{parameters_path(path)}): {'; '.join(differing)}. {remedy}".rstrip()
+        )
 
 
 def read_folds(path: Path, subjects: Iterable[str] | None = None) -> pd.DataFrame:
@@ -377,7 +473,10 @@ def subject_strata(subject_names: Iterable[str]) -> dict[str, str]:
 
 
 def biovid_subjects(subject_set: str, subjects_csv: Path = BIOVID_SUBJECTS_CSV) -> list[str]:
-    """Sorted subject names of a BioVid subject set: all87, or responders67 (without the 20 non-responders)."""
+    """Sorted subject names of a BioVid subject set: all87, or responders67 (without the 20 non-responders).
+
+    The non-responders are `pipeline.biovid.NON_RESPONDERS`; the file's facial_responder column must agree with them.
+    """
     if subject_set not in SUBJECT_SETS:
         raise ValueError(f"unknown subject set {subject_set!r}: expected one of {', '.join(SUBJECT_SETS)}")
     table = pd.read_csv(subjects_csv, dtype=str, keep_default_na=False)
@@ -394,8 +493,17 @@ def biovid_subjects(subject_set: str, subjects_csv: Path = BIOVID_SUBJECTS_CSV) 
     duplicated = table["subject_name"][table["subject_name"].duplicated()].tolist()
     if duplicated:
         raise ValueError(f"{subjects_csv}: duplicated subject_name(s) {duplicated[:5]}")
+    disagree = (table["facial_responder"] == "0") != table["subject_name"].isin(NON_RESPONDERS)
+    if disagree.any():
+        row = int(disagree.to_numpy().nonzero()[0][0]) + 1
+        name = table["subject_name"].iloc[row - 1]
+        raise ValueError(
+            f"{_where(str(subjects_csv), row)}, subject {name!r}: facial_responder "
+            f"{table['facial_responder'].iloc[row - 1]} disagrees with pipeline.biovid.NON_RESPONDERS "
+            f"({'listed' if name in NON_RESPONDERS else 'not listed'} there)"
+        )
     if subject_set == "responders67":
-        table = table[table["facial_responder"] == "1"]
+        table = table[~table["subject_name"].isin(NON_RESPONDERS)]
     return sorted(table["subject_name"].tolist())
 
 
@@ -404,21 +512,26 @@ def biovid_manifest_path(protocol: str, subject_set: str, manifest_dir: Path = B
     return Path(manifest_dir) / f"{protocol}_{subject_set}.csv"
 
 
+def biovid_fold_parameters(protocol: str) -> dict[str, Any]:
+    """The parameters of the committed BioVid fold files (seed 0, val 15 %, hold-out test 30 %)."""
+    return fold_parameters(protocol, BIOVID_SEED, BIOVID_VAL_FRACTION, BIOVID_TEST_FRACTION)
+
+
 def make_biovid_folds(protocol: str, subject_set: str, subjects_csv: Path = BIOVID_SUBJECTS_CSV) -> pd.DataFrame:
-    """The committed BioVid folds: seed 0, stratified by sex and age band, default fractions."""
+    """The committed BioVid folds: `biovid_fold_parameters`, stratified by sex and age band."""
     names = biovid_subjects(subject_set, subjects_csv)
-    return make_folds(names, protocol, seed=BIOVID_SEED, strata=subject_strata(names))
+    return make_folds(names, **biovid_fold_parameters(protocol), strata=subject_strata(names))
 
 
 def write_biovid_manifests(
     manifest_dir: Path = BIOVID_MANIFEST_DIR, subjects_csv: Path = BIOVID_SUBJECTS_CSV
 ) -> list[Path]:
-    """(Re)write every committed BioVid fold file; returns the paths written."""
+    """(Re)write every committed BioVid fold file and its parameter sidecar; returns the fold files written."""
     written = []
     for subject_set in SUBJECT_SETS:
         for protocol in BIOVID_PROTOCOLS:
             path = biovid_manifest_path(protocol, subject_set, manifest_dir)
-            write_folds(make_biovid_folds(protocol, subject_set, subjects_csv), path)
+            write_folds(make_biovid_folds(protocol, subject_set, subjects_csv), path, biovid_fold_parameters(protocol))
             written.append(path)
     return written
 
@@ -429,9 +542,9 @@ def write_biovid_manifests(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.folds", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    write = commands.add_parser("write-biovid", help="regenerate the committed BioVid fold files (seed 0)")
+    write = commands.add_parser("write-biovid", help="regenerate the committed BioVid fold files and sidecars")
     write.add_argument("--out-dir", type=Path, default=BIOVID_MANIFEST_DIR, help="default: %(default)s")
-    check = commands.add_parser("check", help="validate fold files; exit 1 if any is broken")
+    check = commands.add_parser("check", help="validate fold files (and their sidecars); exit 1 if any is broken")
     check.add_argument("paths", nargs="+", type=Path)
     check.add_argument("--subject-set", choices=SUBJECT_SETS, help="also require exactly this BioVid subject set")
     args = parser.parse_args(argv)
@@ -446,13 +559,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in args.paths:
         try:
             folds = read_folds(path, subjects)
+            parameters = read_fold_parameters(path)
         except (FoldError, OSError) as error:
             print(f"FAIL {error}", file=sys.stderr)
             failures += 1
             continue
+        made_with = "no parameter record" if parameters is None else ", ".join(
+            f"{key}={value}" for key, value in parameters.items() if key != "fold_file_sha256"
+        )
         print(
             f"ok {path}: {folds['fold'].nunique()} fold(s), {folds['subject_name'].nunique()} subjects, "
-            f"sha256 {fold_file_sha256(path)}"
+            f"sha256 {fold_file_sha256(path)} ({made_with})"
         )
     return 1 if failures else 0
 

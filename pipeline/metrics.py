@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -171,9 +172,27 @@ def per_subject_accuracy(videos_or_frames: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"n": grouped.size().astype(int), "accuracy": grouped.mean().astype(float)}).reset_index()
 
 
+@dataclass
+class Evaluation:
+    """One split's predictions scored: metrics at frame and video level, the per-video table and its summaries."""
+
+    frame_metrics: dict[str, float]
+    video_metrics: dict[str, float]
+    video_predictions: pd.DataFrame  # one row per video: labels, aggregated probabilities, prediction
+    per_subject: pd.DataFrame  # video-level accuracy per subject
+    confusion_frame: np.ndarray
+    confusion_video: np.ndarray
+
+    def metrics(self, prefix: str = "") -> dict[str, float]:
+        """Both levels' metrics as one flat dict: `<prefix>frame_auroc`, `<prefix>video_accuracy`, ..."""
+        return {f"{prefix}{level}_{name}": float(value)
+                for level, values in (("frame", self.frame_metrics), ("video", self.video_metrics))
+                for name, value in values.items()}
+
+
 def evaluate_predictions(
     frames: pd.DataFrame, class_names: Sequence[str], aggregation: str = "mean", k: int = 3
-) -> dict:
+) -> Evaluation:
     """Frame and video metrics for one fold's per-frame predictions; per-subject accuracy is video-level."""
     prob_columns = probability_columns(frames, class_names)
     _require_columns(frames, [*VIDEO_KEYS, "label"], "frame table")
@@ -183,14 +202,14 @@ def evaluate_predictions(
     frame_probs = frames[prob_columns].to_numpy(dtype=float)
     video_labels = videos["label"].to_numpy()
     n_classes = len(class_names)
-    return {
-        "frame": classification_metrics(frame_labels, frame_probs),
-        "video": classification_metrics(video_labels, videos[prob_columns].to_numpy(dtype=float)),
-        "videos": videos,
-        "per_subject": per_subject_accuracy(videos),
-        "confusion_frame": confusion(frame_labels, frame_probs.argmax(axis=1), n_classes),
-        "confusion_video": confusion(video_labels, videos["pred"].to_numpy(), n_classes),
-    }
+    return Evaluation(
+        frame_metrics=classification_metrics(frame_labels, frame_probs),
+        video_metrics=classification_metrics(video_labels, videos[prob_columns].to_numpy(dtype=float)),
+        video_predictions=videos,
+        per_subject=per_subject_accuracy(videos),
+        confusion_frame=confusion(frame_labels, frame_probs.argmax(axis=1), n_classes),
+        confusion_video=confusion(video_labels, videos["pred"].to_numpy(), n_classes),
+    )
 
 
 def summarize_folds(fold_metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:

@@ -21,19 +21,21 @@ from pytorch_lightning.plugins.precision import Precision
 from torch import nn
 from torch.nn import functional as F
 
-from pipeline.metrics import evaluate_predictions
+from pipeline.metrics import Evaluation, evaluate_predictions
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    head_lr: float = 1e-3
-    backbone_lr: float = 1e-4  # LR of the top backbone group
-    layer_decay: float = 0.75  # each group below the top gets this factor times the LR of the group above
-    weight_decay: float = 0.05
-    warmup_epochs: float = 1.0
-    freeze_backbone_epochs: int = 0
+    """The fine-tuning recipe. No defaults here: the values live once, in configs/model/ (and configs/data_model/)."""
+
+    head_lr: float
+    backbone_lr: float  # LR of the top backbone group
+    layer_decay: float  # each group below the top gets this factor times the LR of the group above
+    weight_decay: float
+    warmup_epochs: float
+    freeze_backbone_epochs: int
 
 
 def parameter_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
@@ -74,9 +76,10 @@ class PainClassifier(pl.LightningModule):
     frame probabilities can be aggregated per video and per subject at the end of each evaluation epoch.
     """
 
-    def __init__(self, model: nn.Module, class_names: Sequence[str], optim: OptimConfig = OptimConfig(),
+    def __init__(self, model: nn.Module, class_names: Sequence[str], optim: OptimConfig,
                  label_smoothing: float = 0.0, class_weights: Sequence[float] | None = None,
-                 aggregation: str = "mean", topk: int = 3, channels_last: bool = False) -> None:
+                 aggregation: str = "mean", topk: int = 3, channels_last: bool = False,
+                 monitor: str | None = None) -> None:
         super().__init__()
         self.model = model
         self.class_names = tuple(class_names)
@@ -86,9 +89,11 @@ class PainClassifier(pl.LightningModule):
         self.register_buffer("class_weights", weights, persistent=False)
         self.aggregation, self.topk = aggregation, topk
         self.channels_last = channels_last
+        self.monitor = monitor  # the metric early stopping and checkpoint selection read: NaN there is an error
         self._outputs: dict[str, list] = {"val": [], "test": []}
         self.test_predictions: pd.DataFrame | None = None  # per-frame test predictions, set by the test epoch
-        self.test_results: dict | None = None
+        self.test_evaluation: Evaluation | None = None
+        self._warned_undefined: set[str] = set()
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.channels_last:
@@ -128,15 +133,30 @@ class PainClassifier(pl.LightningModule):
             frames[f"prob_{name}"] = probs[:, index]
         return frames
 
-    def _log_metrics(self, stage: str) -> dict:
+    def _log_metrics(self, stage: str) -> tuple[pd.DataFrame, Evaluation]:
+        """Score the stage's predictions and log every metric; an undefined one (NaN) stays NaN, with a warning.
+
+        AUROC is undefined when a split holds one class only. Logging it as 0 would look like the worst possible
+        model to early stopping and checkpoint selection; so it is logged as NaN and named in a warning, and a NaN
+        in the monitored metric is an error that says what to monitor instead.
+        """
         predictions = self._predictions(stage)
-        results = evaluate_predictions(predictions, self.class_names, aggregation=self.aggregation, k=self.topk)
-        for level in ("frame", "video"):
-            for name, value in results[level].items():
-                self.log(f"{stage}/{level}_{name}", float(value) if np.isfinite(value) else 0.0, prog_bar=(
-                    level == "video" and name == "auroc"))
-        results["predictions"] = predictions
-        return results
+        evaluation = evaluate_predictions(predictions, self.class_names, aggregation=self.aggregation, k=self.topk)
+        metrics = evaluation.metrics(prefix=f"{stage}/")
+        undefined = sorted(name for name, value in metrics.items() if not np.isfinite(value))
+        if undefined and stage not in self._warned_undefined:
+            self._warned_undefined.add(stage)
+            counts = predictions.groupby("label")["sample_name"].nunique().to_dict()
+            videos = {self.class_names[label]: n for label, n in counts.items()}
+            log.warning("%s split: %s undefined (NaN) and logged as NaN, not 0: its videos per class are %s "
+                        "(AUROC needs both classes)", stage, ", ".join(undefined), videos)
+        if stage == "val" and self.monitor in undefined:
+            raise ValueError(f"the monitored metric {self.monitor} is undefined (NaN) on the validation split, which "
+                             f"holds videos of one class only; monitor another metric (trainer.monitor=val/loss, "
+                             f"trainer.monitor_mode=min) or give the fold more validation subjects")
+        for name, value in metrics.items():
+            self.log(name, value, prog_bar=name == f"{stage}/video_auroc")
+        return predictions, evaluation
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
@@ -145,8 +165,7 @@ class PainClassifier(pl.LightningModule):
         self._log_metrics("val")
 
     def on_test_epoch_end(self) -> None:
-        results = self._log_metrics("test")
-        self.test_predictions, self.test_results = results.pop("predictions"), results
+        self.test_predictions, self.test_evaluation = self._log_metrics("test")
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Lightning's AMP plugin refuses to clip for any fused optimizer, for fear of scaled gradients; ours is fused

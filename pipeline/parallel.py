@@ -1,11 +1,23 @@
-"""Worker processes for the OpenCV-heavy stages (synthetic video writing, face cropping)."""
+"""Worker processes for the OpenCV-heavy stages (synthetic video writing, face cropping), and how many to start."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections.abc import Callable
 from multiprocessing.pool import Pool
 from typing import Any
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on: its affinity mask where the OS has one (Linux), else the machine's count.
+
+    The mask is what a container, `taskset` or a SLURM allocation grants; os.cpu_count() counts the whole machine.
+    macOS and Windows have no sched_getaffinity, so there the machine's count is the answer. Never below 1.
+    """
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
 
 def process_pool(workers: int, initializer: Callable[..., Any] | None = None, initargs: tuple = ()) -> Pool:

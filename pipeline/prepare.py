@@ -9,9 +9,20 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline import resolve_path
 from pipeline.biovid import SAMPLES_CSV, load_samples
-from pipeline.cli import resolve_path
-from pipeline.folds import biovid_subjects, make_folds, read_folds, subject_strata, write_folds
+from pipeline.folds import (
+    BIOVID_MANIFEST_DIR,
+    FoldError,
+    biovid_subjects,
+    check_fold_parameters,
+    fold_parameters,
+    make_folds,
+    parameters_path,
+    read_folds,
+    subject_strata,
+    write_folds,
+)
 from pipeline.preprocess import PreprocessConfig, PreprocessResult, preprocess
 
 log = logging.getLogger(__name__)
@@ -58,19 +69,51 @@ def read_fold_file(path: Path, subjects_with_frames: list[str]) -> pd.DataFrame:
     return folds
 
 
+def protocol_fold_parameters(cfg: DictConfig) -> dict:
+    """The fold parameters the config asks for (compared with the ones recorded beside an existing fold file)."""
+    protocol = cfg.protocol
+    return fold_parameters(protocol.name, protocol.seed, protocol.val_fraction, protocol.get("test_fraction"))
+
+
+def new_folds_remedy(cfg: DictConfig, path: Path) -> str:
+    """How to get a fold file made with the config's parameters instead of the existing one."""
+    if cfg.data.name == "synthetic":
+        return (f"Fold files are written once, then only read: to get folds with the config's parameters, delete "
+                f"{path} and {parameters_path(path).name} (the next run writes them anew), or point "
+                f"data.manifest_dir at another folder.")
+    return ("BioVid's committed fold files stay as they are: to get folds with the config's parameters, point "
+            "data.manifest_dir at another folder (e.g. data.manifest_dir=data/processed/biovid/manifests), where the "
+            "next run writes new fold files.")
+
+
 def ensure_folds(cfg: DictConfig, subjects: list[str]) -> Path:
-    """Read (and leak-check) the fold file; the synthetic twin's is generated on first use, BioVid's is committed."""
+    """Read and check the fold file, or write it on first use with the config's protocol parameters.
+
+    An existing file is leak-checked and must have been made with the config's protocol, seed and fractions (as
+    recorded in its sidecar). BioVid's files in data_manifests/biovid are committed, never written here; in another
+    data.manifest_dir they are made over the whole subject set, like the committed ones.
+    """
     path = fold_file_path(cfg)
+    parameters = protocol_fold_parameters(cfg)
     if path.is_file():
+        try:
+            check_fold_parameters(path, parameters, new_folds_remedy(cfg, path))
+        except FoldError as error:
+            raise SystemExit(str(error)) from None
         read_fold_file(path, subjects)
         return path
-    if cfg.data.name != "synthetic":
+    if cfg.data.name != "synthetic" and path.parent == BIOVID_MANIFEST_DIR:
         raise SystemExit(f"fold file {path} does not exist. BioVid's fold files are committed in data_manifests/; "
                          f"regenerate them with `python -m pipeline.folds write-biovid`")
-    folds = make_folds(subjects, cfg.protocol.name, seed=cfg.protocol.seed, val_fraction=cfg.protocol.val_fraction,
-                       test_fraction=cfg.protocol.test_fraction, strata=subject_strata(subjects))
-    write_folds(folds, path)
-    log.info("wrote fold file %s (%d folds over %d subjects)", path, folds.fold.nunique(), len(subjects))
+    names = biovid_subjects(cfg.data.subject_set) if cfg.data.name == "biovid" else subjects
+    without_frames = sorted(set(names) - set(subjects))
+    if without_frames:
+        raise SystemExit(f"cannot write {path}: {len(without_frames)} subject(s) of the {cfg.data.subject_set} set "
+                         f"have no usable videos: {', '.join(without_frames)} (see failures.csv)")
+    folds = make_folds(names, **parameters, strata=subject_strata(names))  # exactly what the sidecar records
+    write_folds(folds, path, parameters)
+    log.info("wrote fold file %s (%d folds over %d subjects, %s)", path, folds.fold.nunique(), len(names),
+             ", ".join(f"{key}={value}" for key, value in parameters.items()))
     return path
 
 

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import cv2
-import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
 from pipeline.faces import FaceDetector, build_detector, smooth_track, square_crop
-from pipeline.faces import read_frames as read_video_frames
 from pipeline.io import atomic_write_bytes, atomic_write_csv, atomic_write_text
-from pipeline.parallel import process_pool
+from pipeline.parallel import available_cpus, process_pool
+from pipeline.video import VideoFailure, read_sampled_frames
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +30,19 @@ FAILURE_COLUMNS = ("subject_name", "sample_name", "class_name", "video_path", "r
 
 @dataclass(frozen=True)
 class PreprocessConfig:
-    """How crops are made; stored as preprocess.json so a folder never mixes crops made two ways."""
+    """How crops are made; stored as preprocess.json so a folder never mixes crops made two ways.
 
-    start_s: float = 2.0  # the facial response lags the heat onset: skip the start of the clip
-    end_s: float | None = None  # None = to the end of the clip
-    frames_per_video: int = 8
-    crop_size: int = 224
-    margin: float = 0.2
-    jpeg_quality: int = 95
-    detector: str = "haar"
-    smoothing: float = 0.5
+    No defaults here: the values live once, in configs/config.yaml (preprocess).
+    """
+
+    start_s: float  # the facial response lags the heat onset: skip the start of the clip
+    end_s: float | None  # None = to the end of the clip
+    frames_per_video: int
+    crop_size: int
+    margin: float
+    jpeg_quality: int
+    detector: str
+    smoothing: float
 
     def __post_init__(self) -> None:
         if self.frames_per_video < 1:
@@ -67,65 +68,10 @@ class PreprocessResult:
                 f"{len(self.failures)} failed video(s) listed in {self.failures_csv}")
 
 
-class VideoFailure(Exception):
-    """A video that yields no crops; the message is the reason recorded in failures.csv."""
-
-
-def sample_indices(n_frames: int, fps: float, config: PreprocessConfig) -> np.ndarray:
-    """Indices of the frames to keep: evenly spread over [start_s, end_s] of the clip."""
-    first = int(round(config.start_s * fps))
-    last = n_frames - 1 if config.end_s is None else min(n_frames - 1, int(round(config.end_s * fps)))
-    if last < first:
-        raise VideoFailure(f"too short: {n_frames} frames at {fps:g} fps, window starts at {config.start_s} s")
-    return np.unique(np.linspace(first, last, config.frames_per_video).round().astype(int))
-
-
-def read_frames(video_path: Path, config: PreprocessConfig) -> tuple[np.ndarray, list[np.ndarray], float]:
-    """Decode the clip sequentially (seeking is unreliable in mp4) and keep only the sampled frames in memory.
-
-    A full-resolution BioVid clip is ~600 MB decoded; holding only the sampled frames keeps a worker at a few MB.
-    The sample positions come from the container's frame count; if the stream turns out shorter, they are
-    recomputed from the real count and the clip is read once more.
-    """
-    if not video_path.is_file():
-        raise VideoFailure("missing file")
-    if video_path.stat().st_size == 0:
-        raise VideoFailure("empty file (0 bytes)")
-    capture = cv2.VideoCapture(str(video_path))
-    try:
-        if not capture.isOpened():
-            raise VideoFailure("unreadable: OpenCV cannot open it")
-        fps = capture.get(cv2.CAP_PROP_FPS) or 25.0
-        n_frames = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
-    finally:
-        capture.release()
-    if n_frames <= 0:
-        n_frames = _count_frames(video_path)
-    for _ in range(2):
-        if n_frames == 0:
-            raise VideoFailure("unreadable: no frame could be decoded")
-        indices = sample_indices(n_frames, fps, config)
-        frames = read_video_frames(video_path, indices)
-        if len(frames) == len(indices):
-            return indices, [frames[i] for i in indices], fps
-        n_frames = _count_frames(video_path)  # the container's count was wrong: trust the stream
-    raise VideoFailure(f"unreadable: frames {sorted(set(indices) - set(frames))} could not be decoded")
-
-
-def _count_frames(video_path: Path) -> int:
-    capture = cv2.VideoCapture(str(video_path))
-    count = 0
-    try:
-        while capture.grab():
-            count += 1
-    finally:
-        capture.release()
-    return count
-
-
 def crop_video(sample: dict, out_dir: Path, config: PreprocessConfig, detector: FaceDetector) -> pd.DataFrame:
     """Crop one video's sampled frames; returns its frame rows (written last, as the video's 'done' marker)."""
-    indices, frames, fps = read_frames(Path(sample["video_path"]), config)
+    indices, frames, fps = read_sampled_frames(sample["video_path"], config.frames_per_video, config.start_s,
+                                               config.end_s)
     track = smooth_track([detector.detect(frame) for frame in frames], alpha=config.smoothing)
     if track is None:
         raise VideoFailure(f"no face detected in any of the {len(frames)} sampled frames")
@@ -191,7 +137,7 @@ def _run(samples: list[dict], out_dir: Path, config: PreprocessConfig, workers: 
         yield from pool.imap_unordered(_work, samples, chunksize=1)
 
 
-def preprocess(samples: pd.DataFrame, out_dir: str | Path, config: PreprocessConfig = PreprocessConfig(),
+def preprocess(samples: pd.DataFrame, out_dir: str | Path, config: PreprocessConfig,
                workers: int | None = None, progress: bool = True) -> PreprocessResult:
     """Crop every video of the sample table into `out_dir`; see the module docstring for the guarantees."""
     out_dir = Path(out_dir)
@@ -206,7 +152,7 @@ def preprocess(samples: pd.DataFrame, out_dir: str | Path, config: PreprocessCon
         else:
             todo.append(sample)
     n_resumed = len(tables)
-    workers = workers or len(os.sched_getaffinity(0))
+    workers = workers or available_cpus()
     failures = []
     results = _run(todo, out_dir, config, min(workers, max(1, len(todo))))
     for sample, table, reason in tqdm(results, total=len(todo), desc="face crops", unit="video",

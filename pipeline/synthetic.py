@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +31,14 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
+from pipeline.biovid import SAMPLES_COLUMNS, SAMPLES_CSV, VIDEO_DIR
 from pipeline.io import atomic_path, atomic_write_text
-from pipeline.parallel import process_pool
+from pipeline.parallel import available_cpus, process_pool
 from pipeline.tasks import CLASS_NAMES
 
-SAMPLES_CSV = Path("starting_point") / "samples.csv"
-VIDEO_DIR = Path("video")
 SUBJECTS_CSV = "synthetic_subjects.csv"  # ground truth per subject, beside starting_point/ (not part of BioVid)
 SAMPLE_TRUTH_CSV = "synthetic_samples.csv"  # ground truth per sample: response intensity and timing
 CONFIG_JSON = "synthetic_config.json"  # the config the folder was written with; resuming with another one refuses
-SAMPLES_COLUMNS = ("subject_id", "subject_name", "class_id", "class_name", "sample_id", "sample_name")
 
 # Seed-sequence stream tags: independent random streams for the roster, each subject's look and each video.
 _ROSTER_STREAM, _SUBJECT_STREAM, _VIDEO_STREAM = 101, 202, 303
@@ -789,7 +786,7 @@ def generate(root: Path, config: SyntheticConfig, workers: int | None = None, pr
         if not video_is_complete(path, config):
             path.parent.mkdir(parents=True, exist_ok=True)
             jobs.append((path, config, subject, sample))
-    workers = min(workers or os.cpu_count() or 1, max(1, len(jobs)))
+    workers = min(workers or available_cpus(), max(1, len(jobs)))
     with tqdm(total=len(jobs), desc="synthetic videos", unit="video", disable=not progress) as bar:
         if workers == 1:
             for job in jobs:

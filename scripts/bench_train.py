@@ -1,27 +1,31 @@
 """Training throughput benchmark: the real path (PainDataModule + PainClassifier + Lightning Trainer) against a bare
-PyTorch loop on the same model, per backbone.
+PyTorch loop on the same model, per backbone, with the settings `make cv` trains with.
 
-What it measures (numbers for the release notes, not a test), for each backbone of --models:
+What it measures (numbers for the release notes, not a test), for each backbone:
 
-(a) images/s of the REAL training path: `PainDataModule` over prepared face crops with the heavy augmentation,
-    `PainClassifier` (pipeline/module.py), `pl.Trainer` with no logger, checkpointing or validation; a callback
-    times the training batches after the warm-up steps (data loading included, as in training);
-(b) images/s of a bare PyTorch loop on the same model (`create_model`), same batch size, optimizer groups
-    (`pipeline.module.parameter_groups`), gradient clipping and schedule, on one pre-made random batch;
+(a) images/s of the REAL training path: `PainDataModule` over prepared face crops, `PainClassifier`
+    (pipeline/module.py), `pl.Trainer` with no logger, checkpointing or validation; a callback times the training
+    batches after the warm-up steps (data loading included, as in training);
+(b) images/s of a bare PyTorch loop on the same model, batch, optimizer groups, precision, gradient clipping and
+    schedule, on one pre-made random batch;
 (c) the ratio a / b: the cost of Lightning and the data loader. Target >= 0.9.
 
-Both paths use the same torch thread count. On a CPU the dataloader workers need cores of their own, so by default
-workers = half the cores and torch threads = the rest (2 cores: 1 worker, 1 thread): more would oversubscribe, and
-OpenMP threads that wait on a busy core slow training several-fold. On CUDA: bf16 autocast and channels_last for
-convolutional backbones, as in cross-validation (`pipeline.cv.precision_for`, `use_channels_last`).
+Settings: composed by `pipeline.cli.load_config` from the same key=value overrides as `python -m pipeline cv`, and the
+model and data built by `make cv`'s own `pipeline.fold.build_fold`, so the image size, batch, loader, augmentation,
+optimizer recipe and precision are those of `make cv` for that backbone and dataset, data_model specialisation
+included. Backbones: --models, else the one the overrides pick (model=...), else vit_b16, cvt_13 and mobilevit_s.
+Models start from random weights: speed does not depend on them.
 
-Data: the project's prepared dataset (data/processed/synthetic) if there is one, else a small default-preset subset
-generated and cropped once into --work-dir (its crops listed repeatedly until one epoch covers the run). Models
-start from random weights: speed does not depend on them.
+Both paths use the same torch thread count: by default the CPUs left over by the dataloader workers (at least 1),
+because OpenMP threads that wait on a busy core slow training several-fold.
+
+Data: the config's prepared crops (data.processed_dir) if there are any, else a small generated subset cropped
+once into --work-dir; either is listed repeatedly until one epoch covers the run.
 
 Run:
     make bench                                         # = .venv/bin/python scripts/bench_train.py
-    .venv/bin/python scripts/bench_train.py --models mobilevit_s --img-size 224
+    .venv/bin/python scripts/bench_train.py --models mobilevit_s model.img_size=224 augment=heavy
+    .venv/bin/python scripts/bench_train.py data=biovid model=cvt_13 --steps 20
     .venv/bin/python scripts/bench_train.py --quick    # tiny smoke version (seconds)
 
 Prints a results table; writes reports/bench/bench_train.json and bench_train.png (atomic writes).
@@ -40,30 +44,35 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from bench_data import (
+from omegaconf import DictConfig
+
+from pipeline import resolve_path
+from pipeline.bench import (
     DEFAULT_OUT,
     DEFAULT_WORK,
-    PROJECT_PROCESSED,
     bare_training_throughput,
-    check_model_names,
+    build,
     compute_device,
-    cpu_cores,
     environment,
     fill_defaults,
-    load_augment,
-    load_optim,
+    load_configs,
     loader_dataset,
     name_list,
+    precision,
     prepared_subset,
     print_table,
-    save_figure,
     synchronize,
+    training_settings,
     write_report,
 )
-
-from pipeline import PROJECT_ROOT
+from pipeline.datamodule import PainDataModule
+from pipeline.module import PainClassifier
+from pipeline.parallel import available_cpus
 
 TARGET_RATIO = 0.9  # real path images/s over bare loop images/s
+DEFAULT_MODELS = ["vit_b16", "cvt_13", "mobilevit_s"]
+QUICK_MODELS = ["mobilevit_xxs"]
+QUICK_OVERRIDES = ["model.img_size=32", "loader.batch_size=8"]  # before the command line's, which win
 
 
 class TrainThroughput(pl.Callback):
@@ -103,31 +112,9 @@ class TrainThroughput(pl.Callback):
 
 
 def lightning_throughput(
-    model_name: str, dataset: Mapping[str, Any], args: argparse.Namespace, precision: str, channels_last: bool
-) -> dict[str, float]:
-    """(a): the real training path, timed by `TrainThroughput`."""
-    from pipeline.backbones import create_model
-    from pipeline.datamodule import PainDataModule
-    from pipeline.module import PainClassifier
-    from pipeline.tasks import get_task
-
-    task = get_task(args.task)
-    pl.seed_everything(args.seed, workers=True, verbose=False)
-    net, _ = create_model(model_name, n_classes=task.n_classes, pretrained=False, img_size=args.img_size)
-    if channels_last:
-        net = net.to(memory_format=torch.channels_last)
-    datamodule = PainDataModule(
-        dataset["processed_dir"],
-        dataset["fold_file"],
-        0,
-        task,
-        net.backbone.data_config,
-        load_augment(args.augment),
-        batch_size=args.batch_size,
-        num_workers=args.num_workers,
-        seed=args.seed,
-    )
-    module = PainClassifier(net, task.classes, load_optim(model_name), channels_last=channels_last)
+    cfg: DictConfig, module: PainClassifier, datamodule: PainDataModule, args: argparse.Namespace
+) -> float:
+    """(a): images/s of the real training path, timed by `TrainThroughput`."""
     timer = TrainThroughput(args.warmup_steps)
     trainer = pl.Trainer(
         max_steps=args.warmup_steps + args.steps,
@@ -138,110 +125,84 @@ def lightning_throughput(
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=not args.no_progress,
-        accelerator="auto",
+        accelerator=cfg.trainer.accelerator,
         devices=1,
-        precision=precision,
-        gradient_clip_val=args.gradient_clip,
+        precision=precision(cfg),
+        gradient_clip_val=cfg.trainer.gradient_clip_val,
+        deterministic=cfg.trainer.deterministic,
         callbacks=[timer],
         default_root_dir=args.work_dir,
     )
     with warnings.catch_warnings():
-        # The worker count is chosen on purpose (see the module docstring); Lightning would advise more.
+        # The worker count is the config's (see the module docstring); Lightning would advise more.
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         trainer.fit(module, datamodule=datamodule)
     if timer.timed_steps != args.steps:
-        raise RuntimeError(f"{model_name}: {timer.timed_steps} timed steps ran, expected {args.steps}")
+        raise RuntimeError(f"{cfg.model.name}: {timer.timed_steps} timed steps ran, expected {args.steps}")
+    return timer.images_per_s
+
+
+def bench_model(cfg: DictConfig, source: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """(a), (b) and (c) for one backbone."""
+    name = cfg.model.name
+    # One epoch covers warm-up and timed steps, so no epoch restart (worker refill) falls inside the timing.
+    min_images = cfg.loader.batch_size * (args.warmup_steps + args.steps + 1)
+    dataset = loader_dataset(source, args.work_dir / "train_loader" / name, min_images, cfg)
+    module, datamodule = build(cfg, dataset)
+    settings = training_settings(cfg, module, datamodule)
+    torch.set_num_threads(args.threads or max(1, available_cpus() - settings["num_workers"]))
+    print(f"\n{name}: {settings['img_size']} px, batch {settings['batch_size']}, {settings['precision']}, "
+          f"{settings['num_workers']} loader worker(s), {torch.get_num_threads()} torch thread(s); "
+          f"Lightning + PainDataModule ...", flush=True)
+    real = lightning_throughput(cfg, module, datamodule, args)
+    del module, datamodule
+    print(f"{name}: bare PyTorch loop ...", flush=True)
+    module, _ = build(cfg, dataset)  # a fresh model and optimizer
+    bare = bare_training_throughput(cfg, module, settings["batch_size"], steps=args.steps,
+                                    warmup_steps=args.warmup_steps, progress=not args.no_progress, desc=f"{name} bare")
     return {
-        "images_per_s": timer.images_per_s,
-        "timed_steps": timer.timed_steps,
-        "parameters_M": sum(p.numel() for p in net.parameters()) / 1e6,
+        "lightning_images_per_s": real,
+        "bare_images_per_s": bare["images_per_s"],
+        "ratio": real / bare["images_per_s"],
+        "bare_seconds_per_step": bare["seconds_per_step"],
+        "parameters_M": sum(p.numel() for p in module.model.parameters()) / 1e6,
+        "torch_threads": torch.get_num_threads(),
+        "settings": settings,
+        "dataset": {k: v for k, v in dataset.items() if k not in ("processed_dir", "fold_file")},
     }
 
 
-def bare_throughput(model_name: str, args: argparse.Namespace, precision: str, channels_last: bool) -> dict:
-    """(b): the same model and optimizer recipe in a plain loop on an in-memory batch."""
-    from pipeline.backbones import create_model
-    from pipeline.tasks import get_task
-
-    task = get_task(args.task)
-    torch.manual_seed(args.seed)
-    net, _ = create_model(model_name, n_classes=task.n_classes, pretrained=False, img_size=args.img_size)
-    return bare_training_throughput(
-        net,
-        load_optim(model_name),
-        batch_size=args.batch_size,
-        img_size=args.img_size,
-        n_classes=task.n_classes,
-        steps=args.steps,
-        warmup_steps=args.warmup_steps,
-        precision=precision,
-        channels_last=channels_last,
-        gradient_clip=args.gradient_clip,
-        seed=args.seed,
-        progress=not args.no_progress,
-        desc=f"{model_name} bare",
-    )
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pipeline.cv import precision_for, use_channels_last
-    from pipeline.tasks import get_task
-
-    check_model_names(args.models)
-    torch.set_num_threads(args.threads)
+    configs = load_configs(args.overrides, args.models, QUICK_MODELS if args.quick else DEFAULT_MODELS)
     device = compute_device()
-    precision = precision_for("auto")
     report: dict[str, Any] = {
         "environment": environment(),
         "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
     }
-    report["settings"].update(device=device.type, precision=precision, torch_threads=torch.get_num_threads())
+    report["settings"]["device"] = device.type
     env = report["environment"]
-    print(
-        f"bench_train on {device.type} ({env['device_name']}), {env['cpu_cores']} cores, load "
-        f"{env['load_average_1min']}: {args.img_size} px, batch {args.batch_size}, {args.warmup_steps} warm-up + "
-        f"{args.steps} timed steps, precision {precision}, torch threads {torch.get_num_threads()}, "
-        f"dataloader workers {args.num_workers}"
-    )
+    print(f"bench_train on {device.type} ({env['device_name']}), {env['cpu_cores']} CPUs, load "
+          f"{env['load_average_1min']}: {args.warmup_steps} warm-up + {args.steps} timed steps per path")
 
-    if args.data == "auto" and (PROJECT_PROCESSED / "frames.csv").is_file():
-        source, kind = PROJECT_PROCESSED, "project"
+    processed = resolve_path(configs[0].data.processed_dir)
+    if args.data == "auto" and (processed / "frames.csv").is_file():
+        source, kind = processed, "project"
     else:
         subset_dir = args.work_dir / f"subset_{args.preset}_{args.subjects}x{args.samples_per_class}"
-        source = prepared_subset(
-            subset_dir, args.preset, args.subjects, args.samples_per_class, progress=not args.no_progress
-        )
+        source = prepared_subset(subset_dir, args.preset, args.subjects, args.samples_per_class, configs[0],
+                                 progress=not args.no_progress)
         kind = f"subset:{args.preset}"
-    # One epoch covers warm-up and timed steps, so no epoch restart (worker refill) falls inside the timing.
-    min_images = args.batch_size * (args.warmup_steps + args.steps + 1)
-    dataset = loader_dataset(
-        source, args.work_dir / "train_loader", min_images, get_task(args.task).classes, seed=args.seed
-    )
-    report["dataset"] = {"kind": kind, **{k: v for k, v in dataset.items() if k not in ("processed_dir", "fold_file")}}
-
-    report["models"] = {}
-    for model_name in args.models:
-        channels_last = use_channels_last("auto", model_name)
-        print(f"\n{model_name}: Lightning + PainDataModule ...", flush=True)
-        real = lightning_throughput(model_name, dataset, args, precision, channels_last)
-        print(f"{model_name}: bare PyTorch loop ...", flush=True)
-        bare = bare_throughput(model_name, args, precision, channels_last)
-        report["models"][model_name] = {
-            "lightning_images_per_s": real["images_per_s"],
-            "bare_images_per_s": bare["images_per_s"],
-            "ratio": real["images_per_s"] / bare["images_per_s"],
-            "bare_seconds_per_step": bare["seconds_per_step"],
-            "parameters_M": real["parameters_M"],
-            "channels_last": channels_last,
-        }
+    report["data"] = {"kind": kind, "source": str(source)}
+    report["models"] = {cfg.model.name: bench_model(cfg, source, args) for cfg in configs}
     report["target_ratio"] = TARGET_RATIO
     print_table(
-        f"Training throughput on {device.type}, {args.img_size} px, batch {args.batch_size}, {precision}, "
-        f"{torch.get_num_threads()} torch thread(s), {args.num_workers} loader worker(s), "
-        f"{args.augment} augmentation",
+        f"Training throughput on {device.type}, {kind} data, {args.steps} timed steps",
         [
             {
                 "model": name,
+                "px": entry["settings"]["img_size"],
+                "batch": entry["settings"]["batch_size"],
+                "precision": entry["settings"]["precision"],
                 "params (M)": entry["parameters_M"],
                 "Lightning+DataModule img/s": entry["lightning_images_per_s"],
                 "bare PyTorch img/s": entry["bare_images_per_s"],
@@ -255,122 +216,82 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(report: Mapping[str, Any], path: Path) -> Path:
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pipeline.metrics import save_png
 
     models = list(report["models"])
+    entries = [report["models"][m] for m in models]
     x = np.arange(len(models))
-    figure, axes = plt.subplots(figsize=(max(5, 2.2 * len(models)), 4))
-    real = [report["models"][m]["lightning_images_per_s"] for m in models]
-    bare = [report["models"][m]["bare_images_per_s"] for m in models]
+    figure = Figure(figsize=(max(5, 2.2 * len(models)), 4))
+    axes = figure.subplots()
+    real = [entry["lightning_images_per_s"] for entry in entries]
+    bare = [entry["bare_images_per_s"] for entry in entries]
     axes.bar(x - 0.2, real, 0.4, label="Lightning + DataModule")
     axes.bar(x + 0.2, bare, 0.4, label="bare PyTorch")
-    for index, model in enumerate(models):
-        axes.annotate(
-            f"{report['models'][model]['ratio']:.2f}x", (index, max(real[index], bare[index])), ha="center", va="bottom"
-        )
-    axes.set_xticks(x, models)
+    for index, entry in enumerate(entries):
+        axes.annotate(f"{entry['ratio']:.2f}x", (index, max(real[index], bare[index])), ha="center", va="bottom")
+    axes.set_xticks(x, [f"{m}\n{e['settings']['img_size']} px, batch {e['settings']['batch_size']}, "
+                        f"{e['settings']['precision']}" for m, e in zip(models, entries, strict=True)])
     axes.set_ylabel("training images / s")
-    settings = report["settings"]
-    axes.set_title(
-        f"{settings['device']} ({report['environment']['device_name']}), {settings['img_size']} px, "
-        f"batch {settings['batch_size']}, {settings['precision']}"
-    )
+    axes.set_title(f"{report['settings']['device']} ({report['environment']['device_name']})")
     axes.margins(y=0.15)  # room for the ratio labels
     axes.legend(loc="lower right", fontsize="small")
-    return save_figure(figure, path)
+    save_png(figure, path)
+    return path
 
 
 FULL_DEFAULTS: dict[str, Any] = {
-    "models": ["vit_b16", "cvt_13", "mobilevit_s"],
-    "img_size": lambda args: 224 if torch.cuda.is_available() else 112,
-    "batch_size": 32,
-    "steps": lambda args: 50 if torch.cuda.is_available() else 8,
-    "warmup_steps": lambda args: 10 if torch.cuda.is_available() else 2,
+    "steps": lambda: 50 if torch.cuda.is_available() else 8,
+    "warmup_steps": lambda: 10 if torch.cuda.is_available() else 2,
     "preset": "default",
     "subjects": 2,
     "samples_per_class": 2,
 }
 QUICK_DEFAULTS: dict[str, Any] = {
-    "models": ["mobilevit_xxs"],
-    "img_size": 32,
-    "batch_size": 8,
-    "steps": 3,
-    "warmup_steps": 1,
-    "preset": "tiny",
-    "subjects": 1,
-    "samples_per_class": 1,
+    "steps": 3, "warmup_steps": 1, "preset": "tiny", "subjects": 1, "samples_per_class": 1
 }
-
-
-def default_workers() -> int:
-    """GPU: the datamodule's own default; CPU: half the cores, the other half for torch threads."""
-    from pipeline.datamodule import default_num_workers
-
-    return default_num_workers() if torch.cuda.is_available() else max(1, cpu_cores() // 2)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as `python -m pipeline`")
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="tiny smoke run: MobileViT-XXS, 32 px, 3 steps, preset tiny (explicit options still win)",
+        help=f"tiny smoke run: {','.join(QUICK_MODELS)}, {' '.join(QUICK_OVERRIDES)}, 3 steps, preset tiny "
+        f"(explicit options and overrides still win)",
     )
     parser.add_argument(
-        "--models", type=name_list, help="backbones, comma-separated (default: vit_b16,cvt_13,mobilevit_s)"
+        "--models", type=name_list, help=f"backbones, comma-separated (default: {','.join(DEFAULT_MODELS)})"
     )
-    parser.add_argument("--img-size", type=int, help="input size (default: 224 on a GPU, 112 on a CPU)")
-    parser.add_argument("--batch-size", type=int, help="training batch (default: 32)")
     parser.add_argument("--steps", type=int, help="timed steps per path (default: 50 on a GPU, 8 on a CPU)")
     parser.add_argument("--warmup-steps", type=int, help="untimed steps first (default: 10 on a GPU, 2 on a CPU)")
-    parser.add_argument(
-        "--num-workers",
-        type=int,
-        help="dataloader workers (default: GPU: the datamodule's default; CPU: half the cores)",
-    )
-    parser.add_argument("--threads", type=int, help="torch threads, both paths (default: cores - workers, >= 1)")
-    parser.add_argument("--task", default="bl1_vs_pa4", help="task of the real path (default: %(default)s)")
-    parser.add_argument("--augment", default="heavy", help="configs/augment/<name>.yaml (default: %(default)s)")
-    parser.add_argument(
-        "--gradient-clip",
-        type=float,
-        default=1.0,
-        help="gradient norm clip in both paths, as configs/trainer (default: %(default)s; 0: off)",
-    )
+    parser.add_argument("--threads", type=int, help="torch threads, both paths (default: CPUs - loader workers, >= 1)")
     parser.add_argument(
         "--data",
         choices=("auto", "subset"),
         default="auto",
-        help=f"auto: {PROJECT_PROCESSED.relative_to(PROJECT_ROOT)} if prepared, else a subset",
+        help="auto: the config's data.processed_dir if prepared, else a subset",
     )
     parser.add_argument("--preset", help="synthetic preset of the fallback subset (default: default)")
     parser.add_argument("--subjects", type=int, help="subjects of the fallback subset (default: 2)")
     parser.add_argument("--samples-per-class", type=int, help="videos per subject and class (default: 2)")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report folder (default: %(default)s)")
     parser.add_argument(
         "--work-dir", type=Path, default=DEFAULT_WORK, help="fallback subset and loader tables (default: %(default)s)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = fill_defaults(parser.parse_args(argv), FULL_DEFAULTS, QUICK_DEFAULTS)
-    if args.num_workers is None:
-        args.num_workers = default_workers()
-    if args.threads is None:
-        args.threads = max(1, cpu_cores() - args.num_workers)
-    for key in ("img_size", "batch_size", "steps", "warmup_steps", "threads", "subjects", "samples_per_class"):
+    args = fill_defaults(parser.parse_intermixed_args(argv), FULL_DEFAULTS, QUICK_DEFAULTS)
+    for key in ("steps", "warmup_steps", "subjects", "samples_per_class"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
-    if args.num_workers < 0:
-        parser.error("--num-workers must be >= 0")
-    from pipeline.tasks import TASKS
-
-    if args.task not in TASKS:
-        parser.error(f"unknown --task {args.task!r}; known: {', '.join(TASKS)}")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
+    if args.quick:
+        args.overrides = [*QUICK_OVERRIDES, *args.overrides]
     args.out, args.work_dir = args.out.resolve(), args.work_dir.resolve()
     return args
 

@@ -24,6 +24,8 @@ def tiny_overrides(base: Path, *extra: str) -> list[str]:
         f"mlflow.tracking_uri=sqlite:///{base / 'mlflow.db'}",
         f"mlflow.artifact_root={base / 'mlartifacts'}",
         f"reports_dir={base / 'reports'}",
+        f"cv.work_dir={base / 'runs'}",
+        "trainer.precision=32-true",  # the same numbers on every CPU (auto picks bf16 where AMX runs it)
         *extra,
     ]
 
@@ -41,3 +43,12 @@ def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_config(tiny_base: Path):
     return lambda *extra: load_config(tiny_overrides(tiny_base, *extra))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A real single-node SLURM (slurmctld + slurmd + munge) for the session; SLURM_CONF points at it meanwhile."""
+    from tests.slurm_cluster import SlurmCluster
+
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster

@@ -15,7 +15,7 @@ from pipeline.cli import resolve_path
 from pipeline.compare import ComparisonError, compare, run_compare
 from pipeline.cv import run_cv, train_fold
 from pipeline.datamodule import PainDataModule
-from pipeline.module import PainClassifier
+from pipeline.module import OptimConfig, PainClassifier
 from pipeline.prepare import fold_file_path
 from pipeline.tasks import get_task
 from pipeline.tracking import get_or_create_experiment
@@ -119,7 +119,7 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
 
     task = get_task(cfg.task.name)
     net, _ = create_model(cfg.model.name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
-    module = PainClassifier(net, task.classes)
+    module = PainClassifier(net, task.classes, OptimConfig(**cfg.model.optim))
     module.load_state_dict(checkpoint["state_dict"])
     module.eval()
     datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 1, task,

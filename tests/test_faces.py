@@ -13,7 +13,6 @@ from pipeline.faces import (
     build_detector,
     detection_rate,
     register_detector,
-    sample_frame_indices,
     smooth_track,
     square_crop,
 )
@@ -148,15 +147,6 @@ def test_square_crop_resizes_grey_frames_and_rejects_boxes_outside():
         square_crop(frame, (10, 10, 0, 10))
 
 
-def test_sample_frame_indices_span_start_to_end():
-    indices = sample_frame_indices(138, 25, 8, 2.0)
-    assert len(indices) == 8 and indices == sorted(set(indices))
-    assert indices[0] == 50 and indices[-1] == 137  # 2.0 s at 25 fps, and the last frame
-    assert max(np.diff(indices)) - min(np.diff(indices)) <= 1  # evenly spaced
-    assert sample_frame_indices(5, 25, 8, 0.0) == [0, 1, 2, 3, 4]
-    assert sample_frame_indices(0, 25, 8, 2.0) == []
-
-
 def _write_video(path, frames, fps=25):
     height, width = frames[0].shape[:2]
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
@@ -174,5 +164,10 @@ def test_detection_rate_over_real_videos(tmp_path, astronaut_bgr):
     result = detection_rate([face, blank], HaarFaceDetector(), frames_per_video=4, start_s=0.2)
     assert result["per_video"] == {str(face): 1.0, str(blank): 0.0}
     assert result["n_frames"] == 8 and result["n_detected"] == 4 and result["overall"] == 0.5
+    assert result["failed"] == {}
+    # a clip that ends before the window starts gives no frames, as in preprocessing, and is listed with the reason
+    short = detection_rate([face], HaarFaceDetector(), frames_per_video=4, start_s=1.0)
+    assert short["n_frames"] == 0 and short["per_video"] == {}
+    assert short["failed"] == {str(face): "too short: 20 frames at 25 fps, window starts at 1.0 s"}
     with pytest.raises(FileNotFoundError, match="missing.mp4"):
         detection_rate([tmp_path / "missing.mp4"], HaarFaceDetector())

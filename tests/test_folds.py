@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
@@ -12,24 +13,34 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.cli import load_config
 from pipeline.folds import (
+    BIOVID_MANIFEST_DIR,
     BIOVID_PROTOCOLS,
+    BIOVID_SUBJECTS_CSV,
     ROLES,
     SUBJECT_SETS,
     FoldError,
+    biovid_fold_parameters,
     biovid_manifest_path,
     biovid_subjects,
+    check_fold_parameters,
     check_folds,
     fold_file_sha256,
+    fold_parameters,
     fold_subjects,
     main,
     make_folds,
+    parameters_path,
     protocol_spec,
+    read_fold_parameters,
     read_folds,
     subject_strata,
     usable_strata,
     write_folds,
 )
+from pipeline.prepare import ensure_folds
+from tests.conftest import tiny_overrides
 
 # The 20 participants without a facial response (public BioVid practice, /work/shared/biovid.md).
 NON_RESPONDERS = """082315_w_60 082414_m_64 082909_m_47 083009_w_42 083013_w_47 083109_m_60 083114_w_55 091914_m_46
@@ -346,6 +357,91 @@ def test_fold_subjects_and_sha256(kfold_table, tmp_path):
     assert fold_file_sha256(path) != digest
 
 
+# --- fold parameters: recorded beside the file, compared on every read ---------------------------------------------
+
+
+def test_sidecar_records_the_parameters_and_the_files_hash(kfold_table, tmp_path):
+    path = tmp_path / "kfold3_all9.csv"
+    write_folds(kfold_table, path, fold_parameters("kfold3", seed=1, val_fraction=0.15, test_fraction=0.3))
+    assert parameters_path(path) == tmp_path / "kfold3_all9.json"
+    recorded = json.loads(parameters_path(path).read_text())
+    # test_fraction does not change a k-fold file, so it is not recorded (nor compared)
+    assert recorded == {"protocol": "kfold3", "seed": 1, "val_fraction": 0.15, "n_subjects": 9,
+                        "fold_file_sha256": fold_file_sha256(path)}
+    assert read_fold_parameters(path) == recorded
+
+    holdout = make_folds(SUBJECTS, "holdout", seed=2, val_fraction=0.2, test_fraction=0.4)
+    write_folds(holdout, path, fold_parameters("holdout", seed=2, val_fraction=0.2, test_fraction=0.4))
+    assert read_fold_parameters(path)["test_fraction"] == 0.4
+    with pytest.raises(ValueError, match="'holdout' needs a test_fraction"):
+        fold_parameters("holdout", seed=0, val_fraction=0.15)
+
+    write_folds(kfold_table, path)  # written without parameters: the old record would describe another file
+    assert not parameters_path(path).exists()
+
+
+def test_other_seed_or_val_fraction_is_refused_naming_both_values(kfold_table, tmp_path):
+    path = tmp_path / "kfold3_all9.csv"
+    write_folds(kfold_table, path, fold_parameters("kfold3", seed=1, val_fraction=0.15))
+    check_fold_parameters(path, fold_parameters("kfold3", seed=1, val_fraction=0.15))  # the same: accepted
+
+    with pytest.raises(FoldError) as error:
+        check_fold_parameters(path, fold_parameters("kfold3", seed=7, val_fraction=0.2), remedy="Delete it.")
+    message = str(error.value)
+    assert message.startswith(f"{path} was made with other fold parameters")
+    assert str(parameters_path(path)) in message
+    assert "seed: file 1, config 7" in message and "val_fraction: file 0.15, config 0.2" in message
+    assert "protocol" not in message.split(":", 1)[1] and message.endswith("Delete it.")
+
+
+def test_a_fold_file_changed_after_its_record_is_refused(kfold_table, tmp_path):
+    path = tmp_path / "kfold3_all9.csv"
+    write_folds(kfold_table, path, fold_parameters("kfold3", seed=1, val_fraction=0.15))
+    path.write_text(path.read_text().replace("\n", "\r\n"))  # same folds, other bytes: as after an editor's save
+    with pytest.raises(FoldError, match=f"{path}: SHA-256 [0-9a-f]{{64}} differs from the [0-9a-f]{{64}} recorded"):
+        check_fold_parameters(path, fold_parameters("kfold3", seed=1, val_fraction=0.15))
+
+
+def test_a_fold_file_without_a_record_is_accepted_with_a_warning(kfold_table, tmp_path, caplog):
+    path = tmp_path / "kfold3_all9.csv"
+    write_folds(kfold_table, path)
+    with caplog.at_level("WARNING", logger="pipeline.folds"):
+        check_fold_parameters(path, fold_parameters("kfold3", seed=7, val_fraction=0.2))
+    assert f"{path} has no parameter record kfold3_all9.json" in caplog.text and "seed=7" in caplog.text
+
+
+def test_make_data_refuses_a_config_the_fold_file_was_not_made_with(tmp_path):
+    """The synthetic twin: generated on first use with the config's parameters, then only read."""
+    subjects = biovid_subjects("all87")[:20]
+    path = ensure_folds(load_config(tiny_overrides(tmp_path)), subjects)
+    assert read_fold_parameters(path)["seed"] == 0
+    ensure_folds(load_config(tiny_overrides(tmp_path)), subjects)  # the same config reads it back
+
+    with pytest.raises(SystemExit) as error:
+        ensure_folds(load_config(tiny_overrides(tmp_path, "protocol.seed=7", "protocol.val_fraction=0.3")), subjects)
+    message = str(error.value)
+    assert str(path) in message and "seed: file 0, config 7" in message
+    assert "val_fraction: file 0.15, config 0.3" in message
+    assert f"delete {path} and kfold5_all.json" in message and "data.manifest_dir" in message
+
+
+def test_biovid_committed_folds_are_checked_and_other_parameters_go_to_another_folder(tmp_path):
+    subjects = biovid_subjects("all87")
+    biovid = ["data=biovid", "data.root=/nowhere"]
+    assert ensure_folds(load_config(biovid), subjects) == biovid_manifest_path("kfold5", "all87")
+    with pytest.raises(SystemExit) as error:
+        ensure_folds(load_config([*biovid, "protocol.seed=1"]), subjects)
+    message = str(error.value)
+    assert str(biovid_manifest_path("kfold5", "all87")) in message and "seed: file 0, config 1" in message
+    assert "point data.manifest_dir at another folder" in message
+
+    path = ensure_folds(load_config([*biovid, "protocol.seed=1", f"data.manifest_dir={tmp_path}"]), subjects)
+    assert path == tmp_path / "kfold5_all87.csv"
+    assert read_fold_parameters(path) == {**fold_parameters("kfold5", seed=1, val_fraction=0.15), "n_subjects": 87,
+                                          "fold_file_sha256": fold_file_sha256(path)}
+    assert path.read_bytes() != biovid_manifest_path("kfold5", "all87").read_bytes()
+
+
 # --- committed BioVid manifests --------------------------------------------------------------------------------------
 
 
@@ -357,6 +453,16 @@ def test_biovid_subject_sets():
     assert len(responders67) == 67
     with pytest.raises(ValueError, match="unknown subject set 'all86'"):
         biovid_subjects("all86")
+
+
+def test_subjects_csv_must_agree_with_the_one_non_responder_list(tmp_path):
+    table = pd.read_csv(BIOVID_SUBJECTS_CSV, dtype=str)
+    responder = table.index[table.facial_responder == "1"][0]
+    table.loc[responder, "facial_responder"] = "0"
+    table.to_csv(tmp_path / "subjects.csv", index=False)
+    name = table.subject_name[responder]
+    with pytest.raises(ValueError, match=f"subject '{name}': facial_responder 0 disagrees with .*NON_RESPONDERS"):
+        biovid_subjects("responders67", tmp_path / "subjects.csv")
 
 
 @pytest.mark.parametrize("subject_set", SUBJECT_SETS)
@@ -371,12 +477,29 @@ def test_committed_manifest_loads_and_matches_regeneration(protocol, subject_set
     assert (tmp_path / committed_path.name).read_bytes() == committed_path.read_bytes(), "byte drift"
 
 
+@pytest.mark.parametrize("subject_set", SUBJECT_SETS)
+@pytest.mark.parametrize("protocol", BIOVID_PROTOCOLS)
+def test_committed_sidecar_matches_its_fold_file(protocol, subject_set):
+    path = biovid_manifest_path(protocol, subject_set)
+    recorded = json.loads(parameters_path(path).read_text())
+    assert recorded["fold_file_sha256"] == fold_file_sha256(path)
+    assert recorded == {**biovid_fold_parameters(protocol), "n_subjects": len(biovid_subjects(subject_set)),
+                        "fold_file_sha256": fold_file_sha256(path)}
+    assert {"protocol": protocol, "seed": 0, "val_fraction": 0.15}.items() <= recorded.items()
+    assert ("test_fraction" in recorded) == (protocol == "holdout")
+
+
 def test_cli_writes_the_committed_files_and_checks(tmp_path, capsys):
     assert main(["write-biovid", "--out-dir", str(tmp_path)]) == 0
     for subject_set in SUBJECT_SETS:
         for protocol in BIOVID_PROTOCOLS:
             written = biovid_manifest_path(protocol, subject_set, tmp_path)
             assert written.read_bytes() == biovid_manifest_path(protocol, subject_set).read_bytes()
+            committed_sidecar = parameters_path(biovid_manifest_path(protocol, subject_set))
+            assert parameters_path(written).read_bytes() == committed_sidecar.read_bytes()
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        path.name for path in BIOVID_MANIFEST_DIR.iterdir() if path.name != "subjects.csv"
+    )
     capsys.readouterr()
 
     good = [str(biovid_manifest_path(protocol, "all87")) for protocol in BIOVID_PROTOCOLS]

@@ -225,16 +225,16 @@ def test_evaluate_predictions_ties_the_pieces_together() -> None:
     frames["extra"] = "ignored"
     result = evaluate_predictions(frames, CLASSES, aggregation="topk", k=2)
     videos = aggregate_videos(frames[["subject_name", "sample_name", "label", "prob_BL1", "prob_PA4"]], "topk", 2)
-    pd.testing.assert_frame_equal(result["videos"], videos)
-    assert result["video"] == classification_metrics(
+    pd.testing.assert_frame_equal(result.video_predictions, videos)
+    assert result.video_metrics == classification_metrics(
         videos["label"].to_numpy(), videos[["prob_BL1", "prob_PA4"]].to_numpy()
     )
-    assert result["frame"]["accuracy"] == pytest.approx(
+    assert result.frame_metrics["accuracy"] == pytest.approx(
         np.mean(frames[["prob_BL1", "prob_PA4"]].to_numpy().argmax(axis=1) == frames["label"])
     )
-    assert result["confusion_frame"].sum() == len(frames)
-    assert result["confusion_video"].sum() == len(videos)
-    assert result["per_subject"]["n"].sum() == len(videos)
+    assert result.confusion_frame.sum() == len(frames)
+    assert result.confusion_video.sum() == len(videos)
+    assert result.per_subject["n"].sum() == len(videos)
     with pytest.raises(ValueError, match="prob_PA1"):
         evaluate_predictions(frames, ("BL1", "PA1"))
 

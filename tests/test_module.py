@@ -8,14 +8,15 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+from pipeline import resolve_path
 from pipeline.backbones import create_model
-from pipeline.cli import resolve_path
 from pipeline.datamodule import PainDataModule
 from pipeline.module import FreezeBackbone, OptimConfig, PainClassifier, parameter_groups, warmup_cosine
 from pipeline.prepare import fold_file_path
 from pipeline.tasks import get_task
 
-OPTIM = OptimConfig(head_lr=1e-2, backbone_lr=1e-3, layer_decay=0.5, weight_decay=0.05, warmup_epochs=1)
+OPTIM = OptimConfig(head_lr=1e-2, backbone_lr=1e-3, layer_decay=0.5, weight_decay=0.05, warmup_epochs=1,
+                    freeze_backbone_epochs=0)
 
 
 class RecordLearningRates(pl.Callback):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import cv2
@@ -12,9 +13,14 @@ import pandas as pd
 import pytest
 
 from pipeline.biovid import load_samples
-from pipeline.preprocess import FRAME_COLUMNS, PreprocessConfig, preprocess, sample_indices
+from pipeline.cli import load_config
+from pipeline.faces import HaarFaceDetector, detection_rate
+from pipeline.prepare import preprocess_config
+from pipeline.preprocess import FRAME_COLUMNS, preprocess
+from pipeline.video import sample_frame_indices
 
-CONFIG = PreprocessConfig(frames_per_video=3, crop_size=48)
+PROJECT_CONFIG = preprocess_config(load_config())  # the settings `make data` uses; tests change a few
+CONFIG = replace(PROJECT_CONFIG, frames_per_video=3, crop_size=48)
 
 
 def write_video(path: Path, frames: list[np.ndarray], fps: int = 25) -> None:
@@ -29,12 +35,6 @@ def write_video(path: Path, frames: list[np.ndarray], fps: int = 25) -> None:
 def few_samples(tiny_base: Path) -> pd.DataFrame:
     samples, _ = load_samples(tiny_base / "raw")
     return samples.groupby("class_name").head(1).reset_index(drop=True)
-
-
-def test_sample_indices_cover_the_window() -> None:
-    indices = sample_indices(138, 25.0, PreprocessConfig(frames_per_video=8))
-    assert indices[0] == 50 and indices[-1] == 137 and len(indices) == 8
-    assert list(sample_indices(138, 25.0, PreprocessConfig(frames_per_video=3, end_s=4.0))) == [50, 75, 100]
 
 
 def test_crops_and_frame_table(few_samples: pd.DataFrame, tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ def test_rerun_resumes_and_refuses_other_settings(few_samples: pd.DataFrame, tmp
     assert crop.stat().st_mtime_ns == before or crop.parent.name == first.sample_name
     assert len(result.frames) == len(few_samples) * 3
     with pytest.raises(ValueError, match="other settings .*crop_size"):
-        preprocess(few_samples, tmp_path, PreprocessConfig(frames_per_video=3, crop_size=32), progress=False)
+        preprocess(few_samples, tmp_path, replace(CONFIG, crop_size=32), progress=False)
 
 
 def test_bad_videos_are_reported_not_dropped(few_samples: pd.DataFrame, tmp_path: Path) -> None:
@@ -105,3 +105,48 @@ def test_real_photograph_video_is_cropped(tmp_path: Path) -> None:
     result = preprocess(pd.DataFrame([sample]), tmp_path / "out", CONFIG, workers=1, progress=False)
     assert result.failures.empty and (result.frames.detection == "detected").all()
     shutil.rmtree(tmp_path / "out")
+
+
+def _astronaut_sample(path: Path) -> dict:
+    return {"subject_name": "010101_w_30", "sample_name": "010101_w_30-BL1-000", "class_id": 0, "class_name": "BL1",
+            "video_path": str(path)}
+
+
+def test_detection_rate_measures_the_frames_preprocessing_crops(tmp_path: Path) -> None:
+    """One sampling rule: the face is only in the frames the window [0.2 s, 0.6 s] picks, and both paths see it."""
+    from skimage import data
+
+    photo = cv2.cvtColor(data.astronaut(), cv2.COLOR_RGB2BGR)
+    sampled = sample_frame_indices(20, 25.0, 4, start_s=0.2, end_s=0.6).tolist()
+    assert sampled == [5, 8, 12, 15]
+    blank = np.full_like(photo, 90)
+    write_video(tmp_path / "clip.mp4", [photo if index in sampled else blank for index in range(20)])
+    config = replace(CONFIG, frames_per_video=4, start_s=0.2, end_s=0.6)
+
+    result = preprocess(pd.DataFrame([_astronaut_sample(tmp_path / "clip.mp4")]), tmp_path / "out", config,
+                        workers=1, progress=False)
+    assert result.frames.frame_index.tolist() == sampled
+    assert (result.frames.detection == "detected").all()
+    rate = detection_rate([tmp_path / "clip.mp4"], HaarFaceDetector(), frames_per_video=4, start_s=0.2, end_s=0.6)
+    assert (rate["n_frames"], rate["n_detected"]) == (4, 4)
+
+    # where the window starts after the clip ends, both refuse the video for the same reason
+    late = replace(config, start_s=1.0, end_s=None)
+    failed = preprocess(pd.DataFrame([_astronaut_sample(tmp_path / "clip.mp4")]), tmp_path / "late", late,
+                        workers=1, progress=False).failures
+    rate = detection_rate([tmp_path / "clip.mp4"], HaarFaceDetector(), frames_per_video=4, start_s=1.0)
+    assert rate["n_frames"] == 0
+    assert failed.reason.tolist() == list(rate["failed"].values()) == [
+        "too short: 20 frames at 25 fps, window starts at 1.0 s"]
+
+
+def test_preprocess_picks_its_worker_count_without_an_affinity_mask(tmp_path: Path, monkeypatch) -> None:
+    """macOS has no os.sched_getaffinity: `make data` (workers=None) must still run there."""
+    from skimage import data
+
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    photo = cv2.cvtColor(data.astronaut(), cv2.COLOR_RGB2BGR)
+    write_video(tmp_path / "astronaut.mp4", [photo] * 75)
+    result = preprocess(pd.DataFrame([_astronaut_sample(tmp_path / "astronaut.mp4")]), tmp_path / "out", CONFIG,
+                        workers=None, progress=False)
+    assert result.failures.empty and len(result.frames) == CONFIG.frames_per_video

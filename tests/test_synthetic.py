@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.faces import HaarFaceDetector, detection_rate, read_frames
+from pipeline.faces import HaarFaceDetector, detection_rate
 from pipeline.synthetic import (
     CONFIG_JSON,
     PRESETS,
@@ -25,6 +25,7 @@ from pipeline.synthetic import (
     make_subjects,
 )
 from pipeline.tasks import CLASS_NAMES
+from pipeline.video import read_frames
 
 TINY = PRESETS["tiny"]
 SAMPLES_COLUMNS = ["subject_id", "subject_name", "class_id", "class_name", "sample_id", "sample_name"]
