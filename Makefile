@@ -63,8 +63,9 @@ compare: install ## compare the backbones' latest cross-validations on DATA/PROT
 	$(PY) -m pipeline compare $(OVERRIDES)
 
 ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store
-	$(VENV)/bin/mlflow ui --backend-store-uri $(TRACKING_URI) --default-artifact-root $(CURDIR)/mlartifacts \
-		--host 127.0.0.1 --port $(MLFLOW_PORT)
+	@$(PY) -m pipeline.tracking --tracking-uri '$(TRACKING_URI)' --host 127.0.0.1 --port $(MLFLOW_PORT)
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri $(TRACKING_URI) \
+		--default-artifact-root $(CURDIR)/mlartifacts --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1
 
 server: install ## MLflow tracking server for fold jobs on other nodes (SERVER_HOST, SERVER_PORT, SERVER_STORE)
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server --backend-store-uri $(SERVER_STORE) \

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -79,16 +80,14 @@ def load_configs(
     if picks_model:
         configs = [load_config(overrides)]
     else:
-        names = list(models or default_models)
-        check_model_names(names)
-        configs = [load_config([*model_overrides(name), *overrides]) for name in names]
+        configs = [load_config([*model_overrides(name), *overrides]) for name in models or default_models]
     check_model_names([cfg.model.name for cfg in configs])
     return configs
 
 
 def listed(cfg: DictConfig, dataset: Mapping[str, Any]) -> DictConfig:
     """`cfg` reading the crops `loader_dataset` listed, with random weights (speed does not depend on them)."""
-    cfg = cfg.copy()
+    cfg = copy.deepcopy(cfg)
     cfg.data.processed_dir = str(dataset["processed_dir"])
     cfg.model.pretrained = False
     cfg.model.weights = None
@@ -261,9 +260,9 @@ def loader_dataset(source_dir: Path, out_dir: Path, min_train_images: int, cfg: 
 
     def copies_of(n_copies: int) -> pd.DataFrame:
         parts = [source]
-        for copy in range(1, n_copies):
-            parts.append(source.assign(subject_name=source["subject_name"] + f"+{copy}",
-                                       sample_name=source["sample_name"] + f"+{copy}"))
+        for index in range(1, n_copies):
+            parts.append(source.assign(subject_name=source["subject_name"] + f"+{index}",
+                                       sample_name=source["sample_name"] + f"+{index}"))
         return pd.concat(parts, ignore_index=True)
 
     n_copies = max(1, math.ceil(MIN_SUBJECTS / source["subject_name"].nunique()))

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -100,6 +101,8 @@ class MlflowEpochLogger(pl.Callback):
         self.history: list[dict] = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.history:
+            mlflow.set_tag("painvit.resumed_after_epoch", str(int(self.history[-1]["epoch"])))
         for row in self.history:
             mlflow.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=int(row["epoch"]))
 
@@ -115,6 +118,17 @@ class MlflowEpochLogger(pl.Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.history = list(state_dict.get("history", []))
+
+
+class LeaveSigtermToSubmitit(pl.Callback):
+    """Under SLURM, submitit handles preemption: it ignores SIGTERM and, on the requeue signal, checkpoints and
+    requeues the job. Lightning's own SIGTERM handler would end fit() at the next batch, before the requeue signal
+    arrives, so the job would exit instead of being requeued; this puts submitit's handler back once fit runs."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        original = trainer._signal_connector._original_handlers.get(signal.SIGTERM)
+        if original is not None:
+            signal.signal(signal.SIGTERM, original)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -193,6 +207,7 @@ def fit_fold(cfg: DictConfig, module: PainClassifier, datamodule: PainDataModule
     plugins = [AtomicCheckpointIO()]
     if "SLURM_JOB_ID" in os.environ:  # submitit owns requeueing on SLURM; Lightning's own would requeue twice
         plugins.append(SLURMEnvironment(auto_requeue=False))
+        callbacks.append(LeaveSigtermToSubmitit())
     limits = {k: cfg.trainer[k] for k in ("limit_train_batches", "limit_val_batches") if cfg.trainer[k] is not None}
     trainer = pl.Trainer(
         max_epochs=cfg.trainer.max_epochs, accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices,
@@ -324,7 +339,8 @@ def run_fold_job(job: FoldJob) -> FoldResult:
     mlflow.set_tracking_uri(job.tracking_uri)
     run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=f"fold {job.fold}",
                            tags={**tags, "mlflow.parentRunId": job.parent_run_id, "painvit.run_kind": "fold",
-                                 "fold": str(job.fold), "painvit.attempt": str(attempt), **job_owner_tags()})
+                                 "fold": str(job.fold), "painvit.attempt": str(attempt),
+                                 "painvit.tracking_uri": job.tracking_uri, **job_owner_tags()})
     try:
         mlflow.log_params({"fold": job.fold})
         result = train_fold(cfg, job.fold, resolve_path(cfg.fold_file), work_dir,

@@ -2,19 +2,32 @@
 
 MLflow 3 refuses the old `./mlruns` file store, so the default is a sqlite database in the project root; the
 experiment is created with its artifacts in `<project>/mlartifacts` so runs never write into the working directory.
+
+`python -m pipeline.tracking --port 5000` prints the address of the experiment's runs page, which `make ui` shows
+before it starts the server. MLflow 3's UI opens in its GenAI mode (traces, an assistant) unless the address asks for
+the model-training mode, so that address is the way in for a new user.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import sqlite3
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mlflow import MlflowClient
-from mlflow.entities import LifecycleStage
-from mlflow.exceptions import MlflowException
+if TYPE_CHECKING:  # mlflow takes seconds to import; `python -m pipeline.tracking` must answer at once
+    from mlflow import MlflowClient
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 DEFAULT_EXPERIMENT = "pain-cv"
+# MLflow's experiment-type tag: the UI's "Machine learning" type (runs, metrics, models) as opposed to
+# "genai_development" (traces, evaluations). MLflow 3.17's UI takes the type of page from its own GenAI /
+# Model training switch instead, so the tag alone does not choose the page; the runs URL below does.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+# The UI's switch, as a URL parameter: `machine_learning` = "Model training" (Runs, Models, Traces in the sidebar).
+UI_WORKFLOW = "machine_learning"
 
 
 def tracking_uri(project_root: Path) -> str:
@@ -34,14 +47,21 @@ def get_or_create_experiment(name: str, artifact_root: str | Path, client: Mlflo
     """The id of experiment `name`, creating it with `artifact_root` as its artifact location if it does not exist.
 
     A local `Path` becomes a file:// URI. A deleted experiment of that name is restored rather than shadowed,
-    since MLflow keeps deleted names reserved. Uses the current tracking URI unless a client is given.
+    since MLflow keeps deleted names reserved. The experiment carries `mlflow.experimentKind` =
+    `custom_model_development` (added to an older experiment that lacks it; an existing value is left alone).
+    Uses the current tracking URI unless a client is given.
     """
+    from mlflow import MlflowClient
+    from mlflow.entities import LifecycleStage
+    from mlflow.exceptions import MlflowException
+
     client = client or MlflowClient()
     location = Path(artifact_root).resolve().as_uri() if isinstance(artifact_root, Path) else str(artifact_root)
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         try:
-            return client.create_experiment(name, artifact_location=location)
+            return client.create_experiment(name, artifact_location=location,
+                                            tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         except MlflowException:
             # Another process may have created it between the lookup and the create.
             experiment = client.get_experiment_by_name(name)
@@ -49,4 +69,65 @@ def get_or_create_experiment(name: str, artifact_root: str | Path, client: Mlflo
                 raise
     if experiment.lifecycle_stage == LifecycleStage.DELETED:
         client.restore_experiment(experiment.experiment_id)
+    if EXPERIMENT_KIND_TAG not in experiment.tags:
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return experiment.experiment_id
+
+
+def find_experiment_id(uri: str, name: str = DEFAULT_EXPERIMENT) -> str | None:
+    """The id of the active experiment `name` in the store at `uri`, or None (no store yet, no such experiment).
+
+    A sqlite store is read directly, read-only, in milliseconds and without creating the file; any other store
+    goes through MLflow. Never raises: a store it cannot read gives None.
+    """
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///"):].split("?", 1)[0]
+        if not path or path == ":memory:" or not Path(path).is_file():
+            return None
+        try:
+            with sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True) as connection:
+                row = connection.execute(
+                    "SELECT experiment_id FROM experiments WHERE name = ? AND lifecycle_stage = 'active'", (name,)
+                ).fetchone()
+        except sqlite3.Error:
+            return None
+        return None if row is None else str(row[0])
+    try:
+        from mlflow import MlflowClient
+
+        experiment = MlflowClient(uri).get_experiment_by_name(name)
+    except Exception:  # noqa: BLE001 - an address to print is not worth failing `make ui` for
+        return None
+    return experiment.experiment_id if experiment is not None and experiment.lifecycle_stage == "active" else None
+
+
+def ui_url(host: str, port: int | str, experiment_id: str | None) -> str:
+    """The UI page a new user should open: the experiment's runs table (parents expand into folds) in the UI's
+    "Model training" mode, or the experiment list in that mode when there is no experiment yet."""
+    base = f"http://{host}:{port}/#/experiments"
+    page = f"{base}/{experiment_id}/runs" if experiment_id is not None else base
+    return f"{page}?workflowType={UI_WORKFLOW}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.tracking",
+                                     description="Print the MLflow UI address of the experiment's runs page.")
+    parser.add_argument("--tracking-uri", default=None, help="the store (default: MLFLOW_TRACKING_URI or mlflow.db)")
+    parser.add_argument("--experiment", default=DEFAULT_EXPERIMENT)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", default="5000")
+    args = parser.parse_args(argv)
+    from pipeline import PROJECT_ROOT
+
+    uri = args.tracking_uri or tracking_uri(PROJECT_ROOT)
+    experiment_id = find_experiment_id(uri, args.experiment)
+    url = ui_url(args.host, args.port, experiment_id)
+    if experiment_id is None:
+        print(f"No experiment '{args.experiment}' in {uri} yet (`make cv` creates it). MLflow UI: {url}")
+    else:
+        print(f"Cross-validation runs of '{args.experiment}': {url}")
+    print("Open that address once the server logs 'Application startup complete'. Stop with Ctrl+C.", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,22 +1,80 @@
-"""The benchmark scripts run end to end in their --quick mode and write a complete, sane JSON report.
+"""The benchmarks measure what `make cv` trains with, and the scripts run end to end in their --quick mode.
 
-They run as subprocesses, exactly as `make bench-data` / `make bench` start them, on a tiny generated subset in
+The scripts run as subprocesses, exactly as `make bench-data` / `make bench` start them, on a tiny generated subset in
 tmp_path (never the project's data/ or reports/).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
 
+import albumentations as A
 import pytest
 
 from pipeline import PROJECT_ROOT
+from pipeline.augment import build_train_transform
+from pipeline.bench import build, load_configs, loader_dataset, training_settings
+from pipeline.cli import load_config
+from pipeline.fold import build_fold
+from pipeline.module import OptimConfig
+from pipeline.prepare import fold_file_path
+from tests.conftest import tiny_overrides
 
 SCRIPTS = PROJECT_ROOT / "scripts"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # data_model/synthetic_vit_b16.yaml: 64 px, batch 16, one LR for every layer, crops from 3.5 s, 3 a clip
+        ("model=vit_b16",),
+        # a model without its own file, as the Makefile picks it, and command-line overrides on top
+        ("model=timm", "model.name=resnet10t", "augment=heavy", "loader.batch_size=4", "loader.crop_fraction=0.8"),
+    ],
+)
+def test_bench_builds_what_make_cv_builds(tiny_base: Path, tmp_path: Path, extra: tuple[str, ...]) -> None:
+    overrides = tiny_overrides(tiny_base, "model.pretrained=false", *extra)
+    cfg = load_config(overrides)
+    assert load_configs(overrides, None, ["mobilevit_s"]) == [cfg]  # the overrides' model, not the default
+
+    module, datamodule = build(cfg, loader_dataset(tiny_base / "processed", tmp_path, 1, cfg))
+    measured = training_settings(cfg, module, datamodule)
+    # make cv: pipeline.fold.build_fold on the config itself, over the real fold file
+    cv_module, cv_datamodule, _ = build_fold(cfg, 0, fold_file_path(cfg))
+    assert measured == training_settings(cfg, cv_module, cv_datamodule)
+
+    data_config = module.model.backbone.data_config
+    assert measured["img_size"] == (cfg.model.img_size or data_config.input_size[-1])
+    assert measured["optim"] == dataclasses.asdict(OptimConfig(**cfg.model.optim))
+    assert measured["train_transform"] == A.to_dict(
+        build_train_transform(data_config, cfg.augment, cfg.loader.crop_fraction)
+    )
+    assert (measured["batch_size"], measured["frames_per_video"], measured["from_s"]) == (
+        cfg.loader.batch_size, cfg.loader.frames_per_video, cfg.loader.from_s
+    )
+    if cfg.model.name == "vit_b16":  # the specialisation applies (the model file alone says layer_decay 0.75)
+        assert (measured["img_size"], measured["batch_size"], measured["optim"]["layer_decay"]) == (64, 16, 1.0)
+        assert (measured["from_s"], measured["frames_per_video"]) == (3.5, 3)
+    else:
+        assert (measured["batch_size"], measured["optim"]["backbone_lr"]) == (4, 2e-4)
+
+
+def test_bench_picks_backbones_as_the_makefile_does() -> None:
+    assert load_configs(["data=synthetic"], ["resnet10t"], []) == [
+        load_config(["data=synthetic", "model=timm", "model.name=resnet10t"])
+    ]
+    defaults = load_configs([], None, ["cvt_13", "mobilevit_s"])
+    assert [cfg.model.name for cfg in defaults] == ["cvt_13", "mobilevit_s"]
+    assert defaults[1] == load_config(["model=mobilevit_s"])
+    with pytest.raises(SystemExit, match="not both"):
+        load_configs(["model=cvt_13"], ["mobilevit_s"], [])
+    with pytest.raises(SystemExit, match="unknown backbone"):
+        load_configs(["model=timm", "model.name=no_such_net"], None, [])
 
 
 def run_script(name: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -30,7 +88,7 @@ def run_script(name: str, tmp_path: Path, *extra: str) -> subprocess.CompletedPr
         "--no-progress",
         *extra,
     ]
-    return subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
 
 
 def assert_ran(result: subprocess.CompletedProcess) -> None:
@@ -46,7 +104,7 @@ def assert_positive(section: dict, keys: tuple[str, ...], where: str) -> None:
 
 
 def test_bench_data_quick(tmp_path: Path) -> None:
-    result = run_script("bench_data.py", tmp_path, "--quick", "--loader-data", "subset")
+    result = run_script("bench_data.py", tmp_path, "--quick", "--loader-data", "subset", "loader.num_workers=1")
     assert_ran(result)
     report = json.loads((tmp_path / "out" / "bench_data.json").read_text())
     assert (tmp_path / "out" / "bench_data.png").stat().st_size > 0
@@ -68,15 +126,20 @@ def test_bench_data_quick(tmp_path: Path) -> None:
     )
     assert preprocess["videos"] == 5 and preprocess["failed_videos"] == 0
     assert (preprocess["width"], preprocess["height"]) == (160, 120)
+    cfg = load_config(["model=mobilevit_xxs", "model.img_size=32", "loader.batch_size=8", "loader.num_workers=1"])
+    assert report["settings"]["preprocess"]["crop_size"] == cfg.preprocess.crop_size  # make data's settings
 
     detection = report["detection"]["tiny"]
     assert set(detection["per_class"]) == {"BL1", "PA1", "PA2", "PA3", "PA4"}
     assert 0 < detection["overall"] <= 1 and all(0 <= rate <= 1 for rate in detection["per_class"].values())
-    assert detection["n_frames"] == 5 * 8 and 0 < detection["n_detected"] <= detection["n_frames"]
+    assert detection["n_frames"] == 5 * cfg.preprocess.frames_per_video
+    assert 0 < detection["n_detected"] <= detection["n_frames"]
 
-    loader = report["loader"]["32"]
-    assert_positive(loader, ("images_per_s", "training_images_per_s", "ratio", "images", "workers"), "loader.32")
+    loader = report["loader"]
+    assert_positive(loader, ("images_per_s", "training_images_per_s", "ratio", "images", "workers"), "loader")
     assert loader["ratio"] == pytest.approx(loader["images_per_s"] / loader["training_images_per_s"])
+    assert (loader["model"], loader["img_size"], loader["batch_size"], loader["workers"]) == ("mobilevit_xxs", 32, 8, 1)
+    assert loader["settings"]["optim"] == dataclasses.asdict(OptimConfig(**cfg.model.optim))
     assert loader["images"] >= 4 * 8  # --loader-batches 4 of batch 8 in the quick run's one pass
     assert report["loader_dataset"]["kind"] == "subset:tiny"
     assert report["loader_dataset"]["train_frames"] >= 32
@@ -86,7 +149,7 @@ def test_bench_data_quick(tmp_path: Path) -> None:
 
 
 def test_bench_train_quick(tmp_path: Path) -> None:
-    result = run_script("bench_train.py", tmp_path, "--quick", "--data", "subset")
+    result = run_script("bench_train.py", tmp_path, "--quick", "--data", "subset", "loader.batch_size=4")
     assert_ran(result)
     report = json.loads((tmp_path / "out" / "bench_train.json").read_text())
     assert (tmp_path / "out" / "bench_train.png").stat().st_size > 0
@@ -98,10 +161,12 @@ def test_bench_train_quick(tmp_path: Path) -> None:
         "models.mobilevit_xxs",
     )
     assert entry["ratio"] == pytest.approx(entry["lightning_images_per_s"] / entry["bare_images_per_s"])
-    settings = report["settings"]
-    assert settings["img_size"] == 32 and settings["batch_size"] == 8 and settings["steps"] == 3
-    assert settings["torch_threads"] >= 1 and settings["num_workers"] >= 0
-    assert report["dataset"]["train_frames"] >= 8 * (1 + 3 + 1)  # one epoch covers warm-up and timed steps
+    settings = entry["settings"]
+    cfg = load_config(["model=mobilevit_xxs", "model.img_size=32", "loader.batch_size=4"])  # the command line wins
+    assert (settings["img_size"], settings["batch_size"], settings["task"]) == (32, 4, cfg.task.name)
+    assert settings["optim"] == dataclasses.asdict(OptimConfig(**cfg.model.optim))
+    assert report["settings"]["steps"] == 3 and entry["torch_threads"] >= 1 and settings["num_workers"] >= 0
+    assert entry["dataset"]["train_frames"] >= 4 * (1 + 3 + 1)  # one epoch covers warm-up and timed steps
     assert "mobilevit_xxs" in result.stdout and "bare PyTorch img/s" in result.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bench_train.json", "bench_train.png"]
 

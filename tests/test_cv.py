@@ -11,10 +11,12 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipeline.cli import resolve_path
+from pipeline import resolve_path
+from pipeline.checkpoints import load_fold_model
 from pipeline.compare import ComparisonError, compare, run_compare
-from pipeline.cv import run_cv, train_fold
+from pipeline.cv import identity_lock, plan_cv, run_cv
 from pipeline.datamodule import PainDataModule
+from pipeline.fold import train_fold
 from pipeline.module import OptimConfig, PainClassifier
 from pipeline.prepare import fold_file_path
 from pipeline.tasks import get_task
@@ -110,9 +112,9 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
     cfg = tiny_config(*FAST, "trainer.max_epochs=3", "trainer.patience=5", "loader.from_s=3.0")
     with fold_run(cfg):
         result = train_fold(cfg, 1, fold_file_path(cfg), tmp_path)
-    assert result.predictions["time_s"].min() >= 3.0
-    assert result.predictions.groupby("sample_name").size().eq(2).all()
-    checkpoint = torch.load(tmp_path / "best.ckpt", map_location="cpu", weights_only=False)
+    assert result.frame_predictions["time_s"].min() >= 3.0
+    assert result.frame_predictions.groupby("sample_name").size().eq(2).all()
+    checkpoint = torch.load(tmp_path / "best.ckpt", map_location="cpu", weights_only=True)
     assert checkpoint["epoch"] == result.best_epoch
 
     from pipeline.backbones import create_model
@@ -127,7 +129,7 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
     datamodule.setup()
     with torch.no_grad():
         probs = torch.cat([module(images).softmax(1) for images, _, _ in datamodule.test_dataloader()])
-    np.testing.assert_allclose(result.predictions["prob_PA4"].to_numpy(), probs[:, 1].numpy(), atol=1e-5)
+    np.testing.assert_allclose(result.frame_predictions["prob_PA4"].to_numpy(), probs[:, 1].numpy(), atol=1e-5)
 
 
 def test_compare_writes_table_and_plot(cv_runs, tiny_config) -> None:
@@ -160,5 +162,106 @@ def test_a_seeded_fold_is_reproducible(tiny_config, tmp_path: Path) -> None:
     for attempt in range(2):
         with fold_run(cfg):
             result = train_fold(cfg, 0, fold_file_path(cfg), tmp_path / str(attempt))
-        predictions.append(result.predictions["prob_PA4"].to_numpy())
+        predictions.append(result.frame_predictions["prob_PA4"].to_numpy())
     np.testing.assert_array_equal(predictions[0], predictions[1])
+
+
+def children_of(client: MlflowClient, parent_run_id: str) -> list:
+    parent = client.get_run(parent_run_id)
+    return client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
+
+
+def test_a_finished_cv_is_not_trained_again(cv_runs, tiny_config, capsys) -> None:
+    cfg = tiny_config(*FAST)
+    client, parents = runs_of(cfg, "cv")
+    before = {r.info.run_id for r in parents}
+    summary = run_cv(cfg)
+    assert "already finished" in capsys.readouterr().out
+    _, after = runs_of(cfg, "cv")
+    assert {r.info.run_id for r in after} == before  # no new parent, no new fold runs
+    assert summary["cv/video_auroc_mean"] == cv_runs["mobilevit_xxs"]["cv/video_auroc_mean"]
+
+
+def test_a_changed_config_starts_a_new_parent_and_says_why(cv_runs, tiny_config, capsys) -> None:
+    cfg = tiny_config(*FAST, "trainer.folds=[0]", "trainer.max_epochs=1")
+    run_cv(cfg)
+    out = capsys.readouterr().out
+    assert "not resuming" in out and "trainer.max_epochs: 3 -> 1" in out
+
+
+def test_kept_model_reloads_and_gives_the_same_test_predictions(cv_runs, tiny_config) -> None:
+    cfg = tiny_config(*FAST)
+    client, children = runs_of(cfg, "fold")
+    child = next(c for c in children if c.data.tags["model"] == "mobilevit_xxs" and c.info.status == "FINISHED")
+    net, meta = load_fold_model(child.info.run_id, tracking_uri=cfg.mlflow.tracking_uri)
+    assert (meta["model_name"], meta["class_names"], meta["task"]) == ("mobilevit_xxs", ["BL1", "PA4"], "bl1_vs_pa4")
+    assert meta["weights"]["weights_source"] == "random" and meta["img_size"] == 32
+    # the file alone is enough: it loads with weights_only=True (no pickled code)
+    path = client.download_artifacts(child.info.run_id, "model/model.pt")
+    assert torch.load(path, weights_only=True)["meta"] == meta
+
+    fold = int(child.data.tags["fold"])
+    task = get_task(meta["task"])
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), fold, task,
+                                net.backbone.data_config, {}, num_workers=0)
+    datamodule.setup()
+    with torch.no_grad():
+        probs = torch.cat([net(images).softmax(1) for images, _, _ in datamodule.test_dataloader()])
+    logged = pd.read_csv(client.download_artifacts(child.info.run_id, "predictions_frames.csv"))
+    expected = datamodule.frames("test").reset_index(drop=True)
+    merged = expected.assign(prob=probs[:, 1].numpy()).merge(logged, on=["sample_name", "frame_index"])
+    assert len(merged) == len(logged) == len(expected)
+    np.testing.assert_allclose(merged["prob"], merged["prob_PA4"], atol=1e-5)
+
+
+def test_a_crashed_fold_fails_alone_and_a_rerun_runs_only_it(tiny_config, tmp_path: Path, capsys) -> None:
+    cfg = tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'crash.db'}", "trainer.max_epochs=1")
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    plan = plan_cv(cfg, client, cfg.mlflow.tracking_uri)
+    # fold 1 finds a damaged epoch checkpoint in its work folder and crashes when it tries to continue from it
+    damaged = plan.work_dir / "fold_1" / "last.ckpt"
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit, match=r"fold\(s\) 1 failed"):
+        run_cv(cfg)
+    children = children_of(client, plan.parent_run_id)
+    status = {(c.data.tags["fold"], c.info.status) for c in children}
+    assert status == {("0", "FINISHED"), ("1", "FAILED")}
+    failed = next(c for c in children if c.info.status == "FAILED")
+    assert "Traceback" in Path(client.download_artifacts(failed.info.run_id, "traceback.txt")).read_text()
+    assert client.get_run(plan.parent_run_id).info.status == "FAILED"
+
+    damaged.unlink()
+    capsys.readouterr()
+    run_cv(cfg)
+    assert "1 fold(s) already done" in capsys.readouterr().out
+    children = children_of(client, plan.parent_run_id)
+    assert sorted((c.data.tags["fold"], c.info.status) for c in children) == [
+        ("0", "FINISHED"), ("1", "FAILED"), ("1", "FINISHED")]
+    assert client.get_run(plan.parent_run_id).info.status == "FINISHED"
+
+
+def test_a_second_driver_with_the_same_identity_refuses(tiny_config) -> None:
+    cfg = tiny_config(*FAST)
+    with identity_lock(resolve_path(cfg.cv.work_dir), "mobilevit_xxs-synthetic-kfold5-bl1_vs_pa4"):
+        with pytest.raises(SystemExit, match="already running"):
+            run_cv(cfg)
+
+
+def test_an_unknown_launcher_key_is_an_error(tiny_config) -> None:
+    with pytest.raises(Exception, match="partition"):
+        tiny_config(*FAST, "launcher.partition=gpu")  # a slurm key, with the local launcher
+
+
+def test_slurm_launcher_refuses_what_cannot_work(tiny_config, tmp_path: Path, monkeypatch) -> None:
+    from pipeline.launchers import check_launcher
+
+    cfg = tiny_config(*FAST, "launcher=slurm")
+    monkeypatch.setenv("PATH", str(tmp_path))  # a machine without SLURM
+    with pytest.raises(SystemExit, match="sbatch"):
+        check_launcher(cfg.launcher, "http://127.0.0.1:5000")
+    (tmp_path / "sbatch").write_text("#!/bin/sh\n")
+    (tmp_path / "sbatch").chmod(0o755)
+    with pytest.raises(SystemExit, match="tracking server that the compute nodes reach"):
+        check_launcher(cfg.launcher, cfg.mlflow.tracking_uri)  # sqlite
+    check_launcher(cfg.launcher, "http://login-node:5000")

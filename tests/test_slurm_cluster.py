@@ -36,8 +36,9 @@ def square_in_slurm(x: int) -> tuple[int, str, str]:
 
 def slurm_executor(folder: Path) -> submitit.AutoExecutor:
     executor = submitit.AutoExecutor(folder=folder / "%j", cluster="slurm")
-    # submitit calls a USR2 within min(80 %, limit - 10 min) of the time limit a time-out (which uses up one of its
-    # max_num_timeout requeues), later ones a preemption: with 60 min the test's signal is a preemption.
+    # submitit counts a USR2 after min(80 % of the limit, limit - 10 min) of run time as a time-out (each uses up one
+    # of max_num_timeout=3 requeues), an earlier one as a preemption: with 60 min (threshold 48 min) the tests'
+    # signal is a preemption; with 10 min or less every signal is a time-out.
     executor.update_parameters(timeout_min=60, cpus_per_task=1, mem_gb=0.5, slurm_partition="debug")
     return executor
 
