@@ -198,7 +198,9 @@ def fit_fold(cfg: DictConfig, module: PainClassifier, datamodule: PainDataModule
     epoch_logger = MlflowEpochLogger()
     best = pl.callbacks.ModelCheckpoint(dirpath=work_dir, filename="best", monitor=cfg.trainer.monitor,
                                         mode=cfg.trainer.monitor_mode, save_top_k=1, save_weights_only=True)
-    last = pl.callbacks.ModelCheckpoint(dirpath=work_dir, save_top_k=0, save_last=True)
+    # every epoch's full state, overwritten in place (Lightning's save_last only writes when another save happened)
+    last = pl.callbacks.ModelCheckpoint(dirpath=work_dir, filename="last", monitor=None, save_top_k=1,
+                                        enable_version_counter=False)
     early_stopping = pl.callbacks.EarlyStopping(monitor=cfg.trainer.monitor, mode=cfg.trainer.monitor_mode,
                                                 patience=cfg.trainer.patience)
     callbacks = [epoch_logger, best, last, early_stopping]
