@@ -17,6 +17,10 @@ LAUNCHER ?= local
 JOBS ?=
 RESUME ?=
 VERBOSE ?=
+RUN ?=
+UNTRAINED ?=
+IMG ?=
+BATCH ?=
 MLFLOW_PORT ?= 5000
 # `make server`: a tracking server for fold jobs on other nodes (LAUNCHER=slurm); see the README.
 SERVER_HOST ?= 127.0.0.1
@@ -32,7 +36,7 @@ OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) task=$(TASK) $(MODEL_OVERRIDE) \
 	launcher=$(LAUNCHER) $(if $(JOBS),launcher.jobs=$(JOBS)) $(if $(RESUME),cv.resume=$(RESUME)) $(ARGS)
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 
-.PHONY: help install data aug-preview cv compare ui server test lint bench bench-data clean clean-data
+.PHONY: help install data aug-preview cv compare inspect calc ui server test lint bench bench-data clean clean-data
 
 help: ## list the targets
 	@echo "Pain detection from facial video: fine-tune and compare backbones on BioVid Part A (or its synthetic twin)."
@@ -41,6 +45,7 @@ help: ## list the targets
 	@echo
 	@echo "Variables: MODEL=$(MODEL) DATA=$(DATA) PROTOCOL=$(PROTOCOL) TASK=$(TASK) BIOVID_ROOT= WEIGHTS= ARGS='key=value ...'"
 	@echo "           LAUNCHER=$(LAUNCHER) (local|parallel|slurm) JOBS= RESUME= (never: a new run) VERBOSE= (1: all library output)"
+	@echo "           RUN= (inspect: a parent run id) UNTRAINED= (inspect: 1 = untrained baseline) IMG= BATCH= (calc)"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +66,12 @@ cv: install ## cross-validate MODEL on DATA/PROTOCOL/TASK, tracked in MLflow
 
 compare: install ## compare the backbones' latest cross-validations on DATA/PROTOCOL/TASK (reports/ and MLflow)
 	$(PY) -m pipeline compare $(OVERRIDES)
+
+inspect: install ## where MODEL's newest finished CV looks on each fold's test videos: rollout, Grad-CAM, region score
+	$(PY) -m pipeline inspect $(OVERRIDES) $(if $(RUN),--run=$(RUN)) $(if $(UNTRAINED),--untrained=$(UNTRAINED))
+
+calc: install ## size and cost of MODEL: shape trace, parameters by part, MACs, training memory (IMG=224 BATCH=32)
+	$(PY) -m pipeline calc $(OVERRIDES) $(if $(IMG),model.img_size=$(IMG)) $(if $(BATCH),loader.batch_size=$(BATCH))
 
 ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store
 	@$(PY) -m pipeline.tracking --tracking-uri '$(TRACKING_URI)' --host 127.0.0.1 --port $(MLFLOW_PORT)

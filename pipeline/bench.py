@@ -103,7 +103,7 @@ def build(cfg: DictConfig, dataset: Mapping[str, Any]) -> tuple[PainClassifier, 
 
 
 def precision(cfg: DictConfig) -> str:
-    return precision_for(cfg.trainer.precision, cfg.trainer.accelerator)
+    return precision_for(cfg.trainer.precision, cfg.trainer.accelerator, cfg.model.name)
 
 
 def training_settings(cfg: DictConfig, module: PainClassifier, datamodule: PainDataModule) -> dict[str, Any]:

@@ -4,6 +4,9 @@
     python -m pipeline aug-preview [key=value ...]   PNG grid of augmented crops
     python -m pipeline cv          [key=value ...]   participant-grouped cross-validation, tracked in MLflow
     python -m pipeline compare     [key=value ...]   compare the backbones' latest cross-validations
+    python -m pipeline inspect     [key=value ...] [--run=<parent run id>] [--untrained=1]
+                                                     attention rollout, Grad-CAM, region score on each fold's test videos
+    python -m pipeline calc        [key=value ...]   a backbone's shapes, parameters, MACs and training memory
     python -m pipeline config      [key=value ...]   print the resolved config
 
 The Makefile is the front door (`make help`); it turns MODEL=, DATA=, PROTOCOL=, TASK= into these overrides.
@@ -60,7 +63,9 @@ def setup_logging(verbose: bool | None = None) -> None:
     if verbose:
         logging.getLogger("pipeline").setLevel(logging.INFO)
         return
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    for variable, value in (("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false"), ("MLFLOW_LOGGING_LEVEL", "WARNING"),
+                            ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")):
+        os.environ.setdefault(variable, value)  # read by MLflow when it is imported and when it prints
     for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning", "mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -70,11 +75,19 @@ def setup_logging(verbose: bool | None = None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"data": "pipeline.prepare:run_data", "aug-preview": "pipeline.prepare:run_aug_preview",
-                "cv": "pipeline.cv:run_cv", "compare": "pipeline.compare:run_compare", "config": None}
+                "cv": "pipeline.cv:run_cv", "compare": "pipeline.compare:run_compare",
+                "inspect": "pipeline.inspection:run_inspect", "calc": "pipeline.calc:run_calc", "config": None}
     if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
         return 2
     command, overrides = argv[0], argv[1:]
+    # --name=value options belong to the command itself (make inspect RUN=...), key=value ones to the config
+    flags = [option for option in overrides if option.startswith("--")]
+    if any("=" not in flag for flag in flags):
+        print(f"options take a value (--name=value): {' '.join(flags)}", file=sys.stderr)
+        return 2
+    options = dict(flag[2:].split("=", 1) for flag in flags)
+    overrides = [option for option in overrides if not option.startswith("--")]
     setup_logging()
     cfg = load_config(overrides)
     if command == "config":
@@ -82,5 +95,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     module_name, function_name = commands[command].split(":")
     module = __import__(module_name, fromlist=[function_name])
-    getattr(module, function_name)(cfg)
+    getattr(module, function_name)(cfg, **options)
     return 0

@@ -190,7 +190,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
                     # a smoke run (some folds, limited batches) is marked so nobody mistakes it for a full CV
                     "complete": str(len(fold_ids) == folds.fold.nunique() and cfg.trainer.limit_train_batches is None
                                     and cfg.trainer.limit_val_batches is None).lower(),
-                    "precision": precision_for(cfg.trainer.precision, cfg.trainer.accelerator),
+                    "precision": precision_for(cfg.trainer.precision, cfg.trainer.accelerator, cfg.model.name),
                     "cpu": cpu_description(), **weights.as_tags()}
         run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
         parent = client.create_run(experiment_id, run_name=run_name, tags=run_tags)
@@ -295,7 +295,7 @@ def run_cv(cfg: DictConfig) -> dict:
             return dict(client.get_run(plan.parent_run_id).data.metrics)
         resumed = f", resuming: {len(plan.done)} fold(s) already done" if plan.done else ""
         print(f"cross-validation: {name}, {len(plan.fold_ids)} folds{resumed}, launcher {cfg.launcher.name}, "
-              f"precision {precision_for(cfg.trainer.precision, cfg.trainer.accelerator)} on {cpu_description()}")
+              f"precision {precision_for(cfg.trainer.precision, cfg.trainer.accelerator, cfg.model.name)} on {cpu_description()}")
         print(f"MLflow: {tracking_uri} (experiment {cfg.mlflow.experiment}, parent run {plan.parent_run_id}); "
               f"`make ui` to review")
         try:

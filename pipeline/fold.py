@@ -213,7 +213,7 @@ def fit_fold(cfg: DictConfig, module: PainClassifier, datamodule: PainDataModule
     limits = {k: cfg.trainer[k] for k in ("limit_train_batches", "limit_val_batches") if cfg.trainer[k] is not None}
     trainer = pl.Trainer(
         max_epochs=cfg.trainer.max_epochs, accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices,
-        precision=precision_for(cfg.trainer.precision, cfg.trainer.accelerator),
+        precision=precision_for(cfg.trainer.precision, cfg.trainer.accelerator, cfg.model.name),
         gradient_clip_val=cfg.trainer.gradient_clip_val, deterministic=cfg.trainer.deterministic,
         log_every_n_steps=cfg.trainer.log_every_n_steps, callbacks=callbacks, logger=False, plugins=plugins,
         default_root_dir=work_dir, enable_model_summary=False, num_sanity_val_steps=0,
@@ -335,6 +335,8 @@ def run_fold_job(job: FoldJob) -> FoldResult:
             client.set_terminated(run.info.run_id, "KILLED")
     cfg = OmegaConf.create(job.config)
     parent = client.get_run(job.parent_run_id)
+    if cfg.model.pretrained == "auto" and parent.data.tags.get("weights_source") == "random":
+        cfg.model.pretrained = False  # the plan found no weights and said so once; the folds need not say it again
     tags = {k: parent.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed")}
     work_dir = Path(job.work_dir)
     attempt = len(previous) + 1

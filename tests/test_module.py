@@ -11,6 +11,7 @@ import torch
 from pipeline import resolve_path
 from pipeline.backbones import create_model
 from pipeline.datamodule import PainDataModule
+from pipeline.folds import fold_subjects, read_folds
 from pipeline.module import FreezeBackbone, OptimConfig, PainClassifier, parameter_groups, warmup_cosine
 from pipeline.prepare import fold_file_path
 from pipeline.tasks import get_task
@@ -138,3 +139,40 @@ def test_fused_adamw_still_clips_gradients(tiny_config, precision: str) -> None:
     assert len(recorder.before) == len(recorder.after) == 3
     assert min(recorder.before) > 10 * clip  # clipping had work to do
     assert max(recorder.after) == pytest.approx(clip, rel=1e-3)
+
+
+class OneClassValidation(PainDataModule):
+    """The fold's data with a validation split that holds no-pain videos only: its AUROC is undefined."""
+
+    def _read_frame_table(self):
+        table = super()._read_frame_table()
+        validation_subjects = fold_subjects(read_folds(self.fold_file), self.fold)["val"]
+        return table[~table["subject_name"].isin(validation_subjects) | (table["class_name"] == "BL1")]
+
+
+def one_class_fit(cfg, monitor: str) -> tuple[PainClassifier, pl.Trainer]:
+    task = get_task("bl1_vs_pa4")
+    net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
+    datamodule = OneClassValidation(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, task,
+                                    net.backbone.data_config, {}, batch_size=8, num_workers=0)
+    module = PainClassifier(net, task.classes, OPTIM, monitor=monitor)
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=datamodule)
+    return module, trainer
+
+
+def test_an_undefined_metric_stays_nan_and_is_named(tiny_config, caplog) -> None:
+    """AUROC over one class is undefined: it is logged as NaN (never as 0) with a warning naming the split."""
+    with caplog.at_level("WARNING", logger="pipeline.module"):
+        _, trainer = one_class_fit(tiny_config(), monitor="val/loss")
+    assert math.isnan(float(trainer.callback_metrics["val/video_auroc"]))
+    assert math.isfinite(float(trainer.callback_metrics["val/loss"]))
+    assert float(trainer.callback_metrics["val/video_accuracy"]) >= 0  # defined metrics stay as they are
+    warning = next(r.getMessage() for r in caplog.records if "undefined" in r.getMessage())
+    assert warning.startswith("val split") and "val/video_auroc" in warning and "'BL1'" in warning
+
+
+def test_an_undefined_monitored_metric_stops_with_what_to_do(tiny_config) -> None:
+    with pytest.raises(ValueError, match=r"val/video_auroc is undefined.*trainer.monitor=val/loss"):
+        one_class_fit(tiny_config(), monitor="val/video_auroc")
