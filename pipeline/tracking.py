@@ -96,7 +96,7 @@ def find_experiment_id(uri: str, name: str = DEFAULT_EXPERIMENT) -> str | None:
         from mlflow import MlflowClient
 
         experiment = MlflowClient(uri).get_experiment_by_name(name)
-    except Exception:  # noqa: BLE001 - an address to print is not worth failing `make ui` for
+    except Exception:  # an address to print is not worth failing `make ui` for
         return None
     return experiment.experiment_id if experiment is not None and experiment.lifecycle_stage == "active" else None
 
