@@ -66,10 +66,14 @@ def setup_logging(verbose: bool | None = None) -> None:
     for variable, value in (("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false"), ("MLFLOW_LOGGING_LEVEL", "WARNING"),
                             ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")):
         os.environ.setdefault(variable, value)  # read by MLflow when it is imported and when it prints
-    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning", "mlflow", "alembic"):
+    # Lightning resets its package logger's level when it is imported, so the loggers it writes through are set too.
+    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning", "mlflow", "alembic",
+                 "pytorch_lightning.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero",
+                 "lightning_fabric.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # Python warnings come from dependencies; what concerns the user's run (training from scratch, skipped videos)
+    # the pipeline also logs as a warning, and those log lines stay.
     warnings.filterwarnings("ignore")
-    warnings.filterwarnings("default", module=r"pipeline(\.|$)")  # the pipeline's own warnings stay
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,5 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     module_name, function_name = commands[command].split(":")
     module = __import__(module_name, fromlist=[function_name])
-    getattr(module, function_name)(cfg, **options)
+    try:
+        getattr(module, function_name)(cfg, **options)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: `make {command}` with the same settings continues where this one stopped",
+              file=sys.stderr)
+        return 130
     return 0

@@ -259,6 +259,11 @@ class SlurmFoldTask:
         from pipeline.cli import setup_logging
 
         setup_logging()
+        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+        if cpus:  # clusters without CPU cgroups show every core to every task: keep to the cores asked for
+            import torch
+
+            torch.set_num_threads(int(cpus))
         return run_fold_job(self.job).metrics
 
     def checkpoint(self, *args, **kwargs):
