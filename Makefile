@@ -36,7 +36,7 @@ OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) task=$(TASK) $(MODEL_OVERRIDE) \
 	launcher=$(LAUNCHER) $(if $(JOBS),launcher.jobs=$(JOBS)) $(if $(RESUME),cv.resume=$(RESUME)) $(ARGS)
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 
-.PHONY: help install data aug-preview cv compare inspect calc ui server test lint bench bench-data clean clean-data
+.PHONY: help install data aug-preview cv compare inspect calc ui server test lint notebooks bench bench-data clean clean-data
 
 help: ## list the targets
 	@echo "Pain detection from facial video: fine-tune and compare backbones on BioVid Part A (or its synthetic twin)."
@@ -87,6 +87,10 @@ test: install ## run the test suite
 
 lint: install ## ruff
 	$(VENV)/bin/ruff check pipeline tests scripts
+
+# One thread per kernel: the course's tensors are small, and OpenMP threads on a busy CPU slow them down many times.
+notebooks: install ## execute the ViT course notebooks (notebooks/vit_course_*.ipynb) in place; fails on any error
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(VENV)/bin/jupyter-execute --inplace --timeout=600 notebooks/vit_course_*.ipynb
 
 bench-data: install ## data benchmark: preprocessing throughput, detection rate, loader images/s
 	$(PY) scripts/bench_data.py

@@ -1,8 +1,9 @@
 """Interchangeable backbones behind one adapter: pooled features of width D, parameter groups, data config.
 
 timm provides ViT, MobileViT and any other timm model; CvT comes from Hugging Face transformers (timm has none),
-built from a `CvtConfig` made here so nothing is fetched from the hub. Weights are resolved by `pipeline.weights`;
-the source classifier head is always dropped and a fresh `nn.Linear` head is put on top (`PainNet`).
+built from a `CvtConfig` made here so nothing is fetched from the hub; `vit_ref` is the course's reference ViT
+(pipeline/vit_ref.py), which no hub holds weights for, so it trains from scratch. Weights are resolved by
+`pipeline.weights`; the source classifier head is always dropped and a fresh `nn.Linear` head is put on top (`PainNet`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 from transformers import CvtConfig, CvtModel
 
+from pipeline.vit_ref import ReferenceViT
 from pipeline.weights import (
     HUB_WEIGHT_FILENAMES,
     RANDOM_INIT,
@@ -87,6 +89,31 @@ CVT_DATA_CONFIG = DataConfig(
     std=(0.229, 0.224, 0.225),
     interpolation="bicubic",
     crop_pct=0.875,
+)
+
+
+@dataclass(frozen=True)
+class ReferenceVitVariant:
+    """Sizes of the course's reference ViT (pipeline/vit_ref.py); img_size is its default input size."""
+
+    img_size: int
+    patch_size: int
+    embed_dim: int
+    num_heads: int
+    depth: int
+    mlp_dim: int
+
+
+# The course's from-scratch exercise on this project's data: a ViT-Tiny width at half its depth, 8 px patches for the
+# small inputs a CPU trains on. No hub repo: pretrained "auto" starts from random init, True needs WEIGHTS= (a timm
+# ViT state dict of these sizes; its position embeddings are interpolated to the input size).
+VIT_REF_VARIANTS = {
+    "vit_ref": ReferenceVitVariant(img_size=64, patch_size=8, embed_dim=192, num_heads=3, depth=6, mlp_dim=768),
+}
+
+# The original ViT's preprocessing (pixels scaled to [-1, 1]) with timm's ViT interpolation and crop_pct.
+VIT_REF_DATA_CONFIG = DataConfig(
+    input_size=(3, 224, 224), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), interpolation="bicubic", crop_pct=0.9
 )
 
 ParameterGroups = list[tuple[str, list[nn.Parameter]]]
@@ -184,6 +211,38 @@ class CvtBackbone(Backbone):
         return groups
 
 
+class ReferenceVitBackbone(Backbone):
+    """The course's reference ViT without a head: y = LN(z_L^0), the class token's final state (eq. 4)."""
+
+    def __init__(self, name: str, variant: ReferenceVitVariant, img_size: int | None) -> None:
+        size = img_size or variant.img_size
+        architecture = (
+            f"ReferenceViT(patch {variant.patch_size}, D {variant.embed_dim}, {variant.depth} blocks, "
+            f"{variant.num_heads} heads, MLP {variant.mlp_dim})"
+        )
+        super().__init__(name, architecture, variant.embed_dim, VIT_REF_DATA_CONFIG.with_image_size(size))
+        self.model = ReferenceViT(
+            img_size=size,
+            patch_size=variant.patch_size,
+            embed_dim=variant.embed_dim,
+            num_heads=variant.num_heads,
+            depth=variant.depth,
+            mlp_dim=variant.mlp_dim,
+            num_classes=0,
+        )
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)
+
+    def parameter_groups(self) -> ParameterGroups:
+        model = self.model
+        groups: ParameterGroups = [("embed", [model.cls_token, model.pos_embed, *model.patch_embed.parameters()])]
+        groups += [(f"blocks.{index}", list(block.parameters())) for index, block in enumerate(model.blocks)]
+        groups.append(("norm", list(model.norm.parameters())))
+        _check_groups_cover(self, groups)
+        return groups
+
+
 class PainNet(nn.Module):
     """A backbone with a freshly initialised linear head: images -> logits (B, n_classes)."""
 
@@ -214,6 +273,10 @@ def create_backbone(
         backbone: Backbone = CvtBackbone(name, CVT_VARIANTS[name], img_size)
         if resolved is not None:
             load_cvt_weights(backbone, resolved.path)
+    elif name in VIT_REF_VARIANTS:
+        backbone = ReferenceVitBackbone(name, VIT_REF_VARIANTS[name], img_size)
+        if resolved is not None:
+            load_reference_vit_weights(backbone, resolved.path)
     else:
         model = _create_timm_model(_timm_architecture(name), resolved, img_size)
         backbone = TimmBackbone(name, model, img_size)
@@ -238,6 +301,8 @@ def weights_source(name: str, pretrained: bool | str = False, weights: str | Pat
 def _resolve_backbone_weights(name: str, pretrained: bool | str, weights: str | Path | None):
     if name in CVT_VARIANTS:
         return resolve_weights(pretrained, weights, model_name=name, hub_repo=CVT_VARIANTS[name].hub_repo)
+    if name in VIT_REF_VARIANTS:  # no hub repo: "auto" finds nothing and falls back to random init with a warning
+        return resolve_weights(pretrained, weights, model_name=name, hub_repo=None)
     pretrained_cfg = timm.models.get_pretrained_cfg(_timm_architecture(name))
     hub_repo = pretrained_cfg.hf_hub_id if pretrained_cfg else None
     hub_filenames = (
@@ -265,8 +330,8 @@ def _timm_architecture(name: str) -> str:
     if timm.is_model(name):
         return name
     raise ValueError(
-        f"unknown backbone {name!r}: use one of {', '.join(BACKBONE_NAMES)} or any timm model name "
-        "(see timm.list_models())"
+        f"unknown backbone {name!r}: use one of {', '.join((*BACKBONE_NAMES, *VIT_REF_VARIANTS))} or any timm model "
+        "name (see timm.list_models())"
     )
 
 
@@ -346,6 +411,16 @@ def load_cvt_weights(backbone: CvtBackbone, path: Path) -> None:
     backbone.load_state_dict(state_dict, strict=True)
     if norm_missing:
         logger.warning("%s holds a CvtModel without the final LayerNorm; that norm starts at identity", path)
+
+
+def load_reference_vit_weights(backbone: ReferenceVitBackbone, path: Path) -> None:
+    """Load a timm ViT state dict of the variant's sizes strictly (its head dropped, position embeddings resampled
+    to the input size); .npz files are not read for vit_ref."""
+    state_dict = without_prefixes(read_state_dict(path), ("head",))
+    try:
+        backbone.model.load_timm_state_dict(state_dict)
+    except (RuntimeError, ValueError) as error:
+        raise IncompatibleWeights(f"{path} does not fit {backbone.architecture}: {error}") from error
 
 
 def _groups_from_timm_matcher(named_parameters: Iterable[tuple[str, nn.Parameter]], matcher: dict) -> ParameterGroups:

@@ -5,7 +5,7 @@
     python -m pipeline cv          [key=value ...]   participant-grouped cross-validation, tracked in MLflow
     python -m pipeline compare     [key=value ...]   compare the backbones' latest cross-validations
     python -m pipeline inspect     [key=value ...] [--run=<parent run id>] [--untrained=1]
-                                                     attention rollout, Grad-CAM, region score on each fold's test videos
+                                       attention rollout, Grad-CAM and region score on each fold's test videos
     python -m pipeline calc        [key=value ...]   a backbone's shapes, parameters, MACs and training memory
     python -m pipeline config      [key=value ...]   print the resolved config
 

@@ -257,6 +257,64 @@ def plot_fold_scores(scores: pd.DataFrame, metric: str, path: str | Path) -> Non
     save_png(figure, path)
 
 
+COST_METRICS = ("cost/params", "cost/macs")  # recorded on a CV's parent run (pipeline.calc.backbone_cost)
+INSPECT_METHODS = ("rollout", "gradcam")  # `make inspect`'s maps, whose region scores the parent run holds
+
+
+def _optional_int(value: str | None) -> int | None:
+    return None if value in (None, "", "None", "null") else int(float(value))
+
+
+def cost_and_regions(runs: Mapping[str, Run], summary: pd.DataFrame, task: str,
+                     metric: str = "test/video_auroc") -> pd.DataFrame:
+    """Per backbone: the metric's mean and std over folds, its size and cost (parameters, MACs of one image, as the
+    CV recorded them; computed from the backbone name and input size for runs that predate the record), and the
+    region scores of `make inspect` (trained models, and the untrained baseline) where it has been run."""
+    from pipeline.calc import backbone_cost
+    from pipeline.tasks import get_task
+
+    rows = []
+    for model, run in runs.items():
+        metrics, params = run.data.metrics, run.data.params
+        accuracy = summary[(summary["model"] == model) & (summary["metric"] == metric)]
+        row = {"model": model, f"{metric}_mean": float(accuracy["mean"].iloc[0]) if len(accuracy) else np.nan,
+               f"{metric}_std": float(accuracy["std"].iloc[0]) if len(accuracy) else np.nan}
+        if all(key in metrics for key in COST_METRICS):
+            row.update({"params": metrics["cost/params"], "macs": metrics["cost/macs"], "cost_source": "run"})
+        else:
+            try:
+                cost = backbone_cost(model, _optional_int(params.get("model.img_size")), get_task(task).n_classes)
+                row.update({"params": cost["cost/params"], "macs": cost["cost/macs"], "cost_source": "computed"})
+            except (ValueError, KeyError, RuntimeError) as error:
+                logger.warning("no cost for %s: %s", model, error)
+                row.update({"params": np.nan, "macs": np.nan, "cost_source": "unknown"})
+        for method in INSPECT_METHODS:
+            for kind, prefix in (("", "inspect/"), ("untrained_", "inspect/untrained/")):
+                for statistic in ("mean", "std"):
+                    key = f"{prefix}{method}/region_score_{statistic}"
+                    row[f"{kind}region_{method}_{statistic}"] = metrics.get(key, np.nan)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def plot_accuracy_vs_cost(table: pd.DataFrame, metric: str, path: str | Path) -> None:
+    """The metric (mean +- std over folds) against MACs of one image and against parameters, log scale."""
+    figure = Figure(figsize=(10, 4))
+    for axis, column, label in zip(figure.subplots(1, 2), ("macs", "params"),
+                                   ("multiply-accumulates per image", "parameters"), strict=True):
+        known = table.dropna(subset=[column])
+        axis.errorbar(known[column], known[f"{metric}_mean"], yerr=known[f"{metric}_std"], fmt="o", capsize=3)
+        for _, row in known.iterrows():
+            axis.annotate(row["model"], (row[column], row[f"{metric}_mean"]), textcoords="offset points",
+                          xytext=(5, 5), fontsize=8)
+        axis.set_xscale("log")
+        axis.set_xlabel(label)
+        axis.set_ylabel(f"{metric} (mean +- std over folds)")
+        axis.grid(alpha=0.3, which="both")
+    figure.suptitle("Accuracy against cost (at each backbone's input size in its cross-validation)", fontsize=10)
+    save_png(figure, path)
+
+
 def _safe_name(text: str) -> str:
     """File names and MLflow keys: letters, digits, '_', '-', '.' only."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
@@ -317,6 +375,13 @@ def compare(
     plots = {metric: out_dir / f"{stem}_{_safe_name(metric.replace('/', '_'))}.png" for metric in metrics}
     for metric, plot_path in plots.items():
         plot_fold_scores(scores, metric, plot_path)
+    accuracy_metric = "test/video_auroc" if "test/video_auroc" in metrics else metrics[0]
+    costs = cost_and_regions(runs, summary, task, accuracy_metric)
+    paths["cost"] = out_dir / f"{stem}_cost.csv"
+    atomic_write_csv(paths["cost"], costs)
+    if costs["macs"].notna().any():
+        paths["accuracy_vs_cost"] = out_dir / f"{stem}_accuracy_vs_cost.png"
+        plot_accuracy_vs_cost(costs, accuracy_metric, paths["accuracy_vs_cost"])
 
     tags = {
         RUN_KIND_TAG: "comparison",
@@ -356,7 +421,29 @@ def compare(
         "run_id": run_id,
         "parent_run_ids": {model: run.info.run_id for model, run in runs.items()},
         "complete": {model: run.data.tags.get("complete", "true") == "true" for model, run in runs.items()},
+        "cost": costs,
     }
+
+
+def cost_lines(costs: pd.DataFrame) -> str:
+    """Accuracy next to size, cost and the region score, one line per backbone."""
+    def region(row: pd.Series, kind: str, method: str) -> str:
+        mean, std = row[f"{kind}region_{method}_mean"], row[f"{kind}region_{method}_std"]
+        return "-" if not np.isfinite(mean) else f"{mean:.2f}+-{std:.2f}"
+
+    accuracy = next(column for column in costs.columns if column.endswith("_mean") and not column.startswith(
+        ("region", "untrained")))
+    lines = [f"{'model':<16} {accuracy.removesuffix('_mean'):>20} {'params':>9} {'MACs':>9} "
+             + " ".join(f"{'region ' + method:>15} {'untrained':>11}" for method in INSPECT_METHODS)]
+    for _, row in costs.iterrows():
+        std = row[accuracy.replace("_mean", "_std")]
+        lines.append(f"{row['model']:<16} {row[accuracy]:>13.3f} +-{std:>5.3f} {row['params'] / 1e6:>8.2f}M "
+                     f"{row['macs'] / 1e9:>8.3f}G "
+                     + " ".join(f"{region(row, '', method):>15} {region(row, 'untrained_', method):>11}"
+                                for method in INSPECT_METHODS))
+    lines.append("region: share of the maps' mass in the action-unit regions over their share of the area (1 = a "
+                 "map that ignores them; `make inspect`); MACs per image at the CV's input size")
+    return "\n".join(lines)
 
 
 def run_compare(cfg) -> dict:
@@ -378,6 +465,7 @@ def run_compare(cfg) -> dict:
     print(wide.to_string(float_format=lambda v: f"{v:.3f}"))
     print(result["paired"][["metric", "model_a", "model_b", "n_folds", "mean_diff", "p_value"]].to_string(
         index=False, float_format=lambda v: f"{v:.4f}"))
+    print(cost_lines(result["cost"]))
     for name, path in result["paths"].items():
         print(f"{name}: {path}")
     for model, run_id in result["parent_run_ids"].items():

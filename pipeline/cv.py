@@ -37,14 +37,15 @@ from pipeline.devices import cpu_description, precision_for
 from pipeline.fold import FoldJob, FoldResult, fold_runs, result_from_run
 from pipeline.folds import fold_file_sha256
 from pipeline.metrics import classification_metrics, evaluate_predictions, plot_confusion, plot_roc, summarize_folds
-from pipeline.prepare import prepare_data, read_fold_file
+from pipeline.prepare import prepare_data, read_fold_file, subject_set_tags
 from pipeline.tasks import get_task
 from pipeline.weights import WeightsSource
 
 log = logging.getLogger(__name__)
 REPORTED = ("auroc", "accuracy", "balanced_accuracy", "f1")
 # Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
-NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "data.synthetic.workers")
+NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
+                "data.synthetic.workers")
 IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256")
 
 
@@ -191,7 +192,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
                     "complete": str(len(fold_ids) == folds.fold.nunique() and cfg.trainer.limit_train_batches is None
                                     and cfg.trainer.limit_val_batches is None).lower(),
                     "precision": precision_for(cfg.trainer.precision, cfg.trainer.accelerator, cfg.model.name),
-                    "cpu": cpu_description(), **weights.as_tags()}
+                    "cpu": cpu_description(), **weights.as_tags(), **subject_set_tags(fold_file)}
         run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
         parent = client.create_run(experiment_id, run_name=run_name, tags=run_tags)
         run_id = parent.info.run_id

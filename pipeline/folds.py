@@ -36,7 +36,12 @@ FOLD_COLUMNS = ("fold", "subject_name", "role")
 MIN_SUBJECTS = 3  # one train, one val and one test subject at the very least
 STRATUM_SEPARATOR = "/"  # "w/age<=35": the part before the separator is the coarser stratum ("w")
 
-SUBJECT_SETS = ("all87", "responders67")
+SUBJECT_SETS = ("all87", "responders67")  # the committed ones
+USABLE_SUFFIX = "_usable"
+"""`all87_usable`, `responders67_usable`: the participants of the set that have face crops. Their fold files are not
+committed: written once on first use (outside data_manifests/), with the excluded participants and why recorded in the
+sidecar, then only read like any other."""
+USABLE_SUBJECT_SETS = tuple(f"{name}{USABLE_SUFFIX}" for name in SUBJECT_SETS)
 BIOVID_PROTOCOLS = ("loso", "kfold5", "kfold10", "holdout")
 BIOVID_SEED = 0
 BIOVID_VAL_FRACTION = 0.15
@@ -333,11 +338,13 @@ def parameters_path(fold_file: Path) -> Path:
     return Path(fold_file).with_suffix(".json")
 
 
-def write_folds(folds: pd.DataFrame, path: Path, parameters: Mapping[str, Any] | None = None) -> None:
+def write_folds(folds: pd.DataFrame, path: Path, parameters: Mapping[str, Any] | None = None,
+                excluded: Mapping[str, str] | None = None) -> None:
     """Check `folds`, then write them atomically as CSV with '\\n' line ends (byte-identical on every platform).
 
-    With `parameters` (from `fold_parameters`), the sidecar is written too: those parameters, the number of subjects
-    and the CSV's SHA-256. It is written first, so a run killed in between leaves no fold file that a stale record
+    With `parameters` (from `fold_parameters`), the sidecar is written too: those parameters, the number of subjects,
+    the CSV's SHA-256 and, when given, `excluded` (participants left out of the subject set -> why) as
+    "excluded_subjects". It is written first, so a run killed in between leaves no fold file that a stale record
     would seem to describe; without `parameters`, a sidecar left by an earlier file is removed.
     """
     check_folds(folds, source=str(path))
@@ -350,6 +357,7 @@ def write_folds(folds: pd.DataFrame, path: Path, parameters: Mapping[str, Any] |
             **parameters,
             "n_subjects": int(folds["subject_name"].nunique()),
             "fold_file_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            **({"excluded_subjects": dict(sorted(excluded.items()))} if excluded else {}),
         }
         atomic_write_text(sidecar, json.dumps(record, indent=2) + "\n")
     atomic_write_text(path, text)
@@ -472,13 +480,21 @@ def subject_strata(subject_names: Iterable[str]) -> dict[str, str]:
     return strata
 
 
+def base_subject_set(subject_set: str) -> str:
+    """The set a `<set>_usable` subject set is drawn from ("all87_usable" -> "all87"); other names are returned."""
+    return subject_set.removesuffix(USABLE_SUFFIX)
+
+
 def biovid_subjects(subject_set: str, subjects_csv: Path = BIOVID_SUBJECTS_CSV) -> list[str]:
-    """Sorted subject names of a BioVid subject set: all87, or responders67 (without the 20 non-responders).
+    """Sorted subject names of a BioVid subject set: all87, or responders67 (without the 20 non-responders); for
+    `<set>_usable`, the names of <set> (the ones without crops are dropped when its fold file is written).
 
     The non-responders are `pipeline.biovid.NON_RESPONDERS`; the file's facial_responder column must agree with them.
     """
-    if subject_set not in SUBJECT_SETS:
-        raise ValueError(f"unknown subject set {subject_set!r}: expected one of {', '.join(SUBJECT_SETS)}")
+    if subject_set not in SUBJECT_SETS + USABLE_SUBJECT_SETS:
+        raise ValueError(f"unknown subject set {subject_set!r}: expected one of "
+                         f"{', '.join(SUBJECT_SETS + USABLE_SUBJECT_SETS)}")
+    subject_set = base_subject_set(subject_set)
     table = pd.read_csv(subjects_csv, dtype=str, keep_default_na=False)
     for column in ("subject_name", "facial_responder"):
         if column not in table.columns:

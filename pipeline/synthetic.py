@@ -5,7 +5,11 @@ grouped folds, training, metrics) runs end to end without the licensed data. It 
 
 - The layout is Part A's: ``starting_point/samples.csv`` (TAB-separated) and ``video/<subject>/<sample>.mp4``,
   25 fps, 5.5 s, BioVid-style subject and sample names.
-- Faces are drawn so that OpenCV's Haar cascade (the default detector) finds them, as it finds real faces.
+- Two looks (`SyntheticConfig.difficulty`). "classic": upright frontal faces of about half the frame height, drawn
+  so that OpenCV's Haar cascade finds them. "hard": faces as real ones challenge a detector: 15-35 % of the frame
+  height anywhere in it, head roll up to +-20 degrees and yaw up to +-25 degrees that grow with pain, cluttered
+  backgrounds under strong light gradients, eyes that close during pain. The hard look is what tells how often a
+  detector loses pain frames.
 - Identity varies (face shape, skin, hair, glasses, background, lighting, head position), so a model could learn
   *who* instead of *pain* when folds leak subjects, which is what subject-grouped evaluation must catch.
 - Pain follows the Prkachin-Solomon Pain Intensity action units: brow lowering (AU4), orbit tightening (AU6/7),
@@ -15,6 +19,11 @@ grouped folds, training, metrics) runs end to end without the licensed data. It 
 
 Everything is deterministic from the seed: each subject's look comes from (seed, subject) and each video from
 (seed, subject, sample), so the result does not depend on the number of workers or on resuming.
+
+Beside every video, `synthetic_regions/<subject>/<sample>.csv` records per frame the action-unit intensities, the head
+roll and yaw, and the box (x0, y0, x1, y1, video pixels) of each PSPI region: brows (AU4), orbits (AU6/7), nose and
+upper lip (AU9/10), eyes (AU43). With a crop's transform from the frame table (`pipeline.preprocess.video_to_crop`) a
+region is found in the crop.
 """
 
 from __future__ import annotations
@@ -32,13 +41,18 @@ import pandas as pd
 from tqdm import tqdm
 
 from pipeline.biovid import SAMPLES_COLUMNS, SAMPLES_CSV, VIDEO_DIR
-from pipeline.io import atomic_path, atomic_write_text
+from pipeline.io import atomic_path, atomic_write_csv, atomic_write_text
 from pipeline.parallel import available_cpus, process_pool
 from pipeline.tasks import CLASS_NAMES
 
 SUBJECTS_CSV = "synthetic_subjects.csv"  # ground truth per subject, beside starting_point/ (not part of BioVid)
 SAMPLE_TRUTH_CSV = "synthetic_samples.csv"  # ground truth per sample: response intensity and timing
 CONFIG_JSON = "synthetic_config.json"  # the config the folder was written with; resuming with another one refuses
+REGIONS_DIR = "synthetic_regions"  # per video: action units, pose and PSPI regions per frame (not part of BioVid)
+REGIONS = ("brows", "orbits", "nose_lip", "eyes")  # where AU4, AU6/7, AU9/10 and AU43 show
+DIFFICULTIES = ("classic", "hard")
+# Settings added after twins were first written, with the value those twins were written with.
+SETTINGS_BEFORE_RECORDED = {"difficulty": "classic"}
 
 # Seed-sequence stream tags: independent random streams for the roster, each subject's look and each video.
 _ROSTER_STREAM, _SUBJECT_STREAM, _VIDEO_STREAM = 101, 202, 303
@@ -68,6 +82,7 @@ class SyntheticConfig:
     noise_sigma: float = 2.0  # sensor noise, grey levels
     render_max_side: int = 480  # frames are drawn at most this large and upscaled (cheap full-resolution output)
     fourcc: str = "mp4v"
+    difficulty: str = "classic"  # classic: frontal faces Haar finds | hard: what real faces do to a detector
 
     def __post_init__(self) -> None:
         if self.n_subjects < 1 or self.samples_per_class < 1:
@@ -78,6 +93,8 @@ class SyntheticConfig:
             raise ValueError(f"class_intensity needs one value per class {CLASS_NAMES}")
         if not 0.0 <= self.non_responder_fraction <= 1.0:
             raise ValueError(f"non_responder_fraction must be in [0, 1], got {self.non_responder_fraction}")
+        if self.difficulty not in DIFFICULTIES:
+            raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got {self.difficulty!r}")
         if 5 * self.samples_per_class > 999:
             raise ValueError("sample running numbers have three digits: at most 199 samples per class")
 
@@ -122,6 +139,10 @@ class Subject:
     shirt: tuple[float, float, float]
     light_angle: float  # radians, direction the light comes from
     light_strength: float
+    # The hard look only (zero in the classic one):
+    roll_gain_deg: float = 0.0  # head roll at full pain, degrees (its side is drawn per video)
+    yaw_gain_deg: float = 0.0  # head yaw at full pain, degrees
+    clutter: int = 0  # seed of the background clutter (0: none)
 
 
 HAIR_STYLES = ("short", "long", "receding", "bun", "fringe")
@@ -207,7 +228,30 @@ def make_subjects(config: SyntheticConfig) -> list[Subject]:
                 light_strength=float(rng.uniform(0.08, 0.22)),
             )
         )
+    if config.difficulty == "hard":
+        subjects = [_hard_look(config, subject) for subject in subjects]
     return subjects
+
+
+def _hard_look(config: SyntheticConfig, subject: Subject) -> Subject:
+    """The hard twin's subject: the classic one's identity with a smaller face anywhere in the frame, any background
+    with clutter, strong light, and head movement with pain (its own random stream: the classic draws stay)."""
+    rng = _rng(config.seed, _SUBJECT_STREAM, subject.subject_id, 1)
+    face_height = rng.uniform(0.15, 0.35)  # of the frame height, forehead to chin
+    half_height = face_height / 2
+    back = rng.uniform(20, 235, 3)
+    back_bottom = np.clip(back + rng.normal(0, 50, 3), 20, 235)
+    return dataclasses.replace(
+        subject,
+        face_scale=float(face_height / (2 * subject.face_aspect)),
+        head_x=float(rng.uniform(0.3, 0.7)),
+        head_y=float(rng.uniform(max(0.32, half_height + 0.12), min(0.62, 0.9 - 2.6 * half_height))),
+        background=(tuple(float(c) for c in back), tuple(float(c) for c in back_bottom)),
+        light_strength=float(rng.uniform(0.25, 0.6)),
+        roll_gain_deg=float(rng.uniform(6.0, 14.0)),
+        yaw_gain_deg=float(rng.uniform(8.0, 18.0)),
+        clutter=int(rng.integers(1, 2**31)),
+    )
 
 
 @dataclass(frozen=True)
@@ -264,9 +308,10 @@ def _smoothstep(x: np.ndarray) -> np.ndarray:
 def animate(
     config: SyntheticConfig, subject: Subject, sample: Sample, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-frame action units (AU4, AU6/7, AU9/10, eye closure) in [0, 1] and head pose (dx, dy, roll, scale).
+    """Per-frame action units (AU4, AU6/7, AU9/10, eye closure) in [0, 1] and head pose (dx, dy, roll, scale, yaw).
 
-    Pose offsets are in face half-widths, roll in radians.
+    Pose offsets are in face half-widths, roll and yaw in radians (yaw 0 in the classic look). The hard look draws
+    its extra movement from its own stream, so the classic draws from `rng` are the same in both.
     """
     t = np.arange(config.n_frames) / config.fps
     rise = _smoothstep((t - sample.onset_s) / (sample.peak_s - sample.onset_s))
@@ -286,7 +331,10 @@ def animate(
     au4 = w4 * pain + fidget(0.15)
     au67 = w67 * pain + fidget(0.12)
     au910 = w910 * np.clip((pain - 0.15) / 0.85, 0, None) + fidget(0.06)
-    closure = w43 * np.clip((pain - 0.55) / 0.45, 0, None)
+    if config.difficulty == "hard":  # eyes squeezed shut earlier in the response
+        closure = w43 * np.clip((pain - 0.3) / 0.4, 0, None)
+    else:
+        closure = w43 * np.clip((pain - 0.55) / 0.45, 0, None)
     n_blinks = rng.poisson(config.blink_rate_hz * config.duration_s)
     for blink_time in rng.uniform(0, config.duration_s, n_blinks):
         closure = np.maximum(closure, 1.0 - np.abs(t - blink_time) / rng.uniform(0.08, 0.14))
@@ -308,10 +356,29 @@ def animate(
             rng.normal(0, 0.02) + drift(0.015),
             math.radians(rng.normal(0, 1.0)) + drift(math.radians(0.6)),
             1.0 + rng.normal(0, 0.008) + drift(0.006),
+            np.zeros_like(t),
         ],
         axis=1,
     )
+    if config.difficulty == "hard":
+        pose = _hard_pose(config, subject, sample, pose, np.clip(pain, 0.0, 1.0))
     return action_units, pose
+
+
+def _hard_pose(config: SyntheticConfig, subject: Subject, sample: Sample, pose: np.ndarray,
+               pain: np.ndarray) -> np.ndarray:
+    """The hard look's head movement: a resting roll and yaw per video, more of both as pain grows (to one side per
+    video), and the head pulled down a little; roll within +-20 degrees, yaw within +-25."""
+    rng = _rng(config.seed, _VIDEO_STREAM, subject.subject_id, sample.number, 2)
+    t = np.arange(config.n_frames) / config.fps
+    sway = np.sin(2 * math.pi * rng.uniform(0.1, 0.4) * t + rng.uniform(0, 2 * math.pi))
+    roll = rng.normal(0.0, 5.0) + 2.0 * sway + rng.choice([-1.0, 1.0]) * subject.roll_gain_deg * pain
+    yaw = rng.normal(0.0, 7.0) + 3.0 * sway + rng.choice([-1.0, 1.0]) * subject.yaw_gain_deg * pain
+    pose = pose.copy()
+    pose[:, 1] += 0.08 * pain
+    pose[:, 2] = np.radians(np.clip(roll, -20.0, 20.0))
+    pose[:, 4] = np.radians(np.clip(yaw, -25.0, 25.0))
+    return pose
 
 
 # -------------------------------------------------------------------------------------------------------- drawing
@@ -367,8 +434,10 @@ class _Shapes:
     """Shapes in face-local coordinates, transformed together and drawn in one pass (drawing is per frame, and
     one matrix product for all points is much cheaper than one per shape)."""
 
-    def __init__(self) -> None:
+    def __init__(self, aspect: float = 1.3) -> None:
         self.items: list[tuple[np.ndarray, Colour, float, bool]] = []
+        self.yaw = 0.0  # radians; turns the features about the head's vertical axis (`yawed`)
+        self.aspect = aspect
 
     def fill(self, points: np.ndarray, colour: Colour) -> None:
         self.items.append((points, colour, 0.0, True))
@@ -389,6 +458,8 @@ class _Shapes:
             return
         pixels_per_unit = math.sqrt(abs(np.linalg.det(linear)))
         points = np.concatenate([item[0] for item in self.items])
+        if self.yaw:
+            points = yawed(points, self.yaw, self.aspect)
         pixels = np.rint((points @ linear.T + offset) * _ONE).astype(np.int32)
         start = 0
         for shape_points, colour, width, closed in self.items:
@@ -400,6 +471,27 @@ class _Shapes:
                     image, [part], closed, colour, max(1, round(width * pixels_per_unit)), cv2.LINE_AA, _SHIFT
                 )
         self.items.clear()
+
+
+def yawed(points: np.ndarray, yaw: float, aspect: float) -> np.ndarray:
+    """Face-local points as seen with the head turned by `yaw` about its vertical axis: each point's depth on a head
+    ellipsoid (the nose standing out) moves it sideways, and the face narrows by cos(yaw)."""
+    u, v = points[:, 0], points[:, 1]
+    depth = 0.75 * np.sqrt(np.clip(1.0 - u**2 - (v / aspect) ** 2, 0.0, None))
+    depth += 0.3 * np.exp(-((u / 0.14) ** 2) - ((v - 0.35) / 0.25) ** 2)  # the nose
+    out = points.copy()
+    out[:, 0] = u * math.cos(yaw) + depth * math.sin(yaw)
+    return out
+
+
+def face_transform(subject: Subject, width: int, height: int, pose: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Face-local -> pixel map (linear part, offset) of a canvas for a pose (dx, dy in half-widths, roll, scale[,
+    yaw]: yaw acts on face-local points, `yawed`)."""
+    half_width = subject.face_scale * height
+    dx, dy, roll, scale = (float(v) for v in pose[:4])
+    rotation = scale * np.array([[math.cos(roll), -math.sin(roll)], [math.sin(roll), math.cos(roll)]])
+    return half_width * rotation, np.array([subject.head_x * width, subject.head_y * height]) + half_width * np.array(
+        [dx, dy])
 
 
 class FaceRenderer:
@@ -448,9 +540,7 @@ class FaceRenderer:
 
     def _pose_transform(self, pose: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Face-local -> pixel map (linear part, offset) for a pose (dx, dy in half-widths, roll, scale)."""
-        dx, dy, roll, scale = (float(v) for v in pose)
-        rotation = scale * np.array([[math.cos(roll), -math.sin(roll)], [math.sin(roll), math.cos(roll)]])
-        return self.half_width * rotation, self.centre + self.half_width * np.array([dx, dy])
+        return face_transform(self.subject, self.width, self.height, pose)
 
     def _base_transform(self) -> tuple[np.ndarray, np.ndarray]:
         return self.base_linear, self.base_offset
@@ -645,6 +735,161 @@ class FaceRenderer:
         shapes.line(_arc(-inner, inner, -0.03, -0.03), self.glasses, 0.03)
 
 
+class HardFaceRenderer(FaceRenderer):
+    """The hard look: a head layer composited over a cluttered background, so the head can roll by +-20 degrees
+    without a seam; yaw moves the features (nose and eye sockets included) sideways; a strong light gradient across
+    the whole frame is applied last, so it stays in the scene while the head moves."""
+
+    def __init__(
+        self,
+        subject: Subject,
+        width: int,
+        height: int,
+        base_pose: np.ndarray,
+        noise_sigma: float,
+        rng: np.random.Generator,
+    ):
+        self.subject, self.width, self.height = subject, width, height
+        self.half_width = subject.face_scale * height
+        self.centre = np.array([subject.head_x * width, subject.head_y * height])
+        self.base_linear, self.base_offset = self._pose_transform(base_pose)
+        self.base_inverse = np.linalg.inv(self.base_linear)
+        self.skin = subject.skin  # unlit: the light is applied to the finished frame
+        self.dark = _scaled(self.skin, 0.45)
+        self.brow = _scaled(subject.hair, 0.55) if sum(subject.hair) < 420 else _scaled(self.skin, 0.42)
+        self.lips = _mix(self.skin, (70, 70, 165), 0.35)
+        self.glasses = (30.0, 30.0, 35.0) if subject.light_angle < math.pi else (60.0, 75.0, 95.0)
+        self.shapes = _Shapes(subject.face_aspect)
+        self.background = self._background_layer()
+        self.head, self.alpha = self._head_layer()
+        self.light = self._frame_light()
+        self.lit_background = np.clip(self.background * self.light, 0, 255).astype(np.uint8)
+        rows, columns = np.nonzero(self.alpha > 0.004)
+        self.head_corners = np.array([[columns.min(), rows.min()], [columns.max() + 1, rows.min()],
+                                      [columns.min(), rows.max() + 1], [columns.max() + 1, rows.max() + 1]], float)
+        self.noise = self._noise_pool(noise_sigma, rng)
+
+    def _frame_light(self) -> np.ndarray:
+        """A gradient across the whole frame (about 0.4x to 1.6x from one side to the other)."""
+        s = self.subject
+        ys, xs = np.mgrid[0 : self.height, 0 : self.width].astype(np.float32)
+        along = (xs - self.width / 2) * math.cos(s.light_angle) + (ys - self.height / 2) * math.sin(s.light_angle)
+        gain = 1.0 + s.light_strength * along / (0.5 * math.hypot(self.width, self.height))
+        return np.clip(gain, 0.35, 1.7)[..., None]
+
+    def _background_layer(self) -> np.ndarray:
+        """The wall (a colour gradient) with clutter (shelves, frames, posters, cables), then the shoulders and neck."""
+        s, b = self.subject, self.subject.face_aspect
+        ramp = np.linspace(0.0, 1.0, self.height, dtype=np.float32)[:, None, None]
+        top, bottom = np.array(s.background[0], np.float32), np.array(s.background[1], np.float32)
+        image = np.ascontiguousarray(
+            np.broadcast_to(top + ramp * (bottom - top), (self.height, self.width, 3)).astype(np.uint8)
+        )
+        rng = np.random.default_rng(s.clutter)
+        scale = max(self.width, self.height)
+        for _ in range(int(rng.integers(8, 20))):
+            colour = tuple(float(c) for c in rng.uniform(15, 240, 3))
+            x, y = rng.uniform(-0.1, 1.1) * self.width, rng.uniform(-0.1, 1.1) * self.height
+            w, h = rng.uniform(0.03, 0.35) * scale, rng.uniform(0.03, 0.35) * scale
+            kind = rng.integers(0, 4)
+            if kind == 0:  # a filled box: a shelf, a cabinet, a poster
+                cv2.rectangle(image, (int(x), int(y)), (int(x + w), int(y + h)), colour, -1, cv2.LINE_AA)
+            elif kind == 1:  # a frame
+                cv2.rectangle(image, (int(x), int(y)), (int(x + w), int(y + h)), colour,
+                              max(1, int(rng.uniform(0.004, 0.015) * scale)), cv2.LINE_AA)
+            elif kind == 2:  # a round thing: a clock, a lamp
+                cv2.ellipse(image, (int(x), int(y)), (int(w / 3), int(h / 3)), 0, 0, 360, colour, -1, cv2.LINE_AA)
+            else:  # a cable, an edge
+                cv2.line(image, (int(x), int(y)), (int(x + rng.normal(0, w)), int(y + rng.normal(0, h))), colour,
+                         max(1, int(rng.uniform(0.002, 0.01) * scale)), cv2.LINE_AA)
+        shapes = self.shapes
+        shapes.ellipse(0.0, b + 1.9, 2.5, 1.3, s.shirt)  # shoulders
+        shapes.fill(np.array([[-0.45, 0.5], [-0.5, b + 0.95], [0.5, b + 0.95], [0.45, 0.5]]), _scaled(self.skin, 0.78))
+        shapes.ellipse(0.0, b + 0.95, 0.5, 0.12, _scaled(self.skin, 0.78))  # neckline
+        shapes.draw(image, self.base_linear, self.base_offset)
+        return cv2.GaussianBlur(image, (0, 0), max(0.5, 0.01 * self.half_width))
+
+    def _head_layer(self) -> tuple[np.ndarray, np.ndarray]:
+        """The head (hair, ears, face) at the base pose, and its coverage (alpha, 0..1)."""
+        s, shapes, b, skin = self.subject, self.shapes, self.subject.face_aspect, self.skin
+        image = np.zeros((self.height, self.width, 3), np.uint8)
+        mask = np.zeros((self.height, self.width), np.uint8)
+        outline = []
+        if s.hair_style == "long":
+            outline.append(np.array([[-1.2, -0.4], [-1.35, b + 1.0], [1.35, b + 1.0], [1.2, -0.4]]))
+            shapes.fill(outline[-1], s.hair)
+        if s.hair_style != "long":
+            for side in (-1, 1):
+                shapes.ellipse(side * 0.98, 0.05, 0.14, 0.27, _scaled(skin, 0.9))  # ears
+                shapes.ellipse(side * 0.99, 0.05, 0.07, 0.17, _scaled(skin, 0.75))
+                outline.append(_ellipse_points(side * 0.98, 0.05, 0.14, 0.27))
+        if s.hair_style == "bun":
+            shapes.ellipse(0.0, -b - 0.25, 0.4, 0.3, s.hair)
+            outline.append(_ellipse_points(0.0, -b - 0.25, 0.4, 0.3))
+        shapes.ellipse(0.0, -0.12, 1.06, b + 0.12, s.hair)  # hair volume behind the head
+        outline.append(_ellipse_points(0.0, -0.12, 1.06, b + 0.12))
+        shapes.ellipse(0.0, 0.0, 1.0, b, _scaled(skin, 0.86))  # face, darker towards the rim
+        shapes.ellipse(0.0, -0.04, 0.9, b - 0.1, skin)
+        outline.append(_ellipse_points(0.0, 0.0, 1.0, b))
+        shapes.draw(image, self.base_linear, self.base_offset)
+        image = cv2.GaussianBlur(image, (0, 0), max(0.6, 0.03 * self.half_width))
+        shapes.fill(self._hair_cap(), s.hair)
+        outline.append(self._hair_cap())
+        shapes.draw(image, self.base_linear, self.base_offset)
+        if s.beard > 0:
+            beard = image.copy()
+            u = np.linspace(-0.96, 0.96, 13)
+            top_edge = np.stack([u, 0.1 + 0.5 * (1 - (u / 0.96) ** 2)], axis=1)
+            shapes.fill(np.concatenate([top_edge, _ellipse_points(0.0, 0.0, 0.97, b, 5, 175)]), s.hair)
+            shapes.draw(beard, self.base_linear, self.base_offset)
+            image = cv2.addWeighted(beard, s.beard, image, 1 - s.beard, 0)
+        for points in outline:
+            shapes.fill(points, (255.0, 255.0, 255.0))
+        shapes.draw(mask, self.base_linear, self.base_offset)
+        alpha = cv2.GaussianBlur(mask.astype(np.float32) / 255.0, (0, 0), max(0.5, 0.015 * self.half_width))
+        return cv2.GaussianBlur(image, (0, 0), max(0.5, 0.015 * self.half_width)), alpha
+
+    def _shading(self) -> None:
+        """Eye sockets and the nose, drawn with the features so that they follow the yaw."""
+        s, shapes, skin = self.subject, self.shapes, self.skin
+        for side in (-1, 1):
+            shapes.ellipse(side * s.eye_spacing, -0.03, s.eye_width + 0.1, 0.17, _scaled(skin, 0.8))  # sockets
+            shapes.ellipse(side * 0.12, 0.22, 0.06, 0.22, _scaled(skin, 0.86))  # sides of the nose
+            shapes.ellipse(side * 0.12, 0.5, 0.075, 0.06, _scaled(skin, 0.88))  # nose wings
+        shapes.ellipse(0.0, 0.1, 0.06, 0.34, _scaled(skin, 1.1))  # nose bridge highlight
+        shapes.ellipse(0.0, 0.47, 0.11, 0.085, _scaled(skin, 1.06))  # nose tip
+
+    def render(self, action_units: np.ndarray, pose: np.ndarray, noise_index: int) -> np.ndarray:
+        linear, offset = self._pose_transform(pose)
+        motion = linear @ self.base_inverse
+        warp = np.hstack([motion, (offset - motion @ self.base_offset)[:, None]])
+        # Only the head's box changes from frame to frame: composite, draw and light there.
+        corners = self.head_corners @ motion.T + warp[:, 2]
+        x0, y0 = (max(0, int(v) - 2) for v in corners.min(0))
+        x1, y1 = min(self.width, int(corners[:, 0].max()) + 3), min(self.height, int(corners[:, 1].max()) + 3)
+        warp[:, 2] -= (x0, y0)
+        size = (x1 - x0, y1 - y0)
+        head = cv2.warpAffine(self.head, warp, size, flags=cv2.INTER_LINEAR)
+        alpha = cv2.warpAffine(self.alpha, warp, size, flags=cv2.INTER_LINEAR)[..., None]
+        region = (self.background[y0:y1, x0:x1] * (1.0 - alpha) + head * alpha).astype(np.uint8)
+        au4, au67, au910, closure = (float(v) for v in action_units)
+        self.shapes.yaw = float(pose[4])
+        self._shading()
+        self._brows(au4)
+        for side in (-1, 1):
+            self._eye(side, au67, closure)
+        self._wrinkles(au4, au67, au910)
+        self._mouth(au910)
+        if self.subject.glasses:
+            self._glasses()
+        self.shapes.draw(region, linear, offset - (x0, y0))
+        self.shapes.yaw = 0.0
+        frame = self.lit_background.copy()
+        frame[y0:y1, x0:x1] = np.clip(region * self.light[y0:y1, x0:x1], 0, 255).astype(np.uint8)
+        positive, negative = self.noise[noise_index % len(self.noise)]
+        return cv2.subtract(cv2.add(frame, positive), negative)
+
+
 # --------------------------------------------------------------------------------------------------------- videos
 def canvas_size(config: SyntheticConfig) -> tuple[int, int]:
     """The size frames are drawn at: the output size, or smaller (then upscaled) past `render_max_side`."""
@@ -657,7 +902,8 @@ def render_frames(config: SyntheticConfig, subject: Subject, sample: Sample) -> 
     rng = _rng(config.seed, _VIDEO_STREAM, subject.subject_id, sample.number, 1)
     action_units, pose = animate(config, subject, sample, rng)
     width, height = canvas_size(config)
-    renderer = FaceRenderer(subject, width, height, pose[0], config.noise_sigma, rng)
+    renderer_class = HardFaceRenderer if config.difficulty == "hard" else FaceRenderer
+    renderer = renderer_class(subject, width, height, pose[0], config.noise_sigma, rng)
     noise_order = rng.integers(0, len(renderer.noise), config.n_frames)
     for index in range(config.n_frames):
         frame = renderer.render(action_units[index], pose[index], int(noise_order[index]))
@@ -699,9 +945,61 @@ def write_video(path: Path, config: SyntheticConfig, subject: Subject, sample: S
             writer.release()
 
 
-def _write_video_job(job: tuple[Path, SyntheticConfig, Subject, Sample]) -> str:
-    write_video(*job)
-    return job[3].sample_name
+def _region_outlines(subject: Subject) -> dict[str, np.ndarray]:
+    """Each PSPI region as an outline in face-local coordinates, covering the feature over its whole range of
+    motion (brows lowered, cheeks raised, lip raised)."""
+    reach = subject.eye_spacing + subject.eye_width
+    rectangles = {
+        "brows": (-0.75, -0.5, 0.75, -0.12),  # AU4: brow lowering, the furrows between the brows
+        "orbits": (-(reach + 0.12), -0.22, reach + 0.12, 0.2),  # AU6/7: orbit tightening, the cheek furrows
+        "nose_lip": (-0.32, -0.1, 0.32, 0.9),  # AU9/10: nose wrinkle, upper-lip raise
+        "eyes": (-reach, -0.12, reach, 0.08),  # AU43: eye closure
+    }
+    edge = np.linspace(0.0, 1.0, 5)
+    outlines = {}
+    for name, (u0, v0, u1, v1) in rectangles.items():
+        u, v = u0 + (u1 - u0) * edge, v0 + (v1 - v0) * edge
+        outlines[name] = np.concatenate([np.stack([u, np.full(5, v0)], 1), np.stack([u, np.full(5, v1)], 1),
+                                         np.stack([np.full(5, u0), v], 1), np.stack([np.full(5, u1), v], 1)])
+    return outlines
+
+
+def face_regions(config: SyntheticConfig, subject: Subject, sample: Sample) -> pd.DataFrame:
+    """Per frame of the video: the action units, head roll and yaw, and each PSPI region's box in video pixels
+    (`<region>_x0, _y0, _x1, _y1`), computed from the same animation the video is rendered from."""
+    rng = _rng(config.seed, _VIDEO_STREAM, subject.subject_id, sample.number, 1)
+    action_units, pose = animate(config, subject, sample, rng)
+    width, height = canvas_size(config)
+    upscale = np.array([config.width / width, config.height / height])
+    outlines = _region_outlines(subject)
+    rows = []
+    for index in range(config.n_frames):
+        linear, offset = face_transform(subject, width, height, pose[index])
+        row: dict[str, float] = {"frame_index": index, "time_s": round(index / config.fps, 4)}
+        row |= dict(zip(("au4", "au6_7", "au9_10", "au43"), np.round(action_units[index], 4).tolist(), strict=True))
+        row |= {"roll_deg": round(math.degrees(pose[index, 2]), 3), "yaw_deg": round(math.degrees(pose[index, 4]), 3)}
+        for name, outline in outlines.items():
+            local = yawed(outline, float(pose[index, 4]), subject.face_aspect) if pose[index, 4] else outline
+            pixels = (local @ linear.T + offset + 0.5) * upscale - 0.5  # canvas -> video pixels (resize's centres)
+            (x0, y0), (x1, y1) = pixels.min(0), pixels.max(0)
+            row |= {f"{name}_x0": x0, f"{name}_y0": y0, f"{name}_x1": x1, f"{name}_y1": y1}
+        rows.append(row)
+    return pd.DataFrame(rows).round(2)
+
+
+def regions_path(root: Path, subject_name: str, sample_name: str) -> Path:
+    """Where a video's per-frame action units and PSPI regions are: beside starting_point/, not inside video/."""
+    return Path(root) / REGIONS_DIR / subject_name / f"{sample_name}.csv"
+
+
+def _write_video_job(job: tuple[Path, Path, SyntheticConfig, Subject, Sample, bool]) -> str:
+    """Write a sample's regions table, and its video unless `video_done`."""
+    video, regions, config, subject, sample, video_done = job
+    if not video_done:
+        write_video(video, config, subject, sample)
+    if not regions.is_file():
+        atomic_write_csv(regions, face_regions(config, subject, sample))
+    return sample.sample_name
 
 
 def _init_worker() -> None:
@@ -752,12 +1050,13 @@ def _check_config(root: Path, config: SyntheticConfig) -> str:
     """The config as JSON; refuses a folder written with another config, or one that is not a synthetic twin."""
     text = json.dumps(dataclasses.asdict(config), indent=2, sort_keys=True) + "\n"
     path = root / CONFIG_JSON
+    found = SETTINGS_BEFORE_RECORDED | json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     if not path.is_file() and ((root / SAMPLES_CSV).exists() or (root / VIDEO_DIR).exists()):
         raise ValueError(
             f"{root} holds a dataset but no {CONFIG_JSON}: not a synthetic twin (the real BioVid?), "
             f"refusing to write into it"
         )
-    if path.is_file() and json.loads(path.read_text(encoding="utf-8")) != json.loads(text):
+    if found is not None and found != json.loads(text):
         raise ValueError(
             f"{path} was written with another synthetic config; generate into a new folder or delete "
             f"{root} (found {path.read_text(encoding='utf-8').strip()}, asked for {config})"
@@ -769,8 +1068,8 @@ def generate(root: Path, config: SyntheticConfig, workers: int | None = None, pr
     """Write the synthetic twin into `root` in BioVid Part A's layout and return its samples table.
 
     Resumable: videos already complete on disk are kept, and samples.csv is written last, so its presence means the
-    dataset is complete. Also writes ground truth (synthetic_subjects.csv, synthetic_samples.csv) and the config
-    beside starting_point/.
+    dataset is complete. Also writes ground truth (synthetic_subjects.csv, synthetic_samples.csv, and per video the
+    action units and PSPI regions of every frame under synthetic_regions/) and the config beside starting_point/.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -783,9 +1082,11 @@ def generate(root: Path, config: SyntheticConfig, workers: int | None = None, pr
     for sample in samples:
         subject = by_id[sample.subject_id]
         path = root / VIDEO_DIR / subject.subject_name / f"{sample.sample_name}.mp4"
-        if not video_is_complete(path, config):
+        regions = regions_path(root, subject.subject_name, sample.sample_name)
+        video_done = video_is_complete(path, config)
+        if not video_done or not regions.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
-            jobs.append((path, config, subject, sample))
+            jobs.append((path, regions, config, subject, sample, video_done))
     workers = min(workers or available_cpus(), max(1, len(jobs)))
     with tqdm(total=len(jobs), desc="synthetic videos", unit="video", disable=not progress) as bar:
         if workers == 1:

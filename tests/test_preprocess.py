@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import replace
@@ -14,9 +15,17 @@ import pytest
 
 from pipeline.biovid import load_samples
 from pipeline.cli import load_config
-from pipeline.faces import HaarFaceDetector, detection_rate
+from pipeline.faces import CANONICAL_LANDMARKS, HaarFaceDetector, detection_rate
+from pipeline.photo_clips import PhotoClip, astronaut, clip_frames
 from pipeline.prepare import preprocess_config
-from pipeline.preprocess import FRAME_COLUMNS, preprocess
+from pipeline.preprocess import (
+    BOX_COLUMNS,
+    FRAME_COLUMNS,
+    LANDMARK_COLUMNS,
+    TRANSFORM_COLUMNS,
+    preprocess,
+    video_to_crop,
+)
 from pipeline.video import sample_frame_indices
 
 PROJECT_CONFIG = preprocess_config(load_config())  # the settings `make data` uses; tests change a few
@@ -48,6 +57,12 @@ def test_crops_and_frame_table(few_samples: pd.DataFrame, tmp_path: Path) -> Non
     crop = cv2.imread(str(tmp_path / frames.crop_path[0]))
     assert crop.shape == (48, 48, 3)
     assert not list(tmp_path.rglob(".*"))  # no temporary files left behind
+    # where each crop came from: the box (Haar gives no landmarks) and the video -> crop transform
+    assert frames[list(BOX_COLUMNS + TRANSFORM_COLUMNS)].notna().all().all()
+    assert frames[list(LANDMARK_COLUMNS)].isna().all().all()
+    row = frames.iloc[0]
+    corners = video_to_crop(row, [[row.box_x, row.box_y], [row.box_x + row.box_w, row.box_y + row.box_h]])
+    assert (corners[0] > 0).all() and (corners[1] < 48).all()  # the face box lies inside its crop (the margin)
 
 
 def test_rerun_resumes_and_refuses_other_settings(few_samples: pd.DataFrame, tmp_path: Path) -> None:
@@ -150,3 +165,39 @@ def test_preprocess_picks_its_worker_count_without_an_affinity_mask(tmp_path: Pa
     result = preprocess(pd.DataFrame([_astronaut_sample(tmp_path / "astronaut.mp4")]), tmp_path / "out", CONFIG,
                         workers=None, progress=False)
     assert result.failures.empty and len(result.frames) == CONFIG.frames_per_video
+
+
+def test_aligned_crops_record_landmarks_and_transform(tmp_path: Path) -> None:
+    """MTCNN + alignment on a real face rolled by 15 degrees: the crop is upright, and the recorded landmarks mapped
+    through the recorded transform sit on the canonical face of the crop."""
+    clip = PhotoClip(0.3, roll_deg=15.0, width=320, height=240, n_frames=75)
+    write_video(tmp_path / "rolled.mp4", clip_frames(astronaut(), clip))
+    config = replace(CONFIG, detector="mtcnn", align=True, crop_size=64)
+    result = preprocess(pd.DataFrame([_astronaut_sample(tmp_path / "rolled.mp4")]), tmp_path / "out", config,
+                        workers=1, progress=False, device="cpu")
+    frames = result.frames
+    assert result.failures.empty and (frames.detection == "detected").all()
+    assert frames[list(FRAME_COLUMNS)].notna().all().all()
+    for _, row in frames.iterrows():
+        landmarks = row[list(LANDMARK_COLUMNS)].to_numpy(float).reshape(5, 2)
+        eyes = video_to_crop(row, landmarks[:2])
+        assert abs(eyes[1, 1] - eyes[0, 1]) < 2.0  # level in the crop, though rolled by 15 degrees in the video
+        np.testing.assert_allclose(eyes.mean(0), (CANONICAL_LANDMARKS[:2].mean(0) + 0.2) / 1.4 * 64, atol=2.0)
+        assert cv2.imread(str(tmp_path / "out" / row.crop_path)).shape == (64, 64, 3)
+
+
+def test_alignment_needs_landmarks_and_settings_are_checked(few_samples: pd.DataFrame, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="align needs landmarks.*haar"):
+        replace(CONFIG, detector="haar", align=True)
+    # a folder whose preprocess.json predates the align setting is resumed (it was made unaligned) ...
+    preprocess(few_samples.iloc[:1], tmp_path, CONFIG, workers=1, progress=False)
+    stored = json.loads((tmp_path / "preprocess.json").read_text())
+    del stored["align"]
+    (tmp_path / "preprocess.json").write_text(json.dumps(stored))
+    assert preprocess(few_samples.iloc[:1], tmp_path, CONFIG, workers=1, progress=False, source="twin-a").n_resumed == 1
+    # ... and, once the source of its videos is recorded, crops of other videos are refused
+    with pytest.raises(ValueError, match="videos were generated with other settings"):
+        preprocess(few_samples.iloc[:1], tmp_path, CONFIG, workers=1, progress=False, source="twin-b")
+    with pytest.raises(ValueError, match="other settings .*align"):
+        preprocess(few_samples.iloc[:1], tmp_path, replace(CONFIG, detector="mtcnn", align=True), progress=False,
+                   source="twin-a")

@@ -1,4 +1,5 @@
-"""The synthetic twin: BioVid's layout, real mp4 read back by OpenCV, determinism, resuming, detectable faces, pain."""
+"""The synthetic twin: BioVid's layout, real mp4 read back by OpenCV, determinism, resuming, detectable faces, pain;
+the hard look (pose with pain, per-class detection rates) and the PSPI regions that map into the crops."""
 
 from __future__ import annotations
 
@@ -11,11 +12,18 @@ import cv2
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
-from pipeline.faces import HaarFaceDetector, detection_rate
+from pipeline.biovid import load_samples
+from pipeline.cli import load_config
+from pipeline.faces import CANONICAL_LANDMARKS, HaarFaceDetector, MTCNNFaceDetector, detection_rate
+from pipeline.prepare import preprocess_config
+from pipeline.preprocess import FRAME_COLUMNS, preprocess, video_to_crop
 from pipeline.synthetic import (
     CONFIG_JSON,
     PRESETS,
+    REGIONS,
+    REGIONS_DIR,
     SAMPLE_TRUTH_CSV,
     SUBJECTS_CSV,
     SyntheticConfig,
@@ -23,6 +31,7 @@ from pipeline.synthetic import (
     generate,
     make_samples,
     make_subjects,
+    regions_path,
 )
 from pipeline.tasks import CLASS_NAMES
 from pipeline.video import read_frames
@@ -57,7 +66,7 @@ def _video(root: Path, row) -> Path:
 
 def test_layout_and_samples_csv(tiny_root):
     assert sorted(p.name for p in tiny_root.iterdir()) == sorted(
-        [CONFIG_JSON, SAMPLE_TRUTH_CSV, SUBJECTS_CSV, "starting_point", "video"]
+        [CONFIG_JSON, REGIONS_DIR, SAMPLE_TRUTH_CSV, SUBJECTS_CSV, "starting_point", "video"]
     )
     assert [p.name for p in (tiny_root / "starting_point").iterdir()] == ["samples.csv"]
     header = (tiny_root / "starting_point" / "samples.csv").read_text().splitlines()[0]
@@ -248,7 +257,8 @@ def test_pain_response_grows_with_class_and_lags_the_onset():
         (s for s in samples if s.subject_id == responder.subject_id and s.class_id == 4), key=lambda s: s.intensity
     )
     action_units, pose = animate(config, responder, strong, np.random.default_rng(0))
-    assert action_units.shape == (config.n_frames, 4) and pose.shape == (config.n_frames, 4)
+    assert action_units.shape == (config.n_frames, 4) and pose.shape == (config.n_frames, 5)
+    assert (pose[:, 4] == 0).all()  # no yaw in the classic look
     brow_lowering = action_units[:, 0]
     early, peak = brow_lowering[: round(1.5 * config.fps)], brow_lowering[round(strong.peak_s * config.fps)]
     assert early.max() < 0.25 < peak
@@ -263,3 +273,96 @@ def test_presets_and_config_checks():
         SyntheticConfig(n_subjects=2, samples_per_class=1, width=161, height=120)
     with pytest.raises(ValueError, match="class_intensity"):
         SyntheticConfig(n_subjects=2, samples_per_class=1, width=160, height=120, class_intensity=(0.0, 1.0))
+
+
+def test_a_twin_written_before_difficulty_existed_is_resumed(tmp_path):
+    small = dataclasses.replace(TINY, n_subjects=1, samples_per_class=1)
+    generate(tmp_path, small, workers=1, progress=False)
+    config = json.loads((tmp_path / CONFIG_JSON).read_text())
+    del config["difficulty"]  # as written before the hard look existed
+    (tmp_path / CONFIG_JSON).write_text(json.dumps(config))
+    video = next((tmp_path / "video").rglob("*.mp4"))
+    before = video.stat().st_mtime_ns
+    generate(tmp_path, small, workers=1, progress=False)
+    assert video.stat().st_mtime_ns == before
+    with pytest.raises(ValueError, match=CONFIG_JSON):
+        generate(tmp_path, dataclasses.replace(small, difficulty="hard"), workers=1, progress=False)
+    with pytest.raises(ValueError, match="difficulty"):
+        dataclasses.replace(small, difficulty="harder")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """MTCNN as preprocessing runs it, one thread per process: on a busy 2-core machine a second OpenMP thread that
+    waits for a core makes every small network call several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --- the hard look --------------------------------------------------------------------------------------------------
+HARD = SyntheticConfig(n_subjects=3, samples_per_class=1, width=320, height=240, difficulty="hard")
+
+
+@pytest.fixture(scope="module")
+def hard_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("synthetic_hard") / "hard"
+    generate(root, HARD, workers=2, progress=False)
+    return root
+
+
+def _regions(root: Path, row) -> pd.DataFrame:
+    return pd.read_csv(regions_path(root, row.subject_name, row.sample_name))
+
+
+def test_hard_faces_vary_in_size_and_move_with_pain(hard_root):
+    subjects = pd.read_csv(hard_root / SUBJECTS_CSV)
+    face_height = 2 * subjects.face_scale * subjects.face_aspect  # forehead to chin, as a share of the frame height
+    assert face_height.between(0.15, 0.35).all() and face_height.max() - face_height.min() > 0.03
+    assert (subjects.clutter > 0).all()
+    for row in _samples(hard_root).itertuples():  # the recorded pose stays in range
+        regions = _regions(hard_root, row)
+        assert len(regions) == HARD.n_frames
+        assert regions.roll_deg.abs().max() <= 20 and regions.yaw_deg.abs().max() <= 25
+    # Over the default-size roster: from rest to the response's peak, the head turns far more in PA4 than in BL1.
+    config = dataclasses.replace(PRESETS["default"], difficulty="hard")
+    roster = make_subjects(config)
+    turns = {0: [], 4: []}
+    for sample in make_samples(config, roster):
+        if sample.class_id in turns and roster[sample.subject_id].responder:
+            _, pose = animate(config, roster[sample.subject_id], sample, np.random.default_rng(0))
+            peak = round(sample.peak_s * config.fps)
+            turns[sample.class_id].append(np.degrees(np.abs(pose[peak, [2, 4]] - pose[:25, [2, 4]].mean(0))).sum())
+    assert np.mean(turns[4]) > np.mean(turns[0]) + 8, (np.mean(turns[4]), np.mean(turns[0]))
+
+
+def test_mtcnn_finds_the_hard_faces_in_every_class(hard_root):
+    samples = _samples(hard_root)
+    detector = MTCNNFaceDetector(device="cpu")
+    rates = {}
+    for class_name, group in samples.groupby("class_name"):
+        videos = [_video(hard_root, row) for row in group.itertuples()]
+        rates[class_name] = detection_rate(videos, detector, frames_per_video=4)["overall"]
+    assert min(rates.values()) >= 0.95, rates
+    assert max(rates["BL1"] - rate for rate in rates.values()) <= 0.05, rates  # pain frames not lost more often
+
+
+def test_regions_map_onto_the_right_place_of_the_crop(hard_root, tmp_path):
+    """The generator's eye and brow regions, mapped through each crop's recorded transform, land where the aligned
+    crop puts the eyes (found by MTCNN from the pixels) and above them."""
+    config = dataclasses.replace(preprocess_config(load_config()), detector="mtcnn", align=True, frames_per_video=3,
+                                 crop_size=96)
+    samples, _ = load_samples(hard_root)
+    samples = samples[samples.class_name.isin(["BL1", "PA4"])]
+    result = preprocess(samples, tmp_path, config, workers=1, progress=False, device="cpu")
+    assert result.failures.empty and list(result.frames.columns) == list(FRAME_COLUMNS)
+    eye_line = (CANONICAL_LANDMARKS[:2].mean(0) + 0.2) / 1.4 * 96
+    for row in result.frames.itertuples(index=False):
+        regions = _regions(hard_root, row).set_index("frame_index").loc[row.frame_index]
+        centre = {name: [(regions[f"{name}_x0"] + regions[f"{name}_x1"]) / 2,
+                         (regions[f"{name}_y0"] + regions[f"{name}_y1"]) / 2] for name in REGIONS}
+        in_crop = {name: video_to_crop(row._asdict(), np.array([point]))[0] for name, point in centre.items()}
+        assert np.hypot(*(in_crop["eyes"] - eye_line)) < 0.1 * 96, (row.sample_name, in_crop["eyes"], eye_line)
+        assert in_crop["brows"][1] < in_crop["eyes"][1] - 0.05 * 96
+        assert in_crop["nose_lip"][1] > in_crop["eyes"][1] + 0.1 * 96
