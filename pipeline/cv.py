@@ -295,8 +295,9 @@ def run_cv(cfg: DictConfig) -> dict:
                   f"(`make ui` to review; RESUME=never trains a new one)")
             return dict(client.get_run(plan.parent_run_id).data.metrics)
         resumed = f", resuming: {len(plan.done)} fold(s) already done" if plan.done else ""
+        precision = precision_for(cfg.trainer.precision, cfg.trainer.accelerator, cfg.model.name)
         print(f"cross-validation: {name}, {len(plan.fold_ids)} folds{resumed}, launcher {cfg.launcher.name}, "
-              f"precision {precision_for(cfg.trainer.precision, cfg.trainer.accelerator, cfg.model.name)} on {cpu_description()}")
+              f"precision {precision} on {cpu_description()}")
         print(f"MLflow: {tracking_uri} (experiment {cfg.mlflow.experiment}, parent run {plan.parent_run_id}); "
               f"`make ui` to review")
         try:

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -115,15 +116,18 @@ def tracking_server(backend_store_uri: str, artifact_root: str, port: int | None
                "--default-artifact-root", artifact_root, "--host", host, "--port", str(port), "--workers", "1"]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     started = time.time()
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    # its log goes to a file: a pipe nobody reads would fill up with access lines and stall the server
+    server_log = tempfile.NamedTemporaryFile(prefix="mlflow-server-", suffix=".log", delete=False)
+    server = subprocess.Popen(command, env=env, stdout=server_log, stderr=subprocess.STDOUT,
                               preexec_fn=_die_with_parent if sys.platform == "linux" else None,
                               start_new_session=True)
+    server_log.close()
     uri = f"http://{host}:{port}"
     try:
         while True:
             if server.poll() is not None:
                 raise RuntimeError(f"the MLflow server on {uri} exited with code {server.returncode}: "
-                                   f"{server.stderr.read().decode(errors='replace')[-2000:]}")
+                                   f"{_log_tail(Path(server_log.name), 30)}")
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
                     if response.status == 200:
@@ -141,6 +145,7 @@ def tracking_server(backend_store_uri: str, artifact_root: str, port: int | None
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+        Path(server_log.name).unlink(missing_ok=True)
 
 
 def visible_gpus() -> list[str]:
