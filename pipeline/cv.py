@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline import PROJECT_ROOT, launchers, resolve_path, tracking
 from pipeline.backbones import weights_source
+from pipeline.calc import backbone_cost
 from pipeline.devices import cpu_description, precision_for
 from pipeline.fold import FoldJob, FoldResult, fold_runs, result_from_run
 from pipeline.folds import fold_file_sha256
@@ -199,6 +200,9 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         for chunk in _chunks(list(flat_params(identity_config(cfg)).items()), 100):
             client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
         client.log_text(run_id, OmegaConf.to_yaml(cfg), "config.yaml")
+        now = int(time.time() * 1000)  # what the backbone costs, for `make compare`'s accuracy-against-cost plot
+        cost = backbone_cost(cfg.model.name, cfg.model.img_size, task.n_classes)
+        client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in cost.items()])
         client.log_artifact(run_id, str(fold_file), "folds")
     else:
         plan.finished = parent.info.status == "FINISHED"

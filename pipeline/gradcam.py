@@ -56,10 +56,22 @@ def tokens_to_map(num_prefix_tokens: int) -> Callable[[torch.Tensor], torch.Tens
     return reshape
 
 
+def _vit_like(backbone: nn.Module) -> nn.Module | None:
+    """A timm ViT, or a model built like one (a class token, blocks with `norm1`: the course's reference ViT)."""
+    vit = vit_of(backbone)
+    if vit is not None:
+        return vit
+    model = getattr(backbone, "model", None)
+    blocks = getattr(model, "blocks", None)
+    if getattr(model, "cls_token", None) is not None and blocks is not None and hasattr(blocks[-1], "norm1"):
+        return model
+    return None
+
+
 def candidate_layers(net: PainNet) -> list[CamLayer]:
     """Grad-CAM layers of the network's family, deepest first."""
     backbone = net.backbone
-    vit = vit_of(backbone)
+    vit = _vit_like(backbone)
     if vit is not None:
         reshape = tokens_to_map(int(getattr(vit, "num_prefix_tokens", 1)))
         return [CamLayer(f"blocks.{index}.norm1", block.norm1, reshape)

@@ -122,7 +122,7 @@ def inspect_fold(net: PainNet, datamodule: PainDataModule, class_names: Sequence
     n_videos = len(video_keys)
     middle_rows = {rows.index[len(rows) // 2] for _, rows in by_video}
 
-    sums = {method: np.zeros((n_videos, image_size, image_size), dtype=np.float64) for method in methods}
+    sums = {method: np.zeros((n_videos, image_size, image_size), dtype=np.float32) for method in methods}
     counts = np.zeros(n_videos, dtype=np.int64)
     display = np.zeros((n_videos, image_size, image_size, 3), dtype=np.uint8)
     display_masks = np.zeros((n_videos, image_size, image_size), dtype=bool) if regions is not None else None
@@ -216,20 +216,24 @@ def grid_videos(videos: pd.DataFrame, per_case: int = GRID_PER_CASE) -> pd.DataF
 
 
 def overlay(image: np.ndarray, saliency: np.ndarray) -> np.ndarray:
-    """The crop in grey with the map (scaled to its own maximum) in colour on top."""
+    """The crop in grey with the map in colour on top, stretched from its minimum (blue) to its maximum (red) for the
+    eye; how much it really varies is the peak / mean ratio in the panel's title."""
     from matplotlib import colormaps
 
     grey = image.astype(np.float32).mean(axis=2, keepdims=True).repeat(3, axis=2) / 255.0
-    peak = float(saliency.max())
-    heat = colormaps["jet"](saliency / peak if peak > 0 else saliency)[..., :3]
+    low, high = float(saliency.min()), float(saliency.max())
+    stretched = (saliency - low) / (high - low) if high > low else np.zeros_like(saliency)
+    heat = colormaps["jet"](stretched)[..., :3]
     return np.clip(0.5 * grey + 0.5 * heat, 0, 1)
 
 
 def plot_grid(inspection: FoldInspection, path: Path, title: str) -> None:
     chosen = grid_videos(inspection.videos)
     columns = ["crop", *inspection.methods]
-    figure = Figure(figsize=(2.1 * len(columns) + 1.5, 2.5 * max(len(chosen), 1) + 0.5))
+    height = 2.4 * max(len(chosen), 1)
+    figure = Figure(figsize=(2.1 * len(columns) + 1.5, height))
     axes = figure.subplots(max(len(chosen), 1), len(columns), squeeze=False)
+    figure.subplots_adjust(top=1 - 1.0 / height, bottom=0.02, hspace=0.35)
     for axis in axes.ravel():
         axis.axis("off")
     for row, (video, item) in enumerate(chosen.iterrows()):
@@ -244,9 +248,10 @@ def plot_grid(inspection: FoldInspection, path: Path, title: str) -> None:
                 saliency = inspection.maps[name][video]
                 axis.imshow(overlay(image, saliency))
                 score = item.get(f"region_score_{name}", np.nan)
-                contrast = float(saliency.max() / saliency.mean()) if saliency.mean() > 0 else float("nan")
-                axis.set_title(f"{name}: peak/mean {contrast:.2f}" + (f"\nregion score {score:.2f}"
-                                                                      if np.isfinite(score) else ""), fontsize=7)
+                described = (f"peak/mean {saliency.max() / saliency.mean():.2f}" if saliency.mean() > 0
+                             else "empty map")
+                axis.set_title(f"{name}: {described}" + (f"\nregion score {score:.2f}" if np.isfinite(score) else ""),
+                               fontsize=7)
             if inspection.display_masks is not None and inspection.display_masks[video].any():
                 axis.contour(inspection.display_masks[video], levels=[0.5], colors="white", linewidths=0.6)
     figure.suptitle(title, fontsize=9)
