@@ -58,8 +58,8 @@ def test_bench_builds_what_make_cv_builds(tiny_base: Path, tmp_path: Path, extra
         cfg.loader.batch_size, cfg.loader.frames_per_video, cfg.loader.from_s
     )
     if cfg.model.name == "vit_b16":  # the specialisation applies (the model file alone says layer_decay 0.75)
-        assert (measured["img_size"], measured["batch_size"], measured["optim"]["layer_decay"]) == (64, 16, 1.0)
-        assert (measured["from_s"], measured["frames_per_video"]) == (3.5, 3)
+        assert (measured["img_size"], measured["batch_size"], measured["optim"]["layer_decay"]) == (48, 16, 1.0)
+        assert (measured["from_s"], measured["frames_per_video"]) == (3.5, 2)
     else:
         assert (measured["batch_size"], measured["optim"]["backbone_lr"]) == (4, 2e-4)
 

@@ -107,12 +107,12 @@ def test_make_inspect_logs_pictures_and_numbers_of_every_fold(vit_cv, capsys) ->
         assert parent[f"inspect/{method}/region_score_std"] == pytest.approx(np.std(per_fold, ddof=1))
     assert client.get_run(parent_id).data.tags["painvit.inspect_images"] == "mlflow and disk"
 
-    # `make compare` puts the region score next to accuracy and cost (computed here: the run has no cost record)
+    # `make compare` puts the region score next to accuracy and cost (the cost the cross-validation recorded)
     parent = client.get_run(parent_id)
     summary = summary_table(fold_scores(client, parent, ["test/video_auroc"]), ["test/video_auroc"])
     table = cost_and_regions({"vit_tiny_patch16_224": parent}, summary, "bl1_vs_pa4")
     row = table.iloc[0]
-    assert row["cost_source"] == "computed"
+    assert row["cost_source"] == "run"
     assert row["params"] == backbone_cost("vit_tiny_patch16_224", 32)["cost/params"]
     assert row["region_gradcam_mean"] == pytest.approx(parent.data.metrics["inspect/gradcam/region_score_mean"])
     assert "region gradcam" in cost_lines(table)
