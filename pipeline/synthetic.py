@@ -511,20 +511,12 @@ class FaceRenderer:
         noise_sigma: float,
         rng: np.random.Generator,
     ):
-        self.subject, self.width, self.height = subject, width, height
-        self.half_width = subject.face_scale * height
-        self.centre = np.array([subject.head_x * width, subject.head_y * height])
         # The static layer is drawn at the clip's first pose; frames only warp it by the (small) motion since then,
         # which keeps the seam where the warped head region meets the still background below a pixel or two.
-        self.base_linear, self.base_offset = self._pose_transform(base_pose)
-        self.base_inverse = np.linalg.inv(self.base_linear)
+        self._place(subject, width, height, base_pose)
         light = self._light_gain()
         gain = float(light[int(self.centre[1]), int(self.centre[0])])
-        self.skin = _scaled(subject.skin, gain)  # features are drawn over lit skin
-        self.dark = _scaled(self.skin, 0.45)
-        self.brow = _scaled(subject.hair, 0.55 * gain) if sum(subject.hair) < 420 else _scaled(self.skin, 0.42)
-        self.lips = _mix(self.skin, (70, 70, 165), 0.35)
-        self.glasses = (30.0, 30.0, 35.0) if subject.light_angle < math.pi else (60.0, 75.0, 95.0)
+        self._feature_colours(gain)  # features are drawn over lit skin
         self.shapes = _Shapes()
         self.static = self._static_layer(light)
         self.noise = self._noise_pool(noise_sigma, rng)
@@ -537,6 +529,23 @@ class FaceRenderer:
             min(width, int(math.ceil(x1))),
             min(height, int(math.ceil(y1))),
         )
+
+    def _place(self, subject: Subject, width: int, height: int, base_pose: np.ndarray) -> None:
+        """The frame size, the face's size and centre, and the face-local -> pixel map at `base_pose`."""
+        self.subject, self.width, self.height = subject, width, height
+        self.half_width = subject.face_scale * height
+        self.centre = np.array([subject.head_x * width, subject.head_y * height])
+        self.base_linear, self.base_offset = self._pose_transform(base_pose)
+        self.base_inverse = np.linalg.inv(self.base_linear)
+
+    def _feature_colours(self, gain: float) -> None:
+        """The colours of skin, shadows, brows, lips and glasses, with the light's `gain` at the face centre."""
+        subject = self.subject
+        self.skin = _scaled(subject.skin, gain) if gain != 1.0 else subject.skin
+        self.dark = _scaled(self.skin, 0.45)
+        self.brow = _scaled(subject.hair, 0.55 * gain) if sum(subject.hair) < 420 else _scaled(self.skin, 0.42)
+        self.lips = _mix(self.skin, (70, 70, 165), 0.35)
+        self.glasses = (30.0, 30.0, 35.0) if subject.light_angle < math.pi else (60.0, 75.0, 95.0)
 
     def _pose_transform(self, pose: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Face-local -> pixel map (linear part, offset) for a pose (dx, dy in half-widths, roll, scale)."""
@@ -749,16 +758,8 @@ class HardFaceRenderer(FaceRenderer):
         noise_sigma: float,
         rng: np.random.Generator,
     ):
-        self.subject, self.width, self.height = subject, width, height
-        self.half_width = subject.face_scale * height
-        self.centre = np.array([subject.head_x * width, subject.head_y * height])
-        self.base_linear, self.base_offset = self._pose_transform(base_pose)
-        self.base_inverse = np.linalg.inv(self.base_linear)
-        self.skin = subject.skin  # unlit: the light is applied to the finished frame
-        self.dark = _scaled(self.skin, 0.45)
-        self.brow = _scaled(subject.hair, 0.55) if sum(subject.hair) < 420 else _scaled(self.skin, 0.42)
-        self.lips = _mix(self.skin, (70, 70, 165), 0.35)
-        self.glasses = (30.0, 30.0, 35.0) if subject.light_angle < math.pi else (60.0, 75.0, 95.0)
+        self._place(subject, width, height, base_pose)
+        self._feature_colours(1.0)  # unlit: the light is applied to the finished frame
         self.shapes = _Shapes(subject.face_aspect)
         self.background = self._background_layer()
         self.head, self.alpha = self._head_layer()
