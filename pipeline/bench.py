@@ -58,13 +58,12 @@ def check_model_names(names: Sequence[str]) -> None:
     """Fail in a second, before any data is generated, on a backbone name that does not exist."""
     import timm
 
-    from pipeline.backbones import BACKBONE_NAMES
+    from pipeline.backbones import BACKBONE_NAMES, VIT_REF_VARIANTS
 
-    unknown = [name for name in names if name not in BACKBONE_NAMES and not timm.is_model(name)]
+    known = (*BACKBONE_NAMES, *VIT_REF_VARIANTS)
+    unknown = [name for name in names if name not in known and not timm.is_model(name)]
     if unknown:
-        raise SystemExit(
-            f"unknown backbone(s) {', '.join(unknown)}: use one of {', '.join(BACKBONE_NAMES)} or any timm model name"
-        )
+        raise SystemExit(f"unknown backbone(s) {', '.join(unknown)}: use one of {', '.join(known)} or any timm model name")
 
 
 def load_configs(

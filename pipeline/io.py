@@ -11,6 +11,13 @@ from pathlib import Path
 import pandas as pd
 
 
+def _file_mode() -> int:
+    """The mode a plain open() gives a new file under the current umask (mkstemp's temporary files are 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success it is renamed onto `path`, on error it is removed.
@@ -26,6 +33,7 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[
     tmp = Path(tmp_name)
     try:
         yield tmp
+        os.chmod(tmp, _file_mode())  # readable as any other file the user writes, e.g. by a team on a shared server
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

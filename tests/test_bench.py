@@ -71,6 +71,7 @@ def test_bench_picks_backbones_as_the_makefile_does() -> None:
     defaults = load_configs([], None, ["cvt_13", "mobilevit_s"])
     assert [cfg.model.name for cfg in defaults] == ["cvt_13", "mobilevit_s"]
     assert defaults[1] == load_config(["model=mobilevit_s"])
+    assert load_configs([], None, ["vit_ref"]) == [load_config(["model=vit_ref"])]  # the course's ViT is benchable
     with pytest.raises(SystemExit, match="not both"):
         load_configs(["model=cvt_13"], ["mobilevit_s"], [])
     with pytest.raises(SystemExit, match="unknown backbone"):

@@ -279,3 +279,39 @@ def test_get_or_create_experiment_is_idempotent_with_local_artifacts(store) -> N
     client.delete_experiment(tracking.get_or_create_experiment("to-delete", store["root"] / "d", client=client))
     restored = tracking.get_or_create_experiment("to-delete", store["root"] / "d", client=client)
     assert client.get_experiment(restored).lifecycle_stage == "active"
+
+
+def test_review_notebook_reads_the_same_runs_as_compare(store, tmp_path) -> None:
+    """The review notebook, executed in a fresh kernel against the store: per-fold scores of the latest finished CV
+    of each backbone (older, running and failed CVs left out), and one run's artifacts."""
+    import io
+    import json
+    import os
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    from pipeline import PROJECT_ROOT
+
+    client, ids = store["client"], store["ids"]
+    (tmp_path / "accuracy_per_subject.csv").write_text("subject_name,accuracy\ns1,0.5\ns2,1.0\n")
+    (tmp_path / "predictions_videos_all_folds.csv").write_text("sample_name,p_pain\nv1,0.3\n")
+    for name in ("accuracy_per_subject.csv", "predictions_videos_all_folds.csv"):
+        client.log_artifact(ids["cvt"], str(tmp_path / name))  # cvt comes first: the notebook details that run
+
+    path = PROJECT_ROOT / "notebooks" / "review_cross_validation.ipynb"
+    notebook = nbformat.read(path, as_version=4)
+    parameters = f'EXPERIMENT = "{EXPERIMENT}"\nPROTOCOL = "loso"\nFOLD_FILE = "{tmp_path / "no_fold_file.csv"}"'
+    notebook.cells.insert(2, nbformat.v4.new_code_cell(parameters))
+    notebook.cells.append(nbformat.v4.new_code_cell("print(folds.to_json())\nprint(len(per_subject), len(videos))"))
+    runner = NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}})
+    runner.execute(env={**os.environ, "MLFLOW_TRACKING_URI": store["uri"], "OMP_NUM_THREADS": "1"})
+    printed = "".join(out.get("text", "") for out in notebook.cells[-1].outputs if out.output_type == "stream")
+    folds_json, counts = printed.strip().split("\n")
+    folds = pd.read_json(io.StringIO(folds_json))
+    assert sorted(folds.columns) == ["cvt", "mobilevit", "vit"]
+    for model in ("cvt", "mobilevit", "vit"):
+        np.testing.assert_allclose(folds[model].sort_index().to_numpy(), store["scores"][model]["test/video_auroc"])
+    assert counts == "2 1"
+    assert json.loads(folds_json)  # the table is not empty

@@ -1,0 +1,38 @@
+"""Atomic writes: all or nothing, and the same permissions as a plain write."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from pipeline.io import atomic_path, atomic_write_csv, atomic_write_text
+
+
+def test_atomic_files_get_the_mode_a_plain_write_gets(tmp_path: Path) -> None:
+    previous = os.umask(0o022)
+    try:
+        (tmp_path / "plain.txt").write_text("x")
+        atomic_write_text(tmp_path / "atomic.txt", "x")
+        atomic_write_csv(tmp_path / "atomic.csv", pd.DataFrame({"a": [1]}))
+        os.umask(0o077)
+        atomic_write_text(tmp_path / "private.txt", "x")
+    finally:
+        os.umask(previous)
+    mode = lambda name: stat.S_IMODE((tmp_path / name).stat().st_mode)  # noqa: E731
+    assert mode("atomic.txt") == mode("atomic.csv") == mode("plain.txt") == 0o644
+    assert mode("private.txt") == 0o600
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:
+    target = tmp_path / "table.csv"
+    target.write_text("old\n")
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("killed")
+    assert target.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["table.csv"]
