@@ -467,7 +467,10 @@ def run_compare(cfg) -> dict:
         index=False, float_format=lambda v: f"{v:.4f}"))
     print(cost_lines(result["cost"]))
     for name, path in result["paths"].items():
-        print(f"{name}: {path}")
+        if isinstance(path, dict):  # one plot per metric
+            print(f"{name}: " + ", ".join(str(p) for p in path.values()))
+        else:
+            print(f"{name}: {path}")
     for model, run_id in result["parent_run_ids"].items():
         note = "" if result["complete"].get(model, True) else "  (INCOMPLETE: a smoke run on some folds only)"
         print(f"compared {model}: parent run {run_id}{note}")
