@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from mlflow import MlflowClient
 from mlflow.entities import Run, RunStatus
 from scipy import stats
@@ -297,6 +298,14 @@ def cost_and_regions(runs: Mapping[str, Run], summary: pd.DataFrame, task: str,
     return pd.DataFrame(rows)
 
 
+def _si(value: float, _position: object = None) -> str:
+    """4.9e6 -> '4.9M', 3.5e8 -> '350M', 1.7e10 -> '17G' (axis labels)."""
+    for factor, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g}{unit}"
+    return f"{value:.3g}"
+
+
 def plot_accuracy_vs_cost(table: pd.DataFrame, metric: str, path: str | Path) -> None:
     """The metric (mean +- std over folds) against MACs of one image and against parameters, log scale."""
     figure = Figure(figsize=(10, 4))
@@ -308,6 +317,10 @@ def plot_accuracy_vs_cost(table: pd.DataFrame, metric: str, path: str | Path) ->
             axis.annotate(row["model"], (row[column], row[f"{metric}_mean"]), textcoords="offset points",
                           xytext=(5, 5), fontsize=8)
         axis.set_xscale("log")
+        axis.margins(x=0.25)  # room for the labels of the outermost points
+        axis.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.xaxis.set_major_formatter(FuncFormatter(_si))
+        axis.xaxis.set_minor_formatter(NullFormatter())
         axis.set_xlabel(label)
         axis.set_ylabel(f"{metric} (mean +- std over folds)")
         axis.grid(alpha=0.3, which="both")

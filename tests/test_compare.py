@@ -315,3 +315,9 @@ def test_review_notebook_reads_the_same_runs_as_compare(store, tmp_path) -> None
         np.testing.assert_allclose(folds[model].sort_index().to_numpy(), store["scores"][model]["test/video_auroc"])
     assert counts == "2 1"
     assert json.loads(folds_json)  # the table is not empty
+
+
+def test_cost_axis_labels_use_si_units() -> None:
+    from pipeline.compare import _si
+
+    assert [_si(v) for v in (4.94e6, 3.5e8, 1.7e10, 2_000.0, 12.0)] == ["4.94M", "350M", "17G", "2k", "12"]
