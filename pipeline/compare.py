@@ -90,9 +90,10 @@ def latest_cvs(
     task: str,
     subject_set: str | None = None,
     fold_file_sha256: str | None = None,
+    params: Mapping[str, str] | None = None,
 ) -> dict[str, Run]:
     """The most recently started FINISHED parent CV run per `model` tag for this dataset, protocol and task
-    (and, when given, subject set and fold file)."""
+    (and, when given, subject set, fold file and logged parameter values, e.g. the crop settings)."""
     conditions = [
         f"tags.`{RUN_KIND_TAG}` = 'cv'",
         f"attributes.status = '{RunStatus.to_string(RunStatus.FINISHED)}'",
@@ -104,6 +105,8 @@ def latest_cvs(
         conditions.append(f"tags.subject_set = {_quoted(subject_set, 'subject_set')}")
     if fold_file_sha256 is not None:
         conditions.append(f"tags.{FOLD_FILE_TAG} = {_quoted(fold_file_sha256, FOLD_FILE_TAG)}")
+    for key, value in (params or {}).items():
+        conditions.append(f"params.`{key}` = {_quoted(value, key)}")
     runs = _search_all(client, experiment_ids, " and ".join(conditions))
     latest: dict[str, Run] = {}
     for run in sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.end_time or 0), reverse=True):
@@ -343,8 +346,12 @@ def compare(
     metrics: Sequence[str] = DEFAULT_METRICS,
     subject_set: str | None = None,
     fold_file_sha256: str | None = None,
+    crop_params: Mapping[str, str] | None = None,
 ) -> dict:
     """Compare the latest finished CV of every backbone for one dataset/protocol/task, write tables and plots.
+
+    With `crop_params` (logged parameter -> value, see `crop_settings`), only CVs trained on crops made that way
+    count: a backbone last run on another twin look, detector or alignment is not compared with the others.
 
     Writes `comparison_<dataset>_<protocol>_<task>[_<subject_set>]` `.csv` (summary), `_paired.csv`, `_folds.csv`
     and `_<metric>.png` into `out_dir`, and logs them as an MLflow run tagged `painvit.run_kind=comparison`.
@@ -357,10 +364,10 @@ def compare(
     if found is None:
         raise ComparisonError(f"no MLflow experiment {experiment!r} at {uri}")
     experiment_id = found.experiment_id
-    runs = latest_cvs(client, [experiment_id], dataset, protocol, task, subject_set, fold_file_sha256)
+    runs = latest_cvs(client, [experiment_id], dataset, protocol, task, subject_set, fold_file_sha256, crop_params)
     where = f"dataset={dataset}, protocol={protocol}, task={task}" + (
         f", subject_set={subject_set}" if subject_set else ""
-    )
+    ) + (" and these crops (" + ", ".join(f"{k}={v}" for k, v in crop_params.items()) + ")" if crop_params else "")
     if len(runs) < 2:
         found_models = ", ".join(f"{model} ({run.info.run_id})" for model, run in runs.items()) or "none"
         raise ComparisonError(
@@ -459,8 +466,19 @@ def cost_lines(costs: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+CROP_PREFIXES = ("preprocess.", "data.synthetic.")  # how the crops were made (twin look and size, detector, align)
+
+
+def crop_settings(cfg) -> dict[str, str]:
+    """The config's crop settings as the CV's parent run logs them (parameter name -> value)."""
+    from pipeline.cv import flat_params, identity_config
+
+    return {key: value for key, value in flat_params(identity_config(cfg)).items() if key.startswith(CROP_PREFIXES)}
+
+
 def run_compare(cfg) -> dict:
-    """`make compare`: the latest finished cross-validation of each backbone on the config's data/protocol/task."""
+    """`make compare`: the latest finished cross-validation of each backbone on the config's data/protocol/task,
+    fold file and crop settings."""
     from pipeline.folds import fold_file_sha256 as sha256_of_folds
 
     # Only CVs on the current fold file: runs on older or other folds never enter the comparison.
@@ -469,7 +487,7 @@ def run_compare(cfg) -> dict:
     try:
         result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, resolve_path(cfg.reports_dir),
                          tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
-                         subject_set=cfg.data.subject_set, fold_file_sha256=sha)
+                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=crop_settings(cfg))
     except ComparisonError as error:
         raise SystemExit(f"compare: {error}") from None
     summary = result["summary"]

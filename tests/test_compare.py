@@ -321,3 +321,32 @@ def test_cost_axis_labels_use_si_units() -> None:
     from pipeline.compare import _si
 
     assert [_si(v) for v in (4.94e6, 3.5e8, 1.7e10, 2_000.0, 12.0)] == ["4.94M", "350M", "17G", "2k", "12"]
+
+
+def test_only_cvs_on_the_same_crops_are_compared(store) -> None:
+    """A backbone last run on other crops (here: square Haar crops) falls back to its latest CV on the asked-for
+    crops; a backbone with none is missing rather than compared on other inputs."""
+    client, experiment_id = store["client"], store["experiment_id"]
+    aligned = {"preprocess.detector": "mtcnn", "preprocess.align": "True"}
+    square = {"preprocess.detector": "haar", "preprocess.align": "False"}
+    runs = {}
+    for name, model, start, params in [("vit", "vit", 5_000, aligned), ("cvt", "cvt", 5_100, aligned),
+                                       ("cvt_square", "cvt", 5_200, square), ("mobilevit", "mobilevit", 5_300, square)]:
+        runs[name] = make_cv(client, experiment_id, model, random_scores(30), start_time=start, dataset="crops")
+        for key, value in params.items():
+            client.log_param(runs[name], key, value)
+    latest = latest_cvs(client, [experiment_id], "crops", "loso", "bl1_vs_pa4", params=aligned)
+    assert {model: run.info.run_id for model, run in latest.items()} == {"vit": runs["vit"], "cvt": runs["cvt"]}
+    unfiltered = latest_cvs(client, [experiment_id], "crops", "loso", "bl1_vs_pa4")
+    assert unfiltered["cvt"].info.run_id == runs["cvt_square"] and "mobilevit" in unfiltered
+
+
+def test_crop_settings_name_the_twin_look_detector_and_alignment() -> None:
+    from pipeline.cli import load_config
+    from pipeline.compare import crop_settings
+
+    settings = crop_settings(load_config(["data.align_faces=false"]))
+    assert settings["preprocess.detector"] == "mtcnn" and settings["preprocess.align"] == "False"
+    assert settings["data.synthetic.difficulty"] == "hard"
+    assert not any("workers" in key or "device" in key for key in settings)  # how fast, not what was made
+    assert crop_settings(load_config(["model=cvt_13"])) == crop_settings(load_config(["model=vit_b16"]))
