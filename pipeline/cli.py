@@ -99,10 +99,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     module_name, function_name = commands[command].split(":")
     module = __import__(module_name, fromlist=[function_name])
+    from pipeline.io import SettingsMismatch
+
     try:
         getattr(module, function_name)(cfg, **options)
     except KeyboardInterrupt:
         print(f"\ninterrupted: `make {command}` with the same settings continues where this one stopped",
               file=sys.stderr)
         return 130
+    except SettingsMismatch as error:  # a folder made with other settings: what to do, without a traceback
+        print(f"{command}: {error}", file=sys.stderr)
+        return 2
     return 0

@@ -11,6 +11,10 @@ from pathlib import Path
 import pandas as pd
 
 
+class SettingsMismatch(ValueError):
+    """A folder holds data made with other settings than those asked for (a twin, crops): never mixed, never resumed."""
+
+
 def _file_mode() -> int:
     """The mode a plain open() gives a new file under the current umask (mkstemp's temporary files are 0600)."""
     umask = os.umask(0)

@@ -35,7 +35,7 @@ from pipeline.faces import (
     square_crop,
     square_crop_transform,
 )
-from pipeline.io import atomic_write_bytes, atomic_write_csv, atomic_write_text
+from pipeline.io import SettingsMismatch, atomic_write_bytes, atomic_write_csv, atomic_write_text
 from pipeline.parallel import available_cpus, process_pool
 from pipeline.video import VideoFailure, read_sampled_frames
 
@@ -195,7 +195,7 @@ def check_config(out_dir: Path, config: PreprocessConfig, source: str | None = N
         if found != wanted:
             changed = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
             hint = (" (the videos were generated with other settings)" if changed == ["source"] else "")
-            raise ValueError(f"{out_dir} holds crops made with other settings{hint} ({', '.join(changed)} differ "
+            raise SettingsMismatch(f"{out_dir} holds crops made with other settings{hint} ({', '.join(changed)} differ "
                              f"from {stored}); delete that folder or choose another processed_dir")
         if adopt:
             atomic_write_text(stored, json.dumps(found, indent=2) + "\n")

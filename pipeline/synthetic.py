@@ -41,7 +41,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from pipeline.biovid import SAMPLES_COLUMNS, SAMPLES_CSV, VIDEO_DIR
-from pipeline.io import atomic_path, atomic_write_csv, atomic_write_text
+from pipeline.io import SettingsMismatch, atomic_path, atomic_write_csv, atomic_write_text
 from pipeline.parallel import available_cpus, process_pool
 from pipeline.tasks import CLASS_NAMES
 
@@ -1057,10 +1057,14 @@ def _check_config(root: Path, config: SyntheticConfig) -> str:
             f"{root} holds a dataset but no {CONFIG_JSON}: not a synthetic twin (the real BioVid?), "
             f"refusing to write into it"
         )
-    if found is not None and found != json.loads(text):
-        raise ValueError(
-            f"{path} was written with another synthetic config; generate into a new folder or delete "
-            f"{root} (found {path.read_text(encoding='utf-8').strip()}, asked for {config})"
+    asked = json.loads(text)
+    if found is not None and found != asked:
+        changed = "; ".join(f"{key}: {found.get(key)!r} -> {asked.get(key)!r}"
+                            for key in sorted(set(found) | set(asked)) if found.get(key) != asked.get(key))
+        raise SettingsMismatch(
+            f"{path} was written with other synthetic settings ({changed}). Delete this twin and its crops "
+            f"(`make clean-data` deletes all of data/; or remove {root} and its processed folder), or generate "
+            f"into other folders (data.root=... data.processed_dir=... data.manifest_dir=...)"
         )
     return text
 

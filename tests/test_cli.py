@@ -107,3 +107,14 @@ def test_notebook_is_valid_and_its_code_compiles() -> None:
     assert sources
     for index, source in enumerate(sources):
         compile(source, f"notebook cell {index}", "exec")
+
+
+def test_a_twin_or_crops_made_with_other_settings_stop_with_what_to_do(tiny_base: Path) -> None:
+    """After the default twin changed, `make data` on an old twin folder says which settings differ and how to go on:
+    one line, exit 2, no traceback. The same for crops made with other settings."""
+    twin = run_pipeline("data", *tiny_overrides(tiny_base, "data.synthetic.difficulty=classic"))
+    assert twin.returncode == 2 and "Traceback" not in twin.stderr
+    assert "difficulty: 'hard' -> 'classic'" in twin.stderr and "make clean-data" in twin.stderr
+    crops = run_pipeline("data", *tiny_overrides(tiny_base, "data.align_faces=false"))
+    assert crops.returncode == 2 and "Traceback" not in crops.stderr
+    assert "holds crops made with other settings (align differ" in crops.stderr

@@ -285,7 +285,7 @@ def test_a_twin_written_before_difficulty_existed_is_resumed(tmp_path):
     before = video.stat().st_mtime_ns
     generate(tmp_path, small, workers=1, progress=False)
     assert video.stat().st_mtime_ns == before
-    with pytest.raises(ValueError, match=CONFIG_JSON):
+    with pytest.raises(ValueError, match=f"{CONFIG_JSON}.*difficulty: 'classic' -> 'hard'.*make clean-data"):
         generate(tmp_path, dataclasses.replace(small, difficulty="hard"), workers=1, progress=False)
     with pytest.raises(ValueError, match="difficulty"):
         dataclasses.replace(small, difficulty="harder")
