@@ -61,7 +61,7 @@ class ComparisonError(RuntimeError):
 def _quoted(value: str, what: str) -> str:
     """A value for an MLflow filter string; quotes would break the filter, so they are refused."""
     if "'" in value or '"' in value or "`" in value:
-        raise ValueError(f"{what} {value!r} contains a quote character, which MLflow run filters cannot hold")
+        raise ComparisonError(f"{what} {value!r} contains a quote character, which MLflow run filters cannot hold")
     return f"'{value}'"
 
 

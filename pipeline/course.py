@@ -2,8 +2,9 @@
 embedding made of principal components, 2-D sinusoidal positions and two drawing helpers. Nothing in the training
 path uses this module.
 
-Both faces are 224 px square crops made the way `make data` makes them: OpenCV's Haar cascade finds the face
-(`pipeline.faces`), and `square_crop` cuts it with the same margin. One is a frame of the synthetic twin rendered by
+Both faces are 224 px square crops made the way `make data` makes them with Haar (`data.face_detector=haar
+data.align_faces=false`; the default now aligns MTCNN crops): OpenCV's Haar cascade finds the face (`pipeline.faces`),
+and `square_crop` cuts it with the same margin. Square crops keep the course's pictures simple. One is a frame of the synthetic twin rendered by
 `pipeline.synthetic` (no video is written), the other scikit-image's astronaut photograph.
 """
 

@@ -60,7 +60,7 @@ class FoldJob:
     work_dir: str  # the fold's own folder: epoch checkpoints (for resuming) and the kept model before upload
 
     def write(self, path: Path) -> Path:
-        with atomic_path(path) as tmp:
+        with atomic_path(path, mode=0o600) as tmp:  # owner only: the tracking URI may hold a database password
             tmp.write_text(json.dumps(asdict(self)))
         return path
 

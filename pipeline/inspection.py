@@ -354,7 +354,7 @@ def write_fold_outputs(inspection: FoldInspection, net: PainNet, out: Path, titl
 def find_cv_run(client: MlflowClient, cfg: DictConfig, run_id: str | None = None) -> Run:
     """The parent run to inspect: RUN=<id>, else the newest finished CV of the config's model on its data,
     protocol, task and subject set, on the current fold file."""
-    from pipeline.compare import latest_cvs
+    from pipeline.compare import crop_settings, latest_cvs
 
     if run_id:
         run = client.get_run(run_id)
@@ -366,11 +366,13 @@ def find_cv_run(client: MlflowClient, cfg: DictConfig, run_id: str | None = None
         raise InspectionError(f"no MLflow experiment {cfg.mlflow.experiment!r}: run `make cv` first")
     fold_file = resolve_path(cfg.fold_file)
     sha = fold_file_sha256(fold_file) if fold_file.is_file() else None
+    # Only a CV trained on crops made as the current ones: its test videos are inspected on those crops.
     runs = latest_cvs(client, [experiment.experiment_id], cfg.data.name, cfg.protocol.name, cfg.task.name,
-                      cfg.data.subject_set, sha)
+                      cfg.data.subject_set, sha, crop_settings(cfg))
     if cfg.model.name not in runs:
         raise InspectionError(f"no finished cross-validation of {cfg.model.name} on {cfg.data.name} / "
-                              f"{cfg.protocol.name} / {cfg.task.name} with the current fold file: run `make cv "
+                              f"{cfg.protocol.name} / {cfg.task.name} with the current fold file and crop settings "
+                              f"(preprocess.*, data.synthetic.*): run `make cv "
                               f"MODEL={cfg.model.name}` first, or name one with RUN=<parent run id>")
     return runs[cfg.model.name]
 

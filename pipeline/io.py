@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,19 +16,35 @@ class SettingsMismatch(ValueError):
     """A folder holds data made with other settings than those asked for (a twin, crops): never mixed, never resumed."""
 
 
-def _file_mode() -> int:
-    """The mode a plain open() gives a new file under the current umask (mkstemp's temporary files are 0600)."""
-    umask = os.umask(0)
+def _umask() -> int:
+    """The process umask. Linux shows it in /proc without changing it; elsewhere it is set and restored (a moment
+    in which another thread's new file would get no umask)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o077)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
+
+
+def _file_mode(path: Path) -> int:
+    """The mode the file gets: the one it has when replaced, else what a plain open() gives under the umask
+    (mkstemp's temporary files are 0600)."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        return 0o666 & ~_umask()
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, suffix: str | None = None, mode: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success it is renamed onto `path`, on error it is removed.
 
     The temporary file keeps `path`'s suffix by default because some writers (OpenCV's VideoWriter, cv2.imwrite)
-    choose the format from the extension.
+    choose the format from the extension. The file gets `mode`, else the replaced file's mode, else the umask's.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,7 +54,8 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[
     tmp = Path(tmp_name)
     try:
         yield tmp
-        os.chmod(tmp, _file_mode())  # readable as any other file the user writes, e.g. by a team on a shared server
+        with contextlib.suppress(OSError):  # some network filesystems refuse chmod; the file is still written
+            os.chmod(tmp, mode if mode is not None else _file_mode(path))  # readable like the user's other files
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

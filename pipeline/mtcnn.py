@@ -41,7 +41,7 @@ def weights_dir() -> Path:
         raise FileNotFoundError(
             "the MTCNN face detector reads its weights from the 'mtcnn' package, which is not installed: "
             "`.venv/bin/pip install 'mtcnn>=1.0'` (it is a dependency in pyproject.toml; it does not need TensorFlow "
-            "for this), or use preprocess.detector=haar"
+            "for this), or use Haar: data.face_detector=haar data.align_faces=false"
         )
     return Path(list(spec.submodule_search_locations)[0]) / "assets" / "weights"
 

@@ -36,3 +36,23 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> 
             raise RuntimeError("killed")
     assert target.read_text() == "old\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["table.csv"]
+
+
+def test_a_replaced_file_keeps_its_mode_and_a_private_file_stays_private(tmp_path: Path) -> None:
+    target = tmp_path / "shared.txt"
+    target.write_text("old")
+    target.chmod(0o640)
+    atomic_write_text(target, "new")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640 and target.read_text() == "new"
+    with atomic_path(tmp_path / "job.json", mode=0o600) as tmp:
+        tmp.write_text("{}")
+    assert stat.S_IMODE((tmp_path / "job.json").stat().st_mode) == 0o600
+
+
+def test_fold_job_files_are_private(tmp_path: Path) -> None:
+    """A fold job's JSON holds the tracking URI, which may carry a database password."""
+    from pipeline.fold import FoldJob
+
+    job = FoldJob({"a": 1}, 0, "parent", "postgresql://user:secret@db/mlflow", str(tmp_path / "work"))
+    path = job.write(tmp_path / "job.json")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and FoldJob.read(path) == job
