@@ -42,7 +42,8 @@ def test_job_slots_give_each_job_its_gpu_or_its_share_of_the_cores() -> None:
 
 
 def test_parallel_runs_two_folds_at_once_through_a_server(tiny_config, tmp_path: Path, capsys) -> None:
-    cfg = tiny_config(*FAST, "launcher=parallel", "launcher.jobs=2", "trainer.max_epochs=2",
+    # 4 epochs: long enough that the two folds overlap even when one job's interpreter starts seconds after the other
+    cfg = tiny_config(*FAST, "launcher=parallel", "launcher.jobs=2", "trainer.max_epochs=4", "trainer.patience=4",
                       f"mlflow.tracking_uri=sqlite:///{tmp_path / 'parallel.db'}")
     summary = run_cv(cfg)
     assert "cv/video_auroc_mean" in summary
@@ -151,10 +152,12 @@ def test_a_preempted_fold_is_requeued_and_continues_from_its_epoch_checkpoint(sl
     (parent,) = cv_parent(client)
     job_id = next(iter(__import__("json").loads(parent.data.tags["painvit.slurm_jobs"]).values()))
     deadline = time.time() + 180
-    while True:  # preempt once the fold has written an epoch checkpoint
-        assert time.time() < deadline, "the fold never reached its second epoch\n" + cluster.logs()
+    # Preempt once epoch 1's checkpoint surely exists: an epoch's loss is logged just before its checkpoint is
+    # written, so the third logged epoch means the second one's checkpoint is on disk.
+    while True:
+        assert time.time() < deadline, "the fold never reached its third epoch\n" + cluster.logs()
         runs = fold_children(client, parent.info.run_id)
-        if runs and len(client.get_metric_history(runs[0].info.run_id, "train/loss")) >= 2:
+        if runs and len(client.get_metric_history(runs[0].info.run_id, "train/loss")) >= 3:
             break
         time.sleep(0.5)
     cluster.preempt(job_id, sigterm_first=True)
