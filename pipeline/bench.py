@@ -63,7 +63,9 @@ def check_model_names(names: Sequence[str]) -> None:
     known = (*BACKBONE_NAMES, *VIT_REF_VARIANTS)
     unknown = [name for name in names if name not in known and not timm.is_model(name)]
     if unknown:
-        raise SystemExit(f"unknown backbone(s) {', '.join(unknown)}: use one of {', '.join(known)} or any timm model name")
+        raise SystemExit(
+            f"unknown backbone(s) {', '.join(unknown)}: use one of {', '.join(known)} or any timm model name"
+        )
 
 
 def load_configs(

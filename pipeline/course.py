@@ -4,8 +4,9 @@ path uses this module.
 
 Both faces are 224 px square crops made the way `make data` makes them with Haar (`data.face_detector=haar
 data.align_faces=false`; the default now aligns MTCNN crops): OpenCV's Haar cascade finds the face (`pipeline.faces`),
-and `square_crop` cuts it with the same margin. Square crops keep the course's pictures simple. One is a frame of the synthetic twin rendered by
-`pipeline.synthetic` (no video is written), the other scikit-image's astronaut photograph.
+and `square_crop` cuts it with the same margin. Square crops keep the course's pictures simple. One is a frame of
+the synthetic twin rendered by `pipeline.synthetic` (no video is written), the other scikit-image's astronaut
+photograph.
 """
 
 from __future__ import annotations

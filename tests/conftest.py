@@ -52,3 +52,16 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
 
     with SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of small tensors (tiny models, MTCNN as preprocessing runs it): they gain nothing
+    from threads, and on a busy 2-core machine an OpenMP thread that waits for a core makes each call several times
+    slower. Modules opt in with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -10,7 +10,6 @@ import cv2
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
 from pipeline.faces import (
     CANONICAL_LANDMARKS,
@@ -31,18 +30,11 @@ from pipeline.faces import (
 from pipeline.photo_clips import PhotoClip, astronaut, clip_frames, clip_grid, write_clips
 from pipeline.video import read_sampled_frames
 
+# small tensors: one torch thread (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 # The astronaut's eye centres, nose tip and mouth corners, read off the photograph by eye (x, y pixels).
 ASTRONAUT_LANDMARKS = np.array([[204, 101], [247, 103], [224, 129], [201, 139], [246, 141]], dtype=float)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """MTCNN as preprocessing runs it, one thread per process: on a busy 2-core machine a second OpenMP thread that
-    waits for a core makes every small network call several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

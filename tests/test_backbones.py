@@ -22,6 +22,9 @@ from pipeline.backbones import (
     create_model,
 )
 
+# small tensors: one torch thread (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PASS_THROUGH_TIMM = "resnet18"
 SMOKE_NAMES = (*BACKBONE_NAMES, PASS_THROUGH_TIMM)
 SMOKE_IMAGE_SIZE = {"vit_b16": 32}  # ViT-B/16 on CPU is heavy: a 2x2 patch grid is enough for a smoke test
@@ -34,15 +37,6 @@ KNOWN_NORMALISATION = {  # (mean, std) each family was pretrained with: not Imag
     "cvt": IMAGENET,
     "resnet18": IMAGENET,
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny inputs gain nothing from threads, and on a shared CPU OpenMP oversubscription makes them 50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=SMOKE_NAMES)

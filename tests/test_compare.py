@@ -302,7 +302,8 @@ def test_review_notebook_reads_the_same_runs_as_compare(store, tmp_path) -> None
     path = PROJECT_ROOT / "notebooks" / "review_cross_validation.ipynb"
     notebook = nbformat.read(path, as_version=4)
     # the hand-made runs log no parameters: any crops
-    parameters = f'EXPERIMENT = "{EXPERIMENT}"\nPROTOCOL = "loso"\nFOLD_FILE = "{tmp_path / "no_fold_file.csv"}"\nCROPS = None'
+    fold_file = tmp_path / "no_fold_file.csv"
+    parameters = f'EXPERIMENT = "{EXPERIMENT}"\nPROTOCOL = "loso"\nFOLD_FILE = "{fold_file}"\nCROPS = None'
     notebook.cells.insert(2, nbformat.v4.new_code_cell(parameters))
     notebook.cells.append(nbformat.v4.new_code_cell("print(folds.to_json())\nprint(len(per_subject), len(videos))"))
     runner = NotebookClient(notebook, timeout=300, kernel_name="python3",

@@ -12,7 +12,6 @@ import cv2
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
 from pipeline.biovid import load_samples
 from pipeline.cli import load_config
@@ -35,6 +34,9 @@ from pipeline.synthetic import (
 )
 from pipeline.tasks import CLASS_NAMES
 from pipeline.video import read_frames
+
+# small tensors: one torch thread (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TINY = PRESETS["tiny"]
 SAMPLES_COLUMNS = ["subject_id", "subject_name", "class_id", "class_name", "sample_id", "sample_name"]
@@ -289,16 +291,6 @@ def test_a_twin_written_before_difficulty_existed_is_resumed(tmp_path):
         generate(tmp_path, dataclasses.replace(small, difficulty="hard"), workers=1, progress=False)
     with pytest.raises(ValueError, match="difficulty"):
         dataclasses.replace(small, difficulty="harder")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """MTCNN as preprocessing runs it, one thread per process: on a busy 2-core machine a second OpenMP thread that
-    waits for a core makes every small network call several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # --- the hard look --------------------------------------------------------------------------------------------------

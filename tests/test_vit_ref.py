@@ -29,16 +29,10 @@ from tests.test_backbones import (
     test_parameter_groups_cover_every_parameter_once_from_stem_to_top as check_parameter_groups,
 )
 
+# small tensors: one torch thread (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 SMALL = dict(img_size=40, patch_size=8, embed_dim=24, depth=3, num_heads=3, mlp_ratio=2.0, num_classes=5)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Small tensors gain nothing from threads, and on a shared CPU OpenMP oversubscription slows them down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:

@@ -30,17 +30,11 @@ from pipeline.weights import (
     resolve_weights,
 )
 
+# small tensors: one torch thread (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 VIT = "vit_tiny_patch16_224.augreg_in21k"  # the ViT-B/16 code path (same tag family, 21k-class head) at 1/16 cost
 MOBILEVIT = "mobilevit_xxs"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny inputs gain nothing from threads, and on a shared CPU OpenMP oversubscription makes them 50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
