@@ -511,23 +511,29 @@ class FaceRenderer:
         noise_sigma: float,
         rng: np.random.Generator,
     ):
-        # The static layer is drawn at the clip's first pose; frames only warp it by the (small) motion since then,
-        # which keeps the seam where the warped head region meets the still background below a pixel or two.
         self._place(subject, width, height, base_pose)
+        self._draw_layers()
+        self.noise = self._noise_pool(noise_sigma, rng)
+
+    def _draw_layers(self) -> None:
+        """What every frame starts from, drawn once per clip.
+
+        The static layer is drawn at the clip's first pose; frames only warp it by the (small) motion since then,
+        which keeps the seam where the warped head region meets the still background below a pixel or two.
+        """
         light = self._light_gain()
         gain = float(light[int(self.centre[1]), int(self.centre[0])])
         self._feature_colours(gain)  # features are drawn over lit skin
         self.shapes = _Shapes()
         self.static = self._static_layer(light)
-        self.noise = self._noise_pool(noise_sigma, rng)
-        b = subject.face_aspect
+        b = self.subject.face_aspect
         x0, y0 = self.base_offset + self.half_width * np.array([-1.45, -b - 0.6])
         x1, y1 = self.base_offset + self.half_width * np.array([1.45, b + 1.0])
         self.head_box = (
             max(0, int(x0)),
             max(0, int(y0)),
-            min(width, int(math.ceil(x1))),
-            min(height, int(math.ceil(y1))),
+            min(self.width, int(math.ceil(x1))),
+            min(self.height, int(math.ceil(y1))),
         )
 
     def _place(self, subject: Subject, width: int, height: int, base_pose: np.ndarray) -> None:
@@ -541,7 +547,7 @@ class FaceRenderer:
     def _feature_colours(self, gain: float) -> None:
         """The colours of skin, shadows, brows, lips and glasses, with the light's `gain` at the face centre."""
         subject = self.subject
-        self.skin = _scaled(subject.skin, gain) if gain != 1.0 else subject.skin
+        self.skin = _scaled(subject.skin, gain)
         self.dark = _scaled(self.skin, 0.45)
         self.brow = _scaled(subject.hair, 0.55 * gain) if sum(subject.hair) < 420 else _scaled(self.skin, 0.42)
         self.lips = _mix(self.skin, (70, 70, 165), 0.35)
@@ -749,18 +755,10 @@ class HardFaceRenderer(FaceRenderer):
     without a seam; yaw moves the features (nose and eye sockets included) sideways; a strong light gradient across
     the whole frame is applied last, so it stays in the scene while the head moves."""
 
-    def __init__(
-        self,
-        subject: Subject,
-        width: int,
-        height: int,
-        base_pose: np.ndarray,
-        noise_sigma: float,
-        rng: np.random.Generator,
-    ):
-        self._place(subject, width, height, base_pose)
+    def _draw_layers(self) -> None:
+        """The background, the head layer with its alpha, and the frame's light, drawn once per clip."""
         self._feature_colours(1.0)  # unlit: the light is applied to the finished frame
-        self.shapes = _Shapes(subject.face_aspect)
+        self.shapes = _Shapes(self.subject.face_aspect)
         self.background = self._background_layer()
         self.head, self.alpha = self._head_layer()
         self.light = self._frame_light()
@@ -768,7 +766,6 @@ class HardFaceRenderer(FaceRenderer):
         rows, columns = np.nonzero(self.alpha > 0.004)
         self.head_corners = np.array([[columns.min(), rows.min()], [columns.max() + 1, rows.min()],
                                       [columns.min(), rows.max() + 1], [columns.max() + 1, rows.max() + 1]], float)
-        self.noise = self._noise_pool(noise_sigma, rng)
 
     def _frame_light(self) -> np.ndarray:
         """A gradient across the whole frame (about 0.4x to 1.6x from one side to the other)."""
