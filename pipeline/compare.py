@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter
 from mlflow import MlflowClient
 from mlflow.entities import Run, RunStatus
 from scipy import stats
@@ -301,12 +301,9 @@ def cost_and_regions(runs: Mapping[str, Run], summary: pd.DataFrame, task: str,
     return pd.DataFrame(rows)
 
 
-def _si(value: float, _position: object = None) -> str:
-    """4.9e6 -> '4.9M', 3.5e8 -> '350M', 1.7e10 -> '17G' (axis labels)."""
-    for factor, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.3g}{unit}"
-    return f"{value:.3g}"
+def _cost_formatter() -> EngFormatter:
+    """Labels of the cost axes: 4.94e6 -> '4.94M', 3.5e8 -> '350M', 1.7e10 -> '17G' (one instance per axis)."""
+    return EngFormatter(sep="")
 
 
 def plot_accuracy_vs_cost(table: pd.DataFrame, metric: str, path: str | Path) -> None:
@@ -322,7 +319,7 @@ def plot_accuracy_vs_cost(table: pd.DataFrame, metric: str, path: str | Path) ->
         axis.set_xscale("log")
         axis.margins(x=0.25)  # room for the labels of the outermost points
         axis.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        axis.xaxis.set_major_formatter(FuncFormatter(_si))
+        axis.xaxis.set_major_formatter(_cost_formatter())
         axis.xaxis.set_minor_formatter(NullFormatter())
         axis.set_xlabel(label)
         axis.set_ylabel(f"{metric} (mean +- std over folds)")

@@ -320,8 +320,9 @@ def test_review_notebook_reads_the_same_runs_as_compare(store, tmp_path) -> None
 
 
 def test_cost_axis_labels_use_si_units() -> None:
-    from pipeline.compare import _si
+    from pipeline.compare import _cost_formatter
 
+    _si = _cost_formatter()
     assert [_si(v) for v in (4.94e6, 3.5e8, 1.7e10, 2_000.0, 12.0)] == ["4.94M", "350M", "17G", "2k", "12"]
 
 
