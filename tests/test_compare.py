@@ -285,7 +285,6 @@ def test_review_notebook_reads_the_same_runs_as_compare(store, tmp_path) -> None
     """The review notebook, executed in a fresh kernel against the store: per-fold scores of the latest finished CV
     of each backbone (older, running and failed CVs left out), and one run's artifacts."""
     import io
-    import json
     import os
 
     import nbformat
@@ -316,7 +315,6 @@ def test_review_notebook_reads_the_same_runs_as_compare(store, tmp_path) -> None
     for model in ("cvt", "mobilevit", "vit"):
         np.testing.assert_allclose(folds[model].sort_index().to_numpy(), store["scores"][model]["test/video_auroc"])
     assert counts == "2 1"
-    assert json.loads(folds_json)  # the table is not empty
 
 
 def test_cost_axis_labels_use_si_units() -> None:
