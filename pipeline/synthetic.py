@@ -649,6 +649,13 @@ class FaceRenderer:
             flags=cv2.INTER_LINEAR,
             borderMode=cv2.BORDER_REPLICATE,
         )
+        self._features(action_units)
+        self.shapes.draw(frame, linear, offset)
+        positive, negative = self.noise[noise_index % len(self.noise)]
+        return cv2.subtract(cv2.add(frame, positive), negative)
+
+    def _features(self, action_units: np.ndarray) -> None:
+        """Queue the moving features for a frame's action units (AU4, AU6/7, AU9/10, eye closure)."""
         au4, au67, au910, closure = (float(v) for v in action_units)
         self._brows(au4)
         for side in (-1, 1):
@@ -657,9 +664,6 @@ class FaceRenderer:
         self._mouth(au910)
         if self.subject.glasses:
             self._glasses()
-        self.shapes.draw(frame, linear, offset)
-        positive, negative = self.noise[noise_index % len(self.noise)]
-        return cv2.subtract(cv2.add(frame, positive), negative)
 
     def _brows(self, au4: float) -> None:
         s = self.subject
@@ -870,16 +874,9 @@ class HardFaceRenderer(FaceRenderer):
         head = cv2.warpAffine(self.head, warp, size, flags=cv2.INTER_LINEAR)
         alpha = cv2.warpAffine(self.alpha, warp, size, flags=cv2.INTER_LINEAR)[..., None]
         region = (self.background[y0:y1, x0:x1] * (1.0 - alpha) + head * alpha).astype(np.uint8)
-        au4, au67, au910, closure = (float(v) for v in action_units)
         self.shapes.yaw = float(pose[4])
         self._shading()
-        self._brows(au4)
-        for side in (-1, 1):
-            self._eye(side, au67, closure)
-        self._wrinkles(au4, au67, au910)
-        self._mouth(au910)
-        if self.subject.glasses:
-            self._glasses()
+        self._features(action_units)
         self.shapes.draw(region, linear, offset - (x0, y0))
         self.shapes.yaw = 0.0
         frame = self.lit_background.copy()
