@@ -2,6 +2,10 @@
 
 Splits are by whole subjects, read from a fold file that is leak-checked on every load (`pipeline.folds.read_folds`).
 Each item carries its frame-table row number so that predictions can be mapped back to videos and subjects.
+
+Training draws are keyed, not streamed: `EpochSampler` makes epoch k's order of crops and each crop's augmentation
+seed from (seed, fold, k) alone (`pipeline.seeds`), so a fold resumed from an epoch checkpoint sees the same batches
+as one that never stopped, with any number of loader workers, persistent or not.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ import numpy as np
 import pandas as pd
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from pipeline.augment import DataConfigLike, build_eval_transform, build_train_transform, seed_transform
 from pipeline.folds import ROLES, fold_subjects, read_folds
 from pipeline.parallel import available_cpus
+from pipeline.seeds import derived_seed
 from pipeline.tasks import CLASS_NAMES, Task
 
 FRAME_TABLE_COLUMNS = ("subject_name", "sample_name", "class_name", "frame_index", "time_s", "crop_path")
@@ -60,15 +65,53 @@ class FrameDataset(Dataset):
             )
         return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
 
-    def __getitem__(self, item: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`key` is an item number, or (item, augmentation seed) as `EpochSampler` yields them: the seed then fixes
+        this crop's random augmentation, whichever worker process draws it."""
+        item, draw_seed = key if isinstance(key, tuple) else (key, None)
+        if draw_seed is not None:
+            seed_transform(self.transform, draw_seed)
         image = self.transform(image=self.read_image(item))["image"]
         return image, torch.tensor(self.labels[item]), torch.tensor(self.rows[item])
 
 
-def _seed_worker(worker_id: int) -> None:
-    """Give each dataloader worker its own augmentation stream, derived from the loader's (seeded) base seed.
+class EpochSampler(Sampler[tuple[int, int]]):
+    """The training order of one epoch, with a seed per draw, both from (seed, stream, epoch) alone.
 
-    Without this, forked workers would share one copied random state and draw identical augmentations.
+    Shuffles without replacement, or with `weights` draws with replacement in proportion to them (class-balanced
+    sampling). Lightning calls `set_epoch` before every training epoch, a resumed run included, so epoch k's order
+    and augmentations do not depend on the epochs before it having run in this process.
+    """
+
+    def __init__(self, n_items: int, seed: int, stream: int, weights: np.ndarray | None = None) -> None:
+        if n_items < 1:
+            raise ValueError("EpochSampler needs at least one item")
+        if weights is not None and (len(weights) != n_items or not np.all(np.asarray(weights) >= 0)):
+            raise ValueError(f"weights must be {n_items} non-negative numbers")
+        self.n_items, self.seed, self.stream = n_items, int(seed), int(stream)
+        self.probabilities = None if weights is None else np.asarray(weights, dtype=float) / np.sum(weights)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.n_items
+
+    def __iter__(self):
+        rng = np.random.default_rng(derived_seed(self.seed, self.stream, self.epoch))
+        if self.probabilities is None:
+            order = rng.permutation(self.n_items)
+        else:
+            order = rng.choice(self.n_items, size=self.n_items, replace=True, p=self.probabilities)
+        draw_seeds = rng.integers(0, 2**63 - 1, size=self.n_items, dtype=np.int64)
+        return iter(zip(order.tolist(), draw_seeds.tolist(), strict=True))
+
+
+def _seed_worker(worker_id: int) -> None:
+    """Give each dataloader worker its own augmentation stream, derived from the loader's base seed.
+
+    Training items carry their own seeds (`EpochSampler`); this stream serves plain item numbers (previews, tools).
     """
     info = get_worker_info()
     cv2.setNumThreads(1)  # the workers are the parallelism; OpenCV's own threads would oversubscribe the CPUs
@@ -275,15 +318,14 @@ class PainDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
+        train = self.dataset("train")
+        weights = class_balanced_weights(train.labels) if self.balanced_sampling else None
+        sampler = EpochSampler(len(train), self.seed, stream=self.fold, weights=weights)
         # A last batch of a single image breaks batch norm in training; dropping the remainder costs < 1 batch.
-        drop_last = len(self.dataset("train")) > self.batch_size
-        if self.balanced_sampling:
-            labels = self.dataset("train").labels
-            weights = torch.as_tensor(class_balanced_weights(labels), dtype=torch.double)
-            sampler = WeightedRandomSampler(weights, num_samples=len(labels), replacement=True, generator=generator)
-            return self._loader("train", self.batch_size, sampler=sampler, generator=generator, drop_last=drop_last)
-        return self._loader("train", self.batch_size, shuffle=True, generator=generator, drop_last=drop_last)
+        drop_last = len(train) > self.batch_size
+        # the generator only seeds the workers' own streams (unused in training: every item carries its seed)
+        generator = torch.Generator().manual_seed(self.seed)
+        return self._loader("train", self.batch_size, sampler=sampler, generator=generator, drop_last=drop_last)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", self.eval_batch_size, shuffle=False)

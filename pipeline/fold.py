@@ -41,7 +41,7 @@ from pipeline.datamodule import PainDataModule
 from pipeline.devices import precision_for, use_channels_last
 from pipeline.io import atomic_path
 from pipeline.metrics import Evaluation, plot_confusion, plot_roc, plot_training_curves
-from pipeline.module import FreezeBackbone, OptimConfig, PainClassifier
+from pipeline.module import FreezeBackbone, OptimConfig, PainClassifier, ResumableEarlyStopping, SeedEachBatch
 from pipeline.tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,10 @@ class Fitted:
 def fit_fold(cfg: DictConfig, module: PainClassifier, datamodule: PainDataModule, work_dir: Path) -> Fitted:
     """Train with early stopping; select the best epoch on the inner validation subjects.
 
-    Every epoch writes `last.ckpt` (full state) into work_dir; a fold that finds one there continues from it.
+    Every epoch writes `last.ckpt` into work_dir; a fold that finds one there continues from it, exactly: the
+    checkpoint holds the weights, optimizer, LR schedule, early-stopping counter, best-checkpoint record and epoch
+    history, and every random draw of the remaining epochs is keyed by (seed, fold, epoch[, batch])
+    (`EpochSampler`, `SeedEachBatch`), so it does not depend on the epochs before having run in this process.
     """
     if cfg.trainer.devices != 1:
         raise ValueError("trainer.devices must be 1: video-level metrics are computed from one process's predictions")
@@ -201,9 +204,9 @@ def fit_fold(cfg: DictConfig, module: PainClassifier, datamodule: PainDataModule
     # every epoch's full state, overwritten in place (Lightning's save_last only writes when another save happened)
     last = pl.callbacks.ModelCheckpoint(dirpath=work_dir, filename="last", monitor=None, save_top_k=1,
                                         enable_version_counter=False)
-    early_stopping = pl.callbacks.EarlyStopping(monitor=cfg.trainer.monitor, mode=cfg.trainer.monitor_mode,
-                                                patience=cfg.trainer.patience)
-    callbacks = [epoch_logger, best, last, early_stopping]
+    early_stopping = ResumableEarlyStopping(monitor=cfg.trainer.monitor, mode=cfg.trainer.monitor_mode,
+                                           patience=cfg.trainer.patience)
+    callbacks = [epoch_logger, best, last, early_stopping, SeedEachBatch(cfg.seed, datamodule.fold)]
     if cfg.model.optim.freeze_backbone_epochs > 0:
         callbacks.append(FreezeBackbone(cfg.model.optim.freeze_backbone_epochs))
     plugins = [AtomicCheckpointIO()]

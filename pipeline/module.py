@@ -17,11 +17,13 @@ import numpy as np
 import pandas as pd
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks.early_stopping import EarlyStopping, EarlyStoppingReason
 from pytorch_lightning.plugins.precision import Precision
 from torch import nn
 from torch.nn import functional as F
 
 from pipeline.metrics import Evaluation, evaluate_predictions
+from pipeline.seeds import derived_seed
 
 log = logging.getLogger(__name__)
 
@@ -208,3 +210,31 @@ class FreezeBackbone(pl.Callback):
             parameter.requires_grad_(not frozen)
         if trainer.current_epoch in (0, self.epochs) and self.epochs > 0:
             log.info("epoch %d: backbone %s", trainer.current_epoch, "frozen" if frozen else "unfrozen")
+
+
+class SeedEachBatch(pl.Callback):
+    """Seed torch's generators (CPU and every GPU) before each training batch from (seed, fold, epoch, batch).
+
+    Dropout, stochastic depth and any other draw inside the model then depend on where training is, not on what ran
+    before in this process: a fold resumed from an epoch checkpoint draws what an uninterrupted one draws, although
+    the resumed process has not built the same loaders, nor spent the same random numbers on them.
+    """
+
+    def __init__(self, seed: int, fold: int) -> None:
+        self.seed, self.fold = int(seed), int(fold)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        torch.manual_seed(derived_seed(self.seed, self.fold, trainer.current_epoch, batch_idx))
+
+
+class ResumableEarlyStopping(EarlyStopping):
+    """Early stopping whose decision survives a resume.
+
+    Lightning restores the counter and the reason from a checkpoint but not the trainer's `should_stop`: a fold
+    killed after the checkpoint of the epoch that decided to stop would otherwise train on when resumed, and keep a
+    different best epoch than the uninterrupted run.
+    """
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.stopping_reason != EarlyStoppingReason.NOT_STOPPED:
+            trainer.should_stop = True

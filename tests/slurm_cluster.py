@@ -363,7 +363,8 @@ class SlurmCluster:
         out = _run("job fields", ["scontrol", "show", "job", "-o", job_id])
         return dict(item.split("=", 1) for item in out.split() if "=" in item)
 
-    def preempt(self, job_id: str, sigterm_first: bool = False, timeout: float = 30) -> None:
+    def preempt(self, job_id: str, sigterm_first: bool = False, timeout: float = 30,
+                stopped_pid: int | None = None) -> None:
         """Do to a running submitit job what preemption or a time limit does; return once SLURM requeued it.
 
         submitit writes `#SBATCH --signal=USR2@<signal_delay_s>` and runs python in a job step (`srun`). On USR2
@@ -375,11 +376,15 @@ class SlurmCluster:
         test hook job._interrupt() does for a preemption (submitit's handler ignores SIGTERM; PyTorch Lightning's
         does not: it stops fit() with SIGTERMException at the next batch).
         Send it only once the job's function runs: before submitit installed its handler USR2 kills python.
+        `stopped_pid`: the job's python, which the caller stopped (SIGSTOP) at the moment it chose; the signals wait
+        as pending until it is continued here, so the job is preempted exactly where it was held.
         """
         restarts = int(self.job_fields(job_id)["Restarts"])
         if sigterm_first:
             _run("preempt: SIGTERM", ["scancel", "--signal=TERM", job_id])
         _run("preempt: USR2", ["scancel", "--signal=USR2", job_id])
+        if stopped_pid is not None:
+            os.kill(stopped_pid, signal.SIGCONT)
         deadline = time.monotonic() + timeout
         while True:
             fields = self.job_fields(job_id)

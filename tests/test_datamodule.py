@@ -176,11 +176,18 @@ def test_balanced_sampling_evens_out_an_imbalanced_set(tmp_path: Path, fold_file
         labels = datamodule.frames("train")["label"].to_numpy()
         assert labels.mean() == pytest.approx(0.2)  # PA4 (label 1) is one frame in five
         sampler = datamodule.train_dataloader().sampler
-        draws = [index for _ in range(20) for index in sampler]
+        draws = []
+        for epoch in range(20):
+            sampler.set_epoch(epoch)
+            draws += [index for index, _ in sampler]
         pain_share[balanced] = labels[draws].mean()
-        # Seeded: a fresh datamodule with the same seed draws the same sequence.
+        # Keyed by (seed, fold, epoch): a fresh datamodule with the same seed draws epoch 7 the same, unlike epoch 8.
         again = make_datamodule(processed, fold_file, task="bl1_vs_pa4", balanced_sampling=balanced, seed=3)
-        assert list(again.train_dataloader().sampler) == draws[: len(labels)]
+        again = again.train_dataloader().sampler
+        again.set_epoch(7)
+        epoch_7 = [index for index, _ in again]
+        assert epoch_7 == draws[7 * len(labels): 8 * len(labels)]
+        assert list(again) != list(sampler)
     assert pain_share[False] == pytest.approx(0.2)  # plain shuffling keeps the imbalance
     assert 0.42 < pain_share[True] < 0.58  # 600 balanced draws
 
@@ -192,6 +199,26 @@ def test_shuffle_is_seeded(processed: Path, fold_file: Path) -> None:
 
     assert order(1) == order(1)
     assert order(1) != order(2)
+
+
+def epoch_batches(loader, epoch: int) -> list:
+    loader.sampler.set_epoch(epoch)  # what Lightning does before every training epoch
+    return [(images, rows) for images, _, rows in loader]
+
+
+def test_an_epoch_draws_the_same_whatever_ran_before_and_however_many_workers(processed: Path,
+                                                                           fold_file: Path) -> None:
+    """Epoch 2 straight away (a resumed fold), in two persistent workers, equals epoch 2 after epochs 0 and 1 in the
+    main process: the same crops in the same order with the same augmentations, to the bit."""
+    straight = make_datamodule(processed, fold_file, seed=5).train_dataloader()
+    epochs = [epoch_batches(straight, epoch) for epoch in range(3)]
+    resumed = make_datamodule(processed, fold_file, seed=5, num_workers=2).train_dataloader()
+    assert resumed.persistent_workers
+    again = epoch_batches(resumed, 2)
+    assert len(again) == len(epochs[2])
+    for (images, rows), (images_again, rows_again) in zip(epochs[2], again, strict=True):
+        assert torch.equal(rows, rows_again) and torch.equal(images, images_again)
+    assert not torch.equal(epochs[1][0][1], epochs[2][0][1])  # each epoch has an order of its own
 
 
 def test_workers_draw_their_own_augmentations(tmp_path: Path, fold_file: Path) -> None:

@@ -3,6 +3,7 @@ preemption and requeue. Real processes, a real MLflow server, a real single-node
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,17 +12,19 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from pipeline import PROJECT_ROOT
 from pipeline.cv import run_cv
 from pipeline.launchers import job_slots, tracking_server
 from tests.conftest import tiny_overrides
+from tests.gated_cv import rendezvous_sitecustomize
 from tests.test_cv import FAST
 
 
-def cv_parent(client: MlflowClient):
-    experiment = client.get_experiment_by_name("pain-cv")
+def cv_parent(client: MlflowClient, experiment_name: str = "pain-cv"):
+    experiment = client.get_experiment_by_name(experiment_name)
     return client.search_runs([experiment.experiment_id], "tags.`painvit.run_kind` = 'cv'")
 
 
@@ -41,12 +44,19 @@ def test_job_slots_give_each_job_its_gpu_or_its_share_of_the_cores() -> None:
         job_slots(3, ["0", "1"], [0, 1])
 
 
-def test_parallel_runs_two_folds_at_once_through_a_server(tiny_config, tmp_path: Path, capsys) -> None:
-    # 4 epochs: long enough that the two folds overlap even when one job's interpreter starts seconds after the other
-    cfg = tiny_config(*FAST, "launcher=parallel", "launcher.jobs=2", "trainer.max_epochs=4", "trainer.patience=4",
+def test_parallel_runs_two_folds_at_once_through_a_server(tiny_config, tmp_path: Path, capsys,
+                                                        monkeypatch) -> None:
+    # Each fold job, about to write its first epoch checkpoint, waits there until the other has got as far: both
+    # then finish only if they ran at the same time, however long either took to start.
+    arrived = tmp_path / "arrived"
+    arrived.mkdir()
+    site = rendezvous_sitecustomize(tmp_path / "site", [0, 1], arrived)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(PROJECT_ROOT)]))
+    cfg = tiny_config(*FAST, "launcher=parallel", "launcher.jobs=2", "trainer.max_epochs=2", "trainer.patience=2",
                       f"mlflow.tracking_uri=sqlite:///{tmp_path / 'parallel.db'}")
     summary = run_cv(cfg)
     assert "cv/video_auroc_mean" in summary
+    assert sorted(p.name for p in arrived.iterdir()) == ["fold_0", "fold_1"]  # both jobs met at the rendezvous
     out = capsys.readouterr().out
     assert "MLflow server for the fold jobs: http://127.0.0.1:" in out
     assert "fold 0: running" in out and "fold 1: done" in out
@@ -65,54 +75,101 @@ def cv_command(base: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "pipeline", "cv", *tiny_overrides(base, *FAST, *extra)]
 
 
-def test_kill_9_then_resume_gives_the_uninterrupted_results(tiny_base: Path, tmp_path: Path) -> None:
-    """The driver is killed with SIGKILL after its first fold finished, in the middle of the second; the same command
-    then completes the run with one finished child per fold and the same per-fold test metrics as a run that was
-    never interrupted (deterministic algorithms, same seed)."""
-    folds = ("trainer.folds=[0,1,2]", "trainer.deterministic=true", "trainer.max_epochs=2",
-             f"cv.work_dir={tmp_path / 'runs'}")
-    killed_db = f"mlflow.tracking_uri=sqlite:///{tmp_path / 'killed.db'}"
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
-    driver = subprocess.Popen(cv_command(tiny_base, *folds, killed_db), cwd=PROJECT_ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = MlflowClient(f"sqlite:///{tmp_path / 'killed.db'}")
-    deadline = time.time() + 300
-    while True:
-        assert driver.poll() is None, "the driver ended before it could be killed"
-        assert time.time() < deadline, "no fold finished within 5 minutes"
-        # a fold folder exists once the driver has set up the store: only then may a second process open it
-        parents = cv_parent(client) if list((tmp_path / "runs").glob("*/fold_*")) else []
-        if parents and any(c.info.status == "FINISHED" for c in fold_children(client, parents[0].info.run_id)):
-            break
-        time.sleep(0.5)
+def gated_cv_command(base: Path, gate: tuple[int, int, str], marker: Path, *extra: str) -> list[str]:
+    """The same command, held for good at one epoch checkpoint of one fold (tests/gated_cv.py)."""
+    fold, epoch, when = gate
+    return [sys.executable, "-m", "tests.gated_cv", str(fold), str(epoch), when, str(marker),
+            *tiny_overrides(base, *FAST, *extra)]
+
+
+def fold_metrics(store: MlflowClient, parent_run_id: str) -> dict[str, dict[str, float]]:
+    """Per fold, the finished child run's test metrics, best and last epoch, and the last epoch's train and
+    validation metrics: the test metrics alone come from the best epoch, which may lie before an interruption."""
+    return {c.data.tags["fold"]: {k: v for k, v in c.data.metrics.items()
+                                  if k.startswith(("test/", "train/", "val/", "lr/"))
+                                  or k in ("best_epoch", "epochs_trained")}
+            for c in fold_children(store, parent_run_id) if c.info.status == "FINISHED"}
+
+
+# Three epochs whatever the validation score does, so a fold killed after epoch 1 has an epoch left to train.
+KILL_9 = ("trainer.folds=[0,1]", "trainer.deterministic=true", "trainer.max_epochs=3", "trainer.patience=3")
+RUN_ENV = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_folds(tiny_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The per-fold results of the kill tests' command run straight through, with no loader workers."""
+    db = tmp_path_factory.mktemp("whole") / "whole.db"
+    whole = subprocess.run(cv_command(tiny_base, *KILL_9, "loader.num_workers=0", f"mlflow.tracking_uri=sqlite:///{db}",
+                                      f"cv.work_dir={db.parent / 'runs'}"),
+                           cwd=PROJECT_ROOT, env=RUN_ENV, capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    store = MlflowClient(f"sqlite:///{db}")
+    (parent,) = cv_parent(store)
+    return fold_metrics(store, parent.info.run_id)
+
+
+def run_until_held(command: list[str], marker: Path) -> subprocess.Popen:
+    """Start the gated driver and return it once it holds at its gate (its marker file exists)."""
+    driver = subprocess.Popen(command, cwd=PROJECT_ROOT, env=RUN_ENV, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600  # a bound for a broken run, not a guess at the moment
+    while not marker.exists():
+        if driver.poll() is not None:
+            pytest.fail(f"the driver ended ({driver.returncode}) before its gate: {driver.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            driver.kill()
+            pytest.fail("the driver never reached its gate")
+        time.sleep(0.2)
+    return driver
+
+
+def kill_9(driver: subprocess.Popen) -> None:
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait()
-    parent_id = parents[0].info.run_id
-    assert client.get_run(parent_id).info.status == "RUNNING"  # nobody could mark it
+    driver.stderr.close()
 
-    rerun = subprocess.run(cv_command(tiny_base, *folds, killed_db), cwd=PROJECT_ROOT, env=env, capture_output=True,
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_kill_9_at_two_points_then_resume_gives_the_uninterrupted_results(tiny_base: Path, tmp_path: Path,
+                                                                          uninterrupted_folds: dict,
+                                                                          workers: int) -> None:
+    """SIGKILL at two defined points of fold 1, each time rerunning the same command: (1) in its first epoch, before
+    any epoch checkpoint of it exists, so it starts again from nothing; (2) once its epoch-1 checkpoint is on disk,
+    so it continues from there. Every fold then has the per-fold test metrics of the run that was never interrupted
+    (deterministic algorithms, same seed), here with loader workers or without and the reference without."""
+    db = tmp_path / "killed.db"
+    extra = (*KILL_9, f"loader.num_workers={workers}", f"mlflow.tracking_uri=sqlite:///{db}",
+             f"cv.work_dir={tmp_path / 'runs'}")
+    client = MlflowClient(f"sqlite:///{db}")
+
+    first = run_until_held(gated_cv_command(tiny_base, (1, 0, "before"), tmp_path / "held_1", *extra),
+                           tmp_path / "held_1")
+    (fold_dir,) = (tmp_path / "runs").glob("*/fold_1")
+    assert not (fold_dir / "last.ckpt").exists()
+    kill_9(first)
+    (parent,) = cv_parent(client)
+    assert parent.info.status == "RUNNING"  # nobody could mark it
+    assert sorted(c.info.status for c in fold_children(client, parent.info.run_id)) == ["FINISHED", "RUNNING"]
+
+    second = run_until_held(gated_cv_command(tiny_base, (1, 1, "after"), tmp_path / "held_2", *extra),
+                            tmp_path / "held_2")
+    checkpoint = torch.load(fold_dir / "last.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["epoch"] == 1
+    kill_9(second)
+
+    rerun = subprocess.run(cv_command(tiny_base, *extra), cwd=PROJECT_ROOT, env=RUN_ENV, capture_output=True,
                            text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resuming: 1 fold(s) already done" in rerun.stdout
-    assert [p.info.run_id for p in cv_parent(client)] == [parent_id]  # the same parent, resumed
-    children = fold_children(client, parent_id)
-    finished = sorted(c.data.tags["fold"] for c in children if c.info.status == "FINISHED")
-    assert finished == ["0", "1", "2"]  # exactly one finished run per fold
-    assert all(c.info.status in ("FINISHED", "KILLED") for c in children)  # the interrupted attempt: KILLED
-    assert client.get_run(parent_id).info.status == "FINISHED"
-
-    whole_db = tmp_path / "whole.db"
-    whole = subprocess.run(cv_command(tiny_base, *folds, f"mlflow.tracking_uri=sqlite:///{whole_db}"),
-                           cwd=PROJECT_ROOT, env=env, capture_output=True, text=True)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    uninterrupted = MlflowClient(f"sqlite:///{whole_db}")
-    (whole_parent,) = cv_parent(uninterrupted)
-
-    def test_metrics(store: MlflowClient, run_id: str) -> dict:
-        return {c.data.tags["fold"]: {k: v for k, v in c.data.metrics.items() if k.startswith("test/")}
-                for c in fold_children(store, run_id) if c.info.status == "FINISHED"}
-
-    assert test_metrics(client, parent_id) == test_metrics(uninterrupted, whole_parent.info.run_id)
+    assert [p.info.run_id for p in cv_parent(client)] == [parent.info.run_id]  # the same parent, resumed
+    children = fold_children(client, parent.info.run_id)
+    # fold 1: one attempt killed in epoch 0, one killed after epoch 1, one resumed from that epoch's checkpoint
+    assert sorted(c.info.status for c in children if c.data.tags["fold"] == "1") == ["FINISHED", "KILLED", "KILLED"]
+    (resumed,) = [c for c in children if c.data.tags["fold"] == "1" and c.info.status == "FINISHED"]
+    assert resumed.data.tags["painvit.resumed_after_epoch"] == "1"
+    assert client.get_run(parent.info.run_id).info.status == "FINISHED"
+    assert fold_metrics(client, parent.info.run_id) == uninterrupted_folds
 
 
 @pytest.fixture
@@ -143,35 +200,48 @@ def test_slurm_runs_each_fold_as_an_array_task(slurm_server, tiny_config, capsys
 
 def test_a_preempted_fold_is_requeued_and_continues_from_its_epoch_checkpoint(slurm_server, tiny_config,
                                                                              capsys) -> None:
+    """A fold preempted once its epoch-1 checkpoint is on disk is requeued, continues from that checkpoint and ends
+    with the test metrics of the same fold run straight through on the same cluster (submitted beside it, in an
+    experiment of its own so that it is a cross-validation of its own)."""
     cluster, uri = slurm_server
-    cfg = tiny_config(*FAST, *SLURM, "trainer.folds=[0]", "trainer.max_epochs=40", "trainer.patience=40",
-                      f"mlflow.tracking_uri={uri}", "launcher.wait=false")
-    assert run_cv(cfg) == {}  # submitted, not waited for
+    fold = (*FAST, *SLURM, "trainer.folds=[0]", "trainer.max_epochs=4", "trainer.patience=4",
+            "trainer.deterministic=true", f"mlflow.tracking_uri={uri}")
+    reference = (*fold, "mlflow.experiment=straight-through")
+    assert run_cv(tiny_config(*reference, "launcher.wait=false")) == {}
+    assert run_cv(tiny_config(*fold, "launcher.wait=false")) == {}  # submitted, not waited for
     assert "queued on SLURM" in capsys.readouterr().out
     client = MlflowClient(uri)
     (parent,) = cv_parent(client)
-    job_id = next(iter(__import__("json").loads(parent.data.tags["painvit.slurm_jobs"]).values()))
-    deadline = time.time() + 180
-    # Preempt once epoch 1's checkpoint surely exists: an epoch's loss is logged just before its checkpoint is
-    # written, so the third logged epoch means the second one's checkpoint is on disk.
-    while True:
-        assert time.time() < deadline, "the fold never reached its third epoch\n" + cluster.logs()
-        runs = fold_children(client, parent.info.run_id)
-        if runs and len(client.get_metric_history(runs[0].info.run_id, "train/loss")) >= 3:
-            break
-        time.sleep(0.5)
-    cluster.preempt(job_id, sigterm_first=True)
+    job_id = next(iter(json.loads(parent.data.tags["painvit.slurm_jobs"]).values()))
+    checkpoint = Path(tiny_config(*fold).cv.work_dir) / parent.info.run_id / "fold_0" / "last.ckpt"
+
+    # Wait for the event itself: epoch 1's checkpoint on disk (written atomically, so a file that exists is whole).
+    # Then hold the job's python where it is (SIGSTOP) and preempt it there: it is continued only once the
+    # preemption signals are pending, so it cannot train on to the end in between.
+    deadline = time.monotonic() + 600  # a bound for a broken run, not a guess at the moment
+    while not (checkpoint.is_file() and torch.load(checkpoint, map_location="cpu", weights_only=False)["epoch"] >= 1):
+        assert time.monotonic() < deadline, "the fold never wrote its epoch-1 checkpoint\n" + cluster.logs()
+        time.sleep(0.2)
+    (attempt,) = fold_children(client, parent.info.run_id)
+    pid = int(attempt.data.tags["painvit.pid"])
+    os.kill(pid, signal.SIGSTOP)
+    held_at = torch.load(checkpoint, map_location="cpu", weights_only=False)["epoch"]
+    assert 1 <= held_at < 3 and client.get_run(attempt.info.run_id).info.status == "RUNNING"
+    cluster.preempt(job_id, sigterm_first=True, stopped_pid=pid)
 
     # the same command, now waiting: it follows the requeued job (no second submission) and aggregates
-    run_cv(tiny_config(*FAST, *SLURM, "trainer.folds=[0]", "trainer.max_epochs=40", "trainer.patience=40",
-                       f"mlflow.tracking_uri={uri}"))
+    run_cv(tiny_config(*fold))
     assert "submitted" not in capsys.readouterr().out
     runs = fold_children(client, parent.info.run_id)
     by_status = {r.info.status: r for r in runs}
     assert sorted(by_status) == ["FINISHED", "KILLED"]
     resumed = by_status["FINISHED"]
-    assert int(resumed.data.tags["painvit.resumed_after_epoch"]) >= 1
+    assert int(resumed.data.tags["painvit.resumed_after_epoch"]) == held_at
     assert resumed.data.tags["painvit.slurm_job_id"] == job_id
     # its curves run from epoch 0: the epochs before the preemption come from the checkpoint
     steps = [m.step for m in client.get_metric_history(resumed.info.run_id, "train/loss")]
     assert steps == list(range(len(steps))) and len(steps) == int(resumed.data.metrics["epochs_trained"])
+
+    run_cv(tiny_config(*reference))  # follows the straight-through fold to its end
+    (straight,) = cv_parent(client, "straight-through")
+    assert fold_metrics(client, parent.info.run_id) == fold_metrics(client, straight.info.run_id)

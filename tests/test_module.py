@@ -12,7 +12,14 @@ from pipeline import resolve_path
 from pipeline.backbones import create_model
 from pipeline.datamodule import PainDataModule
 from pipeline.folds import fold_subjects, read_folds
-from pipeline.module import FreezeBackbone, OptimConfig, PainClassifier, parameter_groups, warmup_cosine
+from pipeline.module import (
+    FreezeBackbone,
+    OptimConfig,
+    PainClassifier,
+    ResumableEarlyStopping,
+    parameter_groups,
+    warmup_cosine,
+)
 from pipeline.prepare import fold_file_path
 from pipeline.tasks import get_task
 
@@ -176,3 +183,45 @@ def test_an_undefined_metric_stays_nan_and_is_named(tiny_config, caplog) -> None
 def test_an_undefined_monitored_metric_stops_with_what_to_do(tiny_config) -> None:
     with pytest.raises(ValueError, match=r"val/video_auroc is undefined.*trainer.monitor=val/loss"):
         one_class_fit(tiny_config(), monitor="val/video_auroc")
+
+
+class ConstantScore(pl.LightningModule):
+    """A one-weight model whose validation score never changes: early stopping with patience 1 stops after epoch 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return (self.weight - batch[0]).pow(2).sum()
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self.log("val/score", 1.0)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(4, 1), batch_size=2)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(2, 1), batch_size=2)
+
+
+@pytest.mark.parametrize(("early_stopping", "epochs_after_resume"),
+                         [(ResumableEarlyStopping, 2), (pl.callbacks.EarlyStopping, 3)])
+def test_early_stopping_decision_survives_a_resume(tmp_path, early_stopping, epochs_after_resume: int) -> None:
+    def trainer() -> pl.Trainer:
+        last = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, filename="last", monitor=None, save_top_k=1,
+                                            enable_version_counter=False)
+        return pl.Trainer(max_epochs=6, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[early_stopping(monitor="val/score", mode="max", patience=1), last],
+                          num_sanity_val_steps=0, default_root_dir=tmp_path)
+
+    straight = trainer()
+    straight.fit(ConstantScore())
+    assert straight.current_epoch == 2  # epochs 0 and 1 ran; epoch 1 decided to stop, then wrote last.ckpt
+    resumed = trainer()
+    resumed.fit(ConstantScore(), ckpt_path=str(tmp_path / "last.ckpt"))
+    # ours stops where the straight run stopped; Lightning's own trains one more epoch
+    assert resumed.current_epoch == epochs_after_resume

@@ -1,0 +1,80 @@
+"""`python -m tests.gated_cv FOLD EPOCH WHEN MARKER <pipeline cv overrides...>`: `pipeline cv`, held for good at one
+epoch checkpoint, so that a test can kill it at a defined point instead of at whatever moment a poll notices.
+
+When fold FOLD's `last.ckpt` of epoch EPOCH is about to be written (WHEN=before: none of that fold's epoch checkpoints
+exists yet if EPOCH is 0) or has been written (WHEN=after: that checkpoint is complete on disk), the process writes
+MARKER and sleeps until it is killed. The gate wraps the fold's checkpoint writer from the test side; the product has
+no such hook.
+
+`install_rendezvous` is the other gate: each listed fold, about to write its first epoch checkpoint, waits until every
+listed fold has got that far, which proves that the folds ran at the same time without guessing how long they take.
+Fold jobs in their own processes (the parallel launcher) get it through a `sitecustomize` on their PYTHONPATH
+(`rendezvous_sitecustomize`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+
+from pipeline import fold as fold_module
+
+
+def install_gate(fold: int, epoch: int, when: str, marker: Path) -> None:
+    write = fold_module.AtomicCheckpointIO.save_checkpoint
+
+    def hold() -> None:
+        marker.write_text("held\n")
+        while True:
+            time.sleep(60)
+
+    def gated(self, checkpoint, path, storage_options=None) -> None:
+        here = Path(path).name == "last.ckpt" and Path(path).parent.name == f"fold_{fold}"
+        if here and checkpoint["epoch"] == epoch and when == "before":
+            hold()
+        write(self, checkpoint, path, storage_options)
+        if here and checkpoint["epoch"] == epoch and when == "after":
+            hold()
+
+    fold_module.AtomicCheckpointIO.save_checkpoint = gated
+
+
+def install_rendezvous(folds: list[int], folder: Path, timeout_s: float = 600) -> None:
+    # Lightning's writer, under the fold's own: `python -m pipeline.fold` runs the fold module as __main__, a second
+    # copy whose classes are not the imported module's.
+    write = TorchCheckpointIO.save_checkpoint
+
+    def gated(self, checkpoint, path, storage_options=None) -> None:
+        if checkpoint["epoch"] == 0 and Path(path).parent.name.startswith("fold_"):
+            (folder / Path(path).parent.name).write_text("arrived\n")
+            deadline = time.monotonic() + timeout_s  # a bound for a broken run: the test then fails, never waits
+            while not all((folder / f"fold_{f}").exists() for f in folds) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        write(self, checkpoint, path, storage_options)
+
+    TorchCheckpointIO.save_checkpoint = gated
+
+
+def rendezvous_sitecustomize(site_dir: Path, folds: list[int], folder: Path) -> Path:
+    """A sitecustomize.py in `site_dir` that installs the rendezvous in `python -m pipeline.fold` processes only."""
+    site_dir.mkdir(parents=True, exist_ok=True)
+    (site_dir / "sitecustomize.py").write_text(
+        "import sys\n"
+        "if sys.orig_argv[1:3] == ['-m', 'pipeline.fold']:\n"
+        "    from pathlib import Path\n"
+        "    from tests.gated_cv import install_rendezvous\n"
+        f"    install_rendezvous({list(folds)!r}, Path({str(folder)!r}))\n")
+    return site_dir
+
+
+if __name__ == "__main__":
+    fold, epoch, when, marker, *overrides = sys.argv[1:]
+    if when not in ("before", "after"):
+        raise SystemExit(f"WHEN must be before or after, got {when!r}")
+    install_gate(int(fold), int(epoch), when, Path(marker))
+    from pipeline.cli import main
+
+    raise SystemExit(main(["cv", *overrides]))
