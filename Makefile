@@ -74,7 +74,7 @@ calc: install ## size and cost of MODEL: shape trace, parameters by part, MACs, 
 	$(PY) -m pipeline calc $(OVERRIDES) $(if $(IMG),model.img_size=$(IMG)) $(if $(BATCH),loader.batch_size=$(BATCH))
 
 ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store
-	@$(PY) -m pipeline.tracking --tracking-uri '$(TRACKING_URI)' --host 127.0.0.1 --port $(MLFLOW_PORT)
+	@$(PY) -m pipeline ui-url --tracking-uri '$(TRACKING_URI)' --host 127.0.0.1 --port $(MLFLOW_PORT)
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri $(TRACKING_URI) \
 		--default-artifact-root $(CURDIR)/mlartifacts --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1
 
@@ -82,11 +82,13 @@ server: install ## MLflow tracking server for fold jobs on other nodes (SERVER_H
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server --backend-store-uri $(SERVER_STORE) \
 		--serve-artifacts --artifacts-destination $(SERVER_ARTIFACTS) --host $(SERVER_HOST) --port $(SERVER_PORT)
 
-test: install ## run the test suite
+test: install ## run the test suite (the layers contract first: a wrong import fails in a second)
+	$(VENV)/bin/lint-imports --no-logo
 	$(PY) -m pytest
 
-lint: install ## ruff
+lint: install ## ruff and the layers contract (import-linter, pyproject.toml)
 	$(VENV)/bin/ruff check pipeline tests scripts
+	$(VENV)/bin/lint-imports --no-logo
 
 # One thread per kernel: the course's tensors are small, and OpenMP threads on a busy CPU slow them down many times.
 notebooks: install ## execute the ViT course notebooks (notebooks/vit_course_*.ipynb) in place; fails on any error

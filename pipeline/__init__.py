@@ -1,14 +1,14 @@
-"""Fine-tuning pipeline for automatic pain detection from facial video (BioVid Heat Pain Database, Part A)."""
+"""Fine-tuning pipeline for automatic pain detection from facial video (BioVid Heat Pain Database, Part A).
 
-from pathlib import Path
+Subpackages by role, each importing only those below it (the layers contract in pyproject.toml, checked by
+`make lint` and `make test`):
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-
-
-def resolve_path(path: str | Path) -> Path:
-    """Relative paths in the config are relative to the project root, so commands work from any folder."""
-    path = Path(path).expanduser()
-    return path if path.is_absolute() else (PROJECT_ROOT / path).resolve()
-
+    cli                      the command line: dispatches, nothing else
+    analysis | course        comparison, inspection, calculator, benchmarks | the ViT course's helpers
+    runs                     MLflow store rules, fold jobs, launchers, the cross-validation driver
+    models                   backbone adapters, weights, the LightningModule and its callbacks, kept models, cost
+    data | evaluation        BioVid and the twin, faces, crops, folds, loaders | metrics and thresholds
+    utils                    config and logging set-up, paths, atomic files, CPUs, devices, seeds
+"""
 
 __version__ = "0.1.0"

@@ -1,4 +1,6 @@
-"""Command-line entry point: compose the Hydra config, then hand plain objects to the library.
+"""Command-line entry point: it dispatches, and nothing else. Config loading and logging set-up live in
+`pipeline.utils`, the commands in the subpackages; each command is imported where it is dispatched (explicit imports,
+inside functions so that `python -m pipeline ui-url` answers without importing torch or MLflow).
 
     python -m pipeline data        [key=value ...]   generate (synthetic twin) or validate (BioVid), crop faces, folds
     python -m pipeline aug-preview [key=value ...]   PNG grid of augmented crops
@@ -8,80 +10,98 @@
                                        attention rollout, Grad-CAM and region score on each fold's test videos
     python -m pipeline calc        [key=value ...]   a backbone's shapes, parameters, MACs and training memory
     python -m pipeline config      [key=value ...]   print the resolved config
+    python -m pipeline fold-job    JOB.json          run one fold job (what the parallel launcher starts per fold)
+    python -m pipeline fold-files  write-biovid | check PATH...   regenerate or check committed fold files
+    python -m pipeline ui-url      [--port 5000]     the MLflow UI address of the cross-validation runs page
 
 The Makefile is the front door (`make help`); it turns MODEL=, DATA=, PROTOCOL=, TASK= into these overrides.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
-import warnings
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-# resolve_path lives in pipeline/ now; re-exported here until every caller imports it from there.
-from pipeline import PROJECT_ROOT, resolve_path  # noqa: F401
-
-CONFIG_DIR = PROJECT_ROOT / "configs"
-log = logging.getLogger("pipeline")
+from pipeline.utils.atomic_io import SettingsMismatch
+from pipeline.utils.config import load_config
+from pipeline.utils.logging_setup import setup_logging
 
 
-def load_config(overrides: Sequence[str] = (), config_dir: Path = CONFIG_DIR) -> DictConfig:
-    """Compose configs/config.yaml with overrides; unknown keys are errors (no `+key=` additions).
+def _data(cfg: DictConfig, **options) -> None:
+    from pipeline.data.prepare import run_data
 
-    As under @hydra.main, ${hydra:runtime.choices.<group>} is the option chosen for a group (the protocol and task
-    files take their name from it); the hydra node itself is left out of the result.
-    """
-    added = [o for o in overrides if o.lstrip().startswith("+")]
-    if added:
-        raise ValueError(f"adding keys is not allowed ({', '.join(added)}): every key must exist in configs/")
-    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    OmegaConf.set_struct(cfg, True)
-    OmegaConf.resolve(cfg)
-    return cfg
+    run_data(cfg, **options)
 
 
-def setup_logging(verbose: bool | None = None) -> None:
-    """What a person sees: the pipeline's own lines, its warnings about the run, progress bars and results.
+def _aug_preview(cfg: DictConfig, **options) -> None:
+    from pipeline.analysis.aug_preview import run_aug_preview
 
-    Quiet by default: other libraries' info lines (Lightning's tips and device banners) and warnings (deprecations
-    inside dependencies) are hidden. VERBOSE=1 (`make cv VERBOSE=1`) brings everything back.
-    """
-    verbose = os.environ.get("VERBOSE", "") not in ("", "0") if verbose is None else verbose
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
-    if verbose:
-        logging.getLogger("pipeline").setLevel(logging.INFO)
-        return
-    for variable, value in (("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false"), ("MLFLOW_LOGGING_LEVEL", "WARNING"),
-                            ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")):
-        os.environ.setdefault(variable, value)  # read by MLflow when it is imported and when it prints
-    # Lightning resets its package logger's level when it is imported, so the loggers it writes through are set too.
-    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning", "mlflow", "alembic",
-                 "pytorch_lightning.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero",
-                 "lightning_fabric.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    # Python warnings come from dependencies; what concerns the user's run (training from scratch, skipped videos)
-    # the pipeline also logs as a warning, and those log lines stay.
-    warnings.filterwarnings("ignore")
+    run_aug_preview(cfg, **options)
+
+
+def _cv(cfg: DictConfig, **options) -> None:
+    from pipeline.runs.cross_validation import run_cv
+
+    run_cv(cfg, **options)
+
+
+def _compare(cfg: DictConfig, **options) -> None:
+    from pipeline.analysis.compare import run_compare
+
+    run_compare(cfg, **options)
+
+
+def _inspect(cfg: DictConfig, **options) -> None:
+    from pipeline.analysis.inspection import run_inspect
+
+    run_inspect(cfg, **options)
+
+
+def _calc(cfg: DictConfig, **options) -> None:
+    from pipeline.analysis.calculator import run_calc
+
+    run_calc(cfg, **options)
+
+
+def _print_config(cfg: DictConfig, **options) -> None:
+    print(OmegaConf.to_yaml(cfg))
+
+
+def _fold_job(argv: list[str]) -> int:
+    from pipeline.runs.fold_job import main
+
+    return main(argv)
+
+
+def _fold_files(argv: list[str]) -> int:
+    from pipeline.data.fold_files import main
+
+    return main(argv)
+
+
+def _ui_url(argv: list[str]) -> int:
+    from pipeline.runs.tracking import main
+
+    main(argv)
+    return 0
+
+
+# commands over the composed config (key=value overrides, --name=value options)
+COMMANDS: dict[str, Callable[..., None]] = {
+    "data": _data, "aug-preview": _aug_preview, "cv": _cv, "compare": _compare, "inspect": _inspect,
+    "calc": _calc, "config": _print_config,
+}
+# tools with arguments of their own
+TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "fold-files": _fold_files, "ui-url": _ui_url}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"data": "pipeline.prepare:run_data", "aug-preview": "pipeline.prepare:run_aug_preview",
-                "cv": "pipeline.cv:run_cv", "compare": "pipeline.compare:run_compare",
-                "inspect": "pipeline.inspection:run_inspect", "calc": "pipeline.calc:run_calc", "config": None}
-    if not argv or argv[0] not in commands:
+    if argv and argv[0] in TOOLS:
+        return TOOLS[argv[0]](argv[1:])
+    if not argv or argv[0] not in COMMANDS:
         print(__doc__, file=sys.stderr)
         return 2
     command, overrides = argv[0], argv[1:]
@@ -94,15 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = [option for option in overrides if not option.startswith("--")]
     setup_logging()
     cfg = load_config(overrides)
-    if command == "config":
-        print(OmegaConf.to_yaml(cfg))
-        return 0
-    module_name, function_name = commands[command].split(":")
-    module = __import__(module_name, fromlist=[function_name])
-    from pipeline.io import SettingsMismatch
-
     try:
-        getattr(module, function_name)(cfg, **options)
+        COMMANDS[command](cfg, **options)
     except KeyboardInterrupt:
         print(f"\ninterrupted: `make {command}` with the same settings continues where this one stopped",
               file=sys.stderr)

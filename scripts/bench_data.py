@@ -3,25 +3,25 @@ training loader feeds a backbone faster than the backbone trains, with the setti
 
 What it measures (numbers for the release notes, not a test):
 
-1. Preprocessing throughput (`pipeline.preprocess.preprocess` with the config's `preprocess` settings): a small
+1. Preprocessing throughput (`pipeline.data.face_crops.preprocess` with the config's `preprocess` settings): a small
    synthetic subset per preset (default 320 x 240 and BioVid's full 1388 x 1038; 2 subjects x 5 classes x 2 samples
    = 20 videos each) is generated, timed, then cropped twice into fresh folders: with one worker (the per-core
    figure) and with preprocess.workers (null: all CPUs).
-2. Detection rate of the config's face detector on those videos (`pipeline.faces.detection_rate`), overall and per
+2. Detection rate of the config's face detector on those videos (`pipeline.data.faces.detection_rate`), overall and per
    class, and of every detector in --detectors (default haar,mtcnn) beside it; the subsets are drawn with the config's
    data.synthetic.difficulty (--difficulty hard: the twin that tests the detector). Then the same detectors on real-
-   face clips (`pipeline.photo_clips`: scikit-image's astronaut at 15-60 % of the frame height, rolled by up to 20
+   face clips (`pipeline.data.photo_clips`: scikit-image's astronaut at 15-60 % of the frame height, rolled by up to 20
    degrees, three brightness levels, three backgrounds, 694 x 519), with the rate per face size and roll, and a
    picture of square crops beside aligned ones (aligned_vs_unaligned.png). Not in --quick.
 3. Loader throughput: images/s from `PainDataModule.train_dataloader()` built by `make cv`'s own
-   `pipeline.fold.build_fold` for the training backbone (image size, batch, workers, augmentation, crop window), a
-   warm-up pass then timed passes, compared with fwd + bwd + AdamW steps of that backbone on random tensors at the
-   same size, batch and precision: the loader should deliver >= 3x what training consumes, so data never limits
+   `pipeline.runs.fold_job.build_fold` for the training backbone (image size, batch, workers, augmentation, crop
+   window), a warm-up pass then timed passes, compared with fwd + bwd + AdamW steps of that backbone on random tensors
+   at the same size, batch and precision: the loader should deliver >= 3x what training consumes, so data never limits
    training.
    It reads the config's prepared crops (data.processed_dir) if there are any, else the default-preset subset made in
    step 1 (listed repeatedly, as extra subjects, until a pass holds enough images).
 
-Settings: composed by `pipeline.cli.load_config` from the same key=value overrides as `python -m pipeline`. The
+Settings: composed by `pipeline.utils.config.load_config` from the same key=value overrides as `python -m pipeline`. The
 training backbone is --train-model, else the one the overrides pick (model=...), else mobilevit_s.
 
 Run:
@@ -53,8 +53,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from pipeline import resolve_path
-from pipeline.bench import (
+from pipeline.analysis.benchmarks import (
     DEFAULT_OUT,
     DEFAULT_WORK,
     bare_training_throughput,
@@ -71,11 +70,12 @@ from pipeline.bench import (
     training_settings,
     write_report,
 )
-from pipeline.datamodule import PainDataModule
-from pipeline.io import atomic_path
-from pipeline.parallel import available_cpus
-from pipeline.preprocess import PreprocessConfig
-from pipeline.tasks import CLASS_NAMES
+from pipeline.data.datamodule import PainDataModule
+from pipeline.data.face_crops import PreprocessConfig
+from pipeline.data.tasks import CLASS_NAMES
+from pipeline.utils.atomic_io import atomic_path
+from pipeline.utils.cpus import available_cpus
+from pipeline.utils.paths import resolve_path
 
 LOADER_TARGET_RATIO = 3.0  # loader images/s over training images/s
 QUICK_OVERRIDES = ["model.img_size=32", "loader.batch_size=8"]  # before the command line's, which win
@@ -85,7 +85,7 @@ def bench_preprocess(samples: pd.DataFrame, work_dir: Path, config: PreprocessCo
                      progress: bool, device: str = "auto") -> tuple[dict, Path]:
     """Crop the subset with one worker and with `workers`, each into a fresh folder; returns figures and the last
     processed folder."""
-    from pipeline.preprocess import preprocess
+    from pipeline.data.face_crops import preprocess
 
     figures: dict[str, Any] = {}
     processed = work_dir
@@ -109,8 +109,8 @@ def bench_preprocess(samples: pd.DataFrame, work_dir: Path, config: PreprocessCo
 def generate_twin_subset(root: Path, preset: str, n_subjects: int, samples_per_class: int, difficulty: str,
                          workers: int, progress: bool) -> tuple[pd.DataFrame, float]:
     """A small synthetic subset of `preset` with the given look; its sample table and the seconds it took."""
-    from pipeline.biovid import load_samples
-    from pipeline.synthetic import PRESETS, generate
+    from pipeline.data.biovid import load_samples
+    from pipeline.data.synthetic import PRESETS, generate
 
     if preset not in PRESETS:
         raise SystemExit(f"unknown synthetic preset {preset!r}; known: {', '.join(PRESETS)}")
@@ -123,7 +123,7 @@ def generate_twin_subset(root: Path, preset: str, n_subjects: int, samples_per_c
 
 def bench_detection(samples: pd.DataFrame, detector_name: str, progress: bool, device: str = "auto") -> dict[str, Any]:
     """Detection rate per class (separate calls, so each class's rate is exact), and overall."""
-    from pipeline.faces import build_detector, detection_rate
+    from pipeline.data.faces import build_detector, detection_rate
 
     detector = build_detector(detector_name, **({"device": device} if detector_name == "mtcnn" else {}))
     per_class, frames, detected = {}, 0, 0
@@ -155,9 +155,9 @@ def bench_photo_detection(work_dir: Path, detectors: Sequence[str], device: str,
     """Detection rate of each detector on real-face clips (PHOTO_GRID at 694 x 519, 4 frames each): overall, per
     face size and per roll. Every clip has the face at >= 15 % of the frame height, rolled by <= 20 degrees: the
     frames of the issue's >= 99 % target."""
-    from pipeline.faces import build_detector, find_faces
-    from pipeline.photo_clips import clip_grid, write_clips
-    from pipeline.video import read_sampled_frames
+    from pipeline.data.faces import build_detector, find_faces
+    from pipeline.data.photo_clips import clip_grid, write_clips
+    from pipeline.data.video import read_sampled_frames
 
     clips = clip_grid(**PHOTO_GRID, width=694, height=519, n_frames=4)
     paths = write_clips(work_dir / "photo_clips", clips)
@@ -185,9 +185,9 @@ def alignment_picture(samples: pd.DataFrame, path: Path, size: int = 112, margin
     astronaut rolled by -20 and 20 degrees. MTCNN finds each face; the frame 4 s into each clip is used."""
     import cv2
 
-    from pipeline.faces import MTCNNFaceDetector, aligned_crop, square_crop
-    from pipeline.photo_clips import PhotoClip, astronaut, clip_frames
-    from pipeline.video import read_frames
+    from pipeline.data.faces import MTCNNFaceDetector, aligned_crop, square_crop
+    from pipeline.data.photo_clips import PhotoClip, astronaut, clip_frames
+    from pipeline.data.video import read_frames
 
     detector = MTCNNFaceDetector(device="cpu")
     frames = []
@@ -228,7 +228,7 @@ def bench_loader(datamodule: PainDataModule, passes: int, progress: bool) -> dic
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pipeline.synthetic import PRESETS
+    from pipeline.data.synthetic import PRESETS
 
     models = [args.train_model] if args.train_model else None
     cfg = load_configs(args.overrides, models, ["mobilevit_xxs" if args.quick else "mobilevit_s"])[0]
@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def plot(report: Mapping[str, Any], path: Path) -> Path:
     from matplotlib.figure import Figure
 
-    from pipeline.metrics import save_png
+    from pipeline.evaluation.metrics import save_png
 
     figure = Figure(figsize=(11, 4))
     left, right = figure.subplots(1, 2)

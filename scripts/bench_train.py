@@ -10,11 +10,11 @@ What it measures (numbers for the release notes, not a test), for each backbone:
     schedule, on one pre-made random batch;
 (c) the ratio a / b: the cost of Lightning and the data loader. Target >= 0.9.
 
-Settings: composed by `pipeline.cli.load_config` from the same key=value overrides as `python -m pipeline cv`, and the
-model and data built by `make cv`'s own `pipeline.fold.build_fold`, so the image size, batch, loader, augmentation,
-optimizer recipe and precision are those of `make cv` for that backbone and dataset, data_model specialisation
-included. Backbones: --models, else the one the overrides pick (model=...), else vit_b16, cvt_13 and mobilevit_s.
-Models start from random weights: speed does not depend on them.
+Settings: composed by `pipeline.utils.config.load_config` from the same key=value overrides as `python -m pipeline cv`,
+and the model and data built by `make cv`'s own `pipeline.runs.fold_job.build_fold`, so the image size, batch, loader,
+augmentation, optimizer recipe and precision are those of `make cv` for that backbone and dataset, data_model
+specialisation included. Backbones: --models, else the one the overrides pick (model=...), else vit_b16, cvt_13 and
+mobilevit_s. Models start from random weights: speed does not depend on them.
 
 Both paths use the same torch thread count: by default the CPUs left over by the dataloader workers (at least 1),
 because OpenMP threads that wait on a busy core slow training several-fold.
@@ -46,8 +46,7 @@ import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig
 
-from pipeline import resolve_path
-from pipeline.bench import (
+from pipeline.analysis.benchmarks import (
     DEFAULT_OUT,
     DEFAULT_WORK,
     bare_training_throughput,
@@ -65,9 +64,10 @@ from pipeline.bench import (
     training_settings,
     write_report,
 )
-from pipeline.datamodule import PainDataModule
-from pipeline.module import PainClassifier
-from pipeline.parallel import available_cpus
+from pipeline.data.datamodule import PainDataModule
+from pipeline.models.classifier import PainClassifier
+from pipeline.utils.cpus import available_cpus
+from pipeline.utils.paths import resolve_path
 
 TARGET_RATIO = 0.9  # real path images/s over bare loop images/s
 DEFAULT_MODELS = ["vit_b16", "cvt_13", "mobilevit_s"]
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def plot(report: Mapping[str, Any], path: Path) -> Path:
     from matplotlib.figure import Figure
 
-    from pipeline.metrics import save_png
+    from pipeline.evaluation.metrics import save_png
 
     models = list(report["models"])
     entries = [report["models"][m] for m in models]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import load_config
+from pipeline.utils.config import load_config
 
 
 def tiny_overrides(base: Path, *extra: str) -> list[str]:
@@ -30,10 +30,20 @@ def tiny_overrides(base: Path, *extra: str) -> list[str]:
     ]
 
 
+def loader_config(**changes):
+    """The `loader` group of configs/config.yaml as a LoaderConfig, with test-sized changes."""
+    from omegaconf import OmegaConf
+
+    from pipeline.data.datamodule import LoaderConfig
+    from pipeline.utils.config import CONFIG_DIR
+
+    return LoaderConfig.from_config(OmegaConf.load(CONFIG_DIR / "config.yaml").loader, **changes)
+
+
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A prepared tiny synthetic dataset (raw videos, crops, frame table, fold file), shared read-only by tests."""
-    from pipeline.prepare import prepare_data
+    from pipeline.data.prepare import prepare_data
 
     base = tmp_path_factory.mktemp("tiny")
     prepare_data(load_config(tiny_overrides(base)), progress=False)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
-from pipeline import fold as fold_module
+from pipeline.runs import fold_job as fold_module
 
 
 def install_gate(fold: int, epoch: int, when: str, marker: Path) -> None:
@@ -43,8 +43,7 @@ def install_gate(fold: int, epoch: int, when: str, marker: Path) -> None:
 
 
 def install_rendezvous(folds: list[int], folder: Path, timeout_s: float = 600) -> None:
-    # Lightning's writer, under the fold's own: `python -m pipeline.fold` runs the fold module as __main__, a second
-    # copy whose classes are not the imported module's.
+    # Lightning's writer, under the fold's own: the gate then holds whichever checkpoint writer the fold job uses.
     write = TorchCheckpointIO.save_checkpoint
 
     def gated(self, checkpoint, path, storage_options=None) -> None:
@@ -59,11 +58,11 @@ def install_rendezvous(folds: list[int], folder: Path, timeout_s: float = 600) -
 
 
 def rendezvous_sitecustomize(site_dir: Path, folds: list[int], folder: Path) -> Path:
-    """A sitecustomize.py in `site_dir` that installs the rendezvous in `python -m pipeline.fold` processes only."""
+    """A sitecustomize.py in `site_dir` that installs the rendezvous in `python -m pipeline fold-job` processes only."""
     site_dir.mkdir(parents=True, exist_ok=True)
     (site_dir / "sitecustomize.py").write_text(
         "import sys\n"
-        "if sys.orig_argv[1:3] == ['-m', 'pipeline.fold']:\n"
+        "if sys.orig_argv[1:4] == ['-m', 'pipeline', 'fold-job']:\n"
         "    from pathlib import Path\n"
         "    from tests.gated_cv import install_rendezvous\n"
         f"    install_rendezvous({list(folds)!r}, Path({str(folder)!r}))\n")

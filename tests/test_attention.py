@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.attention import (
+from pipeline.analysis.attention import (
     AttentionRecorder,
     NoAttentionCaptured,
     attention_rollout,
@@ -16,7 +16,7 @@ from pipeline.attention import (
     patch_embedding_components,
     position_embedding_similarity,
 )
-from pipeline.backbones import create_model
+from pipeline.models.backbones import create_model
 
 
 def test_rollout_equals_the_hand_computation_on_two_layers() -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.augment import (
+from pipeline.data.augment import (
     build_eval_transform,
     build_train_transform,
     denormalize,
@@ -27,7 +27,7 @@ AUGMENT_DIR = Path(__file__).resolve().parents[1] / "configs" / "augment"
 
 @dataclass(frozen=True)
 class FakeDataConfig:
-    """Duck-types pipeline.backbones.DataConfig; mean/std deliberately not ImageNet's."""
+    """Duck-types pipeline.models.backbones.DataConfig; mean/std deliberately not ImageNet's."""
 
     input_size: tuple[int, int, int] = (3, 64, 64)
     mean: tuple[float, float, float] = (0.40, 0.45, 0.50)
@@ -103,7 +103,7 @@ def test_misspelled_or_ambiguous_parameters_are_errors(params: dict, message: st
 def test_every_config_file_builds_under_strict_checking() -> None:
     # A renamed argument in a YAML file would make this fail instead of silently being ignored.
     # Files that only pick another one (defaults: [heavy]) are composed by Hydra, as every command does.
-    from pipeline.cli import load_config
+    from pipeline.utils.config import load_config
 
     for path in sorted(AUGMENT_DIR.glob("*.yaml")):
         build_train_transform(DATA_CONFIG, load_config([f"augment={path.stem}"]).augment)

@@ -10,7 +10,7 @@ import timm
 import torch
 from torch import nn
 
-from pipeline.backbones import (
+from pipeline.models.backbones import (
     BACKBONE_NAMES,
     CVT_DATA_CONFIG,
     CVT_VARIANTS,
@@ -20,6 +20,7 @@ from pipeline.backbones import (
     TimmBackbone,
     create_backbone,
     create_model,
+    model_family,
 )
 
 # small tensors: one torch thread (see conftest.one_torch_thread)
@@ -164,3 +165,10 @@ def test_heads_are_fresh_and_sized_by_n_classes() -> None:
 def test_unknown_backbone_name_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown backbone 'not_a_model'.*vit_b16"):
         create_backbone("not_a_model")
+
+
+@pytest.mark.parametrize(("name", "family"), [("vit_b16", "vit"), ("vit_ref", "vit"), ("deit_tiny_patch16_224", "vit"),
+                                              ("cvt_13", "cvt"), ("mobilevit_s", "timm"), (PASS_THROUGH_TIMM, "timm")])
+def test_the_family_comes_from_the_adapter_not_the_name(name: str, family: str) -> None:
+    # deit_* is a plain ViT although its name does not say so; the meta-device build answers without any weights
+    assert model_family(name, img_size=32) == family

@@ -16,13 +16,13 @@ from pathlib import Path
 import albumentations as A
 import pytest
 
-from pipeline import PROJECT_ROOT
-from pipeline.augment import build_train_transform
-from pipeline.bench import build, load_configs, loader_dataset, training_settings
-from pipeline.cli import load_config
-from pipeline.fold import build_fold
-from pipeline.module import OptimConfig
-from pipeline.prepare import fold_file_path
+from pipeline.analysis.benchmarks import build, load_configs, loader_dataset, training_settings
+from pipeline.data.augment import build_train_transform
+from pipeline.data.prepare import fold_file_path
+from pipeline.models.classifier import OptimConfig
+from pipeline.runs.fold_job import build_fold, decide
+from pipeline.utils.config import load_config
+from pipeline.utils.paths import PROJECT_ROOT
 from tests.conftest import tiny_overrides
 
 SCRIPTS = PROJECT_ROOT / "scripts"
@@ -44,8 +44,8 @@ def test_bench_builds_what_make_cv_builds(tiny_base: Path, tmp_path: Path, extra
 
     module, datamodule = build(cfg, loader_dataset(tiny_base / "processed", tmp_path, 1, cfg))
     measured = training_settings(cfg, module, datamodule)
-    # make cv: pipeline.fold.build_fold on the config itself, over the real fold file
-    cv_module, cv_datamodule, _ = build_fold(cfg, 0, fold_file_path(cfg))
+    # make cv: pipeline.runs.fold_job.build_fold on the config itself, over the real fold file
+    cv_module, cv_datamodule, _ = build_fold(cfg, 0, decide(cfg, fold_file_path(cfg)))
     assert measured == training_settings(cfg, cv_module, cv_datamodule)
 
     data_config = module.model.backbone.data_config

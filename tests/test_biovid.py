@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline.biovid import NON_RESPONDERS, SAMPLES_COLUMNS, SAMPLES_CSV, BioVidError, load_samples
-from pipeline.folds import biovid_subjects
+from pipeline.data.biovid import NON_RESPONDERS, SAMPLES_COLUMNS, SAMPLES_CSV, BioVidError, load_samples
+from pipeline.data.fold_files import biovid_subjects
 
 
 @pytest.fixture()

@@ -7,9 +7,9 @@ import timm
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeline.backbones import create_model
-from pipeline.calc import (
-    PUBLISHED,
+from pipeline.analysis.calculator import PUBLISHED, report
+from pipeline.models.backbones import create_model
+from pipeline.models.cost import (
     VIT_PAPER_PARAMS,
     VIT_PRESETS,
     ViTShape,
@@ -18,7 +18,6 @@ from pipeline.calc import (
     count_macs,
     grouped_trace,
     parameter_count,
-    report,
     saved_activation_bytes,
     shape_trace,
     vit_mac_parts,

@@ -17,8 +17,8 @@ import pandas as pd
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from pipeline import PROJECT_ROOT
-from pipeline.cli import load_config
+from pipeline.utils.config import load_config
+from pipeline.utils.paths import PROJECT_ROOT
 from tests.conftest import tiny_overrides
 
 

@@ -13,8 +13,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from scipy import stats
 
-from pipeline import tracking
-from pipeline.compare import (
+from pipeline.analysis.compare import (
     DEFAULT_METRICS,
     ComparisonError,
     check_same_folds,
@@ -25,6 +24,7 @@ from pipeline.compare import (
     plot_fold_scores,
     summary_table,
 )
+from pipeline.runs import tracking
 
 EXPERIMENT = "pain-cv-test"
 N_FOLDS = 5
@@ -290,7 +290,7 @@ def test_review_notebook_reads_the_same_runs_as_compare(store, tmp_path) -> None
     import nbformat
     from nbclient import NotebookClient
 
-    from pipeline import PROJECT_ROOT
+    from pipeline.utils.paths import PROJECT_ROOT
 
     client, ids = store["client"], store["ids"]
     (tmp_path / "accuracy_per_subject.csv").write_text("subject_name,accuracy\ns1,0.5\ns2,1.0\n")
@@ -318,7 +318,7 @@ def test_review_notebook_reads_the_same_runs_as_compare(store, tmp_path) -> None
 
 
 def test_cost_axis_labels_use_si_units() -> None:
-    from pipeline.compare import _cost_formatter
+    from pipeline.analysis.compare import _cost_formatter
 
     _si = _cost_formatter()
     assert [_si(v) for v in (4.94e6, 3.5e8, 1.7e10, 2_000.0, 12.0)] == ["4.94M", "350M", "17G", "2k", "12"]
@@ -343,15 +343,15 @@ def test_only_cvs_on_the_same_crops_are_compared(store) -> None:
 
 
 def test_crop_settings_name_the_twin_look_detector_and_alignment() -> None:
-    from pipeline.cli import load_config
-    from pipeline.compare import crop_settings
+    from pipeline.analysis.compare import crop_settings
+    from pipeline.utils.config import load_config
 
     settings = crop_settings(load_config(["data.align_faces=false"]))
     assert settings["preprocess.detector"] == "mtcnn" and settings["preprocess.align"] == "False"
     assert settings["data.synthetic.difficulty"] == "hard"
     assert not any("workers" in key or "device" in key for key in settings)  # how fast, not what was made
     # every backbone's specialisation (configs/data_model/) keeps the crops, so `make compare` finds all of them
-    from pipeline import PROJECT_ROOT
+    from pipeline.utils.paths import PROJECT_ROOT
 
     models = sorted(path.stem for path in (PROJECT_ROOT / "configs" / "model").glob("*.yaml") if path.stem != "timm")
     assert len(models) >= 7

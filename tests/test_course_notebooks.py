@@ -16,7 +16,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from pipeline import PROJECT_ROOT
+from pipeline.utils.paths import PROJECT_ROOT
 
 NOTEBOOK_DIR = PROJECT_ROOT / "notebooks"
 

@@ -11,16 +11,17 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipeline import resolve_path
-from pipeline.checkpoints import load_fold_model
-from pipeline.compare import ComparisonError, compare, run_compare
-from pipeline.cv import identity_lock, plan_cv, run_cv
-from pipeline.datamodule import PainDataModule
-from pipeline.fold import train_fold
-from pipeline.module import OptimConfig, PainClassifier
-from pipeline.prepare import fold_file_path
-from pipeline.tasks import get_task
-from pipeline.tracking import get_or_create_experiment
+from pipeline.analysis.compare import ComparisonError, compare, run_compare
+from pipeline.data.datamodule import PainDataModule
+from pipeline.data.prepare import fold_file_path
+from pipeline.data.tasks import get_task
+from pipeline.models.classifier import OptimConfig, PainClassifier
+from pipeline.models.kept_model import load_fold_model
+from pipeline.runs.cross_validation import identity_lock, plan_cv, run_cv
+from pipeline.runs.fold_job import decide, train_fold
+from pipeline.runs.tracking import get_or_create_experiment
+from pipeline.utils.paths import resolve_path
+from tests.conftest import loader_config
 
 # Tiny and fast: a small timm model, 32 px inputs, no workers, two folds.
 FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
@@ -103,7 +104,7 @@ def test_early_stopping_stops(tiny_config, tmp_path: Path) -> None:
     cfg = tiny_config(*FAST, "model=timm", "model.name=vit_tiny_patch16_224", "trainer.max_epochs=8",
                       "trainer.patience=2", "model.optim.head_lr=0", "model.optim.backbone_lr=0")
     with fold_run(cfg):
-        result = train_fold(cfg, 0, fold_file_path(cfg), tmp_path)
+        result = train_fold(cfg, 0, decide(cfg, fold_file_path(cfg)), tmp_path)
     assert result.epochs == 3 and result.best_epoch == 0
 
 
@@ -111,13 +112,13 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
     # the crop window travels from the config to the data: crops at 2.0, 3.8 and 5.5 s, only the later two used
     cfg = tiny_config(*FAST, "trainer.max_epochs=3", "trainer.patience=5", "loader.from_s=3.0")
     with fold_run(cfg):
-        result = train_fold(cfg, 1, fold_file_path(cfg), tmp_path)
+        result = train_fold(cfg, 1, decide(cfg, fold_file_path(cfg)), tmp_path)
     assert result.frame_predictions["time_s"].min() >= 3.0
     assert result.frame_predictions.groupby("sample_name").size().eq(2).all()
     checkpoint = torch.load(tmp_path / "best.ckpt", map_location="cpu", weights_only=True)
     assert checkpoint["epoch"] == result.best_epoch
 
-    from pipeline.backbones import create_model
+    from pipeline.models.backbones import create_model
 
     task = get_task(cfg.task.name)
     net, _ = create_model(cfg.model.name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
@@ -125,7 +126,7 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
     module.load_state_dict(checkpoint["state_dict"])
     module.eval()
     datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 1, task,
-                                net.backbone.data_config, {}, num_workers=0, from_s=3.0)
+                                net.backbone.data_config, {}, loader_config(num_workers=0, from_s=3.0))
     datamodule.setup()
     with torch.no_grad():
         probs = torch.cat([module(images).softmax(1) for images, _, _ in datamodule.test_dataloader()])
@@ -161,7 +162,7 @@ def test_a_seeded_fold_is_reproducible(tiny_config, tmp_path: Path) -> None:
     predictions = []
     for attempt in range(2):
         with fold_run(cfg):
-            result = train_fold(cfg, 0, fold_file_path(cfg), tmp_path / str(attempt))
+            result = train_fold(cfg, 0, decide(cfg, fold_file_path(cfg)), tmp_path / str(attempt))
         predictions.append(result.frame_predictions["prob_PA4"].to_numpy())
     np.testing.assert_array_equal(predictions[0], predictions[1])
 
@@ -203,7 +204,7 @@ def test_kept_model_reloads_and_gives_the_same_test_predictions(cv_runs, tiny_co
     fold = int(child.data.tags["fold"])
     task = get_task(meta["task"])
     datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), fold, task,
-                                net.backbone.data_config, {}, num_workers=0)
+                                net.backbone.data_config, {}, loader_config(num_workers=0))
     datamodule.setup()
     with torch.no_grad():
         probs = torch.cat([net(images).softmax(1) for images, _, _ in datamodule.test_dataloader()])
@@ -254,7 +255,7 @@ def test_an_unknown_launcher_key_is_an_error(tiny_config) -> None:
 
 
 def test_slurm_launcher_refuses_what_cannot_work(tiny_config, tmp_path: Path, monkeypatch) -> None:
-    from pipeline.launchers import check_launcher
+    from pipeline.runs.launchers import check_launcher
 
     cfg = tiny_config(*FAST, "launcher=slurm")
     monkeypatch.setenv("PATH", str(tmp_path))  # a machine without SLURM

@@ -12,9 +12,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.datamodule import PainDataModule, default_num_workers
-from pipeline.folds import FoldError
-from pipeline.tasks import CLASS_NAMES, get_task
+from pipeline.data.datamodule import PainDataModule, default_num_workers
+from pipeline.data.fold_files import FoldError
+from pipeline.data.tasks import CLASS_NAMES, get_task
+from tests.conftest import loader_config
 
 AUGMENT_DIR = Path(__file__).resolve().parents[1] / "configs" / "augment"
 SUBJECTS = tuple(f"0{index}0909_w_2{index}" for index in range(1, 7))
@@ -97,9 +98,11 @@ def fold_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_datamodule(
     processed_dir: Path, fold_file: Path, fold: int = 0, task: str = "five_class", augment: str = "heavy", **options
 ) -> PainDataModule:
-    options = {"batch_size": 8, "num_workers": 0, **options}
+    seed = options.pop("seed", 0)
     params = OmegaConf.to_container(OmegaConf.load(AUGMENT_DIR / f"{augment}.yaml"))
-    datamodule = PainDataModule(processed_dir, fold_file, fold, get_task(task), FakeDataConfig(), params, **options)
+    loader = loader_config(**{"batch_size": 8, "num_workers": 0, **options})
+    datamodule = PainDataModule(processed_dir, fold_file, fold, get_task(task), FakeDataConfig(), params, loader,
+                                seed=seed)
     datamodule.setup("fit")
     return datamodule
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from skimage import data
 
-from pipeline.faces import (
+from pipeline.data.faces import (
     DETECTORS,
     HaarFaceDetector,
     build_detector,

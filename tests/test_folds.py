@@ -13,8 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.cli import load_config
-from pipeline.folds import (
+from pipeline.data.fold_files import (
     BIOVID_MANIFEST_DIR,
     BIOVID_PROTOCOLS,
     BIOVID_SUBJECTS_CSV,
@@ -39,7 +38,8 @@ from pipeline.folds import (
     usable_strata,
     write_folds,
 )
-from pipeline.prepare import ensure_folds
+from pipeline.data.prepare import ensure_folds
+from pipeline.utils.config import load_config
 from tests.conftest import tiny_overrides
 
 # The 20 participants without a facial response (public BioVid practice, /work/shared/biovid.md).
@@ -405,7 +405,7 @@ def test_a_fold_file_changed_after_its_record_is_refused(kfold_table, tmp_path):
 def test_a_fold_file_without_a_record_is_accepted_with_a_warning(kfold_table, tmp_path, caplog):
     path = tmp_path / "kfold3_all9.csv"
     write_folds(kfold_table, path)
-    with caplog.at_level("WARNING", logger="pipeline.folds"):
+    with caplog.at_level("WARNING", logger="pipeline.data.fold_files"):
         check_fold_parameters(path, fold_parameters("kfold3", seed=7, val_fraction=0.2))
     assert f"{path} has no parameter record kfold3_all9.json" in caplog.text and "seed=7" in caplog.text
 

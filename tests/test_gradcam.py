@@ -7,9 +7,9 @@ import pytest
 import torch
 from skimage import data
 
-from pipeline.augment import build_eval_transform
-from pipeline.backbones import CvtBackbone, CvtVariant, PainNet, create_model
-from pipeline.gradcam import gradcam_layer, gradcam_maps
+from pipeline.analysis.gradcam import gradcam_layer, gradcam_maps
+from pipeline.data.augment import build_eval_transform
+from pipeline.models.backbones import CvtBackbone, CvtVariant, PainNet, create_model
 
 
 def face_batch(data_config, n: int = 2) -> torch.Tensor:

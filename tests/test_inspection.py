@@ -11,13 +11,14 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from pipeline.calc import backbone_cost
-from pipeline.cli import load_config, main
-from pipeline.compare import cost_and_regions, cost_lines, fold_scores, plot_accuracy_vs_cost, summary_table
-from pipeline.cv import run_cv
-from pipeline.fold import fold_runs
-from pipeline.inspection import inspect_cv
-from pipeline.regions import box_polygon, polygons_mask
+from pipeline.analysis.compare import cost_and_regions, cost_lines, fold_scores, plot_accuracy_vs_cost, summary_table
+from pipeline.analysis.inspection import inspect_cv
+from pipeline.analysis.regions import box_polygon, polygons_mask
+from pipeline.cli import main
+from pipeline.models.cost import backbone_cost
+from pipeline.runs.cross_validation import run_cv
+from pipeline.runs.fold_job import fold_runs
+from pipeline.utils.config import load_config
 from tests.conftest import tiny_overrides
 
 # A ViT (rollout, Grad-CAM, the paper's pictures) at 32 px: 2 x 2 patches; one epoch per fold is enough to inspect.
@@ -167,7 +168,7 @@ def test_untrained_baseline_and_the_cost_reach_make_compare(biovid_cv) -> None:
     assert len(both) == len(kept) == len(fold.videos)
     assert not np.allclose(both["prob_PA4"], both["prob_PA4_kept"], atol=1e-4)
 
-    # a cost recorded on the parent run (what cv.py logs with pipeline.calc.backbone_cost) is read, not recomputed
+    # a cost recorded on the parent run (the CV logs pipeline.models.cost.backbone_cost) is read, not recomputed
     cost = backbone_cost("mobilevit_xxs", 32)
     client.log_batch(parent_id, metrics=[Metric(key, value, 0, 0) for key, value in cost.items()])
     parent = client.get_run(parent_id)

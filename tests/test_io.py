@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline.io import atomic_path, atomic_write_csv, atomic_write_text
+from pipeline.utils.atomic_io import atomic_path, atomic_write_csv, atomic_write_text
 
 
 def test_atomic_files_get_the_mode_a_plain_write_gets(tmp_path: Path) -> None:
@@ -51,7 +51,7 @@ def test_a_replaced_file_keeps_its_mode_and_a_private_file_stays_private(tmp_pat
 
 def test_fold_job_files_are_private(tmp_path: Path) -> None:
     """A fold job's JSON holds the tracking URI, which may carry a database password."""
-    from pipeline.fold import FoldJob
+    from pipeline.runs.fold_job import FoldJob
 
     job = FoldJob({"a": 1}, 0, "parent", "postgresql://user:secret@db/mlflow", str(tmp_path / "work"))
     path = job.write(tmp_path / "job.json")

@@ -15,9 +15,9 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipeline import PROJECT_ROOT
-from pipeline.cv import run_cv
-from pipeline.launchers import job_slots, tracking_server
+from pipeline.runs.cross_validation import run_cv
+from pipeline.runs.launchers import job_slots, tracking_server
+from pipeline.utils.paths import PROJECT_ROOT
 from tests.conftest import tiny_overrides
 from tests.gated_cv import rendezvous_sitecustomize
 from tests.test_cv import FAST

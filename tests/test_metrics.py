@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from pipeline.metrics import (
+from pipeline.evaluation.metrics import (
     aggregate_videos,
     classification_metrics,
     confusion,

@@ -8,20 +8,15 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from pipeline import resolve_path
-from pipeline.backbones import create_model
-from pipeline.datamodule import PainDataModule
-from pipeline.folds import fold_subjects, read_folds
-from pipeline.module import (
-    FreezeBackbone,
-    OptimConfig,
-    PainClassifier,
-    ResumableEarlyStopping,
-    parameter_groups,
-    warmup_cosine,
-)
-from pipeline.prepare import fold_file_path
-from pipeline.tasks import get_task
+from pipeline.data.datamodule import PainDataModule
+from pipeline.data.fold_files import fold_subjects, read_folds
+from pipeline.data.prepare import fold_file_path
+from pipeline.data.tasks import get_task
+from pipeline.models.backbones import create_model
+from pipeline.models.callbacks import FreezeBackbone, ResumableEarlyStopping
+from pipeline.models.classifier import OptimConfig, PainClassifier, parameter_groups, warmup_cosine
+from pipeline.utils.paths import resolve_path
+from tests.conftest import loader_config
 
 OPTIM = OptimConfig(head_lr=1e-2, backbone_lr=1e-3, layer_decay=0.5, weight_decay=0.05, warmup_epochs=1,
                     freeze_backbone_epochs=0)
@@ -64,7 +59,7 @@ def test_scheduler_applies_each_groups_own_rate(tiny_config) -> None:
     task = get_task("bl1_vs_pa4")
     net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
     datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, task,
-                                net.backbone.data_config, {}, batch_size=4, num_workers=0)
+                                net.backbone.data_config, {}, loader_config(batch_size=4, num_workers=0))
     module = PainClassifier(net, task.classes, OPTIM)
     recorder = RecordLearningRates()
     trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False,
@@ -94,7 +89,7 @@ def test_frozen_backbone_does_not_move(tiny_config) -> None:
     before = {k: v.clone() for k, v in net.backbone.state_dict().items()}
     head_before = net.head.weight.clone()
     datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, task,
-                                net.backbone.data_config, {}, batch_size=4, num_workers=0)
+                                net.backbone.data_config, {}, loader_config(batch_size=4, num_workers=0))
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          callbacks=[FreezeBackbone(1)])
@@ -135,7 +130,7 @@ def test_fused_adamw_still_clips_gradients(tiny_config, precision: str) -> None:
     task = get_task("bl1_vs_pa4")
     net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
     datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, task,
-                                net.backbone.data_config, {}, batch_size=4, num_workers=0)
+                                net.backbone.data_config, {}, loader_config(batch_size=4, num_workers=0))
     recorder = RecordGradientNorms()
     clip = 1e-3
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=3, accelerator="cpu", logger=False, precision=precision,
@@ -161,7 +156,7 @@ def one_class_fit(cfg, monitor: str) -> tuple[PainClassifier, pl.Trainer]:
     task = get_task("bl1_vs_pa4")
     net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
     datamodule = OneClassValidation(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, task,
-                                    net.backbone.data_config, {}, batch_size=8, num_workers=0)
+                                    net.backbone.data_config, {}, loader_config(batch_size=8, num_workers=0))
     module = PainClassifier(net, task.classes, OPTIM, monitor=monitor)
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
@@ -171,7 +166,7 @@ def one_class_fit(cfg, monitor: str) -> tuple[PainClassifier, pl.Trainer]:
 
 def test_an_undefined_metric_stays_nan_and_is_named(tiny_config, caplog) -> None:
     """AUROC over one class is undefined: it is logged as NaN (never as 0) with a warning naming the split."""
-    with caplog.at_level("WARNING", logger="pipeline.module"):
+    with caplog.at_level("WARNING", logger="pipeline.models.classifier"):
         _, trainer = one_class_fit(tiny_config(), monitor="val/loss")
     assert math.isnan(float(trainer.callback_metrics["val/video_auroc"]))
     assert math.isfinite(float(trainer.callback_metrics["val/loss"]))

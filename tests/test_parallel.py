@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from pipeline import PROJECT_ROOT
-from pipeline.datamodule import MAX_AUTO_WORKERS, default_num_workers
-from pipeline.parallel import available_cpus
+from pipeline.data.datamodule import MAX_AUTO_WORKERS, default_num_workers
+from pipeline.utils.cpus import available_cpus
+from pipeline.utils.paths import PROJECT_ROOT
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="this OS has no affinity mask")
@@ -25,8 +25,8 @@ def test_a_restricted_affinity_mask_is_respected() -> None:
     code = (
         "import os\n"
         "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
-        "from pipeline.datamodule import default_num_workers\n"
-        "from pipeline.parallel import available_cpus\n"
+        "from pipeline.data.datamodule import default_num_workers\n"
+        "from pipeline.utils.cpus import available_cpus\n"
         "print(available_cpus(), default_num_workers())\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)

@@ -13,12 +13,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.biovid import load_samples
-from pipeline.cli import load_config
-from pipeline.faces import CANONICAL_LANDMARKS, HaarFaceDetector, detection_rate
-from pipeline.photo_clips import PhotoClip, astronaut, clip_frames
-from pipeline.prepare import preprocess_config
-from pipeline.preprocess import (
+from pipeline.data.biovid import load_samples
+from pipeline.data.face_crops import (
     BOX_COLUMNS,
     FRAME_COLUMNS,
     LANDMARK_COLUMNS,
@@ -26,7 +22,11 @@ from pipeline.preprocess import (
     preprocess,
     video_to_crop,
 )
-from pipeline.video import sample_frame_indices
+from pipeline.data.faces import CANONICAL_LANDMARKS, HaarFaceDetector, detection_rate
+from pipeline.data.photo_clips import PhotoClip, astronaut, clip_frames
+from pipeline.data.prepare import preprocess_config
+from pipeline.data.video import sample_frame_indices
+from pipeline.utils.config import load_config
 
 PROJECT_CONFIG = preprocess_config(load_config())  # the settings `make data` uses; tests change a few
 CONFIG = replace(PROJECT_CONFIG, frames_per_video=3, crop_size=48)

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.backbones import DataConfig
-from pipeline.regions import box_polygon, polygons_mask, region_mask, region_score, video_to_crop
+from pipeline.analysis.regions import box_polygon, polygons_mask, region_mask, region_score, video_to_crop
+from pipeline.models.backbones import DataConfig
 
 
 def hand_made_regions(size: int = 32) -> np.ndarray:
@@ -74,7 +74,7 @@ def test_the_twins_recorded_regions_land_on_the_drawn_face(tiny_base) -> None:
     above the nose and lip, and cover a face-sized part of the view (not nothing, not everything)."""
     import pandas as pd
 
-    from pipeline.regions import TRANSFORM_COLUMNS, action_unit_masks
+    from pipeline.analysis.regions import TRANSFORM_COLUMNS, action_unit_masks
 
     masks, why = action_unit_masks(tiny_base / "raw", tiny_base / "processed")
     assert masks is not None, why

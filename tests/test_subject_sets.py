@@ -9,9 +9,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline.cli import load_config
-from pipeline.folds import biovid_subjects, fold_file_sha256, read_fold_parameters, read_folds
-from pipeline.prepare import ensure_folds, exclusion_reasons, subject_set_tags
+from pipeline.data.fold_files import biovid_subjects, fold_file_sha256, read_fold_parameters, read_folds
+from pipeline.data.prepare import ensure_folds, exclusion_reasons, subject_set_tags
+from pipeline.utils.config import load_config
 
 FAILED = ["071309_w_21", "082315_w_60"]  # one responder, one non-responder
 

@@ -13,12 +13,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.biovid import load_samples
-from pipeline.cli import load_config
-from pipeline.faces import CANONICAL_LANDMARKS, HaarFaceDetector, MTCNNFaceDetector, detection_rate
-from pipeline.prepare import preprocess_config
-from pipeline.preprocess import FRAME_COLUMNS, preprocess, video_to_crop
-from pipeline.synthetic import (
+from pipeline.data.biovid import load_samples
+from pipeline.data.face_crops import FRAME_COLUMNS, preprocess, video_to_crop
+from pipeline.data.faces import CANONICAL_LANDMARKS, HaarFaceDetector, MTCNNFaceDetector, detection_rate
+from pipeline.data.prepare import preprocess_config
+from pipeline.data.synthetic import (
     CONFIG_JSON,
     PRESETS,
     REGIONS,
@@ -32,8 +31,9 @@ from pipeline.synthetic import (
     make_subjects,
     regions_path,
 )
-from pipeline.tasks import CLASS_NAMES
-from pipeline.video import read_frames
+from pipeline.data.tasks import CLASS_NAMES
+from pipeline.data.video import read_frames
+from pipeline.utils.config import load_config
 
 # small tensors: one torch thread (see conftest.one_torch_thread)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from pipeline import PROJECT_ROOT, tracking
+from pipeline.runs import tracking
+from pipeline.utils.paths import PROJECT_ROOT
 
 
 @pytest.fixture()
@@ -75,10 +76,10 @@ def test_make_ui_prints_the_runs_url_and_runs_one_worker(store) -> None:
     lines = recipe.stdout.replace("\\\n", " ").splitlines()
     server = next(line for line in lines if "mlflow ui" in line)
     assert "--workers 1" in server and "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false" in server
-    printer = next(line for line in lines if "-m pipeline.tracking" in line)
-    # The check must be quick: no mlflow import on this path.
-    probe = "import sys, runpy; runpy.run_module('pipeline.tracking', run_name='__main__'); " \
-            "print('mlflow imported' if 'mlflow' in sys.modules else 'mlflow not imported')"
+    printer = next(line for line in lines if "-m pipeline ui-url" in line)
+    # The check must be quick: no mlflow (nor torch) import on this path.
+    probe = "import sys; from pipeline.cli import main; main(sys.argv[1:]); " \
+            "print('mlflow imported' if {'mlflow', 'torch'} & set(sys.modules) else 'mlflow not imported')"
     args = shlex.split(printer)[shlex.split(printer).index("-m") + 2:]
     printed = subprocess.run([sys.executable, "-c", probe, *args], cwd=PROJECT_ROOT, env=env,
                              capture_output=True, text=True, timeout=60)

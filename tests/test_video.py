@@ -8,7 +8,7 @@ import cv2
 import numpy as np
 import pytest
 
-from pipeline.video import VideoFailure, read_frames, read_sampled_frames, sample_frame_indices
+from pipeline.data.video import VideoFailure, read_frames, read_sampled_frames, sample_frame_indices
 
 
 def write_numbered_video(path: Path, n_frames: int, fps: int = 25) -> None:

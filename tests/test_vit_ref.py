@@ -10,15 +10,21 @@ import numpy as np
 import pytest
 import timm
 import torch
+from pipeline.course.materials.vit_numpy import vit_forward, weights_from_state_dict
 from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
-from pipeline.backbones import VIT_REF_VARIANTS, ReferenceVitBackbone, create_backbone, create_model, weights_source
-from pipeline.cli import load_config
-from pipeline.module import OptimConfig, parameter_groups
-from pipeline.vit_numpy import vit_forward, weights_from_state_dict
-from pipeline.vit_ref import ReferenceViT, interpolate_position_embeddings
-from pipeline.weights import RANDOM_INIT, IncompatibleWeights, WeightsUnavailable
+from pipeline.models.backbones import (
+    VIT_REF_VARIANTS,
+    ReferenceVitBackbone,
+    create_backbone,
+    create_model,
+    weights_source,
+)
+from pipeline.models.classifier import OptimConfig, parameter_groups
+from pipeline.models.vit_reference import ReferenceViT, interpolate_position_embeddings
+from pipeline.models.weights import RANDOM_INIT, IncompatibleWeights, WeightsUnavailable
+from pipeline.utils.config import load_config
 from tests.test_backbones import (
     test_channels_last_gives_the_same_features as check_channels_last_gives_the_same_features,
 )

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from timm.layers import resample_abs_pos_embed
 from transformers import CvtConfig, CvtForImageClassification
 
-from pipeline.backbones import CVT_VARIANTS, TIMM_ARCHITECTURES, create_backbone, create_model
-from pipeline.weights import (
+from pipeline.models.backbones import CVT_VARIANTS, TIMM_ARCHITECTURES, create_backbone, create_model
+from pipeline.models.weights import (
     RANDOM_INIT,
     IncompatibleWeights,
     WeightsSource,
@@ -217,7 +217,7 @@ def test_cvt_model_save_pretrained_folder_loads_and_keeps_the_final_norm_at_iden
     source_backbone, _ = create_backbone("cvt_21")
     _perturbed(source_backbone, seed=4)
     source_backbone.cvt.save_pretrained(tmp_path / "cvt-21")
-    with caplog.at_level(logging.WARNING, logger="pipeline.backbones"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.models.backbones"):
         backbone, source = create_backbone("cvt_21", pretrained=True, weights=tmp_path / "cvt-21")
     assert "without the final LayerNorm" in caplog.text
     _assert_same_tensors(backbone.cvt.state_dict(), source_backbone.cvt.state_dict())
@@ -389,3 +389,24 @@ def test_a_folder_with_several_weight_files_is_ambiguous(mobilevit_source: dict,
     _save(mobilevit_source, tmp_path / "b.pth")
     with pytest.raises(IncompatibleWeights, match="exactly one weight file.*a.pth, b.pth"):
         create_backbone(MOBILEVIT, pretrained=True, weights=tmp_path)
+
+
+def test_a_fold_job_uses_the_planned_weights_or_says_why_it_cannot(mobilevit_source: dict, tmp_path: Path,
+                                                                     tiny_config) -> None:
+    """The plan decides the weights once; a node that finds another file under the same path refuses to train."""
+    from pipeline.runs.fold_job import DecisionNotHonoured, FoldJob, build_network, decide
+
+    path = _save(mobilevit_source, tmp_path / "mobilevit.safetensors", None)
+    cfg = tiny_config(f"model={MOBILEVIT}", f"model.weights={path}", "model.pretrained=true")
+    decisions = decide(cfg, tmp_path / "folds.csv")
+    assert decisions.weights == {"kind": "file", "ref": str(path), "sha256": _sha256(path)}
+    assert decisions.model_family == "timm" and decisions.precision == "32-true"
+    assert build_network(cfg, 2, decisions).backbone.family == "timm"  # the same file: honoured
+    changed = dict(mobilevit_source)
+    first = next(iter(changed))
+    changed[first] = changed[first] + 1
+    _save(changed, path, None)  # another file at the planned path, as on a node with other weights
+    with pytest.raises(DecisionNotHonoured, match="the plan chose weights file"):
+        build_network(cfg, 2, decisions)
+    job = FoldJob({}, 0, "parent", "sqlite://", str(tmp_path / "fold_0"), decisions)
+    assert FoldJob.read(job.write(tmp_path / "job.json")) == job  # the decisions travel with the job, as written

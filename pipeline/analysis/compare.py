@@ -1,0 +1,505 @@
+"""Compare backbones on the same folds: per-fold scores from finished MLflow CV runs, summaries, paired tests, plots.
+
+Backbones are only comparable when their cross-validations used the very same fold file, so runs whose
+`fold_file_sha256` tags differ are refused rather than compared. Tests pair folds: fold i of one backbone against
+fold i of another, since both saw the same test subjects.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from itertools import combinations
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter
+from mlflow import MlflowClient
+from mlflow.entities import Run, RunStatus
+from scipy import stats
+
+from pipeline.evaluation.metrics import save_png
+from pipeline.runs import tracking
+from pipeline.utils.atomic_io import atomic_write_csv
+from pipeline.utils.paths import resolve_path
+
+logger = logging.getLogger(__name__)
+
+FOLD_FILE_TAG = "fold_file_sha256"
+DEFAULT_METRICS: tuple[str, ...] = (
+    "test/video_auroc",
+    "test/video_accuracy",
+    "test/video_balanced_accuracy",
+    "test/video_f1",
+    "test/frame_auroc",
+    "test/frame_accuracy",
+    "test/frame_balanced_accuracy",
+    "test/frame_f1",
+)
+SUMMARY_COLUMNS = ["model", "metric", "mean", "std", "n_folds", "ci95_low", "ci95_high"]
+PAIRED_COLUMNS = [
+    "metric",
+    "model_a",
+    "model_b",
+    "n_folds",
+    "mean_diff",
+    "std_diff",
+    "wilcoxon_statistic",
+    "p_value",
+    "note",
+]
+
+
+class ComparisonError(RuntimeError):
+    """The finished runs cannot be compared (too few backbones, different folds, missing experiment)."""
+
+
+def _quoted(value: str, what: str) -> str:
+    """A value for an MLflow filter string; quotes would break the filter, so they are refused."""
+    if "'" in value or '"' in value or "`" in value:
+        raise ComparisonError(f"{what} {value!r} contains a quote character, which MLflow run filters cannot hold")
+    return f"'{value}'"
+
+
+def _search_all(client: MlflowClient, experiment_ids: Sequence[str], filter_string: str) -> list[Run]:
+    runs: list[Run] = []
+    page_token = None
+    while True:
+        page = client.search_runs(
+            list(experiment_ids),
+            filter_string=filter_string,
+            max_results=1000,
+            order_by=["attributes.start_time DESC"],
+            page_token=page_token,
+        )
+        runs.extend(page)
+        page_token = page.token
+        if not page_token:
+            return runs
+
+
+def latest_cvs(
+    client: MlflowClient,
+    experiment_ids: Sequence[str],
+    dataset: str,
+    protocol: str,
+    task: str,
+    subject_set: str | None = None,
+    fold_file_sha256: str | None = None,
+    params: Mapping[str, str] | None = None,
+) -> dict[str, Run]:
+    """The most recently started FINISHED parent CV run per `model` tag for this dataset, protocol and task
+    (and, when given, subject set, fold file and logged parameter values, e.g. the crop settings)."""
+    conditions = [
+        f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'",
+        f"attributes.status = '{RunStatus.to_string(RunStatus.FINISHED)}'",
+        f"tags.dataset = {_quoted(dataset, 'dataset')}",
+        f"tags.protocol = {_quoted(protocol, 'protocol')}",
+        f"tags.task = {_quoted(task, 'task')}",
+    ]
+    if subject_set is not None:
+        conditions.append(f"tags.subject_set = {_quoted(subject_set, 'subject_set')}")
+    if fold_file_sha256 is not None:
+        conditions.append(f"tags.{FOLD_FILE_TAG} = {_quoted(fold_file_sha256, FOLD_FILE_TAG)}")
+    for key, value in (params or {}).items():
+        conditions.append(f"params.`{key}` = {_quoted(value, key)}")
+    runs = _search_all(client, experiment_ids, " and ".join(conditions))
+    latest: dict[str, Run] = {}
+    for run in sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.end_time or 0), reverse=True):
+        model = run.data.tags.get("model")
+        if not model:
+            logger.warning("CV run %s has no 'model' tag; ignored", run.info.run_id)
+            continue
+        latest.setdefault(model, run)
+    return dict(sorted(latest.items()))
+
+
+def fold_scores(client: MlflowClient, parent_run: Run, metrics: Sequence[str]) -> pd.DataFrame:
+    """One row per fold of a CV (its FINISHED child runs): fold, model, then each metric (NaN where not logged).
+
+    If a fold was rerun under the same parent, its most recently started finished child counts.
+    """
+    parent_id = parent_run.info.run_id
+    model = parent_run.data.tags.get("model", "")
+    children = tracking.fold_runs(client, parent_id)
+    rows: dict[int, dict] = {}
+    for child in sorted(children, key=lambda r: r.info.start_time or 0, reverse=True):
+        if child.info.status != RunStatus.to_string(RunStatus.FINISHED):
+            continue
+        fold_tag = child.data.tags.get("fold")
+        try:
+            fold = int(fold_tag)
+        except (TypeError, ValueError):
+            raise ComparisonError(
+                f"fold run {child.info.run_id} of CV {parent_id} ({model}) has fold tag {fold_tag!r}, not an integer"
+            ) from None
+        if fold in rows:
+            logger.warning("CV %s (%s) has several finished runs for fold %d; using the latest", parent_id, model, fold)
+            continue
+        rows[fold] = {
+            "fold": fold,
+            "model": model,
+            **{metric: float(child.data.metrics.get(metric, np.nan)) for metric in metrics},
+        }
+    table = pd.DataFrame([rows[fold] for fold in sorted(rows)], columns=["fold", "model", *metrics])
+    return table.astype({"fold": int})
+
+
+def check_same_folds(runs: Mapping[str, Run]) -> None:
+    """Refuse to compare CVs whose fold files differ (or are unrecorded): their test subjects are not the same."""
+    hashes = {model: run.data.tags.get(FOLD_FILE_TAG) for model, run in runs.items()}
+    if any(value is None for value in hashes.values()) or len(set(hashes.values())) > 1:
+        listing = "; ".join(f"{model}: {value or '<not recorded>'}" for model, value in sorted(hashes.items()))
+        raise ComparisonError(f"refusing to compare CVs run on different fold files ({FOLD_FILE_TAG}): {listing}")
+
+
+def _t_interval(values: np.ndarray) -> tuple[float, float, float, float]:
+    """Mean, sample std, and the 95% Student-t interval of the mean (NaN below two values)."""
+    n = len(values)
+    if n == 0:
+        return (np.nan,) * 4
+    mean = float(values.mean())
+    if n == 1:
+        return mean, 0.0, np.nan, np.nan
+    std = float(values.std(ddof=1))
+    half_width = float(stats.t.ppf(0.975, df=n - 1)) * std / np.sqrt(n)
+    return mean, std, mean - half_width, mean + half_width
+
+
+def summary_table(scores: pd.DataFrame, metrics: Sequence[str]) -> pd.DataFrame:
+    """Per model and metric: mean, std (ddof=1), n_folds and a 95% Student-t confidence interval over folds."""
+    rows = []
+    for model, model_scores in scores.groupby("model", sort=True):
+        for metric in metrics:
+            values = model_scores[metric].dropna().to_numpy(dtype=float)
+            mean, std, low, high = _t_interval(values)
+            rows.append(
+                {
+                    "model": model,
+                    "metric": metric,
+                    "mean": mean,
+                    "std": std,
+                    "n_folds": len(values),
+                    "ci95_low": low,
+                    "ci95_high": high,
+                }
+            )
+    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+
+
+def paired_tests(scores: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Every pair of models on the folds both have: mean and std of (a - b), two-sided Wilcoxon signed-rank p.
+
+    Zero differences are dropped by the test (scipy's "wilcox" rule); with all differences zero or fewer than two
+    paired folds the p-value is NaN and `note` says why.
+    """
+    wide = scores.pivot(index="fold", columns="model", values=metric)
+    rows = []
+    for model_a, model_b in combinations(sorted(wide.columns), 2):
+        pair = wide[[model_a, model_b]].dropna()
+        differences = (pair[model_a] - pair[model_b]).to_numpy(dtype=float)
+        n = len(differences)
+        mean_diff = float(differences.mean()) if n else np.nan
+        std_diff = float(differences.std(ddof=1)) if n > 1 else (0.0 if n == 1 else np.nan)
+        statistic = p_value = np.nan
+        note = ""
+        if n < 2:
+            note = f"only {n} paired fold(s): no test"
+        elif np.all(differences == 0):
+            note = "all paired differences are zero: no test"
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # small-sample and ties warnings; the note below records n
+                result = stats.wilcoxon(differences, zero_method="wilcox", alternative="two-sided")
+            statistic, p_value = float(result.statistic), float(result.pvalue)
+            n_zero = int(np.sum(differences == 0))
+            if n_zero:
+                note = f"{n_zero} zero difference(s) dropped"
+        rows.append(
+            {
+                "metric": metric,
+                "model_a": model_a,
+                "model_b": model_b,
+                "n_folds": n,
+                "mean_diff": mean_diff,
+                "std_diff": std_diff,
+                "wilcoxon_statistic": statistic,
+                "p_value": p_value,
+                "note": note,
+            }
+        )
+    return pd.DataFrame(rows, columns=PAIRED_COLUMNS)
+
+
+def plot_fold_scores(scores: pd.DataFrame, metric: str, path: str | Path) -> None:
+    """Left: each backbone's score per fold (lines and markers). Right: the spread per backbone (box plot)."""
+    models = sorted(scores["model"].unique())
+    if not models:
+        raise ValueError("no fold scores to plot")
+    figure = Figure(figsize=(11, 4.5))
+    folds_axes, box_axes = figure.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
+    spreads = []
+    for model in models:
+        model_scores = scores[scores["model"] == model].sort_values("fold")
+        folds_axes.plot(model_scores["fold"], model_scores[metric], marker="o", label=model)
+        spreads.append(model_scores[metric].dropna().to_numpy(dtype=float))
+    folds_axes.set_xlabel("fold")
+    folds_axes.set_ylabel(metric)
+    folds_axes.set_title(f"{metric} per fold")
+    folds_axes.grid(alpha=0.3)
+    folds_axes.legend(fontsize=8)
+    box_axes.boxplot(spreads)
+    box_axes.set_xticks(range(1, len(models) + 1), labels=models)
+    box_axes.tick_params(axis="x", labelrotation=30)
+    box_axes.set_title("across folds")
+    box_axes.grid(alpha=0.3)
+    save_png(figure, path)
+
+
+COST_METRICS = ("cost/params", "cost/macs")  # recorded on a CV's parent run (pipeline.models.cost.backbone_cost)
+INSPECT_METHODS = ("rollout", "gradcam")  # `make inspect`'s maps, whose region scores the parent run holds
+
+
+def _optional_int(value: str | None) -> int | None:
+    return None if value in (None, "", "None", "null") else int(float(value))
+
+
+def cost_and_regions(runs: Mapping[str, Run], summary: pd.DataFrame, task: str,
+                     metric: str = "test/video_auroc") -> pd.DataFrame:
+    """Per backbone: the metric's mean and std over folds, its size and cost (parameters, MACs of one image, as the
+    CV recorded them; computed from the backbone name and input size for runs that predate the record), and the
+    region scores of `make inspect` (trained models, and the untrained baseline) where it has been run."""
+    from pipeline.data.tasks import get_task
+    from pipeline.models.cost import backbone_cost
+
+    rows = []
+    for model, run in runs.items():
+        metrics, params = run.data.metrics, run.data.params
+        accuracy = summary[(summary["model"] == model) & (summary["metric"] == metric)]
+        row = {"model": model, f"{metric}_mean": float(accuracy["mean"].iloc[0]) if len(accuracy) else np.nan,
+               f"{metric}_std": float(accuracy["std"].iloc[0]) if len(accuracy) else np.nan}
+        if all(key in metrics for key in COST_METRICS):
+            row.update({"params": metrics["cost/params"], "macs": metrics["cost/macs"], "cost_source": "run"})
+        else:
+            try:
+                cost = backbone_cost(model, _optional_int(params.get("model.img_size")), get_task(task).n_classes)
+                row.update({"params": cost["cost/params"], "macs": cost["cost/macs"], "cost_source": "computed"})
+            except (ValueError, KeyError, RuntimeError) as error:
+                logger.warning("no cost for %s: %s", model, error)
+                row.update({"params": np.nan, "macs": np.nan, "cost_source": "unknown"})
+        for method in INSPECT_METHODS:
+            for kind, prefix in (("", "inspect/"), ("untrained_", "inspect/untrained/")):
+                for statistic in ("mean", "std"):
+                    key = f"{prefix}{method}/region_score_{statistic}"
+                    row[f"{kind}region_{method}_{statistic}"] = metrics.get(key, np.nan)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _cost_formatter() -> EngFormatter:
+    """Labels of the cost axes: 4.94e6 -> '4.94M', 3.5e8 -> '350M', 1.7e10 -> '17G' (one instance per axis)."""
+    return EngFormatter(sep="")
+
+
+def plot_accuracy_vs_cost(table: pd.DataFrame, metric: str, path: str | Path) -> None:
+    """The metric (mean +- std over folds) against MACs of one image and against parameters, log scale."""
+    figure = Figure(figsize=(10, 4))
+    for axis, column, label in zip(figure.subplots(1, 2), ("macs", "params"),
+                                   ("multiply-accumulates per image", "parameters"), strict=True):
+        known = table.dropna(subset=[column])
+        axis.errorbar(known[column], known[f"{metric}_mean"], yerr=known[f"{metric}_std"], fmt="o", capsize=3)
+        for _, row in known.iterrows():
+            axis.annotate(row["model"], (row[column], row[f"{metric}_mean"]), textcoords="offset points",
+                          xytext=(5, 5), fontsize=8)
+        axis.set_xscale("log")
+        axis.margins(x=0.25)  # room for the labels of the outermost points
+        axis.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.xaxis.set_major_formatter(_cost_formatter())
+        axis.xaxis.set_minor_formatter(NullFormatter())
+        axis.set_xlabel(label)
+        axis.set_ylabel(f"{metric} (mean +- std over folds)")
+        axis.grid(alpha=0.3, which="both")
+    figure.suptitle("Accuracy against cost (at each backbone's input size in its cross-validation)", fontsize=10)
+    save_png(figure, path)
+
+
+def _safe_name(text: str) -> str:
+    """File names and MLflow keys: letters, digits, '_', '-', '.' only."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
+
+
+def compare(
+    dataset: str,
+    protocol: str,
+    task: str,
+    out_dir: Path,
+    tracking_uri: str | None = None,
+    experiment: str = tracking.DEFAULT_EXPERIMENT,
+    metrics: Sequence[str] = DEFAULT_METRICS,
+    subject_set: str | None = None,
+    fold_file_sha256: str | None = None,
+    crop_params: Mapping[str, str] | None = None,
+) -> dict:
+    """Compare the latest finished CV of every backbone for one dataset/protocol/task, write tables and plots.
+
+    With `crop_params` (logged parameter -> value, see `crop_settings`), only CVs trained on crops made that way
+    count: a backbone last run on another twin look, detector or alignment is not compared with the others.
+
+    Writes `comparison_<dataset>_<protocol>_<task>[_<subject_set>]` `.csv` (summary), `_paired.csv`, `_folds.csv`
+    and `_<metric>.png` into `out_dir`, and logs them as an MLflow run tagged `painvit.run_kind=comparison`.
+    The tracking URI defaults to `pipeline.runs.tracking.tracking_uri(<project root>)`.
+    """
+    metrics = list(metrics)
+    uri = tracking.store_uri(tracking_uri)
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise ComparisonError(f"no MLflow experiment {experiment!r} at {uri}")
+    experiment_id = found.experiment_id
+    runs = latest_cvs(client, [experiment_id], dataset, protocol, task, subject_set, fold_file_sha256, crop_params)
+    where = f"dataset={dataset}, protocol={protocol}, task={task}" + (
+        f", subject_set={subject_set}" if subject_set else ""
+    ) + (" and these crops (" + ", ".join(f"{k}={v}" for k, v in crop_params.items()) + ")" if crop_params else "")
+    if len(runs) < 2:
+        found_models = ", ".join(f"{model} ({run.info.run_id})" for model, run in runs.items()) or "none"
+        raise ComparisonError(
+            f"need finished CVs of at least 2 backbones for {where} in experiment {experiment!r}; found: {found_models}"
+        )
+    check_same_folds(runs)
+
+    scores = pd.concat([fold_scores(client, run, metrics) for run in runs.values()], ignore_index=True)
+    empty = [model for model in runs if not (scores["model"] == model).any()]
+    if empty:
+        raise ComparisonError(f"finished CVs without any finished fold runs: {', '.join(empty)}")
+    summary = summary_table(scores, metrics)
+    paired = pd.concat([paired_tests(scores, metric) for metric in metrics], ignore_index=True)
+
+    out_dir = Path(out_dir)
+    stem = _safe_name("_".join(["comparison", dataset, protocol, task] + ([subject_set] if subject_set else [])))
+    paths = {
+        "summary": out_dir / f"{stem}.csv",
+        "paired": out_dir / f"{stem}_paired.csv",
+        "folds": out_dir / f"{stem}_folds.csv",
+    }
+    atomic_write_csv(paths["summary"], summary)
+    atomic_write_csv(paths["paired"], paired)
+    atomic_write_csv(paths["folds"], scores)
+    plots = {metric: out_dir / f"{stem}_{_safe_name(metric.replace('/', '_'))}.png" for metric in metrics}
+    for metric, plot_path in plots.items():
+        plot_fold_scores(scores, metric, plot_path)
+    accuracy_metric = "test/video_auroc" if "test/video_auroc" in metrics else metrics[0]
+    costs = cost_and_regions(runs, summary, task, accuracy_metric)
+    paths["cost"] = out_dir / f"{stem}_cost.csv"
+    atomic_write_csv(paths["cost"], costs)
+    if costs["macs"].notna().any():
+        paths["accuracy_vs_cost"] = out_dir / f"{stem}_accuracy_vs_cost.png"
+        plot_accuracy_vs_cost(costs, accuracy_metric, paths["accuracy_vs_cost"])
+
+    tags = {
+        tracking.RUN_KIND_TAG: tracking.COMPARISON_RUN,
+        "dataset": dataset,
+        "protocol": protocol,
+        "task": task,
+        FOLD_FILE_TAG: next(iter(runs.values())).data.tags[FOLD_FILE_TAG],
+    }
+    if subject_set:
+        tags["subject_set"] = subject_set
+    comparison_run = client.create_run(experiment_id, tags=tags, run_name=stem)
+    run_id = comparison_run.info.run_id
+    try:
+        params = {
+            "dataset": dataset,
+            "protocol": protocol,
+            "task": task,
+            "models": ",".join(runs),
+            **{f"parent_run_id.{_safe_name(model)}": run.info.run_id for model, run in runs.items()},
+        }
+        if subject_set:
+            params["subject_set"] = subject_set
+        for key, value in params.items():
+            client.log_param(run_id, key, value)
+        for artifact in [*paths.values(), *plots.values()]:
+            client.log_artifact(run_id, str(artifact), artifact_path="comparison")
+    except BaseException:
+        client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FAILED))
+        raise
+    client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FINISHED))
+
+    return {
+        "summary": summary,
+        "paired": paired,
+        "folds": scores,
+        "paths": {**paths, "plots": plots},
+        "run_id": run_id,
+        "parent_run_ids": {model: run.info.run_id for model, run in runs.items()},
+        "complete": {model: run.data.tags.get("complete", "true") == "true" for model, run in runs.items()},
+        "cost": costs,
+    }
+
+
+def cost_lines(costs: pd.DataFrame) -> str:
+    """Accuracy next to size, cost and the region score, one line per backbone."""
+    def region(row: pd.Series, kind: str, method: str) -> str:
+        mean, std = row[f"{kind}region_{method}_mean"], row[f"{kind}region_{method}_std"]
+        return "-" if not np.isfinite(mean) else f"{mean:.2f}+-{std:.2f}"
+
+    accuracy = next(column for column in costs.columns if column.endswith("_mean") and not column.startswith(
+        ("region", "untrained")))
+    lines = [f"{'model':<16} {accuracy.removesuffix('_mean'):>20} {'params':>9} {'MACs':>9} "
+             + " ".join(f"{'region ' + method:>15} {'untrained':>11}" for method in INSPECT_METHODS)]
+    for _, row in costs.iterrows():
+        std = row[accuracy.replace("_mean", "_std")]
+        lines.append(f"{row['model']:<16} {row[accuracy]:>13.3f} +-{std:>5.3f} {row['params'] / 1e6:>8.2f}M "
+                     f"{row['macs'] / 1e9:>8.3f}G "
+                     + " ".join(f"{region(row, '', method):>15} {region(row, 'untrained_', method):>11}"
+                                for method in INSPECT_METHODS))
+    lines.append("region: share of the maps' mass in the action-unit regions over their share of the area (1 = a "
+                 "map that ignores them; `make inspect`); MACs per image at the CV's input size")
+    return "\n".join(lines)
+
+
+CROP_PREFIXES = ("preprocess.", "data.synthetic.")  # how the crops were made (twin look and size, detector, align)
+
+
+def crop_settings(cfg) -> dict[str, str]:
+    """The config's crop settings as the CV's parent run logs them (parameter name -> value)."""
+    from pipeline.runs.cross_validation import flat_params, identity_config
+
+    return {key: value for key, value in flat_params(identity_config(cfg)).items() if key.startswith(CROP_PREFIXES)}
+
+
+def run_compare(cfg) -> dict:
+    """`make compare`: the latest finished cross-validation of each backbone on the config's data/protocol/task,
+    fold file and crop settings."""
+    from pipeline.data.fold_files import fold_file_sha256 as sha256_of_folds
+
+    # Only CVs on the current fold file: runs on older or other folds never enter the comparison.
+    fold_file = resolve_path(cfg.fold_file)
+    sha = sha256_of_folds(fold_file) if fold_file.is_file() else None
+    try:
+        result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, resolve_path(cfg.reports_dir),
+                         tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
+                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=crop_settings(cfg))
+    except ComparisonError as error:
+        raise SystemExit(f"compare: {error}") from None
+    summary = result["summary"]
+    wide = summary.pivot_table(index="model", columns="metric", values="mean")
+    print("mean over folds (95 % CI in the summary CSV):")
+    print(wide.to_string(float_format=lambda v: f"{v:.3f}"))
+    print(result["paired"][["metric", "model_a", "model_b", "n_folds", "mean_diff", "p_value"]].to_string(
+        index=False, float_format=lambda v: f"{v:.4f}"))
+    print(cost_lines(result["cost"]))
+    for name, path in result["paths"].items():
+        if isinstance(path, dict):  # one plot per metric
+            print(f"{name}: " + ", ".join(str(p) for p in path.values()))
+        else:
+            print(f"{name}: {path}")
+    for model, run_id in result["parent_run_ids"].items():
+        note = "" if result["complete"].get(model, True) else "  (INCOMPLETE: a smoke run on some folds only)"
+        print(f"compared {model}: parent run {run_id}{note}")
+    print(f"MLflow comparison run {result['run_id']}")
+    return result

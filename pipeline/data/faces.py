@@ -1,0 +1,442 @@
+"""Face detection behind one small interface, temporal smoothing, and face crops: square, or aligned on landmarks.
+
+Preprocessing only needs "where is the face in this frame, and where are its eyes, nose and mouth"; keeping that
+behind `FaceDetector` lets detectors be swapped by name (`haar`: OpenCV's cascade, box only; `mtcnn`: MTCNN, box and
+five landmarks, batched, on the GPU when there is one) without touching the callers.
+
+Every crop comes with the 2 x 3 affine matrix that maps a frame pixel (x, y) to its crop pixel (u, v), so anything
+located in the video (a landmark, a region of the face) can be found in the crop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import cv2
+import numpy as np
+
+from pipeline.data.video import VideoFailure, read_sampled_frames
+
+Box = tuple[int, int, int, int]
+"""A face box: x, y, width, height in pixels of the frame it was found in."""
+
+DETECTED, REUSED, BACKFILLED = "detected", "reused", "backfilled"
+LANDMARK_NAMES = ("eye_left", "eye_right", "nose", "mouth_left", "mouth_right")
+"""The five landmarks, in this order. Left and right are the image's: `eye_left` is the person's right eye."""
+
+
+@dataclass(frozen=True, eq=False)
+class Face:
+    """One face in one frame: its box (x, y, width, height) and, if the detector gives them, the five landmarks
+    (`LANDMARK_NAMES` order, an array of shape (5, 2) of x, y), all in pixels of the frame."""
+
+    box: tuple[float, float, float, float]
+    landmarks: np.ndarray | None = None
+    score: float = 1.0
+
+
+class FaceDetector(Protocol):
+    """Finds the most plausible face of BGR frames."""
+
+    name: str
+    gives_landmarks: bool
+
+    def detect(self, frame_bgr: np.ndarray) -> Box | None:
+        """Return the most plausible (largest) face box, or None when there is no face."""
+        ...
+
+    def detect_faces(self, frames_bgr: Sequence[np.ndarray]) -> list[Face | None]:
+        """The most plausible (largest) face of each frame, or None where there is none; one call per video."""
+        ...
+
+
+def _to_grey(frame: np.ndarray) -> np.ndarray:
+    if frame is None or frame.size == 0:
+        raise ValueError("face detection needs a non-empty image")
+    if frame.ndim == 2:
+        return frame
+    if frame.ndim == 3 and frame.shape[2] == 3:
+        return cv2.cvtColor(frame, cv2.COLOR_BGR2GRAY)
+    if frame.ndim == 3 and frame.shape[2] == 4:
+        return cv2.cvtColor(frame, cv2.COLOR_BGRA2GRAY)
+    raise ValueError(f"expected a grey, BGR or BGRA image, got an array of shape {frame.shape}")
+
+
+class HaarFaceDetector:
+    """OpenCV's bundled Viola-Jones cascade: no weights to download, fast on CPU, good on frontal lab video.
+
+    Detection runs on a grey, histogram-equalised copy downscaled so its longer side is at most `max_side`: the
+    cascade's cost grows with the pixel count, and a face filling a fair part of a 1388 x 1038 frame is found just as
+    well at a third of that size. Boxes are scaled back to the frame's pixels.
+    """
+
+    name = "haar"
+    gives_landmarks = False
+
+    def __init__(
+        self,
+        cascade: str = "haarcascade_frontalface_default.xml",
+        scale_factor: float = 1.1,
+        min_neighbors: int = 5,
+        min_size_fraction: float = 0.15,
+        max_side: int = 480,
+    ) -> None:
+        if scale_factor <= 1.0:
+            raise ValueError(f"scale_factor must be > 1, got {scale_factor}")
+        if not 0.0 <= min_size_fraction < 1.0:
+            raise ValueError(f"min_size_fraction must be in [0, 1), got {min_size_fraction}")
+        if max_side < 24:
+            raise ValueError(f"max_side must be at least the cascade's 24 px window, got {max_side}")
+        cascade_path = Path(cascade) if Path(cascade).is_file() else Path(cv2.data.haarcascades) / cascade
+        self.classifier = cv2.CascadeClassifier(str(cascade_path))
+        if self.classifier.empty():
+            raise FileNotFoundError(f"could not load Haar cascade {cascade_path}")
+        self.cascade = cascade
+        self.scale_factor = scale_factor
+        self.min_neighbors = min_neighbors
+        self.min_size_fraction = min_size_fraction
+        self.max_side = max_side
+
+    def detect(self, frame_bgr: np.ndarray) -> Box | None:
+        grey = _to_grey(frame_bgr)
+        height, width = grey.shape
+        scale = min(1.0, self.max_side / max(height, width))
+        if scale < 1.0:
+            grey = cv2.resize(
+                grey, (max(1, round(width * scale)), max(1, round(height * scale))), interpolation=cv2.INTER_AREA
+            )
+        grey = cv2.equalizeHist(grey)
+        min_side = max(1, int(self.min_size_fraction * min(grey.shape)))
+        faces = self.classifier.detectMultiScale(
+            grey, scaleFactor=self.scale_factor, minNeighbors=self.min_neighbors, minSize=(min_side, min_side)
+        )
+        if len(faces) == 0:
+            return None
+        x, y, w, h = max(faces, key=lambda box: int(box[2]) * int(box[3]))
+        x0, y0 = max(0, round(x / scale)), max(0, round(y / scale))
+        x1, y1 = min(width, round((x + w) / scale)), min(height, round((y + h) / scale))
+        return (x0, y0, x1 - x0, y1 - y0)
+
+    def detect_faces(self, frames_bgr: Sequence[np.ndarray]) -> list[Face | None]:
+        return [None if box is None else Face(box) for box in map(self.detect, frames_bgr)]
+
+
+def find_faces(detector: FaceDetector, frames_bgr: Sequence[np.ndarray]) -> list[Face | None]:
+    """`detector.detect_faces(frames)`; a registered detector that only has `detect` is asked frame by frame."""
+    if hasattr(detector, "detect_faces"):
+        return detector.detect_faces(frames_bgr)
+    return [None if box is None else Face(box) for box in map(detector.detect, frames_bgr)]
+
+
+def resolve_device(device: str) -> str:
+    """"auto" is the GPU when torch sees one, else the CPU; anything else is passed on ("cpu", "cuda", "cuda:1")."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class MTCNNFaceDetector:
+    """MTCNN (`pipeline.data.mtcnn`): a face box and five landmarks per frame, from real faces rotated by +-20 degrees
+    and more, small faces and uneven light that the frontal Haar cascade misses.
+
+    A video's frames are detected in batches of `batch_size` on `device` ("auto": the GPU when there is one).
+    Frames are halved until their longer side is at most `max_side` before detection; faces smaller than
+    `min_size_fraction` of the frame's shorter side are not searched for.
+    """
+
+    name = "mtcnn"
+    gives_landmarks = True
+
+    def __init__(
+        self,
+        device: str = "auto",
+        min_size_fraction: float = 0.1,
+        max_side: int = 720,
+        thresholds: tuple[float, float, float] = (0.6, 0.7, 0.7),
+        batch_size: int = 16,
+    ) -> None:
+        from pipeline.data.mtcnn import MTCNN
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.device = resolve_device(device)
+        self.batch_size = batch_size
+        self.network = MTCNN(self.device, tuple(thresholds), min_size_fraction, max_side)
+
+    def detect_faces(self, frames_bgr: Sequence[np.ndarray]) -> list[Face | None]:
+        """The most plausible face of each frame (`_plausibility`), with its landmarks and score."""
+        faces: list[Face | None] = []
+        for start in range(0, len(frames_bgr), self.batch_size):
+            batch = [_to_bgr(frame) for frame in frames_bgr[start : start + self.batch_size]]
+            for found in self.network.detect(batch):
+                if not len(found):
+                    faces.append(None)
+                    continue
+                best = found[np.argmax(_plausibility(found))]
+                x1, y1, x2, y2, score = best[:5]
+                landmarks = np.stack([best[5:10], best[10:15]], axis=1)
+                faces.append(Face((float(x1), float(y1), float(x2 - x1), float(y2 - y1)), landmarks, float(score)))
+        return faces
+
+    def detect(self, frame_bgr: np.ndarray) -> Box | None:
+        face = self.detect_faces([frame_bgr])[0]
+        if face is None:
+            return None
+        height, width = frame_bgr.shape[:2]
+        x, y, w, h = face.box
+        x0, y0 = max(0, round(x)), max(0, round(y))
+        return (x0, y0, min(width, round(x + w)) - x0, min(height, round(y + h)) - y0)
+
+
+def _plausibility(found: np.ndarray) -> np.ndarray:
+    """Rank MTCNN's faces (rows x1, y1, x2, y2, score, ...): the largest of those about as confident as the most
+    confident one. Not simply the largest: a torso or a patterned shirt can pass as a big face with a low score
+    (0.7-0.96, where the real face scores > 0.99)."""
+    area = (found[:, 2] - found[:, 0]) * (found[:, 3] - found[:, 1])
+    return np.where(found[:, 4] >= found[:, 4].max() - 0.02, area, -1.0)
+
+
+def _to_bgr(frame: np.ndarray) -> np.ndarray:
+    if frame is None or frame.size == 0:
+        raise ValueError("face detection needs a non-empty image")
+    if frame.ndim == 2:
+        return cv2.cvtColor(frame, cv2.COLOR_GRAY2BGR)
+    if frame.ndim == 3 and frame.shape[2] == 3:
+        return frame
+    if frame.ndim == 3 and frame.shape[2] == 4:
+        return cv2.cvtColor(frame, cv2.COLOR_BGRA2BGR)
+    raise ValueError(f"expected a grey, BGR or BGRA image, got an array of shape {frame.shape}")
+
+
+DETECTORS: dict[str, Callable[..., FaceDetector]] = {"haar": HaarFaceDetector, "mtcnn": MTCNNFaceDetector}
+"""Detector registry: name -> factory taking the detector's keyword arguments."""
+
+
+def register_detector(name: str, factory: Callable[..., FaceDetector]) -> None:
+    """Make a detector available to `build_detector` (and so to the config) under `name`."""
+    if name in DETECTORS:
+        raise ValueError(f"a face detector named {name!r} is already registered")
+    DETECTORS[name] = factory
+
+
+def build_detector(name: str = "haar", **kwargs) -> FaceDetector:
+    """Build a registered detector by name, passing `kwargs` to its constructor."""
+    if name not in DETECTORS:
+        raise ValueError(f"unknown face detector {name!r}; registered: {', '.join(sorted(DETECTORS))}")
+    return DETECTORS[name](**kwargs)
+
+
+def gives_landmarks(name: str) -> bool:
+    """Whether the registered detector `name` places landmarks (needed to align crops)."""
+    if name not in DETECTORS:
+        raise ValueError(f"unknown face detector {name!r}; registered: {', '.join(sorted(DETECTORS))}")
+    return bool(getattr(DETECTORS[name], "gives_landmarks", False))
+
+
+def smooth_track(detections: Sequence[Box | None], alpha: float = 0.5) -> tuple[list[Box], list[str]] | None:
+    """Turn per-frame detections into one box per frame, and say where each box came from.
+
+    Box centre and size are smoothed exponentially (`alpha` is the weight of the new detection; 1 = no smoothing) so
+    crops do not jitter with the detector's noise. A frame without a detection reuses the last box ("reused"); frames
+    before the first detection take the first detected box ("backfilled"). None when no frame has a detection.
+    """
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    first = next((index for index, box in enumerate(detections) if box is not None), None)
+    if first is None:
+        return None
+    boxes: list[Box] = []
+    statuses: list[str] = []
+    state: np.ndarray | None = None  # centre x, centre y, width, height
+    for index, box in enumerate(detections):
+        if box is not None:
+            x, y, w, h = box
+            observed = np.array([x + w / 2, y + h / 2, w, h], dtype=float)
+            state = observed if state is None else alpha * observed + (1.0 - alpha) * state
+            boxes.append(_state_to_box(state))
+            statuses.append(DETECTED)
+        elif index < first:
+            boxes.append(tuple(int(v) for v in detections[first]))  # type: ignore[arg-type]
+            statuses.append(BACKFILLED)
+        else:
+            boxes.append(boxes[-1])
+            statuses.append(REUSED)
+    return boxes, statuses
+
+
+def smooth_faces(detections: Sequence[Face | None], alpha: float = 0.5) -> tuple[list[Face], list[str]] | None:
+    """`smooth_track` for faces: the box exactly as `smooth_track` smooths it, and the landmarks (where the detector
+    gives them) smoothed the same way; frames without a detection reuse the last face or take the first one."""
+    boxes = [None if face is None else face.box for face in detections]
+    track = smooth_track(boxes, alpha)
+    if track is None:
+        return None
+    smoothed_boxes, statuses = track
+    faces: list[Face] = []
+    state: np.ndarray | None = None
+    first = next(face for face in detections if face is not None)
+    for face, box, status in zip(detections, smoothed_boxes, statuses, strict=True):
+        if status == DETECTED and face is not None and face.landmarks is not None:
+            observed = np.asarray(face.landmarks, dtype=float)
+            state = observed if state is None else alpha * observed + (1.0 - alpha) * state
+            faces.append(Face(box, state.copy(), face.score))
+        elif status == BACKFILLED:
+            faces.append(Face(box, first.landmarks, first.score))
+        elif status == REUSED:
+            faces.append(Face(box, faces[-1].landmarks, faces[-1].score))
+        else:
+            faces.append(Face(box, None, face.score if face is not None else 1.0))
+    return faces, statuses
+
+
+def _state_to_box(state: np.ndarray) -> Box:
+    centre_x, centre_y, width, height = (float(v) for v in state)
+    width, height = max(1, round(width)), max(1, round(height))
+    return (round(centre_x - width / 2), round(centre_y - height / 2), width, height)
+
+
+def _square(box: Box, margin: float) -> tuple[int, int, int]:
+    """Left, top and side of the square that `square_crop` cuts around `box`."""
+    x, y, w, h = box
+    if w <= 0 or h <= 0:
+        raise ValueError(f"box {box} has no area")
+    side = max(1, round(max(w, h) * (1 + 2 * margin)))
+    return math.floor(x + w / 2 - side / 2), math.floor(y + h / 2 - side / 2), side
+
+
+def square_crop_transform(box: Box, margin: float = 0.2, size: int = 224) -> np.ndarray:
+    """The 2 x 3 affine matrix mapping a frame pixel (x, y) to its pixel in `square_crop(frame, box, margin, size)`.
+
+    Pixel centres as OpenCV's resize maps them: u = (x - left + 0.5) * size / side - 0.5.
+    """
+    left, top, side = _square(box, margin)
+    scale = size / side
+    return np.array([[scale, 0.0, (0.5 - left) * scale - 0.5], [0.0, scale, (0.5 - top) * scale - 0.5]])
+
+
+def square_crop(frame: np.ndarray, box: Box, margin: float = 0.2, size: int = 224) -> np.ndarray:
+    """Cut a square around the box centre with `margin` (fraction of the box side) on each side, resized to `size`.
+
+    Where the square leaves the frame the border pixels are replicated, so faces near the edge keep their scale
+    and position in the crop instead of being shifted or squashed. `square_crop_transform` says where each frame
+    pixel lands.
+    """
+    if frame is None or frame.size == 0:
+        raise ValueError("square_crop needs a non-empty frame")
+    if size < 1 or margin < 0:
+        raise ValueError(f"need size >= 1 and margin >= 0, got size={size}, margin={margin}")
+    frame_h, frame_w = frame.shape[:2]
+    left, top, side = _square(box, margin)
+    right, bottom = left + side, top + side
+    if right <= 0 or bottom <= 0 or left >= frame_w or top >= frame_h:
+        raise ValueError(f"box {box} lies outside the {frame_w} x {frame_h} frame")
+    inside = frame[max(0, top) : min(frame_h, bottom), max(0, left) : min(frame_w, right)]
+    pads = (max(0, -top), max(0, bottom - frame_h), max(0, -left), max(0, right - frame_w))
+    if any(pads):
+        inside = cv2.copyMakeBorder(inside, *pads, borderType=cv2.BORDER_REPLICATE)
+    if side == size:
+        return np.ascontiguousarray(inside)
+    interpolation = cv2.INTER_AREA if side > size else cv2.INTER_LINEAR
+    return cv2.resize(inside, (size, size), interpolation=interpolation)
+
+
+# Where the five landmarks of an upright frontal face sit in its face box, as fractions of the box side: the
+# widely used 112 x 112 template of face recognition (ArcFace), divided by 112. An aligned crop puts the landmarks
+# here, then adds the margin around this box as `square_crop` adds it around a detector's box.
+CANONICAL_LANDMARKS = np.array(
+    [[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366], [41.5493, 92.3655], [70.7299, 92.2041]]
+) / 112.0
+
+
+def similarity_transform(source: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """The least-squares similarity (rotation, uniform scale, translation; no reflection) mapping source points onto
+    target points, as a 2 x 3 matrix (Umeyama's closed form: deterministic, no sampling)."""
+    source, target = np.asarray(source, dtype=float), np.asarray(target, dtype=float)
+    if source.shape != target.shape or source.ndim != 2 or source.shape[1] != 2 or len(source) < 2:
+        raise ValueError(f"need two matching (n >= 2, 2) point arrays, got {source.shape} and {target.shape}")
+    if not (np.isfinite(source).all() and np.isfinite(target).all()):
+        raise ValueError("landmarks must be finite")
+    source_mean, target_mean = source.mean(0), target.mean(0)
+    source_centred, target_centred = source - source_mean, target - target_mean
+    variance = (source_centred**2).sum() / len(source)
+    if variance <= 1e-12:
+        raise ValueError("the source points coincide: no transform is defined")
+    covariance = target_centred.T @ source_centred / len(source)
+    u, singular, vt = np.linalg.svd(covariance)
+    sign = np.diag([1.0, -1.0 if np.linalg.det(u) * np.linalg.det(vt) < 0 else 1.0])
+    rotation = u @ sign @ vt
+    scale = float(np.trace(np.diag(singular) @ sign)) / variance
+    linear = scale * rotation
+    return np.hstack([linear, (target_mean - linear @ source_mean)[:, None]])
+
+
+def aligned_crop_transform(landmarks: np.ndarray, margin: float = 0.2, size: int = 224) -> np.ndarray:
+    """The similarity mapping a face's five landmarks (frame pixels) onto the canonical upright face of a
+    `size` x `size` crop with `margin` (fraction of the face box side) on each side."""
+    target = (CANONICAL_LANDMARKS + margin) / (1 + 2 * margin) * size
+    return similarity_transform(np.asarray(landmarks, dtype=float).reshape(5, 2), target)
+
+
+def aligned_crop(frame: np.ndarray, landmarks: np.ndarray, margin: float = 0.2,
+                 size: int = 224) -> tuple[np.ndarray, np.ndarray]:
+    """An upright, scale-normalised face crop from five landmarks (`LANDMARK_NAMES` order) and the 2 x 3 matrix
+    that made it (frame pixel -> crop pixel). Roll and scale differ no more between frames and people; border pixels
+    are replicated where the crop leaves the frame, as in `square_crop`."""
+    if frame is None or frame.size == 0:
+        raise ValueError("aligned_crop needs a non-empty frame")
+    if size < 1 or margin < 0:
+        raise ValueError(f"need size >= 1 and margin >= 0, got size={size}, margin={margin}")
+    matrix = aligned_crop_transform(landmarks, margin, size)
+    crop = cv2.warpAffine(frame, matrix, (size, size), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+    return crop, matrix
+
+
+def apply_transform(matrix: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """Points (n, 2) mapped by a 2 x 3 affine matrix (e.g. frame pixels to crop pixels)."""
+    points = np.asarray(points, dtype=float).reshape(-1, 2)
+    return points @ np.asarray(matrix, dtype=float)[:, :2].T + np.asarray(matrix, dtype=float)[:, 2]
+
+
+def detection_rate(
+    video_paths: Iterable[str | Path],
+    detector: FaceDetector,
+    frames_per_video: int = 8,
+    start_s: float = 2.0,
+    end_s: float | None = None,
+) -> dict:
+    """Fraction of sampled frames in which `detector` finds a face, over the frames preprocessing would crop.
+
+    Frames are chosen and decoded exactly as preprocessing does (`pipeline.data.video.read_sampled_frames`), so a video
+    that preprocessing would reject (too short for the window, undecodable) contributes no frames and is listed
+    under "failed" with the reason. Returns {"overall", "n_frames", "n_detected", "per_video": {path: fraction},
+    "failed": {path: reason}}. A path that does not exist is an error.
+    """
+    per_video: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    total = detected = 0
+    for path in video_paths:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"video not found: {path}")
+        try:
+            _, frames, _ = read_sampled_frames(path, frames_per_video, start_s, end_s)
+        except VideoFailure as failure:
+            failed[str(path)] = str(failure)
+            continue
+        hits = sum(face is not None for face in find_faces(detector, frames))
+        per_video[str(path)] = hits / len(frames)
+        total += len(frames)
+        detected += hits
+    return {
+        "overall": detected / total if total else 0.0,
+        "n_frames": total,
+        "n_detected": detected,
+        "per_video": per_video,
+        "failed": failed,
+    }

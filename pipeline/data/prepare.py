@@ -1,0 +1,231 @@
+"""`make data` and `make aug-preview`: get a dataset from its raw layout to face crops and fold files."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.data.biovid import SAMPLES_CSV, load_samples
+from pipeline.data.face_crops import PreprocessConfig, PreprocessResult, preprocess
+from pipeline.data.fold_files import (
+    BIOVID_MANIFEST_DIR,
+    USABLE_SUFFIX,
+    FoldError,
+    base_subject_set,
+    biovid_subjects,
+    check_fold_parameters,
+    fold_parameters,
+    make_folds,
+    parameters_path,
+    read_fold_parameters,
+    read_folds,
+    subject_strata,
+    write_folds,
+)
+from pipeline.utils.paths import resolve_path
+
+log = logging.getLogger(__name__)
+
+
+def dataset_root(cfg: DictConfig) -> Path:
+    root = cfg.data.root
+    if root is None:
+        raise SystemExit("data.root is not set: for BioVid run `make data DATA=biovid BIOVID_ROOT=/path/to/PartA` "
+                         "(the folder holding starting_point/samples.csv and video/)")
+    return resolve_path(root)
+
+
+def generate_synthetic(cfg: DictConfig, root: Path) -> None:
+    """Write the synthetic twin into `root` (resumable: finished videos are kept)."""
+    from pipeline.data.synthetic import PRESETS, generate
+
+    options = OmegaConf.to_container(cfg.data.synthetic)
+    preset, workers = options.pop("preset"), options.pop("workers")
+    if preset not in PRESETS:
+        raise SystemExit(f"unknown synthetic preset {preset!r}; known: {', '.join(PRESETS)}")
+    config = dataclasses.replace(PRESETS[preset], **{k: v for k, v in options.items() if v is not None})
+    log.info("synthetic twin: %s -> %s", config, root)
+    generate(root, config, workers=workers)
+
+
+def source_fingerprint(cfg: DictConfig, root: Path) -> str | None:
+    """What identifies the videos crops are made from: for the synthetic twin, the SHA-256 of the generator config
+    it was written with (crops of another twin in the same processed folder are refused); None for BioVid."""
+    from pipeline.data.synthetic import CONFIG_JSON
+
+    if cfg.data.name != "synthetic":
+        return None
+    return "synthetic:" + hashlib.sha256((root / CONFIG_JSON).read_bytes()).hexdigest()
+
+
+def preprocess_config(cfg: DictConfig) -> PreprocessConfig:
+    """How crops are made (recorded in preprocess.json); not where or on how many cores (workers, device)."""
+    options = OmegaConf.to_container(cfg.preprocess)
+    for key in ("workers", "device"):
+        options.pop(key)
+    return PreprocessConfig(**options)
+
+
+def fold_file_path(cfg: DictConfig) -> Path:
+    return resolve_path(cfg.fold_file)
+
+
+def read_fold_file(path: Path, subjects_with_frames: list[str], remedy: str = "") -> pd.DataFrame:
+    """Read and leak-check a fold file whose subjects must all have crops (it may cover a subset, e.g. 67 of 87)."""
+    folds = read_folds(path)
+    missing = sorted(set(folds.subject_name) - set(subjects_with_frames))
+    if missing:
+        raise SystemExit(f"{path}: {len(missing)} subject(s) of the fold file have no usable videos: "
+                         f"{', '.join(missing)} (see failures.csv and the warnings above). {remedy}".rstrip())
+    return folds
+
+
+def usable_set_remedy(cfg: DictConfig) -> str:
+    """How to go on when participants of the subject set have no crops: the `<set>_usable` subject set."""
+    if cfg.data.subject_set.endswith(USABLE_SUFFIX) or cfg.data.name == "synthetic":
+        return ("The fold file was written when these participants still had crops; delete it and its .json sidecar "
+                "to write it again over the participants that have crops now.")
+    usable = f"{base_subject_set(cfg.data.subject_set)}{USABLE_SUFFIX}"
+    manifest_dir = f"{cfg.data.processed_dir}/manifests"
+    dataset = f" DATA={cfg.data.name}" + (f" BIOVID_ROOT={cfg.data.root}" if cfg.data.root else "")
+    return (f"To go on without them, use the subject set of the participants that have crops: `make data{dataset} "
+            f"ARGS=\"data.subject_set={usable} data.manifest_dir={manifest_dir}\"` (and the same ARGS for make cv and "
+            f"make compare). Its fold file is written once into {manifest_dir} with the excluded participants and the "
+            f"reason in its .json sidecar; its SHA-256 differs from the standard one, so `make compare` never mixes "
+            f"the two (data_manifests/README.md).")
+
+
+def exclusion_reasons(names: list[str], samples: pd.DataFrame, failures: pd.DataFrame) -> dict[str, str]:
+    """Why each of `names` has no crops: its failed videos counted by reason, or that none of its videos is there."""
+    reasons = {}
+    for name in names:
+        listed = int((samples.subject_name == name).sum())
+        failed = failures[failures.subject_name == name]
+        if not listed:
+            reasons[name] = "no video of this participant is listed in samples.csv and present on disk"
+            continue
+        counts = failed.reason.value_counts()
+        reasons[name] = (f"all {listed} video(s) failed: "
+                         + "; ".join(f"{reason} ({count})" for reason, count in counts.items()))
+    return reasons
+
+
+def protocol_fold_parameters(cfg: DictConfig) -> dict:
+    """The fold parameters the config asks for (compared with the ones recorded beside an existing fold file)."""
+    protocol = cfg.protocol
+    return fold_parameters(protocol.name, protocol.seed, protocol.val_fraction, protocol.get("test_fraction"))
+
+
+def new_folds_remedy(cfg: DictConfig, path: Path) -> str:
+    """How to get a fold file made with the config's parameters instead of the existing one."""
+    if cfg.data.name == "synthetic":
+        return (f"Fold files are written once, then only read: to get folds with the config's parameters, delete "
+                f"{path} and {parameters_path(path).name} (the next run writes them anew), or point "
+                f"data.manifest_dir at another folder.")
+    return ("BioVid's committed fold files stay as they are: to get folds with the config's parameters, point "
+            "data.manifest_dir at another folder (e.g. data.manifest_dir=data/processed/biovid/manifests), where the "
+            "next run writes new fold files.")
+
+
+def ensure_folds(cfg: DictConfig, subjects: list[str], reasons: dict[str, str] | None = None) -> Path:
+    """Read and check the fold file, or write it on first use with the config's protocol parameters.
+
+    An existing file is leak-checked, must have been made with the config's protocol, seed and fractions (as
+    recorded in its sidecar), and every participant in it must have crops (`subjects`). BioVid's files in
+    data_manifests/biovid are committed, never written here; in another data.manifest_dir they are made over the
+    whole subject set, like the committed ones, except for a `<set>_usable` subject set: the participants of <set>
+    that have crops, the others recorded in the sidecar with the reason (`reasons`: name -> why it has no crops).
+    The synthetic twin's fold files are made over the participants that have crops, the others recorded likewise.
+    """
+    path = fold_file_path(cfg)
+    parameters = protocol_fold_parameters(cfg)
+    usable_set = cfg.data.subject_set.endswith(USABLE_SUFFIX)
+    if path.is_file():
+        try:
+            check_fold_parameters(path, parameters, new_folds_remedy(cfg, path))
+        except FoldError as error:
+            raise SystemExit(str(error)) from None
+        read_fold_file(path, subjects, usable_set_remedy(cfg))
+        return path
+    if cfg.data.name != "synthetic" and path.parent == BIOVID_MANIFEST_DIR:
+        if usable_set:
+            raise SystemExit(f"the {cfg.data.subject_set} fold files are not committed: point data.manifest_dir at "
+                             f"another folder (e.g. data.manifest_dir={cfg.data.processed_dir}/manifests), where the "
+                             f"first run writes them")
+        raise SystemExit(f"fold file {path} does not exist. BioVid's fold files are committed in data_manifests/; "
+                         f"regenerate them with `python -m pipeline fold-files write-biovid`")
+    candidates = biovid_subjects(cfg.data.subject_set) if cfg.data.name == "biovid" else subjects
+    without_frames = sorted(set(candidates) - set(subjects))
+    if without_frames and not (usable_set or cfg.data.name == "synthetic"):
+        raise SystemExit(f"cannot write {path}: {len(without_frames)} subject(s) of the {cfg.data.subject_set} set "
+                         f"have no usable videos: {', '.join(without_frames)} (see failures.csv). "
+                         f"{usable_set_remedy(cfg)}")
+    names = sorted(set(candidates) & set(subjects))
+    no_videos = "no video of this participant is listed in samples.csv and present on disk"
+    excluded = {name: (reasons or {}).get(name, no_videos) for name in without_frames}
+    folds = make_folds(names, **parameters, strata=subject_strata(names))  # exactly what the sidecar records
+    write_folds(folds, path, parameters, excluded)
+    log.info("wrote fold file %s (%d folds over %d subjects, %s)", path, folds.fold.nunique(), len(names),
+             ", ".join(f"{key}={value}" for key, value in parameters.items()))
+    for name, reason in excluded.items():
+        log.warning("excluded from %s: %s (%s)", path.name, name, reason)
+    return path
+
+
+MAX_TAG_CHARS = 5000  # MLflow's limit on a tag value
+
+
+def subject_set_tags(fold_file: Path) -> dict[str, str]:
+    """Run tags naming the participants a fold file leaves out of its subject set, and why (from its sidecar):
+    `excluded_subjects` (comma-separated names), `n_excluded_subjects`, `excluded_subjects_reasons`
+    ("name: reason | ..."; cut to MLflow's tag length, the sidecar has all). Empty values for a complete set."""
+    recorded = read_fold_parameters(fold_file) or {}
+    excluded: dict[str, str] = recorded.get("excluded_subjects", {})
+    reasons = " | ".join(f"{name}: {reason}" for name, reason in excluded.items())
+    if len(reasons) > MAX_TAG_CHARS:
+        tail = f" ... (all in {parameters_path(fold_file)})"
+        reasons = reasons[: MAX_TAG_CHARS - len(tail)] + tail
+    return {"n_excluded_subjects": str(len(excluded)), "excluded_subjects": ",".join(excluded),
+            "excluded_subjects_reasons": reasons}
+
+
+def prepare_data(cfg: DictConfig, progress: bool = True) -> tuple[PreprocessResult, Path]:
+    """Raw dataset -> validated sample table -> face crops + frame table -> checked fold file."""
+    root = dataset_root(cfg)
+    if cfg.data.name == "synthetic":
+        generate_synthetic(cfg, root)
+    # Every subject is cropped; the subject set only picks the fold file, so one frame table serves both sets.
+    samples, report = load_samples(root, subject_set="all")
+    log.info("%s: %d samples of %d subjects (%d skipped, %d unlisted videos ignored)", root / SAMPLES_CSV,
+             len(samples), samples.subject_name.nunique(), report.n_skipped, len(report.unlisted_videos))
+    if cfg.data.name == "biovid":
+        expected = set(biovid_subjects(cfg.data.subject_set))
+        missing = sorted(expected - set(samples.subject_name))
+        if missing:
+            log.warning("%d subject(s) of the %s set have no usable videos: %s", len(missing),
+                        cfg.data.subject_set, ", ".join(missing))
+    result = preprocess(samples, resolve_path(cfg.data.processed_dir), preprocess_config(cfg),
+                        workers=cfg.preprocess.workers, progress=progress, device=cfg.preprocess.device,
+                        source=source_fingerprint(cfg, root))
+    log.info(result.summary())
+    subjects = sorted(set(result.frames.subject_name))
+    without_crops = sorted(set(samples.subject_name) - set(subjects))
+    return result, ensure_folds(cfg, subjects, exclusion_reasons(without_crops, samples, result.failures))
+
+
+def processed_frames(cfg: DictConfig) -> pd.DataFrame | None:
+    """The frame table if the dataset has been prepared with the current settings, else None."""
+    frames_csv = resolve_path(cfg.data.processed_dir) / "frames.csv"
+    return pd.read_csv(frames_csv) if frames_csv.is_file() else None
+
+
+def run_data(cfg: DictConfig) -> None:
+    result, fold_file = prepare_data(cfg)
+    print(f"data ready: {result.summary()}")
+    print(f"frame table: {result.frames_csv}")
+    print(f"fold file:   {fold_file}")

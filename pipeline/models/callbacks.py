@@ -1,0 +1,57 @@
+"""Training policies as Lightning callbacks, not branches in the training step: a frozen-backbone warm-up, keyed
+random draws for every batch, and early stopping whose decision survives a resume."""
+
+from __future__ import annotations
+
+import logging
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks.early_stopping import EarlyStopping, EarlyStoppingReason
+
+from pipeline.models.classifier import PainClassifier
+from pipeline.utils.seeds import derived_seed
+
+log = logging.getLogger(__name__)
+
+
+class FreezeBackbone(pl.Callback):
+    """Train only the head for the first `epochs` epochs, then the whole network (a fine-tuning policy)."""
+
+    def __init__(self, epochs: int) -> None:
+        self.epochs = epochs
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: PainClassifier) -> None:
+        frozen = trainer.current_epoch < self.epochs
+        for parameter in pl_module.model.backbone.parameters():
+            parameter.requires_grad_(not frozen)
+        if trainer.current_epoch in (0, self.epochs) and self.epochs > 0:
+            log.info("epoch %d: backbone %s", trainer.current_epoch, "frozen" if frozen else "unfrozen")
+
+
+class SeedEachBatch(pl.Callback):
+    """Seed torch's generators (CPU and every GPU) before each training batch from (seed, fold, epoch, batch).
+
+    Dropout, stochastic depth and any other draw inside the model then depend on where training is, not on what ran
+    before in this process: a fold resumed from an epoch checkpoint draws what an uninterrupted one draws, although
+    the resumed process has not built the same loaders, nor spent the same random numbers on them.
+    """
+
+    def __init__(self, seed: int, fold: int) -> None:
+        self.seed, self.fold = int(seed), int(fold)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        torch.manual_seed(derived_seed(self.seed, self.fold, trainer.current_epoch, batch_idx))
+
+
+class ResumableEarlyStopping(EarlyStopping):
+    """Early stopping whose decision survives a resume.
+
+    Lightning restores the counter and the reason from a checkpoint but not the trainer's `should_stop`: a fold
+    killed after the checkpoint of the epoch that decided to stop would otherwise train on when resumed, and keep a
+    different best epoch than the uninterrupted run.
+    """
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.stopping_reason != EarlyStoppingReason.NOT_STOPPED:
+            trainer.should_stop = True

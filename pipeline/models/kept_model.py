@@ -1,0 +1,68 @@
+"""Kept fold models: one self-describing file per fold that rebuilds a ready `PainNet` with nothing else.
+
+A kept model is a plain dict saved with `torch.save` and read back with `torch.load(..., weights_only=True)` (no
+pickled classes, so loading a file from someone else's run executes no code): the network's state dict and a
+`meta` dict of plain values, namely backbone name, input size, class names, task, the data settings the model was
+trained on (crop window, crop fraction, crops per clip, mean/std), the weights it started from and where it ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.models.backbones import DataConfig, PainNet, create_model
+from pipeline.utils.atomic_io import atomic_path
+
+FORMAT = "painvit.fold_model/1"
+MODEL_ARTIFACT = "model/model.pt"  # where a child run keeps its fold's model
+
+
+def model_meta(net: PainNet, *, model_name: str, img_size: int | None, class_names: list[str], task: str,
+               loader: dict[str, Any], weights: dict[str, str], **extra: Any) -> dict[str, Any]:
+    """The plain-value description that travels inside a kept model."""
+    data_config = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(net.backbone.data_config).items()}
+    return {"model_name": model_name, "architecture": net.backbone.architecture, "img_size": img_size,
+            "class_names": list(class_names), "task": task, "data_config": data_config,
+            "loader": {k: loader.get(k) for k in ("crop_fraction", "from_s", "frames_per_video")},
+            "weights": dict(weights), **extra}
+
+
+def save_fold_model(net: PainNet, meta: dict[str, Any], path: Path) -> Path:
+    """Write the kept model atomically (a killed job leaves the old file or none, never half of one)."""
+    state = {name: tensor.detach().cpu().contiguous() for name, tensor in net.state_dict().items()}
+    with atomic_path(path) as tmp:
+        torch.save({"format": FORMAT, "state_dict": state, "meta": meta}, tmp)
+    return path
+
+
+def load_fold_model(source: str | Path, tracking_uri: str | None = None) -> tuple[PainNet, dict[str, Any]]:
+    """A kept model as a ready `PainNet` (eval mode, on the CPU) plus its `meta`.
+
+    `source` is a file path, or an MLflow child run id (or `runs:/<id>`) whose `model/model.pt` is downloaded.
+    """
+    path = Path(source)
+    if not path.is_file():
+        import mlflow
+
+        run_id = str(source).removeprefix("runs:/").split("/")[0]
+        if tracking_uri:
+            mlflow.set_tracking_uri(tracking_uri)
+        path = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=MODEL_ARTIFACT))
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a kept fold model (format {FORMAT})")
+    meta = saved["meta"]
+    net, _ = create_model(meta["model_name"], n_classes=len(meta["class_names"]), pretrained=False,
+                          img_size=meta["img_size"])
+    net.load_state_dict(saved["state_dict"], strict=True)
+    return net.eval(), meta
+
+
+def data_config_of(meta: dict[str, Any]) -> DataConfig:
+    """The kept model's data config (input size, mean, std, interpolation) as the backbone adapter's type."""
+    values = meta["data_config"]
+    return DataConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})

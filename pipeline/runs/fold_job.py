@@ -1,0 +1,422 @@
+"""One fold of a cross-validation as a job that can run anywhere: this process, another process, a SLURM node.
+
+A `FoldJob` holds plain values only (the resolved config, the fold id, the parent run id, the tracking URI and a
+work folder), so it pickles for submitit and writes as JSON for a subprocess. `run_fold_job` is idempotent: a fold
+that already has a FINISHED child run is not trained again, a child run left RUNNING by a killed attempt is marked
+KILLED, and training continues from the fold's last epoch checkpoint when one exists.
+
+The steps, each a function: `build_fold` (model, data, LightningModule), `fit_fold` (train, select on the inner
+validation subjects, epoch checkpoints), `test_fold` (the best checkpoint, scored once on the test subjects),
+`write_fold_artifacts` (plots and tables), `keep_fold_model` (the self-describing model file).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytorch_lightning as pl
+import torch
+from mlflow import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.plugins.environments import SLURMEnvironment
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+
+from pipeline.data.datamodule import LoaderConfig, PainDataModule
+from pipeline.data.tasks import get_task
+from pipeline.evaluation.metrics import Evaluation, plot_confusion, plot_roc, plot_training_curves
+from pipeline.models.backbones import PainNet, create_model, model_family, weights_source
+from pipeline.models.callbacks import FreezeBackbone, ResumableEarlyStopping, SeedEachBatch
+from pipeline.models.classifier import OptimConfig, PainClassifier
+from pipeline.models.kept_model import MODEL_ARTIFACT, model_meta, save_fold_model
+from pipeline.models.weights import WeightsSource
+from pipeline.runs.tracking import (
+    ATTEMPT_TAG,
+    FINISHED,
+    FOLD_RUN,
+    FOLD_TAG,
+    HOST_TAG,
+    JOB_TRACKING_URI_TAG,
+    PARENT_TAG,
+    PID_TAG,
+    RESUMED_AFTER_EPOCH_TAG,
+    RUN_KIND_TAG,
+    SLURM_JOB_TAG,
+    fold_runs,
+)
+from pipeline.utils.atomic_io import atomic_path
+from pipeline.utils.devices import precision_for, use_channels_last
+from pipeline.utils.paths import resolve_path
+
+log = logging.getLogger(__name__)
+FRAME_PREDICTIONS = "predictions_frames.csv"
+VIDEO_PREDICTIONS = "predictions_videos.csv"
+
+
+@dataclass(frozen=True)
+class FoldDecisions:
+    """What the plan decides once for every fold of a cross-validation. A fold job uses it as given: on a SLURM node
+    it only checks that it can honour it (the same weights file, the same backbone family) and fails loudly if not."""
+
+    fold_file: str  # the checked fold file, absolute
+    precision: str  # Lightning's precision, from trainer.precision and the backbone family on the planning machine
+    model_family: str  # the backbone adapter's family (pipeline.models.backbones.FAMILIES)
+    weights: dict[str, str | None]  # where the initial weights come from: WeightsSource's kind, ref, sha256
+
+    @property
+    def weights_source(self) -> WeightsSource:
+        return WeightsSource(**self.weights)
+
+
+def decide(cfg: DictConfig, fold_file: Path) -> FoldDecisions:
+    """Resolve the fold file, the backbone family, the precision and the weights source of `cfg`, once.
+
+    A missing weights file or hub cache entry fails here, in seconds, not in the first fold.
+    """
+    family = model_family(cfg.model.name, cfg.model.img_size)
+    weights = weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
+    return FoldDecisions(str(resolve_path(fold_file)), precision_for(cfg.trainer.precision, cfg.trainer.accelerator,
+                                                                      family), family, asdict(weights))
+
+
+class DecisionNotHonoured(RuntimeError):
+    """A fold job cannot do what its plan decided (other weights on this node, another backbone family)."""
+
+
+@dataclass(frozen=True)
+class FoldJob:
+    """Everything a fold needs, as plain values."""
+
+    config: dict  # the resolved config (OmegaConf.to_container)
+    fold: int
+    parent_run_id: str
+    tracking_uri: str
+    work_dir: str  # the fold's own folder: epoch checkpoints (for resuming) and the kept model before upload
+    decisions: FoldDecisions
+
+    def write(self, path: Path) -> Path:
+        with atomic_path(path, mode=0o600) as tmp:  # owner only: the tracking URI may hold a database password
+            tmp.write_text(json.dumps(asdict(self)))
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> FoldJob:
+        values = json.loads(Path(path).read_text())
+        return cls(**{**values, "decisions": FoldDecisions(**values["decisions"])})
+
+
+@dataclass
+class FoldResult:
+    """A trained and tested fold: its test metrics and predictions (per crop and per video)."""
+
+    fold: int
+    metrics: dict[str, float]  # test/<level>_<metric>, best_epoch, epochs_trained, best_val_score
+    frame_predictions: pd.DataFrame
+    video_predictions: pd.DataFrame
+    seconds: float
+    run_id: str = ""
+
+    @property
+    def epochs(self) -> int:
+        return int(self.metrics["epochs_trained"])
+
+    @property
+    def best_epoch(self) -> int:
+        return int(self.metrics["best_epoch"])
+
+
+class MlflowEpochLogger(pl.Callback):
+    """Logs each epoch's train/val metrics to the active MLflow run (step = epoch) and keeps them for the plot.
+
+    Hooked on the end of the training epoch: by then the epoch's validation has run and Lightning has reduced the
+    epoch-level train metrics. Its history is saved in the epoch checkpoint, and a resumed fold logs it again to
+    its new child run, so the curves there start at epoch 0.
+    """
+
+    def __init__(self) -> None:
+        self.history: list[dict] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.history:
+            mlflow.set_tag(RESUMED_AFTER_EPOCH_TAG, str(int(self.history[-1]["epoch"])))
+        for row in self.history:
+            mlflow.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=int(row["epoch"]))
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
+                   if k.startswith(("train/", "val/")) and torch.numel(v) == 1}
+        metrics["lr/head"] = trainer.optimizers[0].param_groups[-1]["lr"] if trainer.optimizers else float("nan")
+        mlflow.log_metrics(metrics, step=trainer.current_epoch)
+        self.history.append({"epoch": trainer.current_epoch, **metrics})
+
+    def state_dict(self) -> dict:
+        return {"history": self.history}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.history = list(state_dict.get("history", []))
+
+
+class LeaveSigtermToSubmitit(pl.Callback):
+    """Under SLURM, submitit handles preemption: it ignores SIGTERM and, on the requeue signal, checkpoints and
+    requeues the job. Lightning's own SIGTERM handler would end fit() at the next batch, before the requeue signal
+    arrives, so the job would exit instead of being requeued; this puts submitit's handler back once fit runs."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        original = trainer._signal_connector._original_handlers.get(signal.SIGTERM)
+        if original is not None:
+            signal.signal(signal.SIGTERM, original)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Epoch checkpoints written beside their target and renamed onto it: a job killed mid-write leaves the last
+    complete checkpoint, never a truncated one."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        with atomic_path(path) as tmp:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+
+
+def class_weights_for(setting, train_labels: np.ndarray, n_classes: int) -> list[float] | None:
+    if setting is None:
+        return None
+    if setting == "balanced":
+        counts = np.bincount(train_labels, minlength=n_classes).astype(float)
+        return list(len(train_labels) / (n_classes * np.maximum(counts, 1)))
+    weights = list(setting)
+    if len(weights) != n_classes:
+        raise ValueError(f"trainer.class_weights has {len(weights)} values for {n_classes} classes")
+    return weights
+
+
+def build_network(cfg: DictConfig, n_classes: int, decisions: FoldDecisions) -> PainNet:
+    """The backbone + head with the initial weights the plan chose, or an error saying why this machine differs."""
+    planned = decisions.weights_source
+    net, loaded = create_model(cfg.model.name, n_classes=n_classes, pretrained=planned.kind != "random",
+                               weights=planned.ref if planned.kind == "file" else None, img_size=cfg.model.img_size)
+    if (loaded.kind, loaded.sha256) != (planned.kind, planned.sha256):
+        raise DecisionNotHonoured(f"{cfg.model.name}: the plan chose weights {planned.kind} {planned.ref} (sha256 "
+                                  f"{planned.sha256}), this machine found {loaded.kind} {loaded.ref} (sha256 "
+                                  f"{loaded.sha256}); give every node the same weights file (WEIGHTS=/shared/path)")
+    if net.backbone.family != decisions.model_family:
+        raise DecisionNotHonoured(f"{cfg.model.name}: the plan saw a {decisions.model_family} backbone, this machine "
+                                  f"builds a {net.backbone.family} one (another timm or transformers version?)")
+    return net
+
+
+def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions) -> tuple[PainClassifier, PainDataModule, dict]:
+    """A fresh model, the fold's data and the LightningModule; also the weights' provenance as tags."""
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    task = get_task(cfg.task.name)
+    net = build_network(cfg, task.n_classes, decisions)
+    channels_last = use_channels_last(cfg.trainer.channels_last, decisions.model_family)
+    if channels_last:
+        net = net.to(memory_format=torch.channels_last)
+    fold_file = Path(decisions.fold_file)
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file, fold, task, net.backbone.data_config,
+                                OmegaConf.to_container(cfg.augment), LoaderConfig.from_config(cfg.loader),
+                                seed=cfg.seed)
+    datamodule.setup()
+    train_labels = datamodule.frames("train")["label"].to_numpy()
+    module = PainClassifier(
+        net, task.classes, OptimConfig(**OmegaConf.to_container(cfg.model.optim)),
+        label_smoothing=cfg.trainer.label_smoothing,
+        class_weights=class_weights_for(cfg.trainer.class_weights, train_labels, task.n_classes),
+        aggregation=cfg.trainer.aggregation, topk=cfg.trainer.topk, channels_last=channels_last,
+        monitor=cfg.trainer.monitor)
+    return module, datamodule, decisions.weights_source.as_tags()
+
+
+@dataclass
+class Fitted:
+    trainer: pl.Trainer
+    best_path: str
+    best_epoch: int
+    best_score: float
+    history: list[dict]
+
+
+def fit_fold(cfg: DictConfig, module: PainClassifier, datamodule: PainDataModule, work_dir: Path,
+             precision: str) -> Fitted:
+    """Train with early stopping; select the best epoch on the inner validation subjects.
+
+    Every epoch writes `last.ckpt` into work_dir; a fold that finds one there continues from it, exactly: the
+    checkpoint holds the weights, optimizer, LR schedule, early-stopping counter, best-checkpoint record and epoch
+    history, and every random draw of the remaining epochs is keyed by (seed, fold, epoch[, batch])
+    (`EpochSampler`, `SeedEachBatch`), so it does not depend on the epochs before having run in this process.
+    """
+    if cfg.trainer.devices != 1:
+        raise ValueError("trainer.devices must be 1: video-level metrics are computed from one process's predictions")
+    epoch_logger = MlflowEpochLogger()
+    best = pl.callbacks.ModelCheckpoint(dirpath=work_dir, filename="best", monitor=cfg.trainer.monitor,
+                                        mode=cfg.trainer.monitor_mode, save_top_k=1, save_weights_only=True)
+    # every epoch's full state, overwritten in place (Lightning's save_last only writes when another save happened)
+    last = pl.callbacks.ModelCheckpoint(dirpath=work_dir, filename="last", monitor=None, save_top_k=1,
+                                        enable_version_counter=False)
+    early_stopping = ResumableEarlyStopping(monitor=cfg.trainer.monitor, mode=cfg.trainer.monitor_mode,
+                                           patience=cfg.trainer.patience)
+    callbacks = [epoch_logger, best, last, early_stopping, SeedEachBatch(cfg.seed, datamodule.fold)]
+    if cfg.model.optim.freeze_backbone_epochs > 0:
+        callbacks.append(FreezeBackbone(cfg.model.optim.freeze_backbone_epochs))
+    plugins = [AtomicCheckpointIO()]
+    if "SLURM_JOB_ID" in os.environ:  # submitit owns requeueing on SLURM; Lightning's own would requeue twice
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+        callbacks.append(LeaveSigtermToSubmitit())
+    limits = {k: cfg.trainer[k] for k in ("limit_train_batches", "limit_val_batches") if cfg.trainer[k] is not None}
+    trainer = pl.Trainer(
+        max_epochs=cfg.trainer.max_epochs, accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices,
+        precision=precision,
+        gradient_clip_val=cfg.trainer.gradient_clip_val, deterministic=cfg.trainer.deterministic,
+        log_every_n_steps=cfg.trainer.log_every_n_steps, callbacks=callbacks, logger=False, plugins=plugins,
+        default_root_dir=work_dir, enable_model_summary=False, num_sanity_val_steps=0,
+        enable_progress_bar=sys.stderr.isatty(), **limits)  # a bar in a terminal, none in a job's log file
+    resume_from = work_dir / "last.ckpt"
+    if resume_from.is_file():
+        log.warning("fold: continuing from the epoch checkpoint %s", resume_from)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from.is_file() else None)
+    if not best.best_model_path:
+        raise RuntimeError(f"no checkpoint was selected on {cfg.trainer.monitor} (was it logged?); "
+                           f"refusing to test the last epoch's weights instead")
+    best_score = float(best.best_model_score) if best.best_model_score is not None else float("nan")
+    best_epoch = next((h["epoch"] for h in epoch_logger.history
+                       if np.isclose(h.get(cfg.trainer.monitor, np.nan), best_score)), -1)
+    return Fitted(trainer, best.best_model_path, best_epoch, best_score, epoch_logger.history)
+
+
+def test_fold(fitted: Fitted, module: PainClassifier, datamodule: PainDataModule) -> tuple[pd.DataFrame, Evaluation]:
+    """Score the best checkpoint once on the test subjects: per-crop predictions and their evaluation."""
+    fitted.trainer.test(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
+    return module.test_predictions, module.test_evaluation
+
+
+def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], predictions: pd.DataFrame,
+                         evaluation: Evaluation, history: list[dict], splits: dict) -> None:
+    """Plots and tables a person opens in the MLflow UI. Names and predictions only, never faces."""
+    out.mkdir(parents=True, exist_ok=True)
+    videos = evaluation.video_predictions
+    plot_confusion(evaluation.confusion_video, class_names, out / "confusion_video.png", f"fold {fold}: videos")
+    plot_confusion(evaluation.confusion_frame, class_names, out / "confusion_frame.png", f"fold {fold}: frames")
+    if len(class_names) == 2 and videos["label"].nunique() == 2:
+        plot_roc(videos["label"].to_numpy(), videos[f"prob_{class_names[1]}"].to_numpy(), out / "roc_video.png",
+                 f"fold {fold}: video ROC")
+    if history:
+        plot_training_curves(pd.DataFrame(history), out / "training_curves.png")
+    videos.to_csv(out / VIDEO_PREDICTIONS, index=False)
+    predictions.drop(columns=["crop_path"], errors="ignore").to_csv(out / FRAME_PREDICTIONS, index=False)
+    evaluation.per_subject.to_csv(out / "accuracy_per_subject.csv", index=False)
+    (out / "splits.json").write_text(json.dumps(splits, indent=2, default=str))
+
+
+def keep_fold_model(cfg: DictConfig, module: PainClassifier, best_path: str, weights: dict, path: Path,
+                    **extra) -> Path:
+    """The best checkpoint's network as a self-describing file (`pipeline.models.kept_model`)."""
+    state = torch.load(best_path, map_location="cpu", weights_only=True)["state_dict"]
+    module.load_state_dict(state)
+    meta = model_meta(module.model, model_name=cfg.model.name, img_size=cfg.model.img_size,
+                      class_names=list(module.class_names), task=cfg.task.name,
+                      loader=OmegaConf.to_container(cfg.loader), weights=weights, **extra)
+    return save_fold_model(module.model, meta, path)
+
+
+def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path,
+               keep_model: bool = False) -> FoldResult:
+    """Train on the fold's training subjects, select on its validation subjects, test once on its test subjects.
+
+    Logs epoch curves, test metrics and artifacts to the active MLflow run.
+    """
+    started = time.time()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    module, datamodule, weights = build_fold(cfg, fold, decisions)
+    fitted = fit_fold(cfg, module, datamodule, work_dir, decisions.precision)
+    predictions, evaluation = test_fold(fitted, module, datamodule)
+    metrics = {**evaluation.metrics(prefix="test/"), "best_epoch": fitted.best_epoch,
+               "epochs_trained": len(fitted.history), "best_val_score": fitted.best_score}
+    out = work_dir / "artifacts"
+    write_fold_artifacts(out, fold, module.class_names, predictions, evaluation, fitted.history,
+                         datamodule.split_summary())
+    mlflow.log_metrics(metrics)
+    mlflow.log_artifacts(str(out))
+    if keep_model:
+        path = keep_fold_model(cfg, module, fitted.best_path, weights, work_dir / Path(MODEL_ARTIFACT).name,
+                               fold=fold, best_epoch=fitted.best_epoch)
+        mlflow.log_artifact(str(path), str(Path(MODEL_ARTIFACT).parent))
+    return FoldResult(fold, metrics, predictions, evaluation.video_predictions, time.time() - started)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The job: child-run bookkeeping around train_fold.
+
+def result_from_run(client: MlflowClient, run) -> FoldResult:
+    """A finished fold read back from its child run (metrics and prediction tables)."""
+    run_id = run.info.run_id
+    frames = pd.read_csv(client.download_artifacts(run_id, FRAME_PREDICTIONS))
+    videos = pd.read_csv(client.download_artifacts(run_id, VIDEO_PREDICTIONS))
+    seconds = ((run.info.end_time or run.info.start_time) - run.info.start_time) / 1000
+    return FoldResult(int(run.data.tags["fold"]), dict(run.data.metrics), frames, videos, seconds, run_id)
+
+
+def job_owner_tags() -> dict[str, str]:
+    """Where a fold attempt runs: lets a later driver tell a live attempt from a dead one."""
+    tags = {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
+    if "SLURM_JOB_ID" in os.environ:
+        array = os.environ.get("SLURM_ARRAY_JOB_ID")
+        task = os.environ.get("SLURM_ARRAY_TASK_ID")
+        tags[SLURM_JOB_TAG] = f"{array}_{task}" if array and task else os.environ["SLURM_JOB_ID"]
+    return tags
+
+
+def run_fold_job(job: FoldJob) -> FoldResult:
+    """Run one fold under its own child run of `job.parent_run_id`; see the module docstring for the rules."""
+    client = MlflowClient(job.tracking_uri)
+    previous = fold_runs(client, job.parent_run_id, job.fold)
+    finished = [run for run in previous if run.info.status == FINISHED]
+    if finished:
+        log.info("fold %d already has a finished run %s", job.fold, finished[0].info.run_id)
+        return result_from_run(client, finished[0])
+    for run in previous:
+        if run.info.status == "RUNNING":  # a killed attempt: this one replaces it
+            client.set_terminated(run.info.run_id, "KILLED")
+    cfg = OmegaConf.create(job.config)
+    parent = client.get_run(job.parent_run_id)
+    tags = {k: parent.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed")}
+    work_dir = Path(job.work_dir)
+    attempt = len(previous) + 1
+    mlflow.set_tracking_uri(job.tracking_uri)
+    run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=f"fold {job.fold}",
+                           tags={**tags, PARENT_TAG: job.parent_run_id, RUN_KIND_TAG: FOLD_RUN,
+                                 FOLD_TAG: str(job.fold), ATTEMPT_TAG: str(attempt),
+                                 JOB_TRACKING_URI_TAG: job.tracking_uri, **job_owner_tags()})
+    try:
+        mlflow.log_params({"fold": job.fold})
+        result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models)
+    except BaseException as error:
+        mlflow.log_text(traceback.format_exc(), "traceback.txt")
+        interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
+        mlflow.end_run("KILLED" if interrupted else "FAILED")
+        raise
+    mlflow.end_run(FINISHED)
+    shutil.rmtree(work_dir, ignore_errors=True)  # the model and the tables now live in the tracking store
+    result.run_id = run.info.run_id
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline fold-job <job.json>`: run one fold job (what the parallel launcher starts per fold)."""
+    from pipeline.utils.logging_setup import setup_logging
+
+    args = sys.argv[1:] if argv is None else argv
+    setup_logging()
+    run_fold_job(FoldJob.read(Path(args[0])))
+    return 0
+

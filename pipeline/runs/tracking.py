@@ -1,0 +1,172 @@
+"""Where MLflow records live: one sqlite store and one local artifact folder per project, unless overridden.
+
+MLflow 3 refuses the old `./mlruns` file store, so the default is a sqlite database in the project root; the
+experiment is created with its artifacts in `<project>/mlartifacts` so runs never write into the working directory.
+
+`python -m pipeline ui-url --port 5000` prints the address of the experiment's runs page, which `make ui` shows
+before it starts the server. MLflow 3's UI opens in its GenAI mode (traces, an assistant) unless the address asks for
+the model-training mode, so that address is the way in for a new user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sqlite3
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # mlflow takes seconds to import; `python -m pipeline ui-url` must answer at once
+    from mlflow import MlflowClient
+
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+DEFAULT_EXPERIMENT = "pain-cv"
+# MLflow's experiment-type tag: the UI's "Machine learning" type (runs, metrics, models) as opposed to
+# "genai_development" (traces, evaluations). MLflow 3.17's UI takes the type of page from its own GenAI /
+# Model training switch instead, so the tag alone does not choose the page; the runs URL below does.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+# The UI's switch, as a URL parameter: `machine_learning` = "Model training" (Runs, Models, Traces in the sidebar).
+UI_WORKFLOW = "machine_learning"
+
+# The store's rules, written once. A cross-validation is a parent run tagged RUN_KIND_TAG=CV_RUN with one child run
+# per fold attempt (RUN_KIND_TAG=FOLD_RUN, FOLD_TAG=<fold>, MLflow's PARENT_TAG); a fold is done when one of its
+# attempts is FINISHED, and the newest such attempt is the one that counts.
+RUN_KIND_TAG = "painvit.run_kind"
+CV_RUN, FOLD_RUN, COMPARISON_RUN = "cv", "fold", "comparison"
+PARENT_TAG = "mlflow.parentRunId"
+FOLD_TAG = "fold"
+FINISHED = "FINISHED"
+RESUMED_AFTER_EPOCH_TAG = "painvit.resumed_after_epoch"
+ATTEMPT_TAG = "painvit.attempt"
+SLURM_JOBS_TAG = "painvit.slurm_jobs"  # on the parent: fold -> SLURM job id of its submitted task
+JOB_TRACKING_URI_TAG = "painvit.tracking_uri"
+# where a fold attempt runs: lets a later driver tell a live attempt from a dead one
+HOST_TAG, PID_TAG, SLURM_JOB_TAG = "painvit.host", "painvit.pid", "painvit.slurm_job_id"
+
+
+def tracking_uri(project_root: Path) -> str:
+    """`MLFLOW_TRACKING_URI` when set, else `sqlite:///<project>/mlflow.db` (absolute path)."""
+    from_env = os.environ.get(TRACKING_URI_ENV, "").strip()
+    if from_env:
+        return from_env
+    return f"sqlite:///{(Path(project_root).resolve() / 'mlflow.db').as_posix()}"
+
+
+def store_uri(configured: str | None = None) -> str:
+    """The tracking URI a command uses: the config's `mlflow.tracking_uri` when set, else `tracking_uri` of the
+    project."""
+    from pipeline.utils.paths import PROJECT_ROOT
+
+    return configured or tracking_uri(PROJECT_ROOT)
+
+
+def fold_runs(client: MlflowClient, parent_run_id: str, fold: int | None = None) -> list:
+    """The fold runs (every attempt) of a cross-validation's parent run, or of one of its folds, newest first."""
+    parent = client.get_run(parent_run_id)
+    query = f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{RUN_KIND_TAG}` = '{FOLD_RUN}'"
+    if fold is not None:
+        query += f" and tags.`{FOLD_TAG}` = '{fold}'"
+    return client.search_runs([parent.info.experiment_id], query, order_by=["attribute.start_time DESC"],
+                              max_results=10_000)
+
+
+def finished_fold_runs(client: MlflowClient, parent_run_id: str) -> dict[int, object]:
+    """fold -> the run that counts for it: its newest FINISHED attempt. Folds with none are absent."""
+    finished: dict[int, object] = {}
+    for run in fold_runs(client, parent_run_id):
+        if run.info.status == FINISHED:
+            finished.setdefault(int(run.data.tags[FOLD_TAG]), run)
+    return finished
+
+
+def artifact_root(project_root: Path) -> str:
+    """The file:// URI of `<project>/mlartifacts`, the artifact location given to experiments this project creates."""
+    return (Path(project_root).resolve() / "mlartifacts").as_uri()
+
+
+def get_or_create_experiment(name: str, artifact_root: str | Path, client: MlflowClient | None = None) -> str:
+    """The id of experiment `name`, creating it with `artifact_root` as its artifact location if it does not exist.
+
+    A local `Path` becomes a file:// URI. A deleted experiment of that name is restored rather than shadowed,
+    since MLflow keeps deleted names reserved. The experiment carries `mlflow.experimentKind` =
+    `custom_model_development` (added to an older experiment that lacks it; an existing value is left alone).
+    Uses the current tracking URI unless a client is given.
+    """
+    from mlflow import MlflowClient
+    from mlflow.entities import LifecycleStage
+    from mlflow.exceptions import MlflowException
+
+    client = client or MlflowClient()
+    location = Path(artifact_root).resolve().as_uri() if isinstance(artifact_root, Path) else str(artifact_root)
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        try:
+            return client.create_experiment(name, artifact_location=location,
+                                            tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        except MlflowException:
+            # Another process may have created it between the lookup and the create.
+            experiment = client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+    if experiment.lifecycle_stage == LifecycleStage.DELETED:
+        client.restore_experiment(experiment.experiment_id)
+    if EXPERIMENT_KIND_TAG not in experiment.tags:
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return experiment.experiment_id
+
+
+def find_experiment_id(uri: str, name: str = DEFAULT_EXPERIMENT) -> str | None:
+    """The id of the active experiment `name` in the store at `uri`, or None (no store yet, no such experiment).
+
+    A sqlite store is read directly, read-only, in milliseconds and without creating the file; any other store
+    goes through MLflow. Never raises: a store it cannot read gives None.
+    """
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///"):].split("?", 1)[0]
+        if not path or path == ":memory:" or not Path(path).is_file():
+            return None
+        try:
+            with sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True) as connection:
+                row = connection.execute(
+                    "SELECT experiment_id FROM experiments WHERE name = ? AND lifecycle_stage = 'active'", (name,)
+                ).fetchone()
+        except sqlite3.Error:
+            return None
+        return None if row is None else str(row[0])
+    try:
+        from mlflow import MlflowClient
+
+        experiment = MlflowClient(uri).get_experiment_by_name(name)
+    except Exception:  # an address to print is not worth failing `make ui` for
+        return None
+    return experiment.experiment_id if experiment is not None and experiment.lifecycle_stage == "active" else None
+
+
+def ui_url(host: str, port: int | str, experiment_id: str | None) -> str:
+    """The UI page a new user should open: the experiment's runs table (parents expand into folds) in the UI's
+    "Model training" mode, or the experiment list in that mode when there is no experiment yet."""
+    base = f"http://{host}:{port}/#/experiments"
+    page = f"{base}/{experiment_id}/runs" if experiment_id is not None else base
+    return f"{page}?workflowType={UI_WORKFLOW}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipeline ui-url",
+                                     description="Print the MLflow UI address of the experiment's runs page.")
+    parser.add_argument("--tracking-uri", default=None, help="the store (default: MLFLOW_TRACKING_URI or mlflow.db)")
+    parser.add_argument("--experiment", default=DEFAULT_EXPERIMENT)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", default="5000")
+    args = parser.parse_args(argv)
+    from pipeline.utils.paths import PROJECT_ROOT
+
+    uri = args.tracking_uri or tracking_uri(PROJECT_ROOT)
+    experiment_id = find_experiment_id(uri, args.experiment)
+    url = ui_url(args.host, args.port, experiment_id)
+    if experiment_id is None:
+        print(f"No experiment '{args.experiment}' in {uri} yet (`make cv` creates it). MLflow UI: {url}")
+    else:
+        print(f"Cross-validation runs of '{args.experiment}': {url}")
+    print("Open that address once the server logs 'Application startup complete'. Stop with Ctrl+C.", flush=True)
+

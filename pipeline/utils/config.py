@@ -1,0 +1,34 @@
+"""The composed config: configs/config.yaml with its groups and the command line's overrides, through Hydra's compose
+API (no @hydra.main, so every command and test composes the same way), with unknown keys as errors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from pipeline.utils.paths import PROJECT_ROOT
+
+CONFIG_DIR = PROJECT_ROOT / "configs"
+
+
+def load_config(overrides: Sequence[str] = (), config_dir: Path = CONFIG_DIR) -> DictConfig:
+    """Compose configs/config.yaml with overrides; unknown keys are errors (no `+key=` additions).
+
+    As under @hydra.main, ${hydra:runtime.choices.<group>} is the option chosen for a group (the protocol and task
+    files take their name from it); the hydra node itself is left out of the result.
+    """
+    added = [o for o in overrides if o.lstrip().startswith("+")]
+    if added:
+        raise ValueError(f"adding keys is not allowed ({', '.join(added)}): every key must exist in configs/")
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    OmegaConf.set_struct(cfg, True)
+    OmegaConf.resolve(cfg)
+    return cfg
