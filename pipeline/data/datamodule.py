@@ -81,18 +81,21 @@ class EpochSampler(Sampler[tuple[int, int]]):
     """The training order of one epoch, with a seed per draw, both from (seed, stream, epoch) alone.
 
     Shuffles without replacement, or with `weights` draws with replacement in proportion to them (class-balanced
-    sampling). Lightning calls `set_epoch` before every training epoch, a resumed run included, so epoch k's order
-    and augmentations do not depend on the epochs before it having run in this process.
+    sampling). Lightning calls `set_epoch` before every training epoch but the first of a fit, whose loader it
+    iterates before it knows the epoch (a resumed fit included): that one is `epoch`, which the DataModule restores
+    from the checkpoint. `drawn_epoch` is the epoch of the order last drawn, for the check that it is the trainer's.
     """
 
-    def __init__(self, n_items: int, seed: int, stream: int, weights: np.ndarray | None = None) -> None:
+    def __init__(self, n_items: int, seed: int, stream: int, weights: np.ndarray | None = None,
+                 epoch: int = 0) -> None:
         if n_items < 1:
             raise ValueError("EpochSampler needs at least one item")
         if weights is not None and (len(weights) != n_items or not np.all(np.asarray(weights) >= 0)):
             raise ValueError(f"weights must be {n_items} non-negative numbers")
         self.n_items, self.seed, self.stream = n_items, int(seed), int(stream)
         self.probabilities = None if weights is None else np.asarray(weights, dtype=float) / np.sum(weights)
-        self.epoch = 0
+        self.epoch = int(epoch)
+        self.drawn_epoch: int | None = None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -101,6 +104,7 @@ class EpochSampler(Sampler[tuple[int, int]]):
         return self.n_items
 
     def __iter__(self):
+        self.drawn_epoch = self.epoch
         rng = np.random.default_rng(derived_seed(self.seed, self.stream, self.epoch))
         if self.probabilities is None:
             order = rng.permutation(self.n_items)
@@ -231,6 +235,16 @@ class PainDataModule(pl.LightningDataModule):
         seed_transform(self.train_transform, seed)  # the stream used when loading in the main process
         self._splits: dict[str, pd.DataFrame] | None = None
         self._datasets: dict[str, FrameDataset] = {}
+        self.first_epoch = 0  # the epoch this fit starts at: 0, or the one after a resumed checkpoint's
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in every full checkpoint: the epoch a fit resumed from it starts at. Lightning writes the epoch
+        checkpoints at the end of an epoch and resumes after it, and iterates the first epoch's loader before it has
+        restored its loops, so the sampler must learn that epoch here, from the restored DataModule."""
+        return {"next_epoch": self.trainer.current_epoch + 1} if self.trainer is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.first_epoch = int(state_dict.get("next_epoch", 0))
 
     @property
     def frames_csv(self) -> Path:
@@ -338,7 +352,7 @@ class PainDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         train = self.dataset("train")
         weights = class_balanced_weights(train.labels) if self.balanced_sampling else None
-        sampler = EpochSampler(len(train), self.seed, stream=self.fold, weights=weights)
+        sampler = EpochSampler(len(train), self.seed, stream=self.fold, weights=weights, epoch=self.first_epoch)
         # A last batch of a single image breaks batch norm in training; dropping the remainder costs < 1 batch.
         drop_last = len(train) > self.batch_size
         # the generator only seeds the workers' own streams (unused in training: every item carries its seed)

@@ -41,6 +41,12 @@ class SeedEachBatch(pl.Callback):
         self.seed, self.fold = int(seed), int(fold)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        if batch_idx == 0:
+            drawn = getattr(trainer.train_dataloader.sampler, "drawn_epoch", None)
+            if drawn is not None and drawn != trainer.current_epoch:
+                raise RuntimeError(f"epoch {trainer.current_epoch} is training on the crop order of epoch {drawn}: the "
+                                   f"loader was iterated before its sampler learnt the epoch; the run would not "
+                                   f"repeat")
         torch.manual_seed(derived_seed(self.seed, self.fold, trainer.current_epoch, batch_idx))
 
 
