@@ -13,8 +13,6 @@ import pandas as pd
 from tqdm import tqdm
 
 from pipeline.data.biovid import SAMPLES_COLUMNS, SAMPLES_CSV, VIDEO_DIR
-from pipeline.utils.atomic_io import SettingsMismatch, atomic_write_csv, atomic_write_text
-from pipeline.utils.cpus import available_cpus, process_pool
 from pipeline.data.synthetic.roster import Sample, Subject, make_samples, make_subjects
 from pipeline.data.synthetic.settings import (
     CONFIG_JSON,
@@ -25,6 +23,8 @@ from pipeline.data.synthetic.settings import (
 )
 from pipeline.data.synthetic.videos import face_regions, regions_path, video_is_complete, write_video
 from pipeline.data.tasks import CLASS_NAMES
+from pipeline.utils.atomic_io import SettingsMismatch, atomic_write_csv, atomic_write_text
+from pipeline.utils.cpus import available_cpus, process_pool
 
 
 def _write_video_job(job: tuple[Path, Path, SyntheticConfig, Subject, Sample, bool]) -> str:

@@ -11,13 +11,13 @@ import cv2
 import numpy as np
 import pandas as pd
 
-from pipeline.utils.atomic_io import atomic_path
 from pipeline.data.synthetic.animation import animate
 from pipeline.data.synthetic.classic_renderer import FaceRenderer
 from pipeline.data.synthetic.drawing import face_transform, yawed
 from pipeline.data.synthetic.hard_renderer import HardFaceRenderer
 from pipeline.data.synthetic.roster import Sample, Subject
 from pipeline.data.synthetic.settings import REGIONS_DIR, VIDEO_STREAM, SyntheticConfig, seeded_rng
+from pipeline.utils.atomic_io import atomic_path
 
 
 def canvas_size(config: SyntheticConfig) -> tuple[int, int]:
