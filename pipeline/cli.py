@@ -74,6 +74,9 @@ def setup_logging(verbose: bool | None = None) -> None:
     # Python warnings come from dependencies; what concerns the user's run (training from scratch, skipped videos)
     # the pipeline also logs as a warning, and those log lines stay.
     warnings.filterwarnings("ignore")
+    # ... except torch's word on the GPU (a driver too old for its CUDA build, no device): never hidden.
+    warnings.filterwarnings("default", category=UserWarning, module=r"torch\.cuda")
+    warnings.filterwarnings("default", message=r"(?s).*(CUDA initiali[sz]ation|NVIDIA driver)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     module_name, function_name = commands[command].split(":")
     module = __import__(module_name, fromlist=[function_name])
+    from pipeline.accelerator import GpuUnavailable
     from pipeline.io import SettingsMismatch
 
     try:
@@ -109,5 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except SettingsMismatch as error:  # a folder made with other settings: what to do, without a traceback
         print(f"{command}: {error}", file=sys.stderr)
+        return 2
+    except GpuUnavailable as error:  # the GPU asked for cannot be used: why, and which torch to install
+        print(f"{command}: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -35,6 +35,7 @@ from pytorch_lightning.plugins.environments import SLURMEnvironment
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from pipeline import resolve_path
+from pipeline.accelerator import training_device
 from pipeline.backbones import create_model
 from pipeline.checkpoints import MODEL_ARTIFACT, model_meta, save_fold_model
 from pipeline.datamodule import PainDataModule
@@ -347,6 +348,9 @@ def run_fold_job(job: FoldJob) -> FoldResult:
                                  "painvit.tracking_uri": job.tracking_uri, **job_owner_tags()})
     try:
         mlflow.log_params({"fold": job.fold})
+        device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
+        log.info(device.line)
+        mlflow.set_tags(device.tags)
         result = train_fold(cfg, job.fold, resolve_path(cfg.fold_file), work_dir,
                             keep_model=cfg.cv.log_models)
     except BaseException as error:
