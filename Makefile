@@ -93,8 +93,9 @@ server: install ## MLflow tracking server for fold jobs on other nodes (SERVER_H
 test: install ## run the test suite
 	$(PY) -m pytest
 
-lint: install ## ruff
+lint: install ## ruff, and mypy over pipeline/ (settings in pyproject.toml; seconds)
 	$(VENV)/bin/ruff check pipeline tests scripts
+	$(VENV)/bin/mypy
 
 # One thread per kernel: the course's tensors are small, and OpenMP threads on a busy CPU slow them down many times.
 notebooks: install ## execute the ViT course notebooks (notebooks/vit_course_*.ipynb) in place; fails on any error
