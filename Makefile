@@ -58,7 +58,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 
 install: $(VENV)/.installed ## create .venv and install the package, its extras and the locked versions of everything
 
-lock: ## rewrite $(CONSTRAINTS) from .venv (pip freeze, after its tests pass); see scripts/lock.py
+lock: ## rewrite the lock requirements/constraints.txt from .venv (pip freeze; after make test passes)
 	@test -x $(PY) || { echo "no $(VENV): run make install first" >&2; exit 2; }
 	$(PY) scripts/lock.py --out $(CONSTRAINTS)
 	touch $(VENV)/.installed
