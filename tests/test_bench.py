@@ -17,6 +17,7 @@ import albumentations as A
 import pytest
 
 from pipeline import PROJECT_ROOT
+from pipeline.accelerator import training_device
 from pipeline.augment import build_train_transform
 from pipeline.bench import build, load_configs, loader_dataset, training_settings
 from pipeline.cli import load_config
@@ -169,6 +170,8 @@ def test_bench_train_quick(tmp_path: Path) -> None:
     assert report["settings"]["steps"] == 3 and entry["torch_threads"] >= 1 and settings["num_workers"] >= 0
     assert entry["dataset"]["train_frames"] >= 4 * (1 + 3 + 1)  # one epoch covers warm-up and timed steps
     assert "mobilevit_xxs" in result.stdout and "bare PyTorch img/s" in result.stdout
+    device = training_device("auto")  # said first, and recorded with the numbers
+    assert result.stdout.splitlines()[0] == device.line and report["environment"]["device"] == device.kind
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bench_train.json", "bench_train.png"]
 
 
