@@ -143,7 +143,7 @@ def training_device(accelerator: str = "auto") -> TrainingDevice:
     cuda = torch.cuda.is_available()
     if accelerator in GPU_ACCELERATORS and not cuda:
         raise GpuUnavailable(f"trainer.accelerator={accelerator} asks for a GPU, but torch cannot use one: "
-                             f"{why_no_gpu(full=True)}. {install_advice(driver_cuda_version())}")
+                             f"{why_no_gpu(full=True)}.\n{install_advice(driver_cuda_version())}")
     if accelerator in (*GPU_ACCELERATORS, "auto") and cuda:
         properties = torch.cuda.get_device_properties(0)
         tags = {"device": "cuda", "gpu": properties.name, **_gpu_tags()}
