@@ -5,6 +5,9 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# The lock: exact versions of every package, written by `make lock` from an environment whose tests passed.
+CONSTRAINTS := requirements/constraints.txt
+EXTRAS := test,notebooks,bench,dev
 
 MODEL ?= vit_b16
 DATA ?= synthetic
@@ -36,7 +39,7 @@ OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) task=$(TASK) $(MODEL_OVERRIDE) \
 	launcher=$(LAUNCHER) $(if $(JOBS),launcher.jobs=$(JOBS)) $(if $(RESUME),cv.resume=$(RESUME)) $(ARGS)
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 
-.PHONY: help install data aug-preview cv compare inspect calc ui server test lint notebooks bench bench-data clean clean-data
+.PHONY: help install lock data aug-preview cv compare inspect calc ui server test lint notebooks bench bench-data clean clean-data
 
 help: ## list the targets
 	@echo "Pain detection from facial video: fine-tune and compare backbones on BioVid Part A (or its synthetic twin)."
@@ -47,13 +50,18 @@ help: ## list the targets
 	@echo "           LAUNCHER=$(LAUNCHER) (local|parallel|slurm) JOBS= RESUME= (never: a new run) VERBOSE= (1: all library output)"
 	@echo "           RUN= (inspect: a parent run id) UNTRAINED= (inspect: 1 = untrained baseline) IMG= BATCH= (calc)"
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	touch $@
 
-install: $(VENV)/.installed ## create .venv and install the package with its dependencies
+install: $(VENV)/.installed ## create .venv and install the package, its extras and the locked versions of everything
+
+lock: ## rewrite the lock requirements/constraints.txt from .venv (pip freeze; after make test passes)
+	@test -x $(PY) || { echo "no $(VENV): run make install first" >&2; exit 2; }
+	$(PY) scripts/lock.py --out $(CONSTRAINTS)
+	touch $(VENV)/.installed
 
 data: install ## prepare a dataset: DATA=synthetic (generated) or DATA=biovid BIOVID_ROOT=/path/to/PartA
 	$(PY) -m pipeline data $(OVERRIDES)
@@ -86,8 +94,9 @@ test: install ## run the test suite (the layers contract first: a wrong import f
 	$(VENV)/bin/lint-imports --no-logo
 	$(PY) -m pytest
 
-lint: install ## ruff and the layers contract (import-linter, pyproject.toml)
+lint: install ## ruff, mypy over pipeline/ and the layers contract (settings in pyproject.toml; seconds)
 	$(VENV)/bin/ruff check pipeline tests scripts
+	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-logo
 
 # One thread per kernel: the course's tensors are small, and OpenMP threads on a busy CPU slow them down many times.

@@ -114,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = [option for option in overrides if not option.startswith("--")]
     setup_logging()
     cfg = load_config(overrides)
+    from pipeline.utils.accelerator import GpuUnavailable  # here, not on top: `ui-url` must not import torch
+
     try:
         COMMANDS[command](cfg, **options)
     except KeyboardInterrupt:
@@ -122,5 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except SettingsMismatch as error:  # a folder made with other settings: what to do, without a traceback
         print(f"{command}: {error}", file=sys.stderr)
+        return 2
+    except GpuUnavailable as error:  # the GPU asked for cannot be used: why, and which torch to install
+        print(f"{command}: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -73,6 +73,7 @@ from pipeline.analysis.benchmarks import (
 from pipeline.data.datamodule import PainDataModule
 from pipeline.data.face_crops import PreprocessConfig
 from pipeline.data.tasks import CLASS_NAMES
+from pipeline.utils.accelerator import announce_device_or_exit
 from pipeline.utils.atomic_io import atomic_path
 from pipeline.utils.cpus import available_cpus
 from pipeline.utils.paths import resolve_path
@@ -232,11 +233,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     models = [args.train_model] if args.train_model else None
     cfg = load_configs(args.overrides, models, ["mobilevit_xxs" if args.quick else "mobilevit_s"])[0]
+    training = announce_device_or_exit(cfg.trainer.accelerator)  # an unusable GPU: an error
     preprocess_config, workers = preprocess_settings(cfg)
     torch.set_num_threads(args.threads)
     progress = not args.no_progress
     report: dict[str, Any] = {
-        "environment": environment(),
+        "environment": {**environment(), **training.tags},
         "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
     }
     report["settings"].update(torch_threads=torch.get_num_threads(), preprocess=dataclasses.asdict(preprocess_config),

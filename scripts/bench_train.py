@@ -66,6 +66,7 @@ from pipeline.analysis.benchmarks import (
 )
 from pipeline.data.datamodule import PainDataModule
 from pipeline.models.classifier import PainClassifier
+from pipeline.utils.accelerator import announce_device_or_exit
 from pipeline.utils.cpus import available_cpus
 from pipeline.utils.paths import resolve_path
 
@@ -174,9 +175,10 @@ def bench_model(cfg: DictConfig, source: Path, args: argparse.Namespace) -> dict
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = load_configs(args.overrides, args.models, QUICK_MODELS if args.quick else DEFAULT_MODELS)
+    training = announce_device_or_exit(configs[0].trainer.accelerator)  # an unusable GPU: an error
     device = compute_device()
     report: dict[str, Any] = {
-        "environment": environment(),
+        "environment": {**environment(), **training.tags},
         "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
     }
     report["settings"]["device"] = device.type

@@ -21,6 +21,7 @@ from pipeline.data.augment import build_train_transform
 from pipeline.data.prepare import fold_file_path
 from pipeline.models.classifier import OptimConfig
 from pipeline.runs.fold_job import build_fold, decide
+from pipeline.utils.accelerator import training_device
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import PROJECT_ROOT
 from tests.conftest import tiny_overrides
@@ -169,6 +170,8 @@ def test_bench_train_quick(tmp_path: Path) -> None:
     assert report["settings"]["steps"] == 3 and entry["torch_threads"] >= 1 and settings["num_workers"] >= 0
     assert entry["dataset"]["train_frames"] >= 4 * (1 + 3 + 1)  # one epoch covers warm-up and timed steps
     assert "mobilevit_xxs" in result.stdout and "bare PyTorch img/s" in result.stdout
+    device = training_device("auto")  # said first, and recorded with the numbers
+    assert result.stdout.splitlines()[0] == device.line and report["environment"]["device"] == device.kind
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bench_train.json", "bench_train.png"]
 
 

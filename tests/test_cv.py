@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import mlflow
 import numpy as np
 import pandas as pd
 import pytest
+import pytorch_lightning as pl
+import timm
 import torch
 from mlflow import MlflowClient
 
@@ -18,8 +21,10 @@ from pipeline.data.tasks import get_task
 from pipeline.models.classifier import OptimConfig, PainClassifier
 from pipeline.models.kept_model import load_fold_model
 from pipeline.runs.cross_validation import identity_lock, plan_cv, run_cv
+from pipeline.runs.environment import FREEZE_ARTIFACT
 from pipeline.runs.fold_job import decide, train_fold
 from pipeline.runs.tracking import get_or_create_experiment
+from pipeline.utils.accelerator import training_device
 from pipeline.utils.paths import resolve_path
 from tests.conftest import loader_config
 
@@ -65,12 +70,20 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
     assert parent.data.params["model.name"] == "mobilevit_xxs"
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"config.yaml", "folds", "folds_summary.csv", "predictions_videos_all_folds.csv"} <= artifacts
+    # what it ran on and with: the device, the key libraries' versions, the whole environment
+    device = training_device(cfg.trainer.accelerator)
+    assert {k: tags[k] for k in device.tags} == device.tags and tags["device"] == device.kind
+    assert tags["version.torch"] == torch.__version__ and tags["version.timm"] == timm.__version__
+    assert tags["version.python"] == platform.python_version() and tags["version.lightning"] == pl.__version__
+    freeze = Path(client.download_artifacts(parent.info.run_id, FREEZE_ARTIFACT)).read_text()
+    assert f"timm=={timm.__version__}" in freeze and f"mlflow=={mlflow.__version__}" in freeze
 
     _, children = runs_of(cfg, "fold")
     children = [c for c in children if c.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert sorted(c.data.tags["fold"] for c in children) == ["0", "1"]
     for child in children:
         assert child.info.status == "FINISHED"
+        assert child.data.tags["device"] == device.kind  # each fold's own node says where it trained
         for key in ("test/video_auroc", "test/video_accuracy", "test/video_balanced_accuracy", "test/video_f1",
                     "test/frame_auroc", "test/frame_accuracy", "best_epoch"):
             assert key in child.data.metrics, key
@@ -188,6 +201,7 @@ def test_a_changed_config_starts_a_new_parent_and_says_why(cv_runs, tiny_config,
     run_cv(cfg)
     out = capsys.readouterr().out
     assert "not resuming" in out and "trainer.max_epochs: 3 -> 1" in out
+    assert training_device("auto").line in out.splitlines()  # the device line, as `make cv` prints it
 
 
 def test_kept_model_reloads_and_gives_the_same_test_predictions(cv_runs, tiny_config) -> None:

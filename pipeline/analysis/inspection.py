@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -233,7 +234,7 @@ def plot_grid(inspection: FoldInspection, path: Path, title: str) -> None:
     columns = ["crop", *inspection.methods]
     height = 2.4 * max(len(chosen), 1)
     figure = Figure(figsize=(2.1 * len(columns) + 1.5, height))
-    axes = figure.subplots(max(len(chosen), 1), len(columns), squeeze=False)
+    axes: Any = figure.subplots(max(len(chosen), 1), len(columns), squeeze=False)  # an array of Axes
     figure.subplots_adjust(top=1 - 1.0 / height, bottom=0.02, hspace=0.35)
     for axis in axes.ravel():
         axis.axis("off")

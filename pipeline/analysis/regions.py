@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeline.data.augment import DataConfigLike, build_eval_transform
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def region_score(saliency: np.ndarray, inside: np.ndarray) -> float:
@@ -96,7 +100,7 @@ class ActionUnitMasks:
         self.regions_dir = Path(regions_dir)
         self.region_names = tuple(region_names)
         self.crop_size = int(crop_size)
-        self._tables: dict[tuple[str, str], object] = {}
+        self._tables: dict[tuple[str, str], pd.DataFrame | None] = {}
 
     def boxes(self, subject_name: str, sample_name: str, frame_index: int) -> list[tuple[float, ...]] | None:
         import pandas as pd

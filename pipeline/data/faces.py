@@ -91,7 +91,8 @@ class HaarFaceDetector:
             raise ValueError(f"min_size_fraction must be in [0, 1), got {min_size_fraction}")
         if max_side < 24:
             raise ValueError(f"max_side must be at least the cascade's 24 px window, got {max_side}")
-        cascade_path = Path(cascade) if Path(cascade).is_file() else Path(cv2.data.haarcascades) / cascade
+        bundled = cv2.data.haarcascades  # type: ignore[attr-defined]  # OpenCV's stubs lack cv2.data
+        cascade_path = Path(cascade) if Path(cascade).is_file() else Path(bundled) / cascade
         self.classifier = cv2.CascadeClassifier(str(cascade_path))
         if self.classifier.empty():
             raise FileNotFoundError(f"could not load Haar cascade {cascade_path}")

@@ -108,7 +108,7 @@ def write_clip(path: Path, frames: Iterable[np.ndarray], fps: int = 25) -> None:
     frames = list(frames)
     height, width = frames[0].shape[:2]
     with atomic_path(path) as tmp:
-        writer = cv2.VideoWriter(str(tmp), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+        writer = cv2.VideoWriter(str(tmp), cv2.VideoWriter.fourcc(*"mp4v"), fps, (width, height))
         if not writer.isOpened():
             raise RuntimeError(f"OpenCV cannot write mp4v video to {tmp}")
         try:

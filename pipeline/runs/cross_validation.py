@@ -44,7 +44,9 @@ from pipeline.evaluation.metrics import (
 from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource
 from pipeline.runs import launchers, tracking
+from pipeline.runs.environment import library_versions, log_environment
 from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, decide, result_from_run
+from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
 from pipeline.utils.paths import PROJECT_ROOT, resolve_path
 
@@ -200,13 +202,15 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
                     "complete": str(len(fold_ids) == folds.fold.nunique() and cfg.trainer.limit_train_batches is None
                                     and cfg.trainer.limit_val_batches is None).lower(),
                     "precision": decisions.precision, "model_family": decisions.model_family,
-                    "cpu": cpu_description(), **weights.as_tags(), **subject_set_tags(fold_file)}
+                    "cpu": cpu_description(), **device_tags(cfg), **library_versions(), **weights.as_tags(),
+                    **subject_set_tags(fold_file)}
         run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
         parent = client.create_run(experiment_id, run_name=run_name, tags=run_tags)
         run_id = parent.info.run_id
         for chunk in _chunks(list(flat_params(identity_config(cfg)).items()), 100):
             client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
         client.log_text(run_id, OmegaConf.to_yaml(cfg), "config.yaml")
+        log_environment(client, run_id)
         now = int(time.time() * 1000)  # what the backbone costs, for `make compare`'s accuracy-against-cost plot
         cost = backbone_cost(cfg.model.name, cfg.model.img_size, task.n_classes)
         client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in cost.items()])
@@ -220,6 +224,13 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     finished = tracking.finished_fold_runs(client, plan.parent_run_id)
     plan.done = [fold for fold in fold_ids if fold in finished]
     return plan
+
+
+def device_tags(cfg: DictConfig) -> dict[str, str]:
+    """The training device's tags; on SLURM each fold's node chooses its own, and its fold run carries them."""
+    if cfg.launcher.name == "slurm":
+        return {"device": "chosen on each SLURM node (see the fold runs' device tags)"}
+    return training_device(cfg.trainer.accelerator).tags
 
 
 def _chunks(items: list, size: int) -> Iterator[list]:
@@ -295,6 +306,11 @@ def run_cv(cfg: DictConfig) -> dict:
     tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
     launchers.check_launcher(cfg.launcher, tracking_uri)
     client = MlflowClient(tracking_uri)
+    # Said first, and a GPU that was asked for but cannot be used refused, before any data is prepared or trained
+    if cfg.launcher.name == "slurm":
+        print(f"device: chosen on each SLURM node (trainer.accelerator={cfg.trainer.accelerator})")
+    else:
+        announce_device(cfg.trainer.accelerator)
     identity_dir = resolve_path(cfg.cv.work_dir)
     with identity_lock(identity_dir, f"{cfg.model.name}-{cfg.data.name}-{cfg.protocol.name}-{cfg.task.name}"):
         plan = plan_cv(cfg, client, tracking_uri)
@@ -305,7 +321,7 @@ def run_cv(cfg: DictConfig) -> dict:
             return dict(client.get_run(plan.parent_run_id).data.metrics)
         resumed = f", resuming: {len(plan.done)} fold(s) already done" if plan.done else ""
         print(f"cross-validation: {name}, {len(plan.fold_ids)} folds{resumed}, launcher {cfg.launcher.name}, "
-              f"precision {plan.decisions.precision} on {cpu_description()}")
+              f"precision {plan.decisions.precision}")
         print(f"MLflow: {tracking_uri} (experiment {cfg.mlflow.experiment}, parent run {plan.parent_run_id}); "
               f"`make ui` to review")
         try:

@@ -56,6 +56,7 @@ from pipeline.runs.tracking import (
     SLURM_JOB_TAG,
     fold_runs,
 )
+from pipeline.utils.accelerator import training_device
 from pipeline.utils.atomic_io import atomic_path
 from pipeline.utils.devices import precision_for, use_channels_last
 from pipeline.utils.paths import resolve_path
@@ -399,6 +400,9 @@ def run_fold_job(job: FoldJob) -> FoldResult:
                                  JOB_TRACKING_URI_TAG: job.tracking_uri, **job_owner_tags()})
     try:
         mlflow.log_params({"fold": job.fold})
+        device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
+        log.info(device.line)
+        mlflow.set_tags(device.tags)
         result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models)
     except BaseException as error:
         mlflow.log_text(traceback.format_exc(), "traceback.txt")

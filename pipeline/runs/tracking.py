@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # mlflow takes seconds to import; `python -m pipeline ui-url` must answer at once
     from mlflow import MlflowClient
+    from mlflow.entities import Run
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 DEFAULT_EXPERIMENT = "pain-cv"
@@ -61,7 +62,7 @@ def store_uri(configured: str | None = None) -> str:
     return configured or tracking_uri(PROJECT_ROOT)
 
 
-def fold_runs(client: MlflowClient, parent_run_id: str, fold: int | None = None) -> list:
+def fold_runs(client: MlflowClient, parent_run_id: str, fold: int | None = None) -> list[Run]:
     """The fold runs (every attempt) of a cross-validation's parent run, or of one of its folds, newest first."""
     parent = client.get_run(parent_run_id)
     query = f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{RUN_KIND_TAG}` = '{FOLD_RUN}'"
@@ -71,9 +72,9 @@ def fold_runs(client: MlflowClient, parent_run_id: str, fold: int | None = None)
                               max_results=10_000)
 
 
-def finished_fold_runs(client: MlflowClient, parent_run_id: str) -> dict[int, object]:
+def finished_fold_runs(client: MlflowClient, parent_run_id: str) -> dict[int, Run]:
     """fold -> the run that counts for it: its newest FINISHED attempt. Folds with none are absent."""
-    finished: dict[int, object] = {}
+    finished: dict[int, Run] = {}
     for run in fold_runs(client, parent_run_id):
         if run.info.status == FINISHED:
             finished.setdefault(int(run.data.tags[FOLD_TAG]), run)

@@ -31,3 +31,6 @@ def setup_logging(verbose: bool | None = None) -> None:
     # Python warnings come from dependencies; what concerns the user's run (training from scratch, skipped videos)
     # the pipeline also logs as a warning, and those log lines stay.
     warnings.filterwarnings("ignore")
+    # ... except torch's word on the GPU (a driver too old for its CUDA build, no device): never hidden.
+    warnings.filterwarnings("default", category=UserWarning, module=r"torch\.cuda")
+    warnings.filterwarnings("default", message=r"(?s).*(CUDA initiali[sz]ation|NVIDIA driver)")

@@ -63,7 +63,7 @@ def write_video(path: Path, config: SyntheticConfig, subject: Subject, sample: S
         stale.unlink(missing_ok=True)
     with atomic_path(path) as tmp:
         writer = cv2.VideoWriter(
-            str(tmp), cv2.VideoWriter_fourcc(*config.fourcc), config.fps, (config.width, config.height)
+            str(tmp), cv2.VideoWriter.fourcc(*config.fourcc), config.fps, (config.width, config.height)
         )
         if not writer.isOpened():
             raise RuntimeError(f"OpenCV cannot write {config.fourcc} video to {tmp}")
