@@ -39,11 +39,17 @@ from pipeline.fold import FoldJob, FoldResult, fold_runs, result_from_run
 from pipeline.folds import fold_file_sha256
 from pipeline.metrics import classification_metrics, evaluate_predictions, plot_confusion, plot_roc, summarize_folds
 from pipeline.prepare import prepare_data, read_fold_file, subject_set_tags
+from pipeline.statistics import subject_intervals, subject_scores
 from pipeline.tasks import get_task
+from pipeline.thresholds import parse_rule
 from pipeline.weights import WeightsSource
 
 log = logging.getLogger(__name__)
 REPORTED = ("auroc", "accuracy", "balanced_accuracy", "f1")
+# At the fold's validation threshold (binary tasks): what a paper reports as accuracy, and its parts.
+AT_THRESHOLD = ("accuracy_at_threshold", "balanced_accuracy_at_threshold", "sensitivity_at_threshold",
+                "specificity_at_threshold")
+HEADLINE = "pooled/video_accuracy_at_threshold"  # the number to set beside the BioVid literature
 # Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
 NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
                 "data.synthetic.workers")
@@ -170,6 +176,7 @@ def identity_lock(work_dir: Path, identity: str) -> Iterator[None]:
 
 
 def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
+    parse_rule(cfg.eval.threshold)  # a wrong setting fails before any data or training
     frames_result, fold_file = prepare_data(cfg)
     folds = read_fold_file(fold_file, sorted(set(frames_result.frames.subject_name)))
     fold_ids = sorted(int(f) for f in folds.fold.unique()) if cfg.trainer.folds is None else list(cfg.trainer.folds)
@@ -223,7 +230,9 @@ def _chunks(items: list, size: int) -> Iterator[list]:
 
 def fold_line(result: FoldResult) -> str:
     m = result.metrics
-    return (f"video AUROC {m['test/video_auroc']:.3f} acc {m['test/video_accuracy']:.3f} "
+    decided = (f"at threshold {m['test/threshold']:.3f}: acc {m['test/video_accuracy_at_threshold']:.3f} "
+               f"bal-acc {m['test/video_balanced_accuracy_at_threshold']:.3f} | " if "test/threshold" in m else "")
+    return (f"video AUROC {m['test/video_auroc']:.3f} | {decided}argmax acc {m['test/video_accuracy']:.3f} "
             f"bal-acc {m['test/video_balanced_accuracy']:.3f} | frame AUROC {m['test/frame_auroc']:.3f} | "
             f"{result.epochs} epochs (best {result.best_epoch}) | {result.seconds:.0f} s")
 
@@ -347,6 +356,7 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     pooled_frame = classification_metrics(frames["label"].to_numpy(), frames[prob_columns].to_numpy())
     summary.update({f"pooled/video_{k}": v for k, v in pooled_video.items()})
     summary.update({f"pooled/frame_{k}": v for k, v in pooled_frame.items()})
+    summary.update(pooled_at_threshold(videos, class_names))
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
     for chunk in _chunks(metrics, 500):
@@ -364,15 +374,38 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
             plot_roc(videos["label"].to_numpy(), videos[prob_columns[1]].to_numpy(), out / "roc_video_pooled.png",
                      "all test videos")
         pooled.per_subject.to_csv(out / "accuracy_per_subject.csv", index=False)
+        subject_scores(videos, class_names).to_csv(out / "scores_per_subject.csv", index=False)
         client.log_artifacts(run_id, str(out))
     return summary
 
 
+def pooled_at_threshold(videos: pd.DataFrame, class_names) -> dict[str, float]:
+    """Over all test videos, each called at its own fold's threshold: accuracy and balanced accuracy with their
+    subject-bootstrap 95 % intervals, and the mean within-subject AUROC (one model's scores on one person)."""
+    names = {"accuracy_at_threshold": "pooled/video_accuracy_at_threshold",
+             "balanced_accuracy_at_threshold": "pooled/video_balanced_accuracy_at_threshold",
+             "within_subject_auroc": "pooled/within_subject_video_auroc"}
+    result = {}
+    for key, value in subject_intervals(videos, class_names).items():
+        stem = next(k for k in sorted(names, key=len, reverse=True) if key.startswith(k))
+        result[names[stem] + key.removeprefix(stem)] = value
+    return result
+
+
 def print_table(results: list[FoldResult], summary: dict[str, float]) -> None:
-    rows = {f"fold {r.fold}": {m: r.metrics[f"test/video_{m}"] for m in REPORTED} for r in results}
-    rows["mean"] = {m: summary[f"cv/video_{m}_mean"] for m in REPORTED}
-    rows["std"] = {m: summary[f"cv/video_{m}_std"] for m in REPORTED}
-    rows["pooled"] = {m: summary[f"pooled/video_{m}"] for m in REPORTED}
+    """Per fold, mean and sd over folds, pooled over all test videos (with the subject-bootstrap interval)."""
+    columns = [f"video_{m}" for m in REPORTED]
+    if any("test/threshold" in r.metrics for r in results):
+        columns = ["threshold", *(f"video_{m}" for m in AT_THRESHOLD[:2]), "video_accuracy_at_0.5", *columns]
+    rows = {f"fold {r.fold}": {c: r.metrics.get(f"test/{c}", np.nan) for c in columns} for r in results}
+    rows["mean over folds"] = {c: summary.get(f"cv/{c}_mean", np.nan) for c in columns}
+    rows["sd over folds"] = {c: summary.get(f"cv/{c}_std", np.nan) for c in columns}
+    rows["pooled videos"] = {c: summary.get(f"pooled/{c}", np.nan) for c in columns}
     table = pd.DataFrame(rows).T
-    table.columns = [f"video {m}" for m in REPORTED]
-    print(table.to_string(float_format=lambda v: f"{v:.3f}"))
+    table.columns = [c.removeprefix("video_").replace("_at_threshold", "@thr").replace("_at_0.5", "@0.5")
+                     for c in columns]
+    print(table.to_string(float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    if HEADLINE in summary:
+        low, high = summary.get(f"{HEADLINE}_ci95_low", np.nan), summary.get(f"{HEADLINE}_ci95_high", np.nan)
+        print(f"headline: video accuracy at the validation threshold, pooled over all test videos "
+              f"{summary[HEADLINE]:.3f} (95 % subject-bootstrap CI {low:.3f}-{high:.3f})")

@@ -43,10 +43,12 @@ from pipeline.io import atomic_path
 from pipeline.metrics import Evaluation, plot_confusion, plot_roc, plot_training_curves
 from pipeline.module import FreezeBackbone, OptimConfig, PainClassifier
 from pipeline.tasks import get_task
+from pipeline.thresholds import decide_fold, rule_name
 
 log = logging.getLogger(__name__)
 FRAME_PREDICTIONS = "predictions_frames.csv"
 VIDEO_PREDICTIONS = "predictions_videos.csv"
+VAL_VIDEO_PREDICTIONS = "predictions_videos_val.csv"  # the best checkpoint on the validation subjects
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,13 @@ def test_fold(fitted: Fitted, module: PainClassifier, datamodule: PainDataModule
     return module.test_predictions, module.test_evaluation
 
 
+def validate_fold(fitted: Fitted, module: PainClassifier, datamodule: PainDataModule) -> Evaluation:
+    """Score the best checkpoint on the fold's validation subjects (the last epoch's scores may be another
+    epoch's): the predictions the decision threshold is chosen on."""
+    fitted.trainer.validate(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
+    return module.val_evaluation
+
+
 def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], predictions: pd.DataFrame,
                          evaluation: Evaluation, history: list[dict], splits: dict) -> None:
     """Plots and tables a person opens in the MLflow UI. Names and predictions only, never faces."""
@@ -275,12 +284,25 @@ def train_fold(cfg: DictConfig, fold: int, fold_file: Path, work_dir: Path, keep
     work_dir.mkdir(parents=True, exist_ok=True)
     module, datamodule, weights = build_fold(cfg, fold, fold_file)
     fitted = fit_fold(cfg, module, datamodule, work_dir)
+    validation = validate_fold(fitted, module, datamodule)
     predictions, evaluation = test_fold(fitted, module, datamodule)
-    metrics = {**evaluation.metrics(prefix="test/"), "best_epoch": fitted.best_epoch,
-               "epochs_trained": len(fitted.history), "best_val_score": fitted.best_score}
+    # the threshold sees the validation subjects only; the test videos get it as it is
+    threshold, evaluation.video_predictions, decided = decide_fold(
+        validation.video_predictions, evaluation.video_predictions, module.class_names, cfg.eval.threshold)
+    metrics = {**evaluation.metrics(prefix="test/"), **{f"test/{k}": v for k, v in decided.items()},
+               "best_epoch": fitted.best_epoch, "epochs_trained": len(fitted.history),
+               "best_val_score": fitted.best_score}
+    if np.isfinite(threshold):
+        metrics["test/threshold"] = threshold
+    if evaluation.video_predictions["subject_name"].nunique() == 1:  # leave one subject out: AUROC within a person
+        metrics["test/within_subject_video_auroc"] = metrics["test/video_auroc"]
     out = work_dir / "artifacts"
     write_fold_artifacts(out, fold, module.class_names, predictions, evaluation, fitted.history,
                          datamodule.split_summary())
+    validation.video_predictions.to_csv(out / VAL_VIDEO_PREDICTIONS, index=False)
+    rule = rule_name(cfg.eval.threshold, len(module.class_names))
+    mlflow.log_params({"threshold_rule": rule})
+    mlflow.set_tag("threshold_rule", rule)
     mlflow.log_metrics(metrics)
     mlflow.log_artifacts(str(out))
     if keep_model:

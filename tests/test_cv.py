@@ -20,6 +20,7 @@ from pipeline.fold import train_fold
 from pipeline.module import OptimConfig, PainClassifier
 from pipeline.prepare import fold_file_path
 from pipeline.tasks import get_task
+from pipeline.thresholds import choose_threshold
 from pipeline.tracking import get_or_create_experiment
 
 # Tiny and fast: a small timm model, 32 px inputs, no workers, two folds.
@@ -59,8 +60,12 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
         assert tags[key], key
     assert (tags["dataset"], tags["protocol"], tags["task"], tags["weights_source"]) == (
         "synthetic", "kfold5", "bl1_vs_pa4", "random")
-    for key in ("cv/video_auroc_mean", "cv/video_auroc_std", "cv/frame_accuracy_mean", "pooled/video_accuracy"):
+    for key in ("cv/video_auroc_mean", "cv/video_auroc_std", "cv/frame_accuracy_mean", "pooled/video_accuracy",
+                "cv/video_accuracy_at_threshold_mean", "pooled/video_accuracy_at_threshold",
+                "pooled/within_subject_video_auroc"):
         assert key in parent.data.metrics, key
+    low, high = (parent.data.metrics[f"pooled/video_accuracy_at_threshold_ci95_{end}"] for end in ("low", "high"))
+    assert 0 <= low <= parent.data.metrics["pooled/video_accuracy_at_threshold"] <= high <= 1
     assert parent.data.params["model.name"] == "mobilevit_xxs"
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"config.yaml", "folds", "folds_summary.csv", "predictions_videos_all_folds.csv"} <= artifacts
@@ -81,7 +86,16 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
         assert {"confusion_video.png", "training_curves.png", "predictions_videos.csv",
                 "accuracy_per_subject.csv"} <= names
         videos = pd.read_csv(client.download_artifacts(child.info.run_id, "predictions_videos.csv"))
-        assert set(videos.columns) >= {"subject_name", "sample_name", "label", "prob_BL1", "prob_PA4"}
+        assert set(videos.columns) >= {"subject_name", "sample_name", "label", "prob_BL1", "prob_PA4", "decision"}
+        # the threshold is the one the validation videos give; no test subject is among them
+        val = pd.read_csv(client.download_artifacts(child.info.run_id, "predictions_videos_val.csv"))
+        assert not set(val.subject_name) & set(videos.subject_name)
+        threshold = child.data.metrics["test/threshold"]
+        assert threshold == pytest.approx(choose_threshold(val.label.to_numpy(), val.prob_PA4.to_numpy(), "youden"))
+        assert child.data.params["threshold_rule"] == "youden"
+        assert (videos.decision == (videos.prob_PA4 >= threshold)).all()
+        assert child.data.metrics["test/video_accuracy_at_threshold"] == pytest.approx(
+            (videos.decision == videos.label).mean())
 
 
 def test_mean_over_folds_matches_the_children(cv_runs, tiny_config) -> None:
