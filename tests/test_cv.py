@@ -153,6 +153,14 @@ def test_compare_writes_table_and_plot(cv_runs, tiny_config) -> None:
     assert set(summary.model) == {"mobilevit_xxs", "resnet10t"}
     assert all(path.stat().st_size > 0 for path in result["paths"]["plots"].values())
     assert set(result["paired"].model_a) | set(result["paired"].model_b) == {"mobilevit_xxs", "resnet10t"}
+    # subject-level: an interval inside [0, 1] around each backbone's pooled value, and a Holm-adjusted test
+    subjects = pd.read_csv(result["paths"]["subjects"])
+    assert set(subjects.model) == {"mobilevit_xxs", "resnet10t"}
+    finite = subjects.dropna()
+    assert len(finite) and ((0 <= finite.ci95_low) & (finite.ci95_low <= finite.value)
+                            & (finite.value <= finite.ci95_high) & (finite.ci95_high <= 1)).all()
+    paired = pd.read_csv(result["paths"]["subjects_paired"])
+    assert (paired.n_subjects > 0).all() and (paired.p_holm.dropna() >= paired.p_value.dropna()).all()
 
 
 def test_compare_refuses_mismatched_folds(cv_runs, tiny_config, tmp_path: Path) -> None:
