@@ -35,6 +35,12 @@ from pipeline import PROJECT_ROOT, launchers, resolve_path, tracking
 from pipeline.backbones import weights_source
 from pipeline.calc import backbone_cost
 from pipeline.devices import cpu_description, precision_for
+from pipeline.exclusions import (
+    exclusion_tables,
+    folds_without_test_subjects,
+    lost_share_warning,
+    unusable_for_task,
+)
 from pipeline.fold import FoldJob, FoldResult, fold_runs, result_from_run
 from pipeline.folds import fold_file_sha256
 from pipeline.metrics import classification_metrics, evaluate_predictions, plot_confusion, plot_roc, summarize_folds
@@ -50,6 +56,8 @@ REPORTED = ("auroc", "accuracy", "balanced_accuracy", "f1")
 AT_THRESHOLD = ("accuracy_at_threshold", "balanced_accuracy_at_threshold", "sensitivity_at_threshold",
                 "specificity_at_threshold")
 HEADLINE = "pooled/video_accuracy_at_threshold"  # the number to set beside the BioVid literature
+# A fold failure whose reason holds one of these is a property of the data: a retry fails the same way.
+DATA_ERRORS = ("has no frames of task", "have no frames in", "have no usable videos")
 # Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
 NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
                 "data.synthetic.workers")
@@ -181,6 +189,14 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     folds = read_fold_file(fold_file, sorted(set(frames_result.frames.subject_name)))
     fold_ids = sorted(int(f) for f in folds.fold.unique()) if cfg.trainer.folds is None else list(cfg.trainer.folds)
     task = get_task(cfg.task.name)
+    # participants whose kept videos cannot serve this task are named; a fold with nothing else to test is left out
+    unusable = unusable_for_task(frames_result.frames, task)
+    skipped = folds_without_test_subjects(folds, unusable, fold_ids)
+    for name, reason in unusable.items():
+        print(f"not usable for {task.name}: {name} ({reason})")
+    if skipped:
+        print(f"fold(s) {', '.join(map(str, skipped))} left out: no test subject there is usable for {task.name}")
+        fold_ids = [fold for fold in fold_ids if fold not in skipped]
     # Where the weights come from, before any training: a missing checkpoint fails in seconds, not after fold 1.
     weights = weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
     warn_from_scratch(cfg.model.name, weights)
@@ -197,10 +213,12 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         run_tags = {**tags, "painvit.run_kind": "cv", "git_commit": git_commit(), "fold_file": str(fold_file),
                     "n_folds": str(len(fold_ids)),
                     # a smoke run (some folds, limited batches) is marked so nobody mistakes it for a full CV
-                    "complete": str(len(fold_ids) == folds.fold.nunique() and cfg.trainer.limit_train_batches is None
+                    "complete": str(len(fold_ids) + len(skipped) == folds.fold.nunique()
+                                    and cfg.trainer.limit_train_batches is None
                                     and cfg.trainer.limit_val_batches is None).lower(),
                     "precision": precision_for(cfg.trainer.precision, cfg.trainer.accelerator, cfg.model.name),
-                    "cpu": cpu_description(), **weights.as_tags(), **subject_set_tags(fold_file)}
+                    "cpu": cpu_description(), **weights.as_tags(), **subject_set_tags(fold_file),
+                    "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped))}
         run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
         parent = client.create_run(experiment_id, run_name=run_name, tags=run_tags)
         run_id = parent.info.run_id
@@ -211,6 +229,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         cost = backbone_cost(cfg.model.name, cfg.model.img_size, task.n_classes)
         client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in cost.items()])
         client.log_artifact(run_id, str(fold_file), "folds")
+        log_exclusions(client, run_id, frames_result, cfg.preprocess.frames_per_video)
     else:
         plan.finished = parent.info.status == "FINISHED"
         if not plan.finished:
@@ -221,6 +240,22 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
                 if run.info.status == "FINISHED"}
     plan.done = [fold for fold in fold_ids if fold in finished]
     return plan
+
+
+def log_exclusions(client: MlflowClient, run_id: str, frames_result, frames_per_video: int) -> None:
+    """The videos and frames face detection kept and lost, per class and per subject, onto the parent run."""
+    per_class, per_subject = exclusion_tables(frames_result.frames, frames_result.failures, frames_per_video)
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(f"data/share_lost_{row.class_name}", float(row.share_lost), now, 0)
+                                      for row in per_class.itertuples()])
+    warning = lost_share_warning(per_class)
+    if warning:
+        log.warning(warning)
+        client.set_tag(run_id, "data_warning", warning)
+    with tempfile.TemporaryDirectory() as tmp:
+        per_class.to_csv(Path(tmp) / "exclusions_per_class.csv", index=False)
+        per_subject.to_csv(Path(tmp) / "exclusions_per_subject.csv", index=False)
+        client.log_artifacts(run_id, tmp, "data")
 
 
 def _chunks(items: list, size: int) -> Iterator[list]:
@@ -325,11 +360,25 @@ def run_cv(cfg: DictConfig) -> dict:
         if outcome.failed:
             client.set_terminated(plan.parent_run_id, "FAILED")
             failed = ", ".join(str(fold) for fold in sorted(outcome.failed))
+            message = data_error_message(outcome.failed)
+            if message:
+                raise SystemExit(message)
             raise SystemExit(f"error: fold(s) {failed} failed (traceback in each fold's run); the other folds are "
                              f"kept: run the same command again to retry only the failed ones")
         summary = aggregate(plan, client)
         print(f"parent run {plan.parent_run_id}")
         return summary
+
+
+def data_error_message(failed: dict[int, str]) -> str | None:
+    """For folds that failed on the data itself: what failed and that a retry will not help; None otherwise."""
+    data_errors = {fold: reason for fold, reason in failed.items() if any(marker in reason for marker in DATA_ERRORS)}
+    if not data_errors:
+        return None
+    return ("error: fold(s) " + ", ".join(map(str, sorted(data_errors))) + " cannot run on this data, and running "
+            "the same command again fails the same way: "
+            + "; ".join(f"fold {fold}: {reason}" for fold, reason in sorted(data_errors.items()))
+            + ". Fix the data or choose another subject set (`make data` prints which participants lost which videos)")
 
 
 def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:

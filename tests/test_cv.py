@@ -68,7 +68,11 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
     assert 0 <= low <= parent.data.metrics["pooled/video_accuracy_at_threshold"] <= high <= 1
     assert parent.data.params["model.name"] == "mobilevit_xxs"
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"config.yaml", "folds", "folds_summary.csv", "predictions_videos_all_folds.csv"} <= artifacts
+    assert {"config.yaml", "folds", "folds_summary.csv", "predictions_videos_all_folds.csv", "data",
+            "scores_per_subject.csv"} <= artifacts
+    lost = pd.read_csv(client.download_artifacts(parent.info.run_id, "data/exclusions_per_class.csv"))
+    assert set(lost.class_name) == {"BL1", "PA1", "PA2", "PA3", "PA4"} and (lost.sampled_frames > 0).all()
+    assert parent.data.metrics["data/share_lost_BL1"] == pytest.approx(lost.set_index("class_name").share_lost["BL1"])
 
     _, children = runs_of(cfg, "fold")
     children = [c for c in children if c.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
