@@ -7,6 +7,8 @@
     python -m pipeline inspect     [key=value ...] [--run=<parent run id>] [--untrained=1]
                                        attention rollout, Grad-CAM and region score on each fold's test videos
     python -m pipeline calc        [key=value ...]   a backbone's shapes, parameters, MACs and training memory
+    python -m pipeline table       [key=value ...] [--models="vit_b16 cvt_13"] [--tasks="bl1_vs_pa4 ..."]
+                                       the BioVid benchmark table: every task's CV run or reused, beside published rows
     python -m pipeline config      [key=value ...]   print the resolved config
 
 The Makefile is the front door (`make help`); it turns MODEL=, DATA=, PROTOCOL=, TASK= into these overrides.
@@ -80,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"data": "pipeline.prepare:run_data", "aug-preview": "pipeline.prepare:run_aug_preview",
                 "cv": "pipeline.cv:run_cv", "compare": "pipeline.compare:run_compare",
-                "inspect": "pipeline.inspection:run_inspect", "calc": "pipeline.calc:run_calc", "config": None}
+                "inspect": "pipeline.inspection:run_inspect", "calc": "pipeline.calc:run_calc",
+                "table": "pipeline.benchmark_table:run_table", "config": None}
     if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
         return 2
@@ -92,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     options = dict(flag[2:].split("=", 1) for flag in flags)
     overrides = [option for option in overrides if not option.startswith("--")]
+    if command == "table":  # each (backbone, task) composes its own config from the same overrides
+        options["overrides"] = overrides
     setup_logging()
     cfg = load_config(overrides)
     if command == "config":

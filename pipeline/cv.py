@@ -183,6 +183,13 @@ def identity_lock(work_dir: Path, identity: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def identity_tags(cfg: DictConfig, fold_file: Path) -> dict[str, str]:
+    """The tags that identify a cross-validation (IDENTITY_TAGS): what resume and `make table` look for."""
+    return {"model": cfg.model.name, "dataset": cfg.data.name, "protocol": cfg.protocol.name, "task": cfg.task.name,
+            "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
+            "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg)}
+
+
 def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     parse_rule(cfg.eval.threshold)  # a wrong setting fails before any data or training
     frames_result, fold_file = prepare_data(cfg)
@@ -204,9 +211,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
         PROJECT_ROOT)
     experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
-    tags = {"model": cfg.model.name, "dataset": cfg.data.name, "protocol": cfg.protocol.name, "task": task.name,
-            "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
-            "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg)}
+    tags = identity_tags(cfg, fold_file)
     plan = Plan(cfg, fold_file, fold_ids, task.classes, tracking_uri, experiment_id, "", Path())
     parent = find_parent(client, experiment_id, tags, cfg) if cfg.cv.resume == "auto" else None
     if parent is None:
