@@ -125,13 +125,14 @@ def latest_cvs(
 def fold_scores(client: MlflowClient, parent_run: Run, metrics: Sequence[str]) -> pd.DataFrame:
     """One row per fold of a CV (its FINISHED child runs): fold, model, then each metric (NaN where not logged).
 
-    If a fold was rerun under the same parent, its most recently started finished child counts.
+    If a fold was rerun under the same parent, its most recently started finished child counts; a CV over several
+    training seeds gives each fold's mean over its seeds.
     """
     parent_id = parent_run.info.run_id
     model = parent_run.data.tags.get("model", "")
     filter_string = f"tags.`mlflow.parentRunId` = '{parent_id}' and tags.`{RUN_KIND_TAG}` = 'fold'"
     children = _search_all(client, [parent_run.info.experiment_id], filter_string)
-    rows: dict[int, dict] = {}
+    rows: dict[tuple[int, str], dict] = {}
     for child in sorted(children, key=lambda r: r.info.start_time or 0, reverse=True):
         if child.info.status != RunStatus.to_string(RunStatus.FINISHED):
             continue
@@ -142,16 +143,16 @@ def fold_scores(client: MlflowClient, parent_run: Run, metrics: Sequence[str]) -
             raise ComparisonError(
                 f"fold run {child.info.run_id} of CV {parent_id} ({model}) has fold tag {fold_tag!r}, not an integer"
             ) from None
-        if fold in rows:
+        seed = child.data.tags.get("seed", "")  # a CV over several seeds (cv.seeds) has one child per fold and seed
+        if (fold, seed) in rows:
             logger.warning("CV %s (%s) has several finished runs for fold %d; using the latest", parent_id, model, fold)
             continue
-        rows[fold] = {
-            "fold": fold,
-            "model": model,
-            **{metric: float(child.data.metrics.get(metric, np.nan)) for metric in metrics},
-        }
-    table = pd.DataFrame([rows[fold] for fold in sorted(rows)], columns=["fold", "model", *metrics])
-    return table.astype({"fold": int})
+        rows[(fold, seed)] = {metric: float(child.data.metrics.get(metric, np.nan)) for metric in metrics}
+    table = pd.DataFrame([{"fold": fold, **values} for (fold, _), values in rows.items()],
+                         columns=["fold", *metrics])
+    table = table.groupby("fold", sort=True).mean().reset_index()  # each fold's mean over its seeds
+    table.insert(1, "model", model)
+    return table.astype({"fold": int})[["fold", "model", *metrics]]
 
 
 def check_same_folds(runs: Mapping[str, Run]) -> None:

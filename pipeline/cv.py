@@ -90,12 +90,15 @@ def warn_from_scratch(model_name: str, source: WeightsSource) -> None:
 def identity_config(cfg: DictConfig) -> dict:
     """The resolved config without the settings in NOT_IDENTITY."""
     config = OmegaConf.to_container(cfg, resolve=True)
+    seeds = config.get("cv", {}).get("seeds")
     for key in NOT_IDENTITY:
         *parents, leaf = key.split(".")
         node = config
         for parent in parents:
             node = node.get(parent, {})
         node.pop(leaf, None)
+    if seeds is not None:  # several training seeds change what is computed; none keeps older CVs' identity
+        config["cv"] = {"seeds": list(seeds)}
     return config
 
 
@@ -120,16 +123,22 @@ class Plan:
     experiment_id: str
     parent_run_id: str
     work_dir: Path
-    done: list[int] = field(default_factory=list)
+    done: list[tuple[int, int | None]] = field(default_factory=list)  # (fold, seed) with a finished child run
     finished: bool = False  # aggregated before: nothing to do
+    seeds: list[int | None] = field(default_factory=lambda: [None])  # cv.seeds, or [None]: the config's seed
+
+    def pending(self, seed: int | None = None) -> list[int]:
+        """The folds of `seed` without a finished child run."""
+        return [fold for fold in self.fold_ids if (fold, seed) not in self.done]
 
     @property
-    def pending(self) -> list[int]:
-        return [fold for fold in self.fold_ids if fold not in self.done]
+    def units(self) -> list[tuple[int, int | None]]:
+        return [(fold, seed) for seed in self.seeds for fold in self.fold_ids]
 
-    def job(self, fold: int, tracking_uri: str | None = None) -> FoldJob:
+    def job(self, fold: int, tracking_uri: str | None = None, seed: int | None = None) -> FoldJob:
+        folder = f"fold_{fold}" + (f"_seed_{seed}" if seed is not None else "")
         return FoldJob(OmegaConf.to_container(self.cfg, resolve=True), int(fold), self.parent_run_id,
-                       tracking_uri or self.tracking_uri, str(self.work_dir / f"fold_{fold}"))
+                       tracking_uri or self.tracking_uri, str(self.work_dir / folder), seed)
 
 
 def _differences(old: dict[str, str], new: dict[str, str]) -> list[str]:
@@ -241,9 +250,11 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
             client.update_run(parent.info.run_id, status="RUNNING")
     plan.parent_run_id = parent.info.run_id
     plan.work_dir = resolve_path(cfg.cv.work_dir) / plan.parent_run_id
-    finished = {int(run.data.tags["fold"]) for run in fold_runs(client, plan.parent_run_id)
-                if run.info.status == "FINISHED"}
-    plan.done = [fold for fold in fold_ids if fold in finished]
+    plan.seeds = [int(seed) for seed in cfg.cv.seeds] if cfg.cv.seeds else [None]
+    children = [run for run in fold_runs(client, plan.parent_run_id) if run.info.status == "FINISHED"]
+    finished = {(int(run.data.tags["fold"]), run.data.tags.get("seed")) for run in children}
+    plan.done = [(fold, seed) for fold, seed in plan.units
+                 if (fold, str(seed)) in finished or (seed is None and any(f == fold for f, _ in finished))]
     return plan
 
 
@@ -281,53 +292,75 @@ class Progress:
     """One line per fold state change, with the overall count: what a person follows in the terminal."""
 
     def __init__(self, plan: Plan) -> None:
-        self.total, self.finished = len(plan.fold_ids), len(plan.done)
+        self.total, self.finished = len(plan.units), len(plan.done)
+        self.seed: int | None = None  # the seed whose folds are running (cv.seeds)
 
     def __call__(self, fold: int, state: str, detail) -> None:
+        name = f"fold {fold}" + (f" seed {self.seed}" if self.seed is not None else "")
         if state == "done":
             self.finished += 1
-            text = f"fold {fold}: done, {fold_line(detail)}"
+            text = f"{name}: done, {fold_line(detail)}"
         else:
-            text = f"fold {fold}: {state}" + (f" ({detail})" if detail else "")
+            text = f"{name}: {state}" + (f" ({detail})" if detail else "")
         print(f"[{self.finished}/{self.total} folds done] {text}", flush=True)
 
 
 def launch(plan: Plan, client: MlflowClient) -> launchers.LaunchOutcome:
-    """Run the pending folds on the configured launcher (SLURM jobs of an earlier `launcher.wait=false` run that
-    are still queued are followed, not submitted again)."""
-    launcher = plan.cfg.launcher
+    """Run the pending folds of every seed, one seed after the other (the launchers know folds, not seeds)."""
     report = Progress(plan)
+    outcome = launchers.LaunchOutcome()
+    for seed in plan.seeds:
+        if not plan.pending(seed):
+            continue
+        report.seed = seed
+        part = launch_seed(plan, client, seed, report)
+        outcome.done += part.done
+        outcome.failed.update({fold if seed is None else f"{fold} (seed {seed})": reason
+                               for fold, reason in part.failed.items()})
+        outcome.submitted.update({fold if seed is None else f"{fold} (seed {seed})": job
+                                  for fold, job in part.submitted.items()})
+    return outcome
+
+
+def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Progress) -> launchers.LaunchOutcome:
+    """Run one seed's pending folds on the configured launcher (SLURM jobs of an earlier `launcher.wait=false` run
+    that are still queued are followed, not submitted again)."""
+    launcher = plan.cfg.launcher
+    pending = plan.pending(seed)
 
     def result_of(fold: int) -> FoldResult | None:
-        runs = [run for run in fold_runs(client, plan.parent_run_id, fold) if run.info.status == "FINISHED"]
+        runs = [run for run in fold_runs(client, plan.parent_run_id, fold, seed) if run.info.status == "FINISHED"]
         return result_from_run(client, runs[0]) if runs else None
 
     def fold_status(fold: int) -> str:
-        runs = fold_runs(client, plan.parent_run_id, fold)
+        runs = fold_runs(client, plan.parent_run_id, fold, seed)
         return "FINISHED" if any(run.info.status == "FINISHED" for run in runs) else "other"
 
     if launcher.name == "local":
-        return launchers.launch_local([plan.job(fold) for fold in plan.pending], report)
+        return launchers.launch_local([plan.job(fold, seed=seed) for fold in pending], report)
     if launcher.name == "parallel":
         if plan.tracking_uri.startswith("sqlite:"):  # several writers: through a server, never the file itself
             artifact_root = client.get_experiment(plan.experiment_id).artifact_location
             with launchers.tracking_server(plan.tracking_uri, artifact_root) as uri:
                 print(f"MLflow server for the fold jobs: {uri} (over {plan.tracking_uri})")
-                return launchers.launch_parallel([plan.job(fold, uri) for fold in plan.pending], launcher.jobs,
+                return launchers.launch_parallel([plan.job(fold, uri, seed) for fold in pending], launcher.jobs,
                                                  report, result_of)
-        return launchers.launch_parallel([plan.job(fold) for fold in plan.pending], launcher.jobs, report, result_of)
+        return launchers.launch_parallel([plan.job(fold, seed=seed) for fold in pending], launcher.jobs, report,
+                                         result_of)
     # slurm
     parent = client.get_run(plan.parent_run_id)
-    submitted = {int(k): v for k, v in json.loads(parent.data.tags.get("painvit.slurm_jobs", "{}")).items()}
+    jobs_tag = "painvit.slurm_jobs" + (f".seed_{seed}" if seed is not None else "")
+    submitted = {int(k): v for k, v in json.loads(parent.data.tags.get(jobs_tag, "{}")).items()}
     alive = launchers.slurm_states(list(submitted.values()))
-    queued = {fold: job_id for fold, job_id in submitted.items() if fold in plan.pending and job_id in alive}
-    to_submit = [fold for fold in plan.pending if fold not in queued]
+    queued = {fold: job_id for fold, job_id in submitted.items() if fold in pending and job_id in alive}
+    to_submit = [fold for fold in pending if fold not in queued]
     if to_submit:
         name = f"painvit-{plan.cfg.model.name}-{plan.parent_run_id[:8]}"
-        new = launchers.submit_slurm([plan.job(fold) for fold in to_submit], launcher, plan.work_dir / "slurm", name)
+        new = launchers.submit_slurm([plan.job(fold, seed=seed) for fold in to_submit], launcher,
+                                     plan.work_dir / "slurm", name + (f"-seed{seed}" if seed is not None else ""))
         submitted.update(new)
         queued.update(new)
-        client.set_tag(plan.parent_run_id, "painvit.slurm_jobs", launchers.job_ids_tag(submitted))
+        client.set_tag(plan.parent_run_id, jobs_tag, launchers.job_ids_tag(submitted))
         print(f"submitted {len(new)} fold job(s) to SLURM: {', '.join(f'fold {f} -> {j}' for f, j in new.items())}")
     if not launcher.wait:
         return launchers.LaunchOutcome(submitted=queued)
@@ -348,13 +381,14 @@ def run_cv(cfg: DictConfig) -> dict:
                   f"(`make ui` to review; RESUME=never trains a new one)")
             return dict(client.get_run(plan.parent_run_id).data.metrics)
         resumed = f", resuming: {len(plan.done)} fold(s) already done" if plan.done else ""
+        seeds = f", {len(plan.seeds)} training seeds each ({', '.join(map(str, plan.seeds))})" if cfg.cv.seeds else ""
         precision = precision_for(cfg.trainer.precision, cfg.trainer.accelerator, cfg.model.name)
-        print(f"cross-validation: {name}, {len(plan.fold_ids)} folds{resumed}, launcher {cfg.launcher.name}, "
+        print(f"cross-validation: {name}, {len(plan.fold_ids)} folds{seeds}{resumed}, launcher {cfg.launcher.name}, "
               f"precision {precision} on {cpu_description()}")
         print(f"MLflow: {tracking_uri} (experiment {cfg.mlflow.experiment}, parent run {plan.parent_run_id}); "
               f"`make ui` to review")
         try:
-            outcome = launch(plan, client) if plan.pending else launchers.LaunchOutcome()
+            outcome = launch(plan, client) if len(plan.done) < len(plan.units) else launchers.LaunchOutcome()
         except BaseException:
             client.set_terminated(plan.parent_run_id, "KILLED")
             raise
@@ -389,8 +423,8 @@ def data_error_message(failed: dict[int, str]) -> str | None:
 def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
     """Mean and std across folds, and pooled metrics over all test videos/frames, onto the parent run."""
     results = []
-    for fold in plan.fold_ids:
-        runs = [r for r in fold_runs(client, plan.parent_run_id, fold) if r.info.status == "FINISHED"]
+    for fold, seed in plan.units:
+        runs = [r for r in fold_runs(client, plan.parent_run_id, fold, seed) if r.info.status == "FINISHED"]
         results.append(result_from_run(client, runs[0]))
     summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, plan.cfg)
     client.set_terminated(plan.parent_run_id, "FINISHED")
@@ -398,12 +432,26 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
     return summary
 
 
+def spread_over_folds_and_seeds(results: list[FoldResult]) -> dict[str, float]:
+    """`cv/<metric>_mean` and `_std` over folds (each fold's mean over its seeds); with several seeds also
+    `seeds/<metric>_mean` and `_std` over seeds (each seed's mean over the folds): the spread a seed alone makes."""
+    table = pd.DataFrame([{"fold": r.fold, "seed": r.seed, **{k.removeprefix("test/"): v for k, v in r.metrics.items()
+                                                             if k.startswith("test/")}} for r in results])
+    names = [column for column in table.columns if column not in ("fold", "seed")]
+    by_fold = table.groupby("fold", sort=True)[names].mean()
+    summary = {f"cv/{k}": v for k, v in summarize_folds(by_fold.to_dict("records")).items()}
+    if table["seed"].nunique() > 1:
+        by_seed = table.groupby("seed", sort=True)[names].mean()
+        summary.update({f"seeds/{k}": v for k, v in summarize_folds(by_seed.to_dict("records")).items()})
+    return summary
+
+
 def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], class_names,
                   cfg: DictConfig) -> dict[str, float]:
-    fold_metrics = [{k.removeprefix("test/"): v for k, v in r.metrics.items() if k.startswith("test/")}
-                    for r in results]
-    summary = {f"cv/{k}": v for k, v in summarize_folds(fold_metrics).items()}
-    videos = pd.concat([r.video_predictions for r in results], ignore_index=True)
+    summary = spread_over_folds_and_seeds(results)
+    several_seeds = bool(cfg.cv.get("seeds"))
+    videos = pd.concat([r.video_predictions.assign(seed=r.seed) if several_seeds else r.video_predictions
+                        for r in results], ignore_index=True)
     frames = pd.concat([r.frame_predictions for r in results], ignore_index=True)
     prob_columns = [f"prob_{c}" for c in class_names]
     pooled_video = classification_metrics(videos["label"].to_numpy(), videos[prob_columns].to_numpy())
@@ -447,13 +495,18 @@ def pooled_at_threshold(videos: pd.DataFrame, class_names) -> dict[str, float]:
 
 
 def print_table(results: list[FoldResult], summary: dict[str, float]) -> None:
-    """Per fold, mean and sd over folds, pooled over all test videos (with the subject-bootstrap interval)."""
+    """Per fold, mean and sd over folds (and seeds), pooled over all test videos (with the subject-bootstrap
+    interval)."""
+    several_seeds = len({r.seed for r in results}) > 1
     columns = [f"video_{m}" for m in REPORTED]
     if any("test/threshold" in r.metrics for r in results):
         columns = ["threshold", *(f"video_{m}" for m in AT_THRESHOLD[:2]), "video_accuracy_at_0.5", *columns]
-    rows = {f"fold {r.fold}": {c: r.metrics.get(f"test/{c}", np.nan) for c in columns} for r in results}
+    rows = {f"fold {r.fold}" + (f" seed {r.seed}" if several_seeds else ""):
+            {c: r.metrics.get(f"test/{c}", np.nan) for c in columns} for r in results}
     rows["mean over folds"] = {c: summary.get(f"cv/{c}_mean", np.nan) for c in columns}
     rows["sd over folds"] = {c: summary.get(f"cv/{c}_std", np.nan) for c in columns}
+    if several_seeds:
+        rows["sd over seeds"] = {c: summary.get(f"seeds/{c}_std", np.nan) for c in columns}
     rows["pooled videos"] = {c: summary.get(f"pooled/{c}", np.nan) for c in columns}
     table = pd.DataFrame(rows).T
     table.columns = [c.removeprefix("video_").replace("_at_threshold", "@thr").replace("_at_0.5", "@0.5")

@@ -60,6 +60,7 @@ class FoldJob:
     parent_run_id: str
     tracking_uri: str
     work_dir: str  # the fold's own folder: epoch checkpoints (for resuming) and the kept model before upload
+    seed: int | None = None  # cv.seeds: this training seed instead of the config's `seed` (tagged on the child run)
 
     def write(self, path: Path) -> Path:
         with atomic_path(path, mode=0o600) as tmp:  # owner only: the tracking URI may hold a database password
@@ -81,6 +82,7 @@ class FoldResult:
     video_predictions: pd.DataFrame
     seconds: float
     run_id: str = ""
+    seed: int | None = None  # the training seed of a CV over several seeds (cv.seeds)
 
     @property
     def epochs(self) -> int:
@@ -315,12 +317,14 @@ def train_fold(cfg: DictConfig, fold: int, fold_file: Path, work_dir: Path, keep
 # ---------------------------------------------------------------------------------------------------------------
 # The job: child-run bookkeeping around train_fold.
 
-def fold_runs(client: MlflowClient, parent_run_id: str, fold: int | None = None) -> list:
-    """The child runs of a cross-validation (of one fold), newest first."""
+def fold_runs(client: MlflowClient, parent_run_id: str, fold: int | None = None, seed: int | None = None) -> list:
+    """The child runs of a cross-validation (of one fold, of one training seed), newest first."""
     parent = client.get_run(parent_run_id)
     query = f"tags.`mlflow.parentRunId` = '{parent_run_id}' and tags.`painvit.run_kind` = 'fold'"
     if fold is not None:
         query += f" and tags.fold = '{fold}'"
+    if seed is not None:
+        query += f" and tags.seed = '{seed}'"
     return client.search_runs([parent.info.experiment_id], query, order_by=["attribute.start_time DESC"],
                               max_results=10_000)
 
@@ -331,7 +335,9 @@ def result_from_run(client: MlflowClient, run) -> FoldResult:
     frames = pd.read_csv(client.download_artifacts(run_id, FRAME_PREDICTIONS))
     videos = pd.read_csv(client.download_artifacts(run_id, VIDEO_PREDICTIONS))
     seconds = ((run.info.end_time or run.info.start_time) - run.info.start_time) / 1000
-    return FoldResult(int(run.data.tags["fold"]), dict(run.data.metrics), frames, videos, seconds, run_id)
+    seed = run.data.tags.get("seed")
+    return FoldResult(int(run.data.tags["fold"]), dict(run.data.metrics), frames, videos, seconds, run_id,
+                      int(seed) if seed not in (None, "") else None)
 
 
 def job_owner_tags() -> dict[str, str]:
@@ -347,10 +353,10 @@ def job_owner_tags() -> dict[str, str]:
 def run_fold_job(job: FoldJob) -> FoldResult:
     """Run one fold under its own child run of `job.parent_run_id`; see the module docstring for the rules."""
     client = MlflowClient(job.tracking_uri)
-    previous = fold_runs(client, job.parent_run_id, job.fold)
+    previous = fold_runs(client, job.parent_run_id, job.fold, job.seed)
     finished = [run for run in previous if run.info.status == "FINISHED"]
     if finished:
-        log.info("fold %d already has a finished run %s", job.fold, finished[0].info.run_id)
+        log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished[0].info.run_id)
         return result_from_run(client, finished[0])
     for run in previous:
         if run.info.status == "RUNNING":  # a killed attempt: this one replaces it
@@ -360,15 +366,19 @@ def run_fold_job(job: FoldJob) -> FoldResult:
     if cfg.model.pretrained == "auto" and parent.data.tags.get("weights_source") == "random":
         cfg.model.pretrained = False  # the plan found no weights and said so once; the folds need not say it again
     tags = {k: parent.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed")}
+    if job.seed is not None:  # one of several training seeds: the fold is trained with it, and tagged so
+        cfg.seed = job.seed
+        tags["seed"] = str(job.seed)
     work_dir = Path(job.work_dir)
     attempt = len(previous) + 1
     mlflow.set_tracking_uri(job.tracking_uri)
-    run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=f"fold {job.fold}",
+    name = f"fold {job.fold}" + (f" seed {job.seed}" if job.seed is not None else "")
+    run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=name,
                            tags={**tags, "mlflow.parentRunId": job.parent_run_id, "painvit.run_kind": "fold",
                                  "fold": str(job.fold), "painvit.attempt": str(attempt),
                                  "painvit.tracking_uri": job.tracking_uri, **job_owner_tags()})
     try:
-        mlflow.log_params({"fold": job.fold})
+        mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
         result = train_fold(cfg, job.fold, resolve_path(cfg.fold_file), work_dir,
                             keep_model=cfg.cv.log_models)
     except BaseException as error:
@@ -378,7 +388,7 @@ def run_fold_job(job: FoldJob) -> FoldResult:
         raise
     mlflow.end_run("FINISHED")
     shutil.rmtree(work_dir, ignore_errors=True)  # the model and the tables now live in the tracking store
-    result.run_id = run.info.run_id
+    result.run_id, result.seed = run.info.run_id, job.seed
     return result
 
 

@@ -43,6 +43,16 @@ def within_subject_auroc(labels: np.ndarray, probs: np.ndarray) -> float:
     return float(np.mean([roc_auc_score(labels == c, probs[:, c]) for c in present]))
 
 
+def seed_mean_auroc(group: pd.DataFrame, prob_columns: list[str]) -> float:
+    """One subject's within-subject AUROC; with a `seed` column, per training seed (one model's scores each), then
+    averaged over the seeds where it is defined."""
+    parts = [part for _, part in group.groupby("seed")] if "seed" in group.columns else [group]
+    values = [within_subject_auroc(part["label"].to_numpy(dtype=int), part[prob_columns].to_numpy(float))
+              for part in parts]
+    finite = [value for value in values if np.isfinite(value)]
+    return float(np.mean(finite)) if finite else float("nan")
+
+
 def subject_scores(videos: pd.DataFrame, class_names: Sequence[str]) -> pd.DataFrame:
     """One row per subject of the pooled test videos: videos, correct calls, and the three subject metrics."""
     prob_columns = [f"prob_{name}" for name in class_names]
@@ -54,7 +64,7 @@ def subject_scores(videos: pd.DataFrame, class_names: Sequence[str]) -> pd.DataF
         rows.append({"subject_name": subject, "n_videos": len(group), "n_correct": int((called == labels).sum()),
                      "accuracy_at_threshold": float((called == labels).mean()),
                      "balanced_accuracy_at_threshold": float(np.mean(recalls)),
-                     "within_subject_auroc": within_subject_auroc(labels, group[prob_columns].to_numpy(float))})
+                     "within_subject_auroc": seed_mean_auroc(group, prob_columns)})
     return pd.DataFrame(rows)
 
 

@@ -291,3 +291,29 @@ def test_slurm_launcher_refuses_what_cannot_work(tiny_config, tmp_path: Path, mo
     with pytest.raises(SystemExit, match="tracking server that the compute nodes reach"):
         check_launcher(cfg.launcher, cfg.mlflow.tracking_uri)  # sqlite
     check_launcher(cfg.launcher, "http://login-node:5000")
+
+
+def test_several_seeds_give_one_child_per_fold_and_seed_and_resume_exactly(tiny_config, tmp_path: Path,
+                                                                              capsys) -> None:
+    cfg = tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'seeds.db'}", "trainer.folds=[0]",
+                      "trainer.max_epochs=1", "cv.seeds=[0,1]")
+    summary = run_cv(cfg)
+    assert "2 training seeds each" in capsys.readouterr().out
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    plan = plan_cv(cfg, client, cfg.mlflow.tracking_uri)
+    children = children_of(client, plan.parent_run_id)
+    assert sorted((c.data.tags["fold"], c.data.tags["seed"]) for c in children) == [("0", "0"), ("0", "1")]
+    values = sorted(c.data.metrics["test/frame_accuracy"] for c in children)
+    assert summary["seeds/frame_accuracy_std"] == pytest.approx(np.std(values, ddof=1))
+    assert summary["cv/frame_accuracy_mean"] == pytest.approx(np.mean(values))
+    # seed 1's child lost: the plan resumes exactly that (fold, seed), never seed 0's again
+    lost = next(c for c in children if c.data.tags["seed"] == "1")
+    client.set_terminated(lost.info.run_id, "FAILED")
+    client.set_terminated(plan.parent_run_id, "FAILED")
+    again = plan_cv(cfg, client, cfg.mlflow.tracking_uri)
+    assert again.parent_run_id == plan.parent_run_id and again.done == [(0, 0)]
+    assert again.pending(0) == [] and again.pending(1) == [0]
+    # one seed only is another cross-validation (cv.seeds is part of its identity)
+    single = plan_cv(tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'seeds.db'}",
+                                 "trainer.folds=[0]", "trainer.max_epochs=1"), client, cfg.mlflow.tracking_uri)
+    assert single.parent_run_id != plan.parent_run_id and single.seeds == [None]
