@@ -11,6 +11,7 @@ in a table of their own, marked as published: they are never mixed into this pro
 
 from __future__ import annotations
 
+import csv
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,8 +58,14 @@ def model_overrides(model: str) -> list[str]:
 
 
 def read_literature(path: Path = LITERATURE) -> pd.DataFrame:
-    """The committed published results; a missing column is an error naming the file."""
-    table = pd.read_csv(path, dtype=str, keep_default_na=False)
+    """The committed published results; a missing column or a row of another width is an error naming the file."""
+    with open(path, newline="") as handle:
+        rows = list(csv.reader(handle))
+    wrong = [number for number, row in enumerate(rows[1:], start=2) if len(row) != len(rows[0])]
+    if wrong:
+        raise ValueError(f"{path}, line {wrong[0]}: {len(rows[wrong[0] - 1])} fields where the header has "
+                         f"{len(rows[0])} (quote a value that holds a comma)")
+    table = pd.DataFrame(rows[1:], columns=rows[0])
     missing = [column for column in LITERATURE_COLUMNS if column not in table.columns]
     if missing:
         raise ValueError(f"{path}: missing column(s) {missing}; expected {LITERATURE_COLUMNS}")
@@ -174,7 +181,8 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
         Path(tmp).write_text(markdown + "\n")
     long = pd.concat([rows.assign(source="this project", protocol=cfg.protocol.name, subjects=cfg.data.subject_set,
                                   dataset=cfg.data.name),
-                      published.rename(columns={"method": "model"}).assign(source="published")], ignore_index=True)
+                      published.rename(columns={"method": "model", "source": "reference"}).assign(source="published")],
+                     ignore_index=True)
     atomic_write_csv(paths["csv"], long)
     plot_table(ours, published, title, paths["png"])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+import pytest
 from mlflow import MlflowClient
 
 from pipeline.benchmark_table import TASKS, describe_subject_set, read_literature, run_table
@@ -50,3 +51,11 @@ def test_table_has_five_task_rows_and_the_published_ones_apart(tiny_base: Path, 
 def test_the_67_set_says_where_it_comes_from() -> None:
     assert "20 who showed no facial response" in describe_subject_set("responders67")
     assert "face crops" in describe_subject_set("all87_usable")
+
+
+def test_a_literature_row_of_another_width_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "literature.csv"
+    path.write_text("task,method,protocol,subjects,input,accuracy,source,source_kind\n"
+                    "bl1_vs_pa4,m,LOSO,87,video,70,a paper,secondary, unchecked\n")
+    with pytest.raises(ValueError, match="line 2: 9 fields where the header has 8"):
+        read_literature(path)
