@@ -427,6 +427,7 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
         runs = [r for r in fold_runs(client, plan.parent_run_id, fold, seed) if r.info.status == "FINISHED"]
         results.append(result_from_run(client, runs[0]))
     summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, plan.cfg)
+    client.set_tag(plan.parent_run_id, "headline_metric", HEADLINE)  # the number to quote beside the literature
     client.set_terminated(plan.parent_run_id, "FINISHED")
     print_table(results, summary)
     return summary

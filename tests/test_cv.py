@@ -67,6 +67,7 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
     low, high = (parent.data.metrics[f"pooled/video_accuracy_at_threshold_ci95_{end}"] for end in ("low", "high"))
     assert 0 <= low <= parent.data.metrics["pooled/video_accuracy_at_threshold"] <= high <= 1
     assert parent.data.params["model.name"] == "mobilevit_xxs"
+    assert tags["headline_metric"] == "pooled/video_accuracy_at_threshold"
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"config.yaml", "folds", "folds_summary.csv", "predictions_videos_all_folds.csv", "data",
             "scores_per_subject.csv"} <= artifacts
