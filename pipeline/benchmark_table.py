@@ -172,6 +172,8 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
              f"[95 % subject-bootstrap CI]; accuracy at each fold's validation threshold (argmax for five classes)")
     out_dir = resolve_path(cfg.reports_dir)
     stem = f"table_{cfg.data.name}_{cfg.protocol.name}_{cfg.data.subject_set}"
+    if tuple(task_names) != TASKS:  # a subset never overwrites the full table
+        stem += "_" + "_".join(task_names)
     paths = {"markdown": out_dir / f"{stem}.md", "csv": out_dir / f"{stem}.csv", "png": out_dir / f"{stem}.png"}
     markdown = "\n\n".join([f"## {title.replace(chr(10), ' ')}", to_markdown(ours),
                             "## Published results (from configs/literature/, not this project's numbers; "
