@@ -239,6 +239,7 @@ def plot_subject_intervals(table: pd.DataFrame, path: str | Path) -> None:
         errors = np.vstack([rows["value"] - rows["ci95_low"], rows["ci95_high"] - rows["value"]]).clip(min=0)
         axes.errorbar(range(len(rows)), rows["value"], yerr=np.nan_to_num(errors), fmt="o", capsize=4)
         axes.set_xticks(range(len(rows)), labels=rows["model"], rotation=30)
+        axes.set_xlim(-0.5, len(rows) - 0.5)
         axes.set_ylim(0, 1.02)
         axes.set_title(metric.replace("_", " "), fontsize=9)
         axes.grid(alpha=0.3)
@@ -343,7 +344,8 @@ def plot_accuracy_vs_cost(table: pd.DataFrame, metric: str, path: str | Path) ->
         axis.xaxis.set_major_formatter(_cost_formatter())
         axis.xaxis.set_minor_formatter(NullFormatter())
         axis.set_xlabel(x_label)
-        axis.set_ylabel(label)
+        if column == "macs":  # one label for the shared quantity: a second one would run into the left axes
+            axis.set_ylabel(label)
         axis.grid(alpha=0.3, which="both")
     figure.suptitle("Accuracy against cost (at each backbone's input size in its cross-validation)", fontsize=10)
     save_png(figure, path)
