@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler, get_worker_info
 
 from pipeline.augment import DataConfigLike, build_eval_transform, build_train_transform, seed_transform
+from pipeline.exclusions import usable_task_frames
 from pipeline.folds import ROLES, fold_subjects, read_folds
 from pipeline.parallel import available_cpus
 from pipeline.tasks import CLASS_NAMES, Task
@@ -193,6 +194,7 @@ class PainDataModule(pl.LightningDataModule):
             )
         task_frames = table[table["class_name"].isin(self.task.classes)].copy()
         task_frames["label"] = task_frames["class_name"].map(self.task.label_map()).astype(np.int64)
+        task_frames = usable_task_frames(task_frames, self.task)
         if self.from_s is not None:
             task_frames = frames_from(task_frames, self.from_s, self.frames_csv)
         if self.frames_per_video is not None:

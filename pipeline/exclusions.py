@@ -10,11 +10,14 @@ both for a binary task. Others are left out of that task's folds by name instead
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
 from pipeline.tasks import Task
+
+log = logging.getLogger(__name__)
 
 BASELINE = "BL1"
 MAX_GAP = 0.02  # lost-pain share against lost-baseline share: more than two points apart is reported
@@ -96,3 +99,16 @@ def folds_without_test_subjects(folds: pd.DataFrame, unusable: Mapping[str, str]
     test = folds[folds["role"] == "test"]
     return [fold for fold in fold_ids
             if set(test.loc[test["fold"] == fold, "subject_name"]) <= set(unusable)]
+
+
+def usable_task_frames(task_frames: pd.DataFrame, task: Task) -> pd.DataFrame:
+    """A binary task's frames without the participants that kept videos of one of its classes only (named in a
+    warning): such a participant can be neither ranked nor balanced within itself, so it is left out of the task."""
+    if not task.is_binary or task_frames.empty:
+        return task_frames
+    classes = task_frames.groupby("subject_name")["class_name"].nunique()
+    partial = sorted(classes.index[classes < 2])
+    if not partial:
+        return task_frames
+    log.warning("left out of %s: %s (videos of one of its classes only)", task.name, ", ".join(partial))
+    return task_frames[~task_frames["subject_name"].isin(partial)]
