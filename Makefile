@@ -37,9 +37,13 @@ MODEL_OVERRIDE = $(if $(wildcard configs/model/$(MODEL).yaml),model=$(MODEL),mod
 OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) task=$(TASK) $(MODEL_OVERRIDE) \
 	$(if $(BIOVID_ROOT),data.root=$(abspath $(BIOVID_ROOT))) $(if $(WEIGHTS),model.weights=$(abspath $(WEIGHTS))) \
 	launcher=$(LAUNCHER) $(if $(JOBS),launcher.jobs=$(JOBS)) $(if $(RESUME),cv.resume=$(RESUME)) $(ARGS)
+# `make table`: MODEL may name several backbones ("vit_b16 cvt_13"), each composed per task by the command itself.
+TASKS ?=
+TABLE_OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) $(if $(BIOVID_ROOT),data.root=$(abspath $(BIOVID_ROOT))) \
+	launcher=$(LAUNCHER) $(if $(JOBS),launcher.jobs=$(JOBS)) $(if $(RESUME),cv.resume=$(RESUME)) $(ARGS)
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 
-.PHONY: help install lock data aug-preview cv compare inspect calc ui server test lint notebooks bench bench-data clean clean-data
+.PHONY: help install lock data aug-preview cv compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data
 
 help: ## list the targets
 	@echo "Pain detection from facial video: fine-tune and compare backbones on BioVid Part A (or its synthetic twin)."
@@ -48,6 +52,7 @@ help: ## list the targets
 	@echo
 	@echo "Variables: MODEL=$(MODEL) DATA=$(DATA) PROTOCOL=$(PROTOCOL) TASK=$(TASK) BIOVID_ROOT= WEIGHTS= ARGS='key=value ...'"
 	@echo "           LAUNCHER=$(LAUNCHER) (local|parallel|slurm) JOBS= RESUME= (never: a new run) VERBOSE= (1: all library output)"
+	@echo "           TASKS= (table: default all five)"
 	@echo "           RUN= (inspect: a parent run id) UNTRAINED= (inspect: 1 = untrained baseline) IMG= BATCH= (calc)"
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
@@ -74,6 +79,9 @@ cv: install ## cross-validate MODEL on DATA/PROTOCOL/TASK, tracked in MLflow
 
 compare: install ## compare the backbones' latest cross-validations on DATA/PROTOCOL/TASK (reports/ and MLflow)
 	$(PY) -m pipeline compare $(OVERRIDES)
+
+table: install ## BioVid benchmark table: MODEL="vit_b16 cvt_13" on BL1 vs PA1..PA4 and five classes, beside published rows
+	$(PY) -m pipeline table $(TABLE_OVERRIDES) --models="$(MODEL)" $(if $(TASKS),--tasks="$(TASKS)")
 
 inspect: install ## where MODEL's newest finished CV looks on each fold's test videos: rollout, Grad-CAM, region score
 	$(PY) -m pipeline inspect $(OVERRIDES) $(if $(RUN),--run=$(RUN)) $(if $(UNTRAINED),--untrained=$(UNTRAINED))

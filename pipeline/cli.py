@@ -9,6 +9,8 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline inspect     [key=value ...] [--run=<parent run id>] [--untrained=1]
                                        attention rollout, Grad-CAM and region score on each fold's test videos
     python -m pipeline calc        [key=value ...]   a backbone's shapes, parameters, MACs and training memory
+    python -m pipeline table       [key=value ...] [--models="vit_b16 cvt_13"] [--tasks="bl1_vs_pa4 ..."]
+                                       the BioVid benchmark table: every task's CV run or reused, beside published rows
     python -m pipeline config      [key=value ...]   print the resolved config
     python -m pipeline fold-job    JOB.json          run one fold job (what the parallel launcher starts per fold)
     python -m pipeline fold-files  write-biovid | check PATH...   regenerate or check committed fold files
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -65,6 +68,12 @@ def _calc(cfg: DictConfig, **options) -> None:
     run_calc(cfg, **options)
 
 
+def _table(cfg: DictConfig, **options) -> None:
+    from pipeline.analysis.benchmark_table import run_table
+
+    run_table(cfg, **options)
+
+
 def _print_config(cfg: DictConfig, **options) -> None:
     print(OmegaConf.to_yaml(cfg))
 
@@ -91,7 +100,7 @@ def _ui_url(argv: list[str]) -> int:
 # commands over the composed config (key=value overrides, --name=value options)
 COMMANDS: dict[str, Callable[..., None]] = {
     "data": _data, "aug-preview": _aug_preview, "cv": _cv, "compare": _compare, "inspect": _inspect,
-    "calc": _calc, "config": _print_config,
+    "calc": _calc, "table": _table, "config": _print_config,
 }
 # tools with arguments of their own
 TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "fold-files": _fold_files, "ui-url": _ui_url}
@@ -110,8 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any("=" not in flag for flag in flags):
         print(f"options take a value (--name=value): {' '.join(flags)}", file=sys.stderr)
         return 2
-    options = dict(flag[2:].split("=", 1) for flag in flags)
+    options: dict[str, Any] = dict(flag[2:].split("=", 1) for flag in flags)
     overrides = [option for option in overrides if not option.startswith("--")]
+    if command == "table":  # each (backbone, task) composes its own config from the same overrides
+        options["overrides"] = overrides
     setup_logging()
     cfg = load_config(overrides)
     from pipeline.utils.accelerator import GpuUnavailable  # here, not on top: `ui-url` must not import torch

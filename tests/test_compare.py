@@ -155,14 +155,10 @@ def test_compare_writes_tables_plots_and_run(store, tmp_path) -> None:
             if model == "cvt" and metric == "test/frame_auroc":
                 values = np.delete(values, 3)
             row = summary[(summary["model"] == model) & (summary["metric"] == metric)].iloc[0]
-            n = len(values)
-            std = np.std(values, ddof=1)
-            half = stats.t.ppf(0.975, n - 1) * std / np.sqrt(n)
-            assert row["n_folds"] == n
+            assert row["n_folds"] == len(values)
             assert row["mean"] == pytest.approx(np.mean(values))
-            assert row["std"] == pytest.approx(std)
-            assert row["ci95_low"] == pytest.approx(np.mean(values) - half)
-            assert row["ci95_high"] == pytest.approx(np.mean(values) + half)
+            assert row["std"] == pytest.approx(np.std(values, ddof=1))
+    assert "ci95_low" not in summary.columns  # no t-interval over folds that share training subjects
 
     paired = pd.read_csv(
         tmp_path / "comparison_synthetic_loso_bl1_vs_pa4_paired.csv", keep_default_na=False, na_values=[""]
@@ -172,13 +168,12 @@ def test_compare_writes_tables_plots_and_run(store, tmp_path) -> None:
         (paired["metric"] == "test/video_auroc") & (paired["model_a"] == "mobilevit") & (paired["model_b"] == "vit")
     ].iloc[0]
     differences = scores["mobilevit"]["test/video_auroc"] - scores["vit"]["test/video_auroc"]
-    assert row["p_value"] == pytest.approx(stats.wilcoxon(differences).pvalue)
     assert row["mean_diff"] == pytest.approx(differences.mean())
     assert row["std_diff"] == pytest.approx(differences.std(ddof=1))
-    zero = paired[
-        (paired["metric"] == "test/frame_f1") & (paired["model_a"] == "mobilevit") & (paired["model_b"] == "vit")
-    ].iloc[0]
-    assert math.isnan(zero["p_value"]) and "zero" in zero["note"]
+    # five folds are described, never reported as a test: the note says why none can reach 0.05
+    assert "p_value" not in paired.columns
+    assert "2/2^5 = 0.0625" in row["note"] and stats.wilcoxon(differences).pvalue >= 0.0625
+    assert result["subjects"] is None  # the hand-made runs logged no pooled videos
     missing_fold = paired[
         (paired["metric"] == "test/frame_auroc") & (paired["model_a"] == "cvt") & (paired["model_b"] == "vit")
     ].iloc[0]
@@ -242,17 +237,16 @@ def test_paired_tests_edge_cases() -> None:
     table = paired_tests(scores, "score")
     assert list(zip(table["model_a"], table["model_b"], strict=True)) == [("a", "b"), ("a", "c"), ("b", "c")]
     identical = table.iloc[0]
-    assert math.isnan(identical["p_value"]) and "zero" in identical["note"] and identical["mean_diff"] == 0
+    assert identical["mean_diff"] == 0 and "2/2^3 = 0.25" in identical["note"]
     single = table.iloc[1]
-    assert single["n_folds"] == 1 and math.isnan(single["p_value"]) and "only 1" in single["note"]
+    assert single["n_folds"] == 1 and single["std_diff"] == 0
     assert single["mean_diff"] == pytest.approx(0.2)
 
 
-def test_summary_with_one_fold_has_no_interval() -> None:
+def test_summary_with_one_fold() -> None:
     scores = pd.DataFrame({"fold": [0], "model": ["a"], "score": [0.6]})
     row = summary_table(scores, ["score"]).iloc[0]
     assert row["mean"] == pytest.approx(0.6) and row["std"] == 0 and row["n_folds"] == 1
-    assert math.isnan(row["ci95_low"]) and math.isnan(row["ci95_high"])
 
 
 def test_plot_fold_scores_png(tmp_path) -> None:

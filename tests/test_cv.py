@@ -18,6 +18,7 @@ from pipeline.analysis.compare import ComparisonError, compare, run_compare
 from pipeline.data.datamodule import PainDataModule
 from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
+from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.models.classifier import OptimConfig, PainClassifier
 from pipeline.models.kept_model import load_fold_model
 from pipeline.runs.cross_validation import identity_lock, plan_cv, run_cv
@@ -65,11 +66,20 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
         assert tags[key], key
     assert (tags["dataset"], tags["protocol"], tags["task"], tags["weights_source"]) == (
         "synthetic", "kfold5", "bl1_vs_pa4", "random")
-    for key in ("cv/video_auroc_mean", "cv/video_auroc_std", "cv/frame_accuracy_mean", "pooled/video_accuracy"):
+    for key in ("cv/video_auroc_mean", "cv/video_auroc_std", "cv/frame_accuracy_mean", "pooled/video_accuracy",
+                "cv/video_accuracy_at_threshold_mean", "pooled/video_accuracy_at_threshold",
+                "pooled/within_subject_video_auroc"):
         assert key in parent.data.metrics, key
+    low, high = (parent.data.metrics[f"pooled/video_accuracy_at_threshold_ci95_{end}"] for end in ("low", "high"))
+    assert 0 <= low <= parent.data.metrics["pooled/video_accuracy_at_threshold"] <= high <= 1
     assert parent.data.params["model.name"] == "mobilevit_xxs"
+    assert tags["headline_metric"] == "pooled/video_accuracy_at_threshold"
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"config.yaml", "folds", "folds_summary.csv", "predictions_videos_all_folds.csv"} <= artifacts
+    assert {"config.yaml", "folds", "folds_summary.csv", "predictions_videos_all_folds.csv", "data",
+            "scores_per_subject.csv"} <= artifacts
+    lost = pd.read_csv(client.download_artifacts(parent.info.run_id, "data/exclusions_per_class.csv"))
+    assert set(lost.class_name) == {"BL1", "PA1", "PA2", "PA3", "PA4"} and (lost.sampled_frames > 0).all()
+    assert parent.data.metrics["data/share_lost_BL1"] == pytest.approx(lost.set_index("class_name").share_lost["BL1"])
     # what it ran on and with: the device, the key libraries' versions, the whole environment
     device = training_device(cfg.trainer.accelerator)
     assert {k: tags[k] for k in device.tags} == device.tags and tags["device"] == device.kind
@@ -95,7 +105,16 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
         assert {"confusion_video.png", "training_curves.png", "predictions_videos.csv",
                 "accuracy_per_subject.csv"} <= names
         videos = pd.read_csv(client.download_artifacts(child.info.run_id, "predictions_videos.csv"))
-        assert set(videos.columns) >= {"subject_name", "sample_name", "label", "prob_BL1", "prob_PA4"}
+        assert set(videos.columns) >= {"subject_name", "sample_name", "label", "prob_BL1", "prob_PA4", "decision"}
+        # the threshold is the one the validation videos give; no test subject is among them
+        val = pd.read_csv(client.download_artifacts(child.info.run_id, "predictions_videos_val.csv"))
+        assert not set(val.subject_name) & set(videos.subject_name)
+        threshold = child.data.metrics["test/threshold"]
+        assert threshold == pytest.approx(choose_threshold(val.label.to_numpy(), val.prob_PA4.to_numpy(), "youden"))
+        assert child.data.params["threshold_rule"] == "youden"
+        assert (videos.decision == (videos.prob_PA4 >= threshold)).all()
+        assert child.data.metrics["test/video_accuracy_at_threshold"] == pytest.approx(
+            (videos.decision == videos.label).mean())
 
 
 def test_mean_over_folds_matches_the_children(cv_runs, tiny_config) -> None:
@@ -153,6 +172,14 @@ def test_compare_writes_table_and_plot(cv_runs, tiny_config) -> None:
     assert set(summary.model) == {"mobilevit_xxs", "resnet10t"}
     assert all(path.stat().st_size > 0 for path in result["paths"]["plots"].values())
     assert set(result["paired"].model_a) | set(result["paired"].model_b) == {"mobilevit_xxs", "resnet10t"}
+    # subject-level: an interval inside [0, 1] around each backbone's pooled value, and a Holm-adjusted test
+    subjects = pd.read_csv(result["paths"]["subjects"])
+    assert set(subjects.model) == {"mobilevit_xxs", "resnet10t"}
+    finite = subjects.dropna()
+    assert len(finite) and ((0 <= finite.ci95_low) & (finite.ci95_low <= finite.value)
+                            & (finite.value <= finite.ci95_high) & (finite.ci95_high <= 1)).all()
+    paired = pd.read_csv(result["paths"]["subjects_paired"])
+    assert (paired.n_subjects > 0).all() and (paired.p_holm.dropna() >= paired.p_value.dropna()).all()
 
 
 def test_compare_refuses_mismatched_folds(cv_runs, tiny_config, tmp_path: Path) -> None:
@@ -280,3 +307,29 @@ def test_slurm_launcher_refuses_what_cannot_work(tiny_config, tmp_path: Path, mo
     with pytest.raises(SystemExit, match="tracking server that the compute nodes reach"):
         check_launcher(cfg.launcher, cfg.mlflow.tracking_uri)  # sqlite
     check_launcher(cfg.launcher, "http://login-node:5000")
+
+
+def test_several_seeds_give_one_child_per_fold_and_seed_and_resume_exactly(tiny_config, tmp_path: Path,
+                                                                              capsys) -> None:
+    cfg = tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'seeds.db'}", "trainer.folds=[0]",
+                      "trainer.max_epochs=1", "cv.seeds=[0,1]")
+    summary = run_cv(cfg)
+    assert "2 training seeds each" in capsys.readouterr().out
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    plan = plan_cv(cfg, client, cfg.mlflow.tracking_uri)
+    children = children_of(client, plan.parent_run_id)
+    assert sorted((c.data.tags["fold"], c.data.tags["seed"]) for c in children) == [("0", "0"), ("0", "1")]
+    values = sorted(c.data.metrics["test/frame_accuracy"] for c in children)
+    assert summary["seeds/frame_accuracy_std"] == pytest.approx(np.std(values, ddof=1))
+    assert summary["cv/frame_accuracy_mean"] == pytest.approx(np.mean(values))
+    # seed 1's child lost: the plan resumes exactly that (fold, seed), never seed 0's again
+    lost = next(c for c in children if c.data.tags["seed"] == "1")
+    client.set_terminated(lost.info.run_id, "FAILED")
+    client.set_terminated(plan.parent_run_id, "FAILED")
+    again = plan_cv(cfg, client, cfg.mlflow.tracking_uri)
+    assert again.parent_run_id == plan.parent_run_id and again.done == [(0, 0)]
+    assert again.pending(0) == [] and again.pending(1) == [0]
+    # one seed only is another cross-validation (cv.seeds is part of its identity)
+    single = plan_cv(tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'seeds.db'}",
+                                 "trainer.folds=[0]", "trainer.max_epochs=1"), client, cfg.mlflow.tracking_uri)
+    assert single.parent_run_id != plan.parent_run_id and single.seeds == [None]

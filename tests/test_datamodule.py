@@ -288,7 +288,8 @@ def test_role_without_task_frames_is_an_error(tmp_path: Path, fold_file: Path) -
     table[keep].to_csv(processed / "frames.csv", index=False)
     with pytest.raises(ValueError, match="role 'test' has no frames of task bl1_vs_pa4"):
         make_datamodule(processed, fold_file, task="bl1_vs_pa4")
-    make_datamodule(processed, fold_file, task="bl1_vs_pa1")  # other tasks are unaffected
+    # the five-class task still has their PA1-PA3 videos; a binary task keeps none of a subject with one of its classes
+    make_datamodule(processed, fold_file, task="five_class")
 
 
 def test_from_s_keeps_only_later_crops_of_every_video(processed: Path, fold_file: Path) -> None:
@@ -306,3 +307,15 @@ def test_from_s_past_every_crop_names_the_frame_table(processed: Path, fold_file
         make_datamodule(processed, fold_file, from_s=3.5)
     with pytest.raises(ValueError, match="from_s must be >= 0"):
         make_datamodule(processed, fold_file, from_s=-1.0)
+
+
+def test_a_participant_with_one_class_of_a_binary_task_is_left_out_of_it(tmp_path: Path, fold_file: Path) -> None:
+    processed = make_processed(tmp_path)
+    table = pd.read_csv(processed / "frames.csv")
+    lonely = FOLDS[0]["train"][0]  # keeps its BL1 videos but none of PA4
+    table[~((table["subject_name"] == lonely) & (table["class_name"] == "PA4"))].to_csv(
+        processed / "frames.csv", index=False)
+    binary = make_datamodule(processed, fold_file, task="bl1_vs_pa4")
+    assert set(binary.frames("train")["subject_name"]) == set(FOLDS[0]["train"]) - {lonely}
+    five = make_datamodule(processed, fold_file, task="five_class")  # it still has four of the five classes
+    assert lonely in set(five.frames("train")["subject_name"])

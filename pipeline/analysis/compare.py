@@ -1,15 +1,17 @@
 """Compare backbones on the same folds: per-fold scores from finished MLflow CV runs, summaries, paired tests, plots.
 
 Backbones are only comparable when their cross-validations used the very same fold file, so runs whose
-`fold_file_sha256` tags differ are refused rather than compared. Tests pair folds: fold i of one backbone against
-fold i of another, since both saw the same test subjects.
+`fold_file_sha256` tags differ are refused rather than compared. Folds are described (mean and sd over folds, the
+paired differences) but not tested: they share training subjects, and five of them cannot reach p < 0.05 in an
+exact signed-rank test. The tests pair subjects instead (`pipeline.evaluation.statistics`): every subject is tested
+exactly once, so each backbone has one score per subject from its pooled test videos; intervals are subject bootstraps,
+p-values come from a within-subject permutation test, Holm-adjusted over every pair and metric.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import warnings
 from collections.abc import Mapping, Sequence
 from itertools import combinations
 from pathlib import Path
@@ -17,12 +19,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter
+from matplotlib.ticker import EngFormatter, LogLocator, MaxNLocator, NullFormatter
 from mlflow import MlflowClient
 from mlflow.entities import Run, RunStatus
-from scipy import stats
 
 from pipeline.evaluation.metrics import save_png
+from pipeline.evaluation.statistics import (
+    SUBJECT_METRICS,
+    holm,
+    paired_permutation_test,
+    smallest_signed_rank_p,
+    subject_intervals,
+    subject_scores,
+)
 from pipeline.runs import tracking
 from pipeline.utils.atomic_io import atomic_write_csv
 from pipeline.utils.paths import resolve_path
@@ -31,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 FOLD_FILE_TAG = "fold_file_sha256"
 DEFAULT_METRICS: tuple[str, ...] = (
+    "test/video_accuracy_at_threshold",
+    "test/video_balanced_accuracy_at_threshold",
     "test/video_auroc",
     "test/video_accuracy",
     "test/video_balanced_accuracy",
@@ -40,18 +51,11 @@ DEFAULT_METRICS: tuple[str, ...] = (
     "test/frame_balanced_accuracy",
     "test/frame_f1",
 )
-SUMMARY_COLUMNS = ["model", "metric", "mean", "std", "n_folds", "ci95_low", "ci95_high"]
-PAIRED_COLUMNS = [
-    "metric",
-    "model_a",
-    "model_b",
-    "n_folds",
-    "mean_diff",
-    "std_diff",
-    "wilcoxon_statistic",
-    "p_value",
-    "note",
-]
+SUMMARY_COLUMNS = ["model", "metric", "mean", "std", "n_folds"]
+PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_folds", "mean_diff", "std_diff", "note"]
+SUBJECT_COLUMNS = ["model", "metric", "value", "ci95_low", "ci95_high", "n_subjects"]
+SUBJECT_PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_subjects", "mean_diff", "p_value", "p_holm"]
+POOLED_VIDEOS = "predictions_videos_all_folds.csv"  # a CV parent's pooled test videos (pipeline.runs.cross_validation)
 
 
 class ComparisonError(RuntimeError):
@@ -121,12 +125,13 @@ def latest_cvs(
 def fold_scores(client: MlflowClient, parent_run: Run, metrics: Sequence[str]) -> pd.DataFrame:
     """One row per fold of a CV (its FINISHED child runs): fold, model, then each metric (NaN where not logged).
 
-    If a fold was rerun under the same parent, its most recently started finished child counts.
+    If a fold was rerun under the same parent, its most recently started finished child counts; a CV over several
+    training seeds gives each fold's mean over its seeds.
     """
     parent_id = parent_run.info.run_id
     model = parent_run.data.tags.get("model", "")
     children = tracking.fold_runs(client, parent_id)
-    rows: dict[int, dict] = {}
+    rows: dict[tuple[int, str], dict] = {}
     for child in sorted(children, key=lambda r: r.info.start_time or 0, reverse=True):
         if child.info.status != RunStatus.to_string(RunStatus.FINISHED):
             continue
@@ -137,16 +142,17 @@ def fold_scores(client: MlflowClient, parent_run: Run, metrics: Sequence[str]) -
             raise ComparisonError(
                 f"fold run {child.info.run_id} of CV {parent_id} ({model}) has fold tag {fold_tag!r}, not an integer"
             ) from None
-        if fold in rows:
+        # a CV over several training seeds (cv.seeds) has one child per fold and seed
+        seed = child.data.tags.get(tracking.SEED_TAG, "")
+        if (fold, seed) in rows:
             logger.warning("CV %s (%s) has several finished runs for fold %d; using the latest", parent_id, model, fold)
             continue
-        rows[fold] = {
-            "fold": fold,
-            "model": model,
-            **{metric: float(child.data.metrics.get(metric, np.nan)) for metric in metrics},
-        }
-    table = pd.DataFrame([rows[fold] for fold in sorted(rows)], columns=["fold", "model", *metrics])
-    return table.astype({"fold": int})
+        rows[(fold, seed)] = {metric: float(child.data.metrics.get(metric, np.nan)) for metric in metrics}
+    table = pd.DataFrame([{"fold": fold, **values} for (fold, _), values in rows.items()],
+                         columns=["fold", *metrics])
+    table = table.groupby("fold", sort=True).mean().reset_index()  # each fold's mean over its seeds
+    table.insert(1, "model", model)
+    return table.astype({"fold": int})[["fold", "model", *metrics]]
 
 
 def check_same_folds(runs: Mapping[str, Run]) -> None:
@@ -157,82 +163,88 @@ def check_same_folds(runs: Mapping[str, Run]) -> None:
         raise ComparisonError(f"refusing to compare CVs run on different fold files ({FOLD_FILE_TAG}): {listing}")
 
 
-def _t_interval(values: np.ndarray) -> tuple[float, float, float, float]:
-    """Mean, sample std, and the 95% Student-t interval of the mean (NaN below two values)."""
-    n = len(values)
-    if n == 0:
-        return (np.nan,) * 4
-    mean = float(values.mean())
-    if n == 1:
-        return mean, 0.0, np.nan, np.nan
-    std = float(values.std(ddof=1))
-    half_width = float(stats.t.ppf(0.975, df=n - 1)) * std / np.sqrt(n)
-    return mean, std, mean - half_width, mean + half_width
-
-
 def summary_table(scores: pd.DataFrame, metrics: Sequence[str]) -> pd.DataFrame:
-    """Per model and metric: mean, std (ddof=1), n_folds and a 95% Student-t confidence interval over folds."""
+    """Per model and metric: mean, sd (ddof=1) and the number of folds. No interval over folds: they share training
+    subjects, so they are not independent samples; the intervals are the subject bootstraps (`subject_table`)."""
     rows = []
     for model, model_scores in scores.groupby("model", sort=True):
         for metric in metrics:
             values = model_scores[metric].dropna().to_numpy(dtype=float)
-            mean, std, low, high = _t_interval(values)
-            rows.append(
-                {
-                    "model": model,
-                    "metric": metric,
-                    "mean": mean,
-                    "std": std,
-                    "n_folds": len(values),
-                    "ci95_low": low,
-                    "ci95_high": high,
-                }
-            )
+            rows.append({"model": model, "metric": metric, "mean": float(values.mean()) if len(values) else np.nan,
+                         "std": float(values.std(ddof=1)) if len(values) > 1 else (0.0 if len(values) else np.nan),
+                         "n_folds": len(values)})
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
-def paired_tests(scores: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """Every pair of models on the folds both have: mean and std of (a - b), two-sided Wilcoxon signed-rank p.
+def fold_test_note(n: int) -> str:
+    """Why the folds are not tested, with the floor of an exact signed-rank p-value over n of them."""
+    return (f"not tested over folds: they share training subjects, and {n} paired folds give an exact two-sided "
+            f"signed-rank p of at least 2/2^{n} = {smallest_signed_rank_p(n):.4g}; see the subject-level tests")
 
-    Zero differences are dropped by the test (scipy's "wilcox" rule); with all differences zero or fewer than two
-    paired folds the p-value is NaN and `note` says why.
-    """
+
+def paired_tests(scores: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Every pair of models on the folds both have: mean and sd of (a - b), described, not tested (`note`)."""
     wide = scores.pivot(index="fold", columns="model", values=metric)
     rows = []
     for model_a, model_b in combinations(sorted(wide.columns), 2):
         pair = wide[[model_a, model_b]].dropna()
         differences = (pair[model_a] - pair[model_b]).to_numpy(dtype=float)
         n = len(differences)
-        mean_diff = float(differences.mean()) if n else np.nan
-        std_diff = float(differences.std(ddof=1)) if n > 1 else (0.0 if n == 1 else np.nan)
-        statistic = p_value = np.nan
-        note = ""
-        if n < 2:
-            note = f"only {n} paired fold(s): no test"
-        elif np.all(differences == 0):
-            note = "all paired differences are zero: no test"
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # small-sample and ties warnings; the note below records n
-                result = stats.wilcoxon(differences, zero_method="wilcox", alternative="two-sided")
-            statistic, p_value = float(result.statistic), float(result.pvalue)
-            n_zero = int(np.sum(differences == 0))
-            if n_zero:
-                note = f"{n_zero} zero difference(s) dropped"
-        rows.append(
-            {
-                "metric": metric,
-                "model_a": model_a,
-                "model_b": model_b,
-                "n_folds": n,
-                "mean_diff": mean_diff,
-                "std_diff": std_diff,
-                "wilcoxon_statistic": statistic,
-                "p_value": p_value,
-                "note": note,
-            }
-        )
+        rows.append({"metric": metric, "model_a": model_a, "model_b": model_b, "n_folds": n,
+                     "mean_diff": float(differences.mean()) if n else np.nan,
+                     "std_diff": float(differences.std(ddof=1)) if n > 1 else (0.0 if n == 1 else np.nan),
+                     "note": fold_test_note(n)})
     return pd.DataFrame(rows, columns=PAIRED_COLUMNS)
+
+
+def pooled_videos(client: MlflowClient, run: Run) -> pd.DataFrame | None:
+    """A CV's pooled test videos (one row per video, every subject once), or None for a run without them."""
+    names = {item.path for item in client.list_artifacts(run.info.run_id)}
+    if POOLED_VIDEOS not in names:
+        return None
+    return pd.read_csv(client.download_artifacts(run.info.run_id, POOLED_VIDEOS))
+
+
+def subject_tables(videos: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Per model: each subject metric with its subject-bootstrap interval; per subject: the scores; per pair of
+    models and metric: the within-subject permutation test over the subjects both have, Holm-adjusted over all."""
+    intervals, per_subject = [], []
+    for model, table in videos.items():
+        class_names = [column.removeprefix("prob_") for column in table.columns if column.startswith("prob_")]
+        result = subject_intervals(table, class_names)
+        n_subjects = table["subject_name"].nunique()
+        intervals += [{"model": model, "metric": metric, "value": result[metric], "n_subjects": n_subjects,
+                       "ci95_low": result[f"{metric}_ci95_low"], "ci95_high": result[f"{metric}_ci95_high"]}
+                      for metric in SUBJECT_METRICS]
+        per_subject.append(subject_scores(table, class_names).assign(model=model))
+    scores = pd.concat(per_subject, ignore_index=True) if per_subject else pd.DataFrame()
+    paired = []
+    for model_a, model_b in combinations(sorted(videos), 2):
+        for metric in SUBJECT_METRICS:
+            wide = scores.pivot(index="subject_name", columns="model", values=metric)[[model_a, model_b]].dropna()
+            mean_diff, p_value = paired_permutation_test(wide[model_a].to_numpy(), wide[model_b].to_numpy())
+            paired.append({"metric": metric, "model_a": model_a, "model_b": model_b, "n_subjects": len(wide),
+                           "mean_diff": mean_diff, "p_value": p_value})
+    paired_table = pd.DataFrame(paired, columns=SUBJECT_PAIRED_COLUMNS)
+    paired_table["p_holm"] = holm(paired_table["p_value"].to_numpy(dtype=float)) if len(paired_table) else []
+    return pd.DataFrame(intervals, columns=SUBJECT_COLUMNS), scores, paired_table
+
+
+def plot_subject_intervals(table: pd.DataFrame, path: str | Path) -> None:
+    """Each subject metric per backbone: the value and its subject-bootstrap 95 % interval (inside [0, 1])."""
+    metrics = list(dict.fromkeys(table["metric"]))
+    figure = Figure(figsize=(4 * len(metrics), 4))
+    for axes, metric in zip(np.atleast_1d(figure.subplots(1, len(metrics))), metrics, strict=True):
+        rows = table[table["metric"] == metric].reset_index(drop=True)
+        errors = np.vstack([rows["value"] - rows["ci95_low"], rows["ci95_high"] - rows["value"]]).clip(min=0)
+        axes.errorbar(range(len(rows)), rows["value"], yerr=np.nan_to_num(errors), fmt="o", capsize=4)
+        axes.set_xticks(range(len(rows)), labels=rows["model"], rotation=30)
+        axes.set_xlim(-0.5, len(rows) - 0.5)
+        axes.set_ylim(0, 1.02)
+        axes.set_title(metric.replace("_", " "), fontsize=9)
+        axes.grid(alpha=0.3)
+    figure.suptitle("pooled test videos, 95 % subject-bootstrap intervals", fontsize=10)
+    save_png(figure, path)
 
 
 def plot_fold_scores(scores: pd.DataFrame, metric: str, path: str | Path) -> None:
@@ -247,6 +259,7 @@ def plot_fold_scores(scores: pd.DataFrame, metric: str, path: str | Path) -> Non
         model_scores = scores[scores["model"] == model].sort_values("fold")
         folds_axes.plot(model_scores["fold"], model_scores[metric], marker="o", label=model)
         spreads.append(model_scores[metric].dropna().to_numpy(dtype=float))
+    folds_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     folds_axes.set_xlabel("fold")
     folds_axes.set_ylabel(metric)
     folds_axes.set_title(f"{metric} per fold")
@@ -306,22 +319,33 @@ def _cost_formatter() -> EngFormatter:
 
 
 def plot_accuracy_vs_cost(table: pd.DataFrame, metric: str, path: str | Path) -> None:
-    """The metric (mean +- std over folds) against MACs of one image and against parameters, log scale."""
+    """The metric against MACs of one image and against parameters, log scale. With `interval_*` columns (the
+    subject-bootstrap interval of the pooled accuracy at the threshold) that value and its interval are drawn;
+    otherwise the mean over folds, without bars (mean +- sd over folds runs past 1 and means little)."""
+    with_interval = "interval_value" in table.columns and table["interval_value"].notna().any()
+    value = "interval_value" if with_interval else f"{metric}_mean"
+    label = ("accuracy at the validation threshold\n(pooled, 95 % subject-bootstrap CI)" if with_interval
+             else f"{metric} (mean over folds)")
     figure = Figure(figsize=(10, 4))
-    for axis, column, label in zip(figure.subplots(1, 2), ("macs", "params"),
-                                   ("multiply-accumulates per image", "parameters"), strict=True):
-        known = table.dropna(subset=[column])
-        axis.errorbar(known[column], known[f"{metric}_mean"], yerr=known[f"{metric}_std"], fmt="o", capsize=3)
+    for axis, column, x_label in zip(figure.subplots(1, 2), ("macs", "params"),
+                                     ("multiply-accumulates per image", "parameters"), strict=True):
+        known = table.dropna(subset=[column, value])
+        errors = None
+        if with_interval:
+            errors = np.nan_to_num(np.vstack([known[value] - known["interval_low"],
+                                              known["interval_high"] - known[value]]).clip(min=0))
+        axis.errorbar(known[column], known[value], yerr=errors, fmt="o", capsize=3)
         for _, row in known.iterrows():
-            axis.annotate(row["model"], (row[column], row[f"{metric}_mean"]), textcoords="offset points",
+            axis.annotate(row["model"], (row[column], row[value]), textcoords="offset points",
                           xytext=(5, 5), fontsize=8)
         axis.set_xscale("log")
         axis.margins(x=0.25)  # room for the labels of the outermost points
         axis.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         axis.xaxis.set_major_formatter(_cost_formatter())
         axis.xaxis.set_minor_formatter(NullFormatter())
-        axis.set_xlabel(label)
-        axis.set_ylabel(f"{metric} (mean +- std over folds)")
+        axis.set_xlabel(x_label)
+        if column == "macs":  # one label for the shared quantity: a second one would run into the left axes
+            axis.set_ylabel(label)
         axis.grid(alpha=0.3, which="both")
     figure.suptitle("Accuracy against cost (at each backbone's input size in its cross-validation)", fontsize=10)
     save_png(figure, path)
@@ -388,11 +412,29 @@ def compare(
     atomic_write_csv(paths["summary"], summary)
     atomic_write_csv(paths["paired"], paired)
     atomic_write_csv(paths["folds"], scores)
+    videos = {model: table for model, run in runs.items() if (table := pooled_videos(client, run)) is not None}
+    subjects = subject_scores_table = subject_paired = None
+    if len(videos) >= 2:
+        subjects, subject_scores_table, subject_paired = subject_tables(videos)
+        for name, table in (("subjects", subjects), ("subject_scores", subject_scores_table),
+                            ("subjects_paired", subject_paired)):
+            paths[name] = out_dir / f"{stem}_{name}.csv"
+            atomic_write_csv(paths[name], table)
+        paths["subjects_plot"] = out_dir / f"{stem}_subjects.png"
+        plot_subject_intervals(subjects, paths["subjects_plot"])
+    elif videos:
+        logger.warning("only %s has pooled test videos (%s): no subject-level intervals or tests", next(iter(videos)),
+                       POOLED_VIDEOS)
     plots = {metric: out_dir / f"{stem}_{_safe_name(metric.replace('/', '_'))}.png" for metric in metrics}
     for metric, plot_path in plots.items():
         plot_fold_scores(scores, metric, plot_path)
     accuracy_metric = "test/video_auroc" if "test/video_auroc" in metrics else metrics[0]
     costs = cost_and_regions(runs, summary, task, accuracy_metric)
+    if subjects is not None:
+        headline = subjects[subjects["metric"] == "accuracy_at_threshold"].set_index("model")
+        costs["interval_value"] = costs["model"].map(headline["value"])
+        costs["interval_low"] = costs["model"].map(headline["ci95_low"])
+        costs["interval_high"] = costs["model"].map(headline["ci95_high"])
     paths["cost"] = out_dir / f"{stem}_cost.csv"
     atomic_write_csv(paths["cost"], costs)
     if costs["macs"].notna().any():
@@ -433,6 +475,8 @@ def compare(
         "summary": summary,
         "paired": paired,
         "folds": scores,
+        "subjects": subjects,
+        "subjects_paired": subject_paired,
         "paths": {**paths, "plots": plots},
         "run_id": run_id,
         "parent_run_ids": {model: run.info.run_id for model, run in runs.items()},
@@ -488,10 +532,17 @@ def run_compare(cfg) -> dict:
         raise SystemExit(f"compare: {error}") from None
     summary = result["summary"]
     wide = summary.pivot_table(index="model", columns="metric", values="mean")
-    print("mean over folds (95 % CI in the summary CSV):")
+    print("mean over folds (each fold's test subjects; at_threshold: the fold's validation threshold):")
     print(wide.to_string(float_format=lambda v: f"{v:.3f}"))
-    print(result["paired"][["metric", "model_a", "model_b", "n_folds", "mean_diff", "p_value"]].to_string(
-        index=False, float_format=lambda v: f"{v:.4f}"))
+    n_folds = int(result["paired"]["n_folds"].max()) if len(result["paired"]) else 0
+    print(f"paired differences over folds are described, not tested: {fold_test_note(n_folds)}")
+    if result["subjects"] is not None:
+        print("pooled test videos, 95 % subject-bootstrap intervals:")
+        print(result["subjects"].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        print("paired over subjects (within-subject permutation test; p_holm: Holm over every pair and metric):")
+        print(result["subjects_paired"].to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    else:
+        print(f"no subject-level intervals or tests: fewer than two of these CVs logged {POOLED_VIDEOS}")
     print(cost_lines(result["cost"]))
     for name, path in result["paths"].items():
         if isinstance(path, dict):  # one plot per metric

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from pipeline.data.augment import DataConfigLike, build_eval_transform, build_train_transform, seed_transform
+from pipeline.data.exclusions import usable_task_frames
 from pipeline.data.fold_files import ROLES, fold_subjects, read_folds
 from pipeline.data.tasks import CLASS_NAMES, Task
 from pipeline.utils.cpus import available_cpus
@@ -268,6 +269,7 @@ class PainDataModule(pl.LightningDataModule):
             )
         task_frames = table[table["class_name"].isin(self.task.classes)].copy()
         task_frames["label"] = task_frames["class_name"].map(self.task.label_map()).astype(np.int64)
+        task_frames = usable_task_frames(task_frames, self.task)
         if self.from_s is not None:
             task_frames = frames_from(task_frames, self.from_s, self.frames_csv)
         if self.frames_per_video is not None:

@@ -225,7 +225,14 @@ def processed_frames(cfg: DictConfig) -> pd.DataFrame | None:
 
 
 def run_data(cfg: DictConfig) -> None:
+    from pipeline.data.exclusions import exclusion_tables, format_tables, lost_share_warning
+
     result, fold_file = prepare_data(cfg)
     print(f"data ready: {result.summary()}")
+    per_class, per_subject = exclusion_tables(result.frames, result.failures, cfg.preprocess.frames_per_video)
+    print(format_tables(per_class, per_subject))
+    warning = lost_share_warning(per_class)
+    if warning:
+        log.warning(warning)
     print(f"frame table: {result.frames_csv}")
     print(f"fold file:   {fold_file}")

@@ -14,7 +14,10 @@ A video is called positive when its score is >= the threshold.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+import pandas as pd
 from sklearn.metrics import roc_curve
 
 RULES = ("youden", "balanced_accuracy")
@@ -75,3 +78,37 @@ def binary_metrics_at(labels: np.ndarray, scores: np.ndarray, threshold: float) 
         "sensitivity": sensitivity,
         "specificity": specificity,
     }
+
+
+def decide_fold(val_videos: pd.DataFrame, test_videos: pd.DataFrame, class_names: Sequence[str],
+                rule: str | float = "youden") -> tuple[float, pd.DataFrame, dict[str, float]]:
+    """The fold's threshold chosen on its validation videos, applied to its test videos.
+
+    Returns the threshold (NaN for a multiclass task, which decides by argmax), the test videos with the columns
+    `threshold` and `decision` (the class each video is called) added, and the test metrics at that decision:
+    `video_accuracy_at_threshold`, `video_balanced_accuracy_at_threshold`, `video_sensitivity_at_threshold`,
+    `video_specificity_at_threshold` and, beside them, `video_accuracy_at_0.5`. Only `val_videos` reach the rule.
+    """
+    rule = parse_rule(rule)
+    test_videos = test_videos.copy()
+    if len(class_names) != 2:
+        test_videos["threshold"] = float("nan")
+        test_videos["decision"] = test_videos[[f"prob_{name}" for name in class_names]].to_numpy().argmax(axis=1)
+        return float("nan"), test_videos, {}
+    positive = f"prob_{class_names[1]}"
+    threshold = choose_threshold(val_videos["label"].to_numpy(), val_videos[positive].to_numpy(), rule)
+    labels, scores = test_videos["label"].to_numpy(), test_videos[positive].to_numpy()
+    test_videos["threshold"] = threshold
+    test_videos["decision"] = (scores >= threshold).astype(int)
+    metrics = {f"video_{name}_at_threshold": value for name, value in binary_metrics_at(labels, scores,
+                                                                                       threshold).items()}
+    metrics["video_accuracy_at_0.5"] = binary_metrics_at(labels, scores, 0.5)["accuracy"]
+    return threshold, test_videos, metrics
+
+
+def rule_name(rule: str | float, n_classes: int) -> str:
+    """How a fold decides, as a tag: the rule, 'fixed' for a number, 'argmax' for a multiclass task."""
+    if n_classes != 2:
+        return "argmax"
+    rule = parse_rule(rule)
+    return rule if isinstance(rule, str) else "fixed"

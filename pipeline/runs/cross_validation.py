@@ -31,6 +31,12 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.data.exclusions import (
+    exclusion_tables,
+    folds_without_test_subjects,
+    lost_share_warning,
+    unusable_for_task,
+)
 from pipeline.data.fold_files import fold_file_sha256
 from pipeline.data.prepare import prepare_data, read_fold_file, subject_set_tags
 from pipeline.data.tasks import get_task
@@ -41,6 +47,8 @@ from pipeline.evaluation.metrics import (
     plot_roc,
     summarize_folds,
 )
+from pipeline.evaluation.statistics import subject_intervals, subject_scores
+from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource
 from pipeline.runs import launchers, tracking
@@ -52,6 +60,12 @@ from pipeline.utils.paths import PROJECT_ROOT, resolve_path
 
 log = logging.getLogger(__name__)
 REPORTED = ("auroc", "accuracy", "balanced_accuracy", "f1")
+# At the fold's validation threshold (binary tasks): what a paper reports as accuracy, and its parts.
+AT_THRESHOLD = ("accuracy_at_threshold", "balanced_accuracy_at_threshold", "sensitivity_at_threshold",
+                "specificity_at_threshold")
+HEADLINE = "pooled/video_accuracy_at_threshold"  # the number to set beside the BioVid literature
+# A fold failure whose reason holds one of these is a property of the data: a retry fails the same way.
+DATA_ERRORS = ("has no frames of task", "have no frames in", "have no usable videos")
 # Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
 NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
                 "data.synthetic.workers")
@@ -84,12 +98,15 @@ def warn_from_scratch(model_name: str, source: WeightsSource) -> None:
 def identity_config(cfg: DictConfig) -> dict:
     """The resolved config without the settings in NOT_IDENTITY."""
     config = OmegaConf.to_container(cfg, resolve=True)
+    seeds = config.get("cv", {}).get("seeds")
     for key in NOT_IDENTITY:
         *parents, leaf = key.split(".")
         node = config
         for parent in parents:
             node = node.get(parent, {})
         node.pop(leaf, None)
+    if seeds is not None:  # several training seeds change what is computed; none keeps older CVs' identity
+        config["cv"] = {"seeds": list(seeds)}
     return config
 
 
@@ -114,16 +131,22 @@ class Plan:
     experiment_id: str
     parent_run_id: str
     work_dir: Path
-    done: list[int] = field(default_factory=list)
+    done: list[tuple[int, int | None]] = field(default_factory=list)  # (fold, seed) with a finished child run
     finished: bool = False  # aggregated before: nothing to do
+    seeds: list[int | None] = field(default_factory=lambda: [None])  # cv.seeds, or [None]: the config's seed
+
+    def pending(self, seed: int | None = None) -> list[int]:
+        """The folds of `seed` without a finished child run."""
+        return [fold for fold in self.fold_ids if (fold, seed) not in self.done]
 
     @property
-    def pending(self) -> list[int]:
-        return [fold for fold in self.fold_ids if fold not in self.done]
+    def units(self) -> list[tuple[int, int | None]]:
+        return [(fold, seed) for seed in self.seeds for fold in self.fold_ids]
 
-    def job(self, fold: int, tracking_uri: str | None = None) -> FoldJob:
+    def job(self, fold: int, tracking_uri: str | None = None, seed: int | None = None) -> FoldJob:
+        folder = f"fold_{fold}" + (f"_seed_{seed}" if seed is not None else "")
         return FoldJob(OmegaConf.to_container(self.cfg, resolve=True), int(fold), self.parent_run_id,
-                       tracking_uri or self.tracking_uri, str(self.work_dir / f"fold_{fold}"), self.decisions)
+                       tracking_uri or self.tracking_uri, str(self.work_dir / folder), self.decisions, seed)
 
 
 def _differences(old: dict[str, str], new: dict[str, str]) -> list[str]:
@@ -177,11 +200,27 @@ def identity_lock(work_dir: Path, identity: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def identity_tags(cfg: DictConfig, fold_file: Path) -> dict[str, str]:
+    """The tags that identify a cross-validation (IDENTITY_TAGS): what resume and `make table` look for."""
+    return {"model": cfg.model.name, "dataset": cfg.data.name, "protocol": cfg.protocol.name, "task": cfg.task.name,
+            "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
+            "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg)}
+
+
 def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
+    parse_rule(cfg.eval.threshold)  # a wrong setting fails before any data or training
     frames_result, fold_file = prepare_data(cfg)
     folds = read_fold_file(fold_file, sorted(set(frames_result.frames.subject_name)))
     fold_ids = sorted(int(f) for f in folds.fold.unique()) if cfg.trainer.folds is None else list(cfg.trainer.folds)
     task = get_task(cfg.task.name)
+    # participants whose kept videos cannot serve this task are named; a fold with nothing else to test is left out
+    unusable = unusable_for_task(frames_result.frames, task)
+    skipped = folds_without_test_subjects(folds, unusable, fold_ids)
+    for name, reason in unusable.items():
+        print(f"not usable for {task.name}: {name} ({reason})")
+    if skipped:
+        print(f"fold(s) {', '.join(map(str, skipped))} left out: no test subject there is usable for {task.name}")
+        fold_ids = [fold for fold in fold_ids if fold not in skipped]
     # Where the weights come from, before any training: a missing checkpoint fails in seconds, not after fold 1.
     decisions = decide(cfg, fold_file)
     weights = decisions.weights_source
@@ -190,20 +229,20 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
         PROJECT_ROOT)
     experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
-    tags = {"model": cfg.model.name, "dataset": cfg.data.name, "protocol": cfg.protocol.name, "task": task.name,
-            "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
-            "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg)}
+    tags = identity_tags(cfg, fold_file)
     plan = Plan(cfg, decisions, fold_ids, task.classes, tracking_uri, experiment_id, "", Path())
     parent = find_parent(client, experiment_id, tags, cfg) if cfg.cv.resume == "auto" else None
     if parent is None:
         run_tags = {**tags, tracking.RUN_KIND_TAG: tracking.CV_RUN, "git_commit": git_commit(),
                     "fold_file": str(fold_file), "n_folds": str(len(fold_ids)),
                     # a smoke run (some folds, limited batches) is marked so nobody mistakes it for a full CV
-                    "complete": str(len(fold_ids) == folds.fold.nunique() and cfg.trainer.limit_train_batches is None
+                    "complete": str(len(fold_ids) + len(skipped) == folds.fold.nunique()
+                                    and cfg.trainer.limit_train_batches is None
                                     and cfg.trainer.limit_val_batches is None).lower(),
                     "precision": decisions.precision, "model_family": decisions.model_family,
                     "cpu": cpu_description(), **device_tags(cfg), **library_versions(), **weights.as_tags(),
-                    **subject_set_tags(fold_file)}
+                    **subject_set_tags(fold_file),
+                    "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped))}
         run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
         parent = client.create_run(experiment_id, run_name=run_name, tags=run_tags)
         run_id = parent.info.run_id
@@ -215,14 +254,16 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         cost = backbone_cost(cfg.model.name, cfg.model.img_size, task.n_classes)
         client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in cost.items()])
         client.log_artifact(run_id, str(fold_file), "folds")
+        log_exclusions(client, run_id, frames_result, cfg.preprocess.frames_per_video)
     else:
         plan.finished = parent.info.status == tracking.FINISHED
         if not plan.finished:
             client.update_run(parent.info.run_id, status="RUNNING")
     plan.parent_run_id = parent.info.run_id
     plan.work_dir = resolve_path(cfg.cv.work_dir) / plan.parent_run_id
-    finished = tracking.finished_fold_runs(client, plan.parent_run_id)
-    plan.done = [fold for fold in fold_ids if fold in finished]
+    plan.seeds = [int(seed) for seed in cfg.cv.seeds] if cfg.cv.seeds else [None]
+    plan.done = [(fold, seed) for seed in plan.seeds
+                 for fold in tracking.finished_fold_runs(client, plan.parent_run_id, seed) if fold in fold_ids]
     return plan
 
 
@@ -233,6 +274,22 @@ def device_tags(cfg: DictConfig) -> dict[str, str]:
     return training_device(cfg.trainer.accelerator).tags
 
 
+def log_exclusions(client: MlflowClient, run_id: str, frames_result, frames_per_video: int) -> None:
+    """The videos and frames face detection kept and lost, per class and per subject, onto the parent run."""
+    per_class, per_subject = exclusion_tables(frames_result.frames, frames_result.failures, frames_per_video)
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(f"data/share_lost_{row.class_name}", float(row.share_lost), now, 0)
+                                      for row in per_class.itertuples()])
+    warning = lost_share_warning(per_class)
+    if warning:
+        log.warning(warning)
+        client.set_tag(run_id, "data_warning", warning)
+    with tempfile.TemporaryDirectory() as tmp:
+        per_class.to_csv(Path(tmp) / "exclusions_per_class.csv", index=False)
+        per_subject.to_csv(Path(tmp) / "exclusions_per_subject.csv", index=False)
+        client.log_artifacts(run_id, tmp, "data")
+
+
 def _chunks(items: list, size: int) -> Iterator[list]:
     for start in range(0, len(items), size):
         yield items[start:start + size]
@@ -240,7 +297,9 @@ def _chunks(items: list, size: int) -> Iterator[list]:
 
 def fold_line(result: FoldResult) -> str:
     m = result.metrics
-    return (f"video AUROC {m['test/video_auroc']:.3f} acc {m['test/video_accuracy']:.3f} "
+    decided = (f"at threshold {m['test/threshold']:.3f}: acc {m['test/video_accuracy_at_threshold']:.3f} "
+               f"bal-acc {m['test/video_balanced_accuracy_at_threshold']:.3f} | " if "test/threshold" in m else "")
+    return (f"video AUROC {m['test/video_auroc']:.3f} | {decided}argmax acc {m['test/video_accuracy']:.3f} "
             f"bal-acc {m['test/video_balanced_accuracy']:.3f} | frame AUROC {m['test/frame_auroc']:.3f} | "
             f"{result.epochs} epochs (best {result.best_epoch}) | {result.seconds:.0f} s")
 
@@ -249,52 +308,74 @@ class Progress:
     """One line per fold state change, with the overall count: what a person follows in the terminal."""
 
     def __init__(self, plan: Plan) -> None:
-        self.total, self.finished = len(plan.fold_ids), len(plan.done)
+        self.total, self.finished = len(plan.units), len(plan.done)
+        self.seed: int | None = None  # the seed whose folds are running (cv.seeds)
 
     def __call__(self, fold: int, state: str, detail) -> None:
+        name = f"fold {fold}" + (f" seed {self.seed}" if self.seed is not None else "")
         if state == "done":
             self.finished += 1
-            text = f"fold {fold}: done, {fold_line(detail)}"
+            text = f"{name}: done, {fold_line(detail)}"
         else:
-            text = f"fold {fold}: {state}" + (f" ({detail})" if detail else "")
+            text = f"{name}: {state}" + (f" ({detail})" if detail else "")
         print(f"[{self.finished}/{self.total} folds done] {text}", flush=True)
 
 
 def launch(plan: Plan, client: MlflowClient) -> launchers.LaunchOutcome:
-    """Run the pending folds on the configured launcher (SLURM jobs of an earlier `launcher.wait=false` run that
-    are still queued are followed, not submitted again)."""
-    launcher = plan.cfg.launcher
+    """Run the pending folds of every seed, one seed after the other (the launchers know folds, not seeds)."""
     report = Progress(plan)
+    outcome = launchers.LaunchOutcome()
+    for seed in plan.seeds:
+        if not plan.pending(seed):
+            continue
+        report.seed = seed
+        part = launch_seed(plan, client, seed, report)
+        outcome.done += part.done
+        outcome.failed.update({fold if seed is None else f"{fold} (seed {seed})": reason
+                               for fold, reason in part.failed.items()})
+        outcome.submitted.update({fold if seed is None else f"{fold} (seed {seed})": job
+                                  for fold, job in part.submitted.items()})
+    return outcome
+
+
+def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Progress) -> launchers.LaunchOutcome:
+    """Run one seed's pending folds on the configured launcher (SLURM jobs of an earlier `launcher.wait=false` run
+    that are still queued are followed, not submitted again)."""
+    launcher = plan.cfg.launcher
+    pending = plan.pending(seed)
 
     def result_of(fold: int) -> FoldResult | None:
-        run = tracking.finished_fold_runs(client, plan.parent_run_id).get(fold)
+        run = tracking.finished_fold_runs(client, plan.parent_run_id, seed).get(fold)
         return result_from_run(client, run) if run is not None else None
 
     def fold_status(fold: int) -> str:
-        return tracking.FINISHED if fold in tracking.finished_fold_runs(client, plan.parent_run_id) else "other"
+        return tracking.FINISHED if fold in tracking.finished_fold_runs(client, plan.parent_run_id, seed) else "other"
 
     if launcher.name == "local":
-        return launchers.launch_local([plan.job(fold) for fold in plan.pending], report)
+        return launchers.launch_local([plan.job(fold, seed=seed) for fold in pending], report)
     if launcher.name == "parallel":
         if plan.tracking_uri.startswith("sqlite:"):  # several writers: through a server, never the file itself
             artifact_root = client.get_experiment(plan.experiment_id).artifact_location
             with launchers.tracking_server(plan.tracking_uri, artifact_root) as uri:
                 print(f"MLflow server for the fold jobs: {uri} (over {plan.tracking_uri})")
-                return launchers.launch_parallel([plan.job(fold, uri) for fold in plan.pending], launcher.jobs,
+                return launchers.launch_parallel([plan.job(fold, uri, seed) for fold in pending], launcher.jobs,
                                                  report, result_of)
-        return launchers.launch_parallel([plan.job(fold) for fold in plan.pending], launcher.jobs, report, result_of)
+        return launchers.launch_parallel([plan.job(fold, seed=seed) for fold in pending], launcher.jobs, report,
+                                         result_of)
     # slurm
     parent = client.get_run(plan.parent_run_id)
-    submitted = {int(k): v for k, v in json.loads(parent.data.tags.get(tracking.SLURM_JOBS_TAG, "{}")).items()}
+    jobs_tag = tracking.SLURM_JOBS_TAG + (f".seed_{seed}" if seed is not None else "")
+    submitted = {int(k): v for k, v in json.loads(parent.data.tags.get(jobs_tag, "{}")).items()}
     alive = launchers.slurm_states(list(submitted.values()))
-    queued = {fold: job_id for fold, job_id in submitted.items() if fold in plan.pending and job_id in alive}
-    to_submit = [fold for fold in plan.pending if fold not in queued]
+    queued = {fold: job_id for fold, job_id in submitted.items() if fold in pending and job_id in alive}
+    to_submit = [fold for fold in pending if fold not in queued]
     if to_submit:
         name = f"painvit-{plan.cfg.model.name}-{plan.parent_run_id[:8]}"
-        new = launchers.submit_slurm([plan.job(fold) for fold in to_submit], launcher, plan.work_dir / "slurm", name)
+        new = launchers.submit_slurm([plan.job(fold, seed=seed) for fold in to_submit], launcher,
+                                     plan.work_dir / "slurm", name + (f"-seed{seed}" if seed is not None else ""))
         submitted.update(new)
         queued.update(new)
-        client.set_tag(plan.parent_run_id, tracking.SLURM_JOBS_TAG, launchers.job_ids_tag(submitted))
+        client.set_tag(plan.parent_run_id, jobs_tag, launchers.job_ids_tag(submitted))
         print(f"submitted {len(new)} fold job(s) to SLURM: {', '.join(f'fold {f} -> {j}' for f, j in new.items())}")
     if not launcher.wait:
         return launchers.LaunchOutcome(submitted=queued)
@@ -320,12 +401,13 @@ def run_cv(cfg: DictConfig) -> dict:
                   f"(`make ui` to review; RESUME=never trains a new one)")
             return dict(client.get_run(plan.parent_run_id).data.metrics)
         resumed = f", resuming: {len(plan.done)} fold(s) already done" if plan.done else ""
-        print(f"cross-validation: {name}, {len(plan.fold_ids)} folds{resumed}, launcher {cfg.launcher.name}, "
+        seeds = f", {len(plan.seeds)} training seeds each ({', '.join(map(str, plan.seeds))})" if cfg.cv.seeds else ""
+        print(f"cross-validation: {name}, {len(plan.fold_ids)} folds{seeds}{resumed}, launcher {cfg.launcher.name}, "
               f"precision {plan.decisions.precision}")
         print(f"MLflow: {tracking_uri} (experiment {cfg.mlflow.experiment}, parent run {plan.parent_run_id}); "
               f"`make ui` to review")
         try:
-            outcome = launch(plan, client) if plan.pending else launchers.LaunchOutcome()
+            outcome = launch(plan, client) if len(plan.done) < len(plan.units) else launchers.LaunchOutcome()
         except BaseException:
             client.set_terminated(plan.parent_run_id, "KILLED")
             raise
@@ -336,6 +418,9 @@ def run_cv(cfg: DictConfig) -> dict:
         if outcome.failed:
             client.set_terminated(plan.parent_run_id, "FAILED")
             failed = ", ".join(str(fold) for fold in sorted(outcome.failed))
+            message = data_error_message(outcome.failed)
+            if message:
+                raise SystemExit(message)
             raise SystemExit(f"error: fold(s) {failed} failed (traceback in each fold's run); the other folds are "
                              f"kept: run the same command again to retry only the failed ones")
         summary = aggregate(plan, client)
@@ -343,28 +428,57 @@ def run_cv(cfg: DictConfig) -> dict:
         return summary
 
 
+def data_error_message(failed: dict[int, str]) -> str | None:
+    """For folds that failed on the data itself: what failed and that a retry will not help; None otherwise."""
+    data_errors = {fold: reason for fold, reason in failed.items() if any(marker in reason for marker in DATA_ERRORS)}
+    if not data_errors:
+        return None
+    return ("error: fold(s) " + ", ".join(map(str, sorted(data_errors))) + " cannot run on this data, and running "
+            "the same command again fails the same way: "
+            + "; ".join(f"fold {fold}: {reason}" for fold, reason in sorted(data_errors.items()))
+            + ". Fix the data or choose another subject set (`make data` prints which participants lost which videos)")
+
+
 def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
     """Mean and std across folds, and pooled metrics over all test videos/frames, onto the parent run."""
-    finished = tracking.finished_fold_runs(client, plan.parent_run_id)
-    results = [result_from_run(client, finished[fold]) for fold in plan.fold_ids]
+    results = []
+    for seed in plan.seeds:
+        finished = tracking.finished_fold_runs(client, plan.parent_run_id, seed)
+        results += [result_from_run(client, finished[fold]) for fold in plan.fold_ids]
     summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, plan.cfg)
+    client.set_tag(plan.parent_run_id, "headline_metric", HEADLINE)  # the number to quote beside the literature
     client.set_terminated(plan.parent_run_id, tracking.FINISHED)
     print_table(results, summary)
     return summary
 
 
+def spread_over_folds_and_seeds(results: list[FoldResult]) -> dict[str, float]:
+    """`cv/<metric>_mean` and `_std` over folds (each fold's mean over its seeds); with several seeds also
+    `seeds/<metric>_mean` and `_std` over seeds (each seed's mean over the folds): the spread a seed alone makes."""
+    table = pd.DataFrame([{"fold": r.fold, "seed": r.seed, **{k.removeprefix("test/"): v for k, v in r.metrics.items()
+                                                             if k.startswith("test/")}} for r in results])
+    names = [column for column in table.columns if column not in ("fold", "seed")]
+    by_fold = table.groupby("fold", sort=True)[names].mean()
+    summary = {f"cv/{k}": v for k, v in summarize_folds(by_fold.to_dict("records")).items()}
+    if table["seed"].nunique() > 1:
+        by_seed = table.groupby("seed", sort=True)[names].mean()
+        summary.update({f"seeds/{k}": v for k, v in summarize_folds(by_seed.to_dict("records")).items()})
+    return summary
+
+
 def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], class_names,
                   cfg: DictConfig) -> dict[str, float]:
-    fold_metrics = [{k.removeprefix("test/"): v for k, v in r.metrics.items() if k.startswith("test/")}
-                    for r in results]
-    summary = {f"cv/{k}": v for k, v in summarize_folds(fold_metrics).items()}
-    videos = pd.concat([r.video_predictions for r in results], ignore_index=True)
+    summary = spread_over_folds_and_seeds(results)
+    several_seeds = bool(cfg.cv.get("seeds"))
+    videos = pd.concat([r.video_predictions.assign(seed=r.seed) if several_seeds else r.video_predictions
+                        for r in results], ignore_index=True)
     frames = pd.concat([r.frame_predictions for r in results], ignore_index=True)
     prob_columns = [f"prob_{c}" for c in class_names]
     pooled_video = classification_metrics(videos["label"].to_numpy(), videos[prob_columns].to_numpy())
     pooled_frame = classification_metrics(frames["label"].to_numpy(), frames[prob_columns].to_numpy())
     summary.update({f"pooled/video_{k}": v for k, v in pooled_video.items()})
     summary.update({f"pooled/frame_{k}": v for k, v in pooled_frame.items()})
+    summary.update(pooled_at_threshold(videos, class_names))
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
     for chunk in _chunks(metrics, 500):
@@ -382,15 +496,43 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
             plot_roc(videos["label"].to_numpy(), videos[prob_columns[1]].to_numpy(), out / "roc_video_pooled.png",
                      "all test videos")
         pooled.per_subject.to_csv(out / "accuracy_per_subject.csv", index=False)
+        subject_scores(videos, class_names).to_csv(out / "scores_per_subject.csv", index=False)
         client.log_artifacts(run_id, str(out))
     return summary
 
 
+def pooled_at_threshold(videos: pd.DataFrame, class_names) -> dict[str, float]:
+    """Over all test videos, each called at its own fold's threshold: accuracy and balanced accuracy with their
+    subject-bootstrap 95 % intervals, and the mean within-subject AUROC (one model's scores on one person)."""
+    names = {"accuracy_at_threshold": "pooled/video_accuracy_at_threshold",
+             "balanced_accuracy_at_threshold": "pooled/video_balanced_accuracy_at_threshold",
+             "within_subject_auroc": "pooled/within_subject_video_auroc"}
+    result = {}
+    for key, value in subject_intervals(videos, class_names).items():
+        stem = next(k for k in sorted(names, key=len, reverse=True) if key.startswith(k))
+        result[names[stem] + key.removeprefix(stem)] = value
+    return result
+
+
 def print_table(results: list[FoldResult], summary: dict[str, float]) -> None:
-    rows = {f"fold {r.fold}": {m: r.metrics[f"test/video_{m}"] for m in REPORTED} for r in results}
-    rows["mean"] = {m: summary[f"cv/video_{m}_mean"] for m in REPORTED}
-    rows["std"] = {m: summary[f"cv/video_{m}_std"] for m in REPORTED}
-    rows["pooled"] = {m: summary[f"pooled/video_{m}"] for m in REPORTED}
+    """Per fold, mean and sd over folds (and seeds), pooled over all test videos (with the subject-bootstrap
+    interval)."""
+    several_seeds = len({r.seed for r in results}) > 1
+    columns = [f"video_{m}" for m in REPORTED]
+    if any("test/threshold" in r.metrics for r in results):
+        columns = ["threshold", *(f"video_{m}" for m in AT_THRESHOLD[:2]), "video_accuracy_at_0.5", *columns]
+    rows = {f"fold {r.fold}" + (f" seed {r.seed}" if several_seeds else ""):
+            {c: r.metrics.get(f"test/{c}", np.nan) for c in columns} for r in results}
+    rows["mean over folds"] = {c: summary.get(f"cv/{c}_mean", np.nan) for c in columns}
+    rows["sd over folds"] = {c: summary.get(f"cv/{c}_std", np.nan) for c in columns}
+    if several_seeds:
+        rows["sd over seeds"] = {c: summary.get(f"seeds/{c}_std", np.nan) for c in columns}
+    rows["pooled videos"] = {c: summary.get(f"pooled/{c}", np.nan) for c in columns}
     table = pd.DataFrame(rows).T
-    table.columns = [f"video {m}" for m in REPORTED]
-    print(table.to_string(float_format=lambda v: f"{v:.3f}"))
+    table.columns = [c.removeprefix("video_").replace("_at_threshold", "@thr").replace("_at_0.5", "@0.5")
+                     for c in columns]
+    print(table.to_string(float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    if HEADLINE in summary:
+        low, high = summary.get(f"{HEADLINE}_ci95_low", np.nan), summary.get(f"{HEADLINE}_ci95_high", np.nan)
+        print(f"headline: video accuracy at the validation threshold, pooled over all test videos "
+              f"{summary[HEADLINE]:.3f} (95 % subject-bootstrap CI {low:.3f}-{high:.3f})")

@@ -37,6 +37,7 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import Evaluation, plot_confusion, plot_roc, plot_training_curves
+from pipeline.evaluation.thresholds import decide_fold, rule_name
 from pipeline.models.backbones import PainNet, create_model, model_family, weights_source
 from pipeline.models.callbacks import FreezeBackbone, ResumableEarlyStopping, SeedEachBatch
 from pipeline.models.classifier import OptimConfig, PainClassifier
@@ -64,6 +65,7 @@ from pipeline.utils.paths import resolve_path
 log = logging.getLogger(__name__)
 FRAME_PREDICTIONS = "predictions_frames.csv"
 VIDEO_PREDICTIONS = "predictions_videos.csv"
+VAL_VIDEO_PREDICTIONS = "predictions_videos_val.csv"  # the best checkpoint on the validation subjects
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ class FoldJob:
     tracking_uri: str
     work_dir: str  # the fold's own folder: epoch checkpoints (for resuming) and the kept model before upload
     decisions: FoldDecisions
+    seed: int | None = None  # cv.seeds: this training seed instead of the config's `seed` (tagged on the child run)
 
     def write(self, path: Path) -> Path:
         with atomic_path(path, mode=0o600) as tmp:  # owner only: the tracking URI may hold a database password
@@ -128,6 +131,7 @@ class FoldResult:
     video_predictions: pd.DataFrame
     seconds: float
     run_id: str = ""
+    seed: int | None = None  # the training seed of a CV over several seeds (cv.seeds)
 
     @property
     def epochs(self) -> int:
@@ -301,6 +305,13 @@ def test_fold(fitted: Fitted, module: PainClassifier, datamodule: PainDataModule
     return module.test_predictions, module.test_evaluation
 
 
+def validate_fold(fitted: Fitted, module: PainClassifier, datamodule: PainDataModule) -> Evaluation:
+    """Score the best checkpoint on the fold's validation subjects (the last epoch's scores may be another
+    epoch's): the predictions the decision threshold is chosen on."""
+    fitted.trainer.validate(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
+    return module.val_evaluation
+
+
 def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], predictions: pd.DataFrame,
                          evaluation: Evaluation, history: list[dict], splits: dict) -> None:
     """Plots and tables a person opens in the MLflow UI. Names and predictions only, never faces."""
@@ -340,12 +351,25 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     work_dir.mkdir(parents=True, exist_ok=True)
     module, datamodule, weights = build_fold(cfg, fold, decisions)
     fitted = fit_fold(cfg, module, datamodule, work_dir, decisions.precision)
+    validation = validate_fold(fitted, module, datamodule)
     predictions, evaluation = test_fold(fitted, module, datamodule)
-    metrics = {**evaluation.metrics(prefix="test/"), "best_epoch": fitted.best_epoch,
-               "epochs_trained": len(fitted.history), "best_val_score": fitted.best_score}
+    # the threshold sees the validation subjects only; the test videos get it as it is
+    threshold, evaluation.video_predictions, decided = decide_fold(
+        validation.video_predictions, evaluation.video_predictions, module.class_names, cfg.eval.threshold)
+    metrics = {**evaluation.metrics(prefix="test/"), **{f"test/{k}": v for k, v in decided.items()},
+               "best_epoch": fitted.best_epoch, "epochs_trained": len(fitted.history),
+               "best_val_score": fitted.best_score}
+    if np.isfinite(threshold):
+        metrics["test/threshold"] = threshold
+    if evaluation.video_predictions["subject_name"].nunique() == 1:  # leave one subject out: AUROC within a person
+        metrics["test/within_subject_video_auroc"] = metrics["test/video_auroc"]
     out = work_dir / "artifacts"
     write_fold_artifacts(out, fold, module.class_names, predictions, evaluation, fitted.history,
                          datamodule.split_summary())
+    validation.video_predictions.to_csv(out / VAL_VIDEO_PREDICTIONS, index=False)
+    rule = rule_name(cfg.eval.threshold, len(module.class_names))
+    mlflow.log_params({"threshold_rule": rule})
+    mlflow.set_tag("threshold_rule", rule)
     mlflow.log_metrics(metrics)
     mlflow.log_artifacts(str(out))
     if keep_model:
@@ -364,7 +388,9 @@ def result_from_run(client: MlflowClient, run) -> FoldResult:
     frames = pd.read_csv(client.download_artifacts(run_id, FRAME_PREDICTIONS))
     videos = pd.read_csv(client.download_artifacts(run_id, VIDEO_PREDICTIONS))
     seconds = ((run.info.end_time or run.info.start_time) - run.info.start_time) / 1000
-    return FoldResult(int(run.data.tags["fold"]), dict(run.data.metrics), frames, videos, seconds, run_id)
+    seed = run.data.tags.get("seed")
+    return FoldResult(int(run.data.tags["fold"]), dict(run.data.metrics), frames, videos, seconds, run_id,
+                      int(seed) if seed not in (None, "") else None)
 
 
 def job_owner_tags() -> dict[str, str]:
@@ -380,10 +406,10 @@ def job_owner_tags() -> dict[str, str]:
 def run_fold_job(job: FoldJob) -> FoldResult:
     """Run one fold under its own child run of `job.parent_run_id`; see the module docstring for the rules."""
     client = MlflowClient(job.tracking_uri)
-    previous = fold_runs(client, job.parent_run_id, job.fold)
+    previous = fold_runs(client, job.parent_run_id, job.fold, job.seed)
     finished = [run for run in previous if run.info.status == FINISHED]
     if finished:
-        log.info("fold %d already has a finished run %s", job.fold, finished[0].info.run_id)
+        log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished[0].info.run_id)
         return result_from_run(client, finished[0])
     for run in previous:
         if run.info.status == "RUNNING":  # a killed attempt: this one replaces it
@@ -391,15 +417,19 @@ def run_fold_job(job: FoldJob) -> FoldResult:
     cfg = OmegaConf.create(job.config)
     parent = client.get_run(job.parent_run_id)
     tags = {k: parent.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed")}
+    if job.seed is not None:  # one of several training seeds: the fold is trained with it, and tagged so
+        cfg.seed = job.seed
+        tags["seed"] = str(job.seed)
     work_dir = Path(job.work_dir)
     attempt = len(previous) + 1
     mlflow.set_tracking_uri(job.tracking_uri)
-    run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=f"fold {job.fold}",
+    name = f"fold {job.fold}" + (f" seed {job.seed}" if job.seed is not None else "")
+    run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=name,
                            tags={**tags, PARENT_TAG: job.parent_run_id, RUN_KIND_TAG: FOLD_RUN,
                                  FOLD_TAG: str(job.fold), ATTEMPT_TAG: str(attempt),
                                  JOB_TRACKING_URI_TAG: job.tracking_uri, **job_owner_tags()})
     try:
-        mlflow.log_params({"fold": job.fold})
+        mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
         device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
         log.info(device.line)
         mlflow.set_tags(device.tags)
@@ -411,7 +441,7 @@ def run_fold_job(job: FoldJob) -> FoldResult:
         raise
     mlflow.end_run(FINISHED)
     shutil.rmtree(work_dir, ignore_errors=True)  # the model and the tables now live in the tracking store
-    result.run_id = run.info.run_id
+    result.run_id, result.seed = run.info.run_id, job.seed
     return result
 
 

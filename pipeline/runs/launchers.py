@@ -46,8 +46,9 @@ class LauncherError(SystemExit):
 @dataclass
 class LaunchOutcome:
     done: list[int] = field(default_factory=list)
-    failed: dict[int, str] = field(default_factory=dict)  # fold -> reason
-    submitted: dict[int, str] = field(default_factory=dict)  # fold -> SLURM job id (launcher.wait=false)
+    # fold (or "fold (seed s)" over several training seeds) -> reason / SLURM job id (launcher.wait=false)
+    failed: dict[int | str, str] = field(default_factory=dict)
+    submitted: dict[int | str, str] = field(default_factory=dict)
 
 
 def check_launcher(launcher: DictConfig, tracking_uri: str) -> None:

@@ -37,6 +37,7 @@ RUN_KIND_TAG = "painvit.run_kind"
 CV_RUN, FOLD_RUN, COMPARISON_RUN = "cv", "fold", "comparison"
 PARENT_TAG = "mlflow.parentRunId"
 FOLD_TAG = "fold"
+SEED_TAG = "seed"  # the training seed a fold run used (the config's, or one of cv.seeds)
 FINISHED = "FINISHED"
 RESUMED_AFTER_EPOCH_TAG = "painvit.resumed_after_epoch"
 ATTEMPT_TAG = "painvit.attempt"
@@ -62,20 +63,25 @@ def store_uri(configured: str | None = None) -> str:
     return configured or tracking_uri(PROJECT_ROOT)
 
 
-def fold_runs(client: MlflowClient, parent_run_id: str, fold: int | None = None) -> list[Run]:
-    """The fold runs (every attempt) of a cross-validation's parent run, or of one of its folds, newest first."""
+def fold_runs(client: MlflowClient, parent_run_id: str, fold: int | None = None,
+              seed: int | None = None) -> list[Run]:
+    """The fold runs (every attempt) of a cross-validation's parent run, of one of its folds, of one training seed
+    (cv.seeds; None: any), newest first."""
     parent = client.get_run(parent_run_id)
     query = f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{RUN_KIND_TAG}` = '{FOLD_RUN}'"
     if fold is not None:
         query += f" and tags.`{FOLD_TAG}` = '{fold}'"
+    if seed is not None:
+        query += f" and tags.`{SEED_TAG}` = '{seed}'"
     return client.search_runs([parent.info.experiment_id], query, order_by=["attribute.start_time DESC"],
                               max_results=10_000)
 
 
-def finished_fold_runs(client: MlflowClient, parent_run_id: str) -> dict[int, Run]:
-    """fold -> the run that counts for it: its newest FINISHED attempt. Folds with none are absent."""
+def finished_fold_runs(client: MlflowClient, parent_run_id: str, seed: int | None = None) -> dict[int, Run]:
+    """fold -> the run that counts for it (of one training seed; None: any): its newest FINISHED attempt. Folds with
+    none are absent."""
     finished: dict[int, Run] = {}
-    for run in fold_runs(client, parent_run_id):
+    for run in fold_runs(client, parent_run_id, seed=seed):
         if run.info.status == FINISHED:
             finished.setdefault(int(run.data.tags[FOLD_TAG]), run)
     return finished

@@ -1,0 +1,160 @@
+"""Statistics over subjects: per-subject scores, subject-level bootstrap intervals, paired tests between backbones.
+
+Every protocol tests every subject exactly once, so the pooled test videos of a cross-validation hold one score per
+subject, and two backbones run on the same fold file are paired subject by subject. Subjects, not folds, are the
+independent units: folds share training subjects, and five folds can never make a signed-rank test significant
+(its smallest exact two-sided p-value is 2 / 2**5 = 0.0625). The numbers come from scipy:
+`scipy.stats.bootstrap` resamples subjects (each with all of its videos) and `scipy.stats.permutation_test` with
+`permutation_type='samples'` swaps the two backbones' scores within subjects (a sign flip of each difference).
+Holm's step-down adjustment is applied to scipy's p-values across every pair and metric of a comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+from sklearn.metrics import balanced_accuracy_score, roc_auc_score
+
+CONFIDENCE = 0.95
+N_BOOTSTRAP = 2000
+N_PERMUTATIONS = 9999  # above 2**13 subjects' sign flips; fewer subjects are enumerated exactly
+RANDOM_STATE = 0  # fixed: the same predictions give the same interval and p-value on every run
+# The subject-level metrics: pooled over the resampled subjects' videos (the first two), mean over subjects (AUROC).
+SUBJECT_METRICS = ("accuracy_at_threshold", "balanced_accuracy_at_threshold", "within_subject_auroc")
+
+
+def decisions(videos: pd.DataFrame) -> np.ndarray:
+    """The class each video was called: the fold's `decision` column (validation threshold), else argmax `pred`."""
+    column = "decision" if "decision" in videos.columns else "pred"
+    return videos[column].to_numpy(dtype=int)
+
+
+def within_subject_auroc(labels: np.ndarray, probs: np.ndarray) -> float:
+    """AUROC among one subject's videos (binary: class 1's probability; multiclass: macro one-vs-rest over the
+    classes present); NaN with fewer than two classes. One model's scores on one person: no scale mixing."""
+    present = np.unique(labels)
+    if len(present) < 2:
+        return float("nan")
+    if probs.shape[1] == 2:
+        return float(roc_auc_score(labels, probs[:, 1]))
+    return float(np.mean([roc_auc_score(labels == c, probs[:, c]) for c in present]))
+
+
+def seed_mean_auroc(group: pd.DataFrame, prob_columns: list[str]) -> float:
+    """One subject's within-subject AUROC; with a `seed` column, per training seed (one model's scores each), then
+    averaged over the seeds where it is defined."""
+    parts = [part for _, part in group.groupby("seed")] if "seed" in group.columns else [group]
+    values = [within_subject_auroc(part["label"].to_numpy(dtype=int), part[prob_columns].to_numpy(float))
+              for part in parts]
+    finite = [value for value in values if np.isfinite(value)]
+    return float(np.mean(finite)) if finite else float("nan")
+
+
+def subject_scores(videos: pd.DataFrame, class_names: Sequence[str]) -> pd.DataFrame:
+    """One row per subject of the pooled test videos: videos, correct calls, and the three subject metrics."""
+    prob_columns = [f"prob_{name}" for name in class_names]
+    videos = videos.assign(_decision=decisions(videos))
+    rows = []
+    for subject, group in videos.groupby("subject_name", sort=True):
+        labels, called = group["label"].to_numpy(dtype=int), group["_decision"].to_numpy()
+        recalls = [float((called[labels == c] == c).mean()) for c in np.unique(labels)]
+        rows.append({"subject_name": subject, "n_videos": len(group), "n_correct": int((called == labels).sum()),
+                     "accuracy_at_threshold": float((called == labels).mean()),
+                     "balanced_accuracy_at_threshold": float(np.mean(recalls)),
+                     "within_subject_auroc": seed_mean_auroc(group, prob_columns)})
+    return pd.DataFrame(rows)
+
+
+def subject_bootstrap(groups: Sequence[tuple[np.ndarray, ...]], statistic: Callable[..., float],
+                      n_resamples: int = N_BOOTSTRAP, random_state: int = RANDOM_STATE,
+                      confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Percentile interval of `statistic` over subjects drawn with replacement, each bringing all of its rows.
+
+    `groups` holds one tuple of arrays per subject; a resample concatenates its subjects' arrays component-wise
+    and hands them to `statistic`. Percentiles of resampled values of a share stay inside [0, 1], unlike mean +- sd.
+    NaN with fewer than two subjects.
+    """
+    if len(groups) < 2:
+        return float("nan"), float("nan")
+    width = len(groups[0])
+
+    def on_subjects(indices: np.ndarray) -> float:
+        chosen = [groups[int(i)] for i in indices]
+        return statistic(*(np.concatenate([g[k] for g in chosen]) for k in range(width)))
+
+    result = stats.bootstrap((np.arange(len(groups)),), on_subjects, vectorized=False, n_resamples=n_resamples,
+                             confidence_level=confidence, method="percentile", rng=np.random.default_rng(random_state))
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
+def _balanced(labels: np.ndarray, called: np.ndarray) -> float:
+    return float(balanced_accuracy_score(labels, called))
+
+
+def subject_intervals(videos: pd.DataFrame, class_names: Sequence[str], **options) -> dict[str, float]:
+    """Each subject metric with its subject-bootstrap interval: `<metric>`, `<metric>_ci95_low`, `_ci95_high`.
+
+    Accuracy and balanced accuracy at the threshold are pooled over the videos (as a paper states them); the
+    AUROC is the mean of the within-subject AUROCs (subjects without both classes left out).
+    """
+    called = decisions(videos)
+    per_subject = subject_scores(videos, class_names)
+    arrays = [(group["label"].to_numpy(dtype=int), called[group.index.to_numpy()])
+              for _, group in videos.reset_index(drop=True).groupby("subject_name", sort=True)]
+    aurocs = [(np.array([value]),) for value in per_subject["within_subject_auroc"]]
+    labels = videos["label"].to_numpy(dtype=int)
+    estimates = {
+        "accuracy_at_threshold": (float((called == labels).mean()), arrays, lambda y, c: float((y == c).mean())),
+        "balanced_accuracy_at_threshold": (_balanced(labels, called), arrays, _balanced),
+        "within_subject_auroc": (float(np.nanmean(per_subject["within_subject_auroc"]))
+                                 if per_subject["within_subject_auroc"].notna().any() else float("nan"),
+                                 aurocs, lambda a: float(np.nanmean(a)) if np.isfinite(a).any() else float("nan")),
+    }
+    result = {}
+    for name, (value, groups, statistic) in estimates.items():
+        low, high = subject_bootstrap(groups, statistic, **options) if np.isfinite(value) else (np.nan, np.nan)
+        result.update({name: value, f"{name}_ci95_low": low, f"{name}_ci95_high": high})
+    return result
+
+
+def paired_permutation_test(a: np.ndarray, b: np.ndarray, n_resamples: int = N_PERMUTATIONS,
+                            random_state: int = RANDOM_STATE) -> tuple[float, float]:
+    """Mean of (a - b) over subjects and its two-sided p-value from swapping a and b within subjects.
+
+    With 2**n <= n_resamples the 2**n swaps are enumerated exactly, so small cases can be checked by hand.
+    """
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    keep = np.isfinite(a) & np.isfinite(b)
+    a, b = a[keep], b[keep]
+    if len(a) < 2 or np.all(a == b):
+        return (float(np.mean(a - b)) if len(a) else float("nan")), float("nan")
+
+    def mean_difference(x: np.ndarray, y: np.ndarray, axis: int) -> np.ndarray:
+        return np.mean(x - y, axis=axis)
+
+    result = stats.permutation_test((a, b), mean_difference, permutation_type="samples", vectorized=True,
+                                    n_resamples=n_resamples, alternative="two-sided",
+                                    rng=np.random.default_rng(random_state))
+    return float(np.mean(a - b)), float(result.pvalue)
+
+
+def holm(p_values: Sequence[float]) -> np.ndarray:
+    """Holm's step-down adjusted p-values (family-wise error over all the tests given); NaN stays NaN."""
+    p = np.asarray(p_values, dtype=float)
+    adjusted = np.full_like(p, np.nan)
+    tested = np.flatnonzero(np.isfinite(p))
+    order = tested[np.argsort(p[tested], kind="stable")]
+    m = len(order)
+    running = 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+def smallest_signed_rank_p(n: int) -> float:
+    """The smallest two-sided p-value an exact signed-rank (or sign-flip) test over n pairs can reach: 2 / 2**n."""
+    return 2.0 / 2**n if n > 0 else 1.0

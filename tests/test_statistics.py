@@ -1,0 +1,76 @@
+"""Subject-level statistics against cases small enough to work out by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipeline.evaluation.statistics import (
+    holm,
+    paired_permutation_test,
+    smallest_signed_rank_p,
+    subject_bootstrap,
+    subject_intervals,
+    subject_scores,
+)
+
+
+def test_permutation_test_on_four_subjects_matches_the_enumeration() -> None:
+    """Differences 2, 4, 6, -1 (sum 11). Of the 2**4 sign flips only (+,+,+,+) = 13 and (+,+,+,-) = 11 reach 11;
+    by symmetry two reach -11: p = 4 / 16 = 0.25."""
+    b = np.array([0.5, 0.5, 0.5, 0.5])
+    a = b + np.array([2, 4, 6, -1])
+    mean_difference, p_value = paired_permutation_test(a, b)
+    assert mean_difference == pytest.approx(11 / 4)
+    assert p_value == pytest.approx(4 / 16)
+    # all four the same way: only (+,+,+,+) and (-,-,-,-) are as extreme, p = 2 / 16, the floor of four subjects
+    assert paired_permutation_test(b + 1, b)[1] == pytest.approx(2 / 16) == smallest_signed_rank_p(4)
+    assert np.isnan(paired_permutation_test(b, b)[1])
+
+
+def test_five_folds_cannot_reach_significance() -> None:
+    assert smallest_signed_rank_p(5) == 0.0625 > 0.05
+    assert smallest_signed_rank_p(6) < 0.05
+
+
+def test_holm_by_hand() -> None:
+    """p = 0.01, 0.04, 0.03: sorted times 3, 2, 1 -> 0.03, 0.06, 0.04, made non-decreasing -> 0.03, 0.06, 0.06."""
+    np.testing.assert_allclose(holm([0.01, 0.04, 0.03]), [0.03, 0.06, 0.06])
+    adjusted = holm([0.2, np.nan, 0.9])
+    assert np.isnan(adjusted[1]) and adjusted[0] == pytest.approx(0.4) and adjusted[2] == pytest.approx(0.9)
+
+
+def test_bootstrap_of_two_subjects_spans_both() -> None:
+    """Two subjects, accuracies 1 and 0: a resample holds both (mean 0.5) half the time and one of them twice a
+    quarter of the time each, so the 2.5 % and 97.5 % percentiles are exactly 0 and 1."""
+    groups = [(np.array([1, 1]),), (np.array([0, 0, 0]),)]
+    low, high = subject_bootstrap(groups, lambda correct: float(correct.mean()))
+    assert (low, high) == (0.0, 1.0)
+    assert subject_bootstrap(groups[:1], np.mean) != subject_bootstrap(groups[:1], np.mean)  # NaN: one subject
+
+
+def test_bootstrap_interval_is_near_the_normal_one_and_repeatable() -> None:
+    """Forty subjects: the percentile interval of the mean lies near mean +- 1.96 sd / sqrt(n), within [0, 1]."""
+    values = np.random.default_rng(3).uniform(0.6, 1.0, 40)
+    groups = [(np.array([v]),) for v in values]
+    low, high = subject_bootstrap(groups, lambda x: float(x.mean()))
+    half = 1.96 * values.std(ddof=1) / np.sqrt(len(values))
+    assert low == pytest.approx(values.mean() - half, abs=0.01)
+    assert high == pytest.approx(values.mean() + half, abs=0.01)
+    assert subject_bootstrap(groups, lambda x: float(x.mean())) == (low, high)
+
+
+def test_subject_scores_and_intervals() -> None:
+    videos = pd.DataFrame({"subject_name": ["a"] * 4 + ["b"] * 4, "sample_name": list("abcdefgh"),
+                           "label": [0, 0, 1, 1] * 2, "prob_PA4": [0.1, 0.6, 0.7, 0.9, 0.4, 0.2, 0.3, 0.8],
+                           "decision": [0, 1, 1, 1, 0, 0, 0, 1]})
+    videos["prob_BL1"] = 1 - videos["prob_PA4"]
+    table = subject_scores(videos, ("BL1", "PA4"))
+    assert table["accuracy_at_threshold"].tolist() == [0.75, 0.75]
+    # b: of the four (pain, baseline) pairs only 0.3 < 0.4 is ranked wrong
+    assert table["within_subject_auroc"].tolist() == [1.0, 0.75]
+    result = subject_intervals(videos, ("BL1", "PA4"))
+    assert result["accuracy_at_threshold"] == 0.75 == result["balanced_accuracy_at_threshold"]
+    assert result["within_subject_auroc"] == 0.875
+    assert (result["within_subject_auroc_ci95_low"], result["within_subject_auroc_ci95_high"]) == (0.75, 1.0)

@@ -1,0 +1,62 @@
+"""The decision threshold: chosen on validation videos, applied unchanged to test videos."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipeline.evaluation.thresholds import binary_metrics_at, choose_threshold, decide_fold, parse_rule, rule_name
+
+CLASSES = ("BL1", "PA4")
+
+
+def videos(labels: list[int], scores: list[float], subject: str) -> pd.DataFrame:
+    return pd.DataFrame({"subject_name": subject, "sample_name": [f"{subject}-{i}" for i in range(len(labels))],
+                         "label": labels, "prob_BL1": 1 - np.array(scores), "prob_PA4": scores,
+                         "pred": (np.array(scores) > 0.5).astype(int)})
+
+
+def test_well_ranked_scores_above_one_half_are_separated() -> None:
+    """A model that ranks perfectly but calls everything pain at 0.5: the validation threshold separates."""
+    val = videos([0, 0, 0, 1, 1, 1], [0.62, 0.66, 0.70, 0.81, 0.85, 0.90], "val-subject")
+    test = videos([0, 0, 0, 0, 1, 1, 1, 1], [0.60, 0.64, 0.69, 0.71, 0.83, 0.86, 0.88, 0.93], "test-subject")
+    threshold, decided, metrics = decide_fold(val, test, CLASSES, "youden")
+    assert 0.70 < threshold <= 0.81
+    assert (decided["decision"] == decided["label"]).all()
+    assert metrics["video_accuracy_at_threshold"] == 1.0 > metrics["video_accuracy_at_0.5"] == 0.5
+    assert metrics["video_sensitivity_at_threshold"] == metrics["video_specificity_at_threshold"] == 1.0
+    assert (decided["threshold"] == threshold).all()
+
+
+def test_the_threshold_is_the_validation_one_not_the_test_one() -> None:
+    """Validation and test have different best thresholds: the fold uses the validation one, whatever test holds."""
+    val = videos([0, 0, 1, 1], [0.20, 0.30, 0.40, 0.50], "v")
+    test = videos([0, 0, 1, 1], [0.70, 0.75, 0.85, 0.90], "t")
+    best_on_val = choose_threshold(val["label"], val["prob_PA4"], "youden")
+    best_on_test = choose_threshold(test["label"], test["prob_PA4"], "youden")
+    assert best_on_val != best_on_test
+    threshold, _, metrics = decide_fold(val, test, CLASSES, "youden")
+    assert threshold == best_on_val
+    # the test labels do not move it: flipping them changes the metrics, never the threshold
+    flipped = test.assign(label=1 - test["label"])
+    assert decide_fold(val, flipped, CLASSES, "youden")[0] == threshold
+    assert metrics == {f"video_{k}_at_threshold": v for k, v in binary_metrics_at(
+        test["label"], test["prob_PA4"], threshold).items()} | {"video_accuracy_at_0.5": 0.5}
+
+
+def test_fixed_threshold_and_five_classes() -> None:
+    val = videos([0, 1], [0.1, 0.9], "v")
+    test = videos([0, 1, 1], [0.2, 0.45, 0.8], "t")
+    threshold, decided, metrics = decide_fold(val, test, CLASSES, 0.4)
+    assert threshold == 0.4 and decided["decision"].tolist() == [0, 1, 1]
+    assert metrics["video_accuracy_at_threshold"] == 1.0
+    five = pd.DataFrame({"subject_name": "s", "sample_name": ["a", "b"], "label": [0, 3],
+                         **{f"prob_{c}": [0.2, 0.2] for c in ("BL1", "PA1", "PA2")},
+                         "prob_PA3": [0.1, 0.3], "prob_PA4": [0.3, 0.1]})
+    names = ("BL1", "PA1", "PA2", "PA3", "PA4")
+    threshold, decided, metrics = decide_fold(five, five, names, "youden")
+    assert np.isnan(threshold) and metrics == {} and decided["decision"].tolist() == [4, 3]
+    assert rule_name("youden", 5) == "argmax" and rule_name(0.5, 2) == "fixed" and rule_name("youden", 2) == "youden"
+    with pytest.raises(ValueError, match="eval.threshold"):
+        parse_rule("median")
