@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from pipeline.course.materials.materials.vit_numpy import vit_forward, weights_from_state_dict
+from pipeline.course.vit_numpy import vit_forward, weights_from_state_dict
 from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
