@@ -7,6 +7,12 @@
     python -m pipeline inspect     [key=value ...] [--run=<parent run id>] [--untrained=1]
                                        attention rollout, Grad-CAM and region score on each fold's test videos
     python -m pipeline calc        [key=value ...]   a backbone's shapes, parameters, MACs and training memory
+    python -m pipeline final       [key=value ...] [--run=<CV parent run>]
+                                       one model on all subjects with a CV's settings, registered in MLflow
+    python -m pipeline promote     [key=value ...] --version=<n>   move the registered model's champion alias
+    python -m pipeline predict     [key=value ...] --video=<file or folder> [--model_uri=...] [--run=<run>]
+                                       pain timeline (CSV + PNG) of any video
+    python -m pipeline export      [key=value ...] --model_uri=... [--format=onnx] [--out=...]   the network as ONNX
     python -m pipeline config      [key=value ...]   print the resolved config
 
 The Makefile is the front door (`make help`); it turns MODEL=, DATA=, PROTOCOL=, TASK= into these overrides.
@@ -80,7 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"data": "pipeline.prepare:run_data", "aug-preview": "pipeline.prepare:run_aug_preview",
                 "cv": "pipeline.cv:run_cv", "compare": "pipeline.compare:run_compare",
-                "inspect": "pipeline.inspection:run_inspect", "calc": "pipeline.calc:run_calc", "config": None}
+                "inspect": "pipeline.inspection:run_inspect", "calc": "pipeline.calc:run_calc", "final": "pipeline.final:run_final",
+                "promote": "pipeline.registry:run_promote", "predict": "pipeline.predict:run_predict",
+                "export": "pipeline.export:run_export", "config": None}
     if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
         return 2

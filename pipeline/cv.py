@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 REPORTED = ("auroc", "accuracy", "balanced_accuracy", "f1")
 # Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
 NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
-                "data.synthetic.workers")
+                "data.synthetic.workers", "final", "predict")
 IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256")
 
 

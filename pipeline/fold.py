@@ -152,8 +152,11 @@ def class_weights_for(setting, train_labels: np.ndarray, n_classes: int) -> list
     return weights
 
 
-def build_fold(cfg: DictConfig, fold: int, fold_file: Path) -> tuple[PainClassifier, PainDataModule, dict]:
-    """A fresh model, the fold's data and the LightningModule; also the weights' provenance as tags."""
+def build_fold(cfg: DictConfig, fold: int, fold_file: Path,
+               datamodule_class: type[PainDataModule] = PainDataModule) -> tuple[PainClassifier, PainDataModule, dict]:
+    """A fresh model, the fold's data and the LightningModule; also the weights' provenance as tags.
+
+    `datamodule_class` lets the final model (`pipeline.final`) read its train / validation split the same way."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = get_task(cfg.task.name)
     net, weights = create_model(cfg.model.name, n_classes=task.n_classes, pretrained=cfg.model.pretrained,
@@ -161,7 +164,7 @@ def build_fold(cfg: DictConfig, fold: int, fold_file: Path) -> tuple[PainClassif
     channels_last = use_channels_last(cfg.trainer.channels_last, cfg.model.name)
     if channels_last:
         net = net.to(memory_format=torch.channels_last)
-    datamodule = PainDataModule(
+    datamodule = datamodule_class(
         resolve_path(cfg.data.processed_dir), fold_file, fold, task, net.backbone.data_config,
         OmegaConf.to_container(cfg.augment), batch_size=cfg.loader.batch_size,
         eval_batch_size=cfg.loader.eval_batch_size, num_workers=cfg.loader.num_workers,

@@ -1,0 +1,114 @@
+"""What makes a run readable in the MLflow UI and a model findable in the registry: the standard user / source / git
+tags, a Markdown description, the data a run used (names and labels only), registered names and aliases.
+
+A registered pain model is named `pain-<model>-<task>`; `make final` registers each final model as a new version
+with the alias `candidate`, and `make promote` moves the alias `champion` to a chosen version, which `make predict`
+and `make serve` use by default.
+"""
+
+from __future__ import annotations
+
+import getpass
+import sys
+from collections.abc import Iterable
+
+import pandas as pd
+
+CANDIDATE, CHAMPION = "candidate", "champion"
+UI_WORKFLOW = "machine_learning"  # the UI's "Model training" mode (pipeline.tracking)
+
+
+def registered_name(model: str, task: str) -> str:
+    return f"pain-{model}-{task}"
+
+
+def champion_uri(model: str, task: str) -> str:
+    return f"models:/{registered_name(model, task)}@{CHAMPION}"
+
+
+def standard_tags(source_name: str | None = None) -> dict[str, str]:
+    """MLflow's own tags for who ran what from which commit: the UI's "Created by" and "Source" columns."""
+    from pipeline.cv import git_commit
+
+    commit = git_commit()
+    tags = {"mlflow.user": getpass.getuser(), "mlflow.source.type": "LOCAL",
+            "mlflow.source.name": source_name or " ".join(["python -m pipeline", *sys.argv[1:2]])}
+    if commit != "unknown":
+        tags["mlflow.source.git.commit"] = commit.removesuffix("-dirty")
+    return tags
+
+
+def markdown_table(table: pd.DataFrame, digits: int = 3) -> str:
+    """A DataFrame as a Markdown table (the run description the UI renders)."""
+    columns = [str(c) for c in table.columns]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for _, row in table.iterrows():
+        cells = [f"{v:.{digits}f}" if isinstance(v, float) else str(v) for v in row.tolist()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def describe_run(client, run_id: str, title: str, table: pd.DataFrame | None = None, lines: Iterable[str] = ()) -> None:
+    """Set the run's description (`mlflow.note.content`): a title, free lines and a result table."""
+    parts = [f"### {title}", *lines]
+    if table is not None:
+        parts.append(markdown_table(table))
+    client.set_tag(run_id, "mlflow.note.content", "\n\n".join(parts))
+
+
+def subjects_dataset(subjects: pd.DataFrame, name: str):
+    """An MLflow dataset of subject names, videos and labels (never frames): what `mlflow.log_input` records."""
+    import mlflow
+
+    return mlflow.data.from_pandas(subjects.reset_index(drop=True), name=name, targets="label")
+
+
+def run_url(tracking_uri: str, experiment_id: str, run_id: str, host: str = "127.0.0.1", port: int | str = 5000) -> str:
+    """A run page that opens in the UI's "Model training" view (`make ui` serves it)."""
+    if tracking_uri.startswith(("http://", "https://")):
+        base = tracking_uri.rstrip("/")
+    else:
+        base = f"http://{host}:{port}"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType={UI_WORKFLOW}"
+
+
+def register(client, model_uri: str, name: str, run_id: str, tags: dict[str, str] | None = None):
+    """A new version of `name` from `model_uri`, with the alias `candidate`."""
+    import mlflow
+
+    version = mlflow.register_model(model_uri, name, tags=tags)
+    client.set_registered_model_alias(name, CANDIDATE, version.version)
+    return version
+
+
+def promote(client, name: str, version: str | int) -> str:
+    """Move `champion` to `version` of `name`; returns the alias' previous version ('' if none)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        previous = client.get_model_version_by_alias(name, CHAMPION).version
+    except MlflowException:
+        previous = ""
+    client.get_model_version(name, str(version))  # an unknown version is an error naming it
+    client.set_registered_model_alias(name, CHAMPION, str(version))
+    return str(previous)
+
+
+def run_promote(cfg, version: str | None = None) -> None:
+    """`make promote MODEL=... VERSION=...`."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from pipeline import PROJECT_ROOT, tracking
+
+    if not version:
+        raise SystemExit("promote: say which version, e.g. make promote MODEL=... VERSION=1")
+    client = MlflowClient(cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT))
+    name = registered_name(cfg.model.name, cfg.task.name)
+    try:
+        previous = promote(client, name, version)
+    except MlflowException as error:
+        raise SystemExit(f"promote: {name} version {version}: {error.message}") from None
+    moved = f" (was version {previous})" if previous and previous != str(version) else ""
+    print(f"{name}: alias '{CHAMPION}' -> version {version}{moved}; `make predict` and `make serve` now use "
+          f"models:/{name}@{CHAMPION}")
