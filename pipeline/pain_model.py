@@ -87,9 +87,6 @@ class PainFrameModel(mlflow.pyfunc.PythonModel):
     """Frames -> per-frame pain probability and decision (see the module docstring for the contract)."""
 
     def load_context(self, context) -> None:
-        import torch
-
-        torch.set_num_threads(max(1, torch.get_num_threads()))
         self.config = dict(context.model_config or {})
         self.scorer = scorer_from_config(context.artifacts[WEIGHTS_ARTIFACT], self.config)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import cv2
@@ -58,7 +58,6 @@ class Timings:
     align: float = 0.0
     network: float = 0.0
     frames: int = 0
-    per_stage: dict[str, float] = field(default_factory=dict)
 
     def per_frame(self) -> dict[str, float]:
         n = max(1, self.frames)
@@ -72,34 +71,44 @@ def plausibility(found: np.ndarray) -> np.ndarray:
     return np.where(found[:, 4] >= found[:, 4].max() - 0.02, area, -1.0)
 
 
-def follow_one_face(found_per_frame: Sequence[np.ndarray], max_jump: float = 1.0,
-                    reacquire_after: int = 10) -> list[np.ndarray | None]:
+class FaceFollower:
     """One face per frame, always the same person's: the most plausible face first, then in each frame the detection
     nearest the last followed face (its centre within `max_jump` face sides); a frame where only others are seen has
-    no face. After `reacquire_after` frames without the person, the most plausible face is followed again."""
-    chosen: list[np.ndarray | None] = []
-    previous: np.ndarray | None = None
-    missing = 0
-    for found in found_per_frame:
+    no face. After `reacquire_after` frames without the person, the most plausible face is followed again. Keeps its
+    state between calls, so a long video can be scored chunk by chunk."""
+
+    def __init__(self, max_jump: float = 1.0, reacquire_after: int = 10) -> None:
+        self.max_jump, self.reacquire_after = max_jump, reacquire_after
+        self.previous: np.ndarray | None = None
+        self.missing = 0
+
+    def step(self, found: np.ndarray) -> np.ndarray | None:
         pick = None
         if len(found):
-            if previous is None:
+            if self.previous is None:
                 pick = found[int(np.argmax(plausibility(found)))]
             else:
+                previous = self.previous
                 centres = np.stack([(found[:, 0] + found[:, 2]) / 2, (found[:, 1] + found[:, 3]) / 2], 1)
                 centre = np.array([(previous[0] + previous[2]) / 2, (previous[1] + previous[3]) / 2])
                 side = max(previous[2] - previous[0], previous[3] - previous[1], 1.0)
                 distance = np.linalg.norm(centres - centre, axis=1) / side
                 nearest = int(np.argmin(distance))
-                pick = found[nearest] if distance[nearest] <= max_jump else None
+                pick = found[nearest] if distance[nearest] <= self.max_jump else None
         if pick is None:
-            missing += 1
-            if missing >= reacquire_after:
-                previous = None
+            self.missing += 1
+            if self.missing >= self.reacquire_after:
+                self.previous = None
         else:
-            previous, missing = pick, 0
-        chosen.append(pick)
-    return chosen
+            self.previous, self.missing = pick, 0
+        return pick
+
+
+def follow_one_face(found_per_frame: Sequence[np.ndarray], max_jump: float = 1.0,
+                    reacquire_after: int = 10) -> list[np.ndarray | None]:
+    """`FaceFollower` over a whole sequence."""
+    follower = FaceFollower(max_jump, reacquire_after)
+    return [follower.step(found) for found in found_per_frame]
 
 
 class PainScorer:
@@ -190,11 +199,16 @@ class PainScorer:
         probs = np.concatenate(out)
         return 1.0 - probs[:, self.no_pain_index]
 
-    def score(self, frames_bgr: Sequence[np.ndarray]) -> pd.DataFrame:
+    def follower(self) -> FaceFollower:
+        return FaceFollower(self.settings.max_jump, self.settings.reacquire_after)
+
+    def score(self, frames_bgr: Sequence[np.ndarray], follower: FaceFollower | None = None) -> pd.DataFrame:
         """One row per frame, in order: frame (position), face_found, pain_probability (NaN without a face) and
-        pain (probability >= threshold; None without a face)."""
+        pain (probability >= threshold; None without a face). Pass one `follower` to successive calls to follow
+        the same person through a video scored in chunks."""
         started = time.perf_counter()
-        faces = follow_one_face(self.find_faces(frames_bgr), self.settings.max_jump, self.settings.reacquire_after)
+        follower = follower or self.follower()
+        faces = [follower.step(found) for found in self.find_faces(frames_bgr)]
         detected = time.perf_counter()
         with_face = [i for i, face in enumerate(faces) if face is not None]
         crops = [self.crop(frames_bgr[i], faces[i]) for i in with_face]
