@@ -93,7 +93,7 @@ predict: install ## pain timeline (CSV + PNG) of VIDEO (a file or a folder) with
 		$(if $(RUN),--run=$(RUN)) $(if $(FPS),predict.fps=$(FPS)) $(if $(OUT),--out=$(OUT))
 
 serve: install ## REST scoring server for the champion (or MODEL_URI=) on http://127.0.0.1:$(SERVE_PORT)/invocations
-	MLFLOW_TRACKING_URI=$(TRACKING_URI) $(VENV)/bin/mlflow models serve --env-manager local --host 127.0.0.1 \
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" MLFLOW_TRACKING_URI=$(TRACKING_URI) $(VENV)/bin/mlflow models serve --env-manager local --host 127.0.0.1 \
 		--port $(SERVE_PORT) -m $(or $(MODEL_URI),models:/pain-$(MODEL)-$(TASK)@champion)
 
 export: install ## the network of MODEL_URI (default: the champion) as ONNX (FORMAT=onnx) into reports/export/

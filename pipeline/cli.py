@@ -86,8 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"data": "pipeline.prepare:run_data", "aug-preview": "pipeline.prepare:run_aug_preview",
                 "cv": "pipeline.cv:run_cv", "compare": "pipeline.compare:run_compare",
-                "inspect": "pipeline.inspection:run_inspect", "calc": "pipeline.calc:run_calc", "final": "pipeline.final:run_final",
-                "promote": "pipeline.registry:run_promote", "predict": "pipeline.predict:run_predict",
+                "inspect": "pipeline.inspection:run_inspect", "calc": "pipeline.calc:run_calc",
+                "final": "pipeline.final:run_final", "promote": "pipeline.registry:run_promote",
+                "predict": "pipeline.predict:run_predict",
                 "export": "pipeline.export:run_export", "config": None}
     if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)

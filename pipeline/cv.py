@@ -31,7 +31,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import PROJECT_ROOT, launchers, resolve_path, tracking
+from pipeline import PROJECT_ROOT, launchers, registry, resolve_path, tracking
 from pipeline.backbones import weights_source
 from pipeline.calc import backbone_cost
 from pipeline.devices import cpu_description, precision_for
@@ -193,7 +193,8 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
                     "complete": str(len(fold_ids) == folds.fold.nunique() and cfg.trainer.limit_train_batches is None
                                     and cfg.trainer.limit_val_batches is None).lower(),
                     "precision": precision_for(cfg.trainer.precision, cfg.trainer.accelerator, cfg.model.name),
-                    "cpu": cpu_description(), **weights.as_tags(), **subject_set_tags(fold_file)}
+                    "cpu": cpu_description(), **weights.as_tags(), **subject_set_tags(fold_file),
+                    **registry.standard_tags("make cv")}
         run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
         parent = client.create_run(experiment_id, run_name=run_name, tags=run_tags)
         run_id = parent.info.run_id
@@ -204,6 +205,8 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         cost = backbone_cost(cfg.model.name, cfg.model.img_size, task.n_classes)
         client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in cost.items()])
         client.log_artifact(run_id, str(fold_file), "folds")
+        registry.log_subjects(client, run_id, registry.cv_subjects(fold_file, frames_result.frames, task.classes),
+                              f"{cfg.data.name}-{task.name}-{fold_file.stem}")
     else:
         plan.finished = parent.info.status == "FINISHED"
         if not plan.finished:
@@ -319,7 +322,8 @@ def run_cv(cfg: DictConfig) -> dict:
             raise SystemExit(f"error: fold(s) {failed} failed (traceback in each fold's run); the other folds are "
                              f"kept: run the same command again to retry only the failed ones")
         summary = aggregate(plan, client)
-        print(f"parent run {plan.parent_run_id}")
+        url = registry.run_url(tracking_uri, plan.experiment_id, plan.parent_run_id)
+        print(f"parent run {plan.parent_run_id}: {url}")
         return summary
 
 
@@ -331,7 +335,9 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
         results.append(result_from_run(client, runs[0]))
     summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, plan.cfg)
     client.set_terminated(plan.parent_run_id, "FINISHED")
-    print_table(results, summary)
+    table = print_table(results, summary)
+    registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.cfg.model.name}: video-level test "
+                          f"scores per fold", table.rename_axis("").reset_index())
     return summary
 
 
@@ -368,7 +374,7 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     return summary
 
 
-def print_table(results: list[FoldResult], summary: dict[str, float]) -> None:
+def print_table(results: list[FoldResult], summary: dict[str, float]) -> pd.DataFrame:
     rows = {f"fold {r.fold}": {m: r.metrics[f"test/video_{m}"] for m in REPORTED} for r in results}
     rows["mean"] = {m: summary[f"cv/video_{m}_mean"] for m in REPORTED}
     rows["std"] = {m: summary[f"cv/video_{m}_std"] for m in REPORTED}
@@ -376,3 +382,4 @@ def print_table(results: list[FoldResult], summary: dict[str, float]) -> None:
     table = pd.DataFrame(rows).T
     table.columns = [f"video {m}" for m in REPORTED]
     print(table.to_string(float_format=lambda v: f"{v:.3f}"))
+    return table

@@ -143,16 +143,6 @@ def subjects_table(datamodule: PainDataModule) -> pd.DataFrame:
     return pd.concat(rows, ignore_index=True)
 
 
-def pyfunc_config(train_cfg: DictConfig, class_names: list[str], threshold: float, rule) -> dict:
-    """The MLflow model's `model_config`: how to crop like training did, and how to decide."""
-    pre = train_cfg.preprocess
-    return {"threshold": float(threshold), "threshold_rule": str(rule), "aggregation": train_cfg.trainer.aggregation,
-            "topk": int(train_cfg.trainer.topk), "class_names": list(class_names), "task": train_cfg.task.name,
-            "crop": {"detector": pre.detector, "align": bool(pre.align), "margin": float(pre.margin),
-                     "crop_size": int(pre.crop_size), "jpeg_quality": int(pre.jpeg_quality),
-                     "min_face_fraction": float(train_cfg.predict.min_face_fraction)}}
-
-
 def run_final(cfg: DictConfig, run: str | None = None) -> dict:
     """`make final [RUN=<CV parent run>]`; returns the final run's id, metrics, threshold and registered version."""
     from pipeline.inspection import InspectionError, find_cv_run
@@ -222,7 +212,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     """Train, choose the threshold, keep and log the model, register it; inside the active final run."""
     from pipeline.cv import _chunks, flat_params, identity_config
     from pipeline.fold import build_fold, fit_fold, keep_fold_model, test_fold
-    from pipeline.pain_model import log_pain_model
+    from pipeline.pain_model import log_pain_model, model_config
 
     for chunk in _chunks(list(flat_params(identity_config(train_cfg)).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
@@ -257,7 +247,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     metadata = {"source_cv_run": source.info.run_id, "final_run": run_id, "git_commit": git_commit(),
                 "model": train_cfg.model.name, "task": train_cfg.task.name, "dataset": train_cfg.data.name,
                 **{f"weights_{k.removeprefix('weights_')}": v for k, v in weights.items()}}
-    info = log_pain_model(model_path, pyfunc_config(train_cfg, class_names, threshold, rule), metadata,
+    info = log_pain_model(model_path, model_config(train_cfg, class_names, threshold, rule), metadata,
                           tags={"painvit.kind": "final", "painvit.source_cv_run": source.info.run_id})
     version = register(client, info.model_uri, name, run_id, tags={"source_cv_run": source.info.run_id,
                                                                    "threshold": f"{threshold:.4f}"})

@@ -290,6 +290,9 @@ def train_fold(cfg: DictConfig, fold: int, fold_file: Path, work_dir: Path, keep
         path = keep_fold_model(cfg, module, fitted.best_path, weights, work_dir / Path(MODEL_ARTIFACT).name,
                                fold=fold, best_epoch=fitted.best_epoch)
         mlflow.log_artifact(str(path), str(Path(MODEL_ARTIFACT).parent))
+        from pipeline.pain_model import log_fold_model
+
+        log_fold_model(cfg, path, fold, list(module.class_names), weights)
     return FoldResult(fold, metrics, predictions, evaluation.video_predictions, time.time() - started)
 
 

@@ -25,6 +25,7 @@ import cv2
 import mlflow
 import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
 
 from pipeline.scoring import CropSettings, PainScorer
 
@@ -92,6 +93,28 @@ class PainFrameModel(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         return self.scorer.score(frames_from_input(model_input))
+
+
+def model_config(train_cfg, class_names: list[str], threshold: float, rule) -> dict:
+    """The MLflow model's `model_config`: how to crop like training did, and how to decide."""
+    pre = train_cfg.preprocess
+    min_face = float(OmegaConf.select(train_cfg, "predict.min_face_fraction", default=0.05))
+    return {"threshold": float(threshold), "threshold_rule": str(rule), "aggregation": train_cfg.trainer.aggregation,
+            "topk": int(train_cfg.trainer.topk), "class_names": list(class_names), "task": train_cfg.task.name,
+            "crop": {"detector": pre.detector, "align": bool(pre.align), "margin": float(pre.margin),
+                     "crop_size": int(pre.crop_size), "jpeg_quality": int(pre.jpeg_quality),
+                     "min_face_fraction": min_face}}
+
+
+def log_fold_model(cfg, weights_path: Path, fold: int, class_names: list[str], weights: dict[str, str]):
+    """A CV fold's kept model as an MLflow model in the active fold run (the UI's Models tab lists it), at the
+    threshold 0.5: a fold's validation subjects chose its checkpoint, not a threshold. Not registered."""
+    from pipeline.cv import git_commit
+
+    metadata = {"fold": fold, "git_commit": git_commit(), "model": cfg.model.name, "task": cfg.task.name,
+                "dataset": cfg.data.name, **weights}
+    return log_pain_model(weights_path, model_config(cfg, class_names, 0.5, 0.5), metadata, name=f"fold_{fold}",
+                          tags={"painvit.kind": "fold", "painvit.fold": str(fold)})
 
 
 def signature():

@@ -167,7 +167,7 @@ def run_scorer(cfg: DictConfig, client, run_id: str, tracking_uri: str) -> PainS
     """A fold's or a final run's kept model, with the crop settings of its CV and its threshold (0.5 for a fold,
     whose validation subjects chose no threshold)."""
     from pipeline.checkpoints import load_fold_model
-    from pipeline.final import pyfunc_config
+    from pipeline.pain_model import model_config
 
     run = client.get_run(run_id)
     kind = run.data.tags.get("painvit.run_kind")
@@ -179,7 +179,7 @@ def run_scorer(cfg: DictConfig, client, run_id: str, tracking_uri: str) -> PainS
     trained.predict = cfg.predict
     net, meta = load_fold_model(run_id, tracking_uri)
     threshold = float(run.data.metrics.get("threshold", 0.5))
-    config = pyfunc_config(trained, list(meta["class_names"]), threshold, "run")
+    config = model_config(trained, list(meta["class_names"]), threshold, "run")
     from pipeline.scoring import CropSettings
 
     return PainScorer(net, meta, CropSettings.from_dict(config["crop"]), threshold=threshold,

@@ -63,6 +63,26 @@ def subjects_dataset(subjects: pd.DataFrame, name: str):
     return mlflow.data.from_pandas(subjects.reset_index(drop=True), name=name, targets="label")
 
 
+def log_subjects(client, run_id: str, subjects: pd.DataFrame, name: str, context: str = "training") -> None:
+    """`mlflow.log_input` for a run that is not the active one (a CV's parent run)."""
+    from mlflow.entities import DatasetInput, InputTag
+
+    dataset = subjects_dataset(subjects, name)._to_mlflow_entity()
+    client.log_inputs(run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", context)])])
+
+
+def cv_subjects(fold_file, frames: pd.DataFrame, classes) -> pd.DataFrame:
+    """A CV's subjects and videos with their labels and each fold's role: what its parent run records as its data."""
+    from pipeline.folds import read_folds
+
+    folds = read_folds(fold_file)
+    videos = frames[frames["class_name"].isin(classes)].drop_duplicates(["subject_name", "sample_name"])
+    videos = videos[["subject_name", "sample_name", "class_name"]].copy()
+    videos["label"] = videos["class_name"].map({c: i for i, c in enumerate(classes)})
+    roles = folds.pivot(index="subject_name", columns="fold", values="role").add_prefix("fold_")
+    return videos.merge(roles, left_on="subject_name", right_index=True, how="inner")
+
+
 def run_url(tracking_uri: str, experiment_id: str, run_id: str, host: str = "127.0.0.1", port: int | str = 5000) -> str:
     """A run page that opens in the UI's "Model training" view (`make ui` serves it)."""
     if tracking_uri.startswith(("http://", "https://")):
