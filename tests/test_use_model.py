@@ -84,6 +84,8 @@ def test_final_model_is_registered_with_its_source_and_threshold(chain) -> None:
     assert set(videos.subject_name) == set(split.subject_name[split.role == "val"])
     expected = choose_threshold((videos.label == 1).astype(int), videos.prob_PA4, "youden")
     assert run.data.metrics["threshold"] == pytest.approx(expected)
+    # a second `make final` with the same settings trains nothing: it names the finished run
+    assert run_final(cfg)["run_id"] == final["run_id"]
     # the fold models are MLflow models too (the UI's Models tab), each in its fold run
     folds_logged = client.search_logged_models([run.info.experiment_id], filter_string="tags.`painvit.kind` = 'fold'")
     assert len(folds_logged) == 2
@@ -173,3 +175,12 @@ def test_served_model_answers_as_predict_does(chain) -> None:
     assert list(served.face_found) == list(expected.face_found)
     np.testing.assert_allclose(served.pain_probability.astype(float), expected.pain_probability, atol=1e-6)
     assert list(served.pain) == list(expected.pain)
+
+
+def test_export_writes_the_champion_as_onnx_with_its_input_contract(chain) -> None:
+    from pipeline.export import run_export
+
+    path = run_export(chain["cfg"], out=str(chain["dir"] / "export"))
+    contract = json.loads(path.with_suffix(".json").read_text())
+    assert contract["threshold"] == pytest.approx(chain["final"]["threshold"])
+    assert contract["input_size"] == [3, 32, 32] and contract["max_abs_difference_to_pytorch"] < 1e-4
