@@ -41,6 +41,7 @@ from pipeline.registry import (
     register,
     registered_name,
     run_url,
+    split_videos,
     standard_tags,
     subjects_dataset,
 )
@@ -134,15 +135,6 @@ def final_key(source_run_id: str, val_fraction: float, seed: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def subjects_table(datamodule: PainDataModule) -> pd.DataFrame:
-    """One row per video the final model used: subject, video, class, label, role. Names and labels only."""
-    rows = []
-    for role in ("train", "val"):
-        videos = datamodule.frames(role).drop_duplicates(["subject_name", "sample_name"])
-        rows.append(videos[["subject_name", "sample_name", "class_name", "label"]].assign(role=role))
-    return pd.concat(rows, ignore_index=True)
-
-
 def run_final(cfg: DictConfig, run: str | None = None) -> dict:
     """`make final [RUN=<CV parent run>]`; returns the final run's id, metrics, threshold and registered version."""
     from pipeline.inspection import InspectionError, find_cv_run
@@ -219,7 +211,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     mlflow.log_text(OmegaConf.to_yaml(train_cfg), "config.yaml")
     mlflow.log_artifact(str(split_path))
     module, datamodule, weights = build_fold(train_cfg, 0, split_path, datamodule_class=FinalDataModule)
-    used = subjects_table(datamodule)
+    used = split_videos(datamodule, ("train", "val"))
     mlflow.log_input(subjects_dataset(used, f"{train_cfg.data.name}-{train_cfg.task.name}-final"), context="training")
     fitted = fit_fold(train_cfg, module, datamodule, work_dir)
     _, evaluation = test_fold(fitted, module, datamodule)

@@ -277,6 +277,10 @@ def train_fold(cfg: DictConfig, fold: int, fold_file: Path, work_dir: Path, keep
     started = time.time()
     work_dir.mkdir(parents=True, exist_ok=True)
     module, datamodule, weights = build_fold(cfg, fold, fold_file)
+    from pipeline.registry import split_videos, subjects_dataset
+
+    mlflow.log_input(subjects_dataset(split_videos(datamodule), f"{cfg.data.name}-{cfg.task.name}-fold{fold}"),
+                     context="training")
     fitted = fit_fold(cfg, module, datamodule, work_dir)
     predictions, evaluation = test_fold(fitted, module, datamodule)
     metrics = {**evaluation.metrics(prefix="test/"), "best_epoch": fitted.best_epoch,

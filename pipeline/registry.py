@@ -71,6 +71,15 @@ def log_subjects(client, run_id: str, subjects: pd.DataFrame, name: str, context
     client.log_inputs(run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", context)])])
 
 
+def split_videos(datamodule, roles: Iterable[str] = ("train", "val", "test")) -> pd.DataFrame:
+    """One row per video a fold (or the final model) used: subject, video, class, label, role. Names and labels only."""
+    rows = []
+    for role in roles:
+        videos = datamodule.frames(role).drop_duplicates(["subject_name", "sample_name"])
+        rows.append(videos[["subject_name", "sample_name", "class_name", "label"]].assign(role=role))
+    return pd.concat(rows, ignore_index=True)
+
+
 def cv_subjects(fold_file, frames: pd.DataFrame, classes) -> pd.DataFrame:
     """A CV's subjects and videos with their labels and each fold's role: what its parent run records as its data."""
     from pipeline.folds import read_folds

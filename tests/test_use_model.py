@@ -89,6 +89,10 @@ def test_final_model_is_registered_with_its_source_and_threshold(chain) -> None:
     # the fold models are MLflow models too (the UI's Models tab), each in its fold run
     folds_logged = client.search_logged_models([run.info.experiment_id], filter_string="tags.`painvit.kind` = 'fold'")
     assert len(folds_logged) == 2
+    fold_runs = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    for fold_run in fold_runs:
+        schema = json.loads(fold_run.inputs.dataset_inputs[0].dataset.schema)["mlflow_colspec"]
+        assert {c["name"] for c in schema} == {"subject_name", "sample_name", "class_name", "label", "role"}
 
 
 def test_predict_writes_a_timeline_for_a_video_and_a_folder_with_a_faceless_clip(chain, capsys) -> None:
