@@ -243,6 +243,10 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
                           tags={"painvit.kind": "final", "painvit.source_cv_run": source.info.run_id})
     version = register(client, info.model_uri, name, run_id, tags={"source_cv_run": source.info.run_id,
                                                                    "threshold": f"{threshold:.4f}"})
+    client.update_model_version(name, version.version, description=(
+        f"{train_cfg.model.name}, {train_cfg.task.name}: trained on all subjects of {train_cfg.data.name} with the "
+        f"settings of CV run {source.info.run_id}; threshold {threshold:.3f} ({rule}) on the held-out validation "
+        f"subjects; final run {run_id}."))
     mlflow.set_tags({"painvit.registered_model": name, "painvit.registered_version": str(version.version)})
     table = pd.DataFrame([{"subjects (train / val)": f"{(datamodule.split_summary()['train']['subjects'])} / "
                                                      f"{datamodule.split_summary()['val']['subjects']}",
