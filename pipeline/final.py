@@ -259,7 +259,41 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
                   f"({source.info.run_name}). Registered as `{name}` version {version.version} (alias `candidate`).",
                   "The validation numbers come from the subjects that chose the checkpoint and the threshold: "
                   "optimistic. The CV's scores are the estimate for new people."])
+    if cfg.final.ensemble:
+        ensemble = log_fold_ensemble(client, train_cfg, source, run_id, class_names)
+        mlflow.set_tag("painvit.ensemble_version", ensemble)
+        print(f"fold ensemble registered as {name}-folds version {ensemble} (alias candidate)")
     print(f"val video AUROC {metrics.get('val/video_auroc', float('nan')):.3f}, threshold {threshold:.3f} ({rule}), "
           f"best epoch {fitted.best_epoch} of {len(fitted.history)}")
     return {"metrics": metrics, "threshold": threshold, "name": name, "version": str(version.version),
             "model_uri": info.model_uri}
+
+
+def log_fold_ensemble(client: MlflowClient, train_cfg: DictConfig, source, run_id: str, class_names: list[str]) -> str:
+    """The source CV's kept fold models as one MLflow model that averages their probabilities, logged in the final
+    run and registered as `pain-<model>-<task>-folds` (alias `candidate`). Its threshold is 0.5: no subjects were
+    held out from all folds to choose one on."""
+    from pipeline.checkpoints import MODEL_ARTIFACT
+    from pipeline.cv import git_commit
+    from pipeline.fold import fold_runs
+    from pipeline.pain_model import log_pain_model, model_config
+
+    runs = {}
+    for fold_run in fold_runs(client, source.info.run_id):
+        if fold_run.info.status == "FINISHED":
+            runs.setdefault(int(fold_run.data.tags["fold"]), fold_run)
+    kept = {fold: r for fold, r in runs.items()
+            if any(a.path == MODEL_ARTIFACT for a in client.list_artifacts(r.info.run_id, "model"))}
+    if not kept:
+        raise SystemExit(f"final.ensemble: CV run {source.info.run_id} kept no fold models (cv.log_models=false)")
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [Path(client.download_artifacts(r.info.run_id, MODEL_ARTIFACT, str(Path(tmp) / f"fold_{fold}")))
+                 for fold, r in sorted(kept.items())]
+        metadata = {"source_cv_run": source.info.run_id, "final_run": run_id, "folds": sorted(kept),
+                    "git_commit": git_commit(), "model": train_cfg.model.name, "task": train_cfg.task.name}
+        info = log_pain_model(paths[0], model_config(train_cfg, class_names, 0.5, 0.5), metadata,
+                              name="fold_ensemble", tags={"painvit.kind": "fold_ensemble"}, ensemble_paths=paths[1:])
+    name = f"{registered_name(train_cfg.model.name, train_cfg.task.name)}-folds"
+    version = register(client, info.model_uri, name, run_id, tags={"source_cv_run": source.info.run_id,
+                                                                   "folds": ",".join(map(str, sorted(kept)))})
+    return str(version.version)

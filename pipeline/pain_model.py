@@ -18,6 +18,7 @@ without a face). The rows of one request are one sequence: the same person is fo
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,14 +75,17 @@ def frames_from_input(model_input: pd.DataFrame | list | dict) -> list[np.ndarra
     return frames
 
 
-def scorer_from_config(weights_path: str | Path, config: dict[str, Any], device: str = "cpu") -> PainScorer:
-    """A `PainScorer` from a kept model file and the model's config (what `load_context` builds)."""
+def scorer_from_config(weights_path: str | Path, config: dict[str, Any], device: str = "cpu",
+                       ensemble_paths: Sequence[str | Path] = ()) -> PainScorer:
+    """A `PainScorer` from a kept model file and the model's config (what `load_context` builds); more kept model
+    files make a fold ensemble that averages their probabilities."""
     from pipeline.checkpoints import load_fold_model
 
     net, meta = load_fold_model(Path(weights_path))
+    members = [load_fold_model(Path(path))[0] for path in ensemble_paths]
     return PainScorer(net, meta, CropSettings.from_dict(config.get("crop", {})),
                       threshold=float(config.get("threshold", 0.5)), aggregation=config.get("aggregation", "mean"),
-                      topk=int(config.get("topk", 3)), device=device)
+                      topk=int(config.get("topk", 3)), device=device, ensemble=members)
 
 
 class PainFrameModel(mlflow.pyfunc.PythonModel):
@@ -89,7 +93,9 @@ class PainFrameModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context) -> None:
         self.config = dict(context.model_config or {})
-        self.scorer = scorer_from_config(context.artifacts[WEIGHTS_ARTIFACT], self.config)
+        members = [context.artifacts[name] for name in sorted(context.artifacts, key=_member_order)
+                   if name.startswith(f"{WEIGHTS_ARTIFACT}_")]
+        self.scorer = scorer_from_config(context.artifacts[WEIGHTS_ARTIFACT], self.config, ensemble_paths=members)
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         return self.scorer.score(frames_from_input(model_input))
@@ -115,6 +121,10 @@ def log_fold_model(cfg, weights_path: Path, fold: int, class_names: list[str], w
                 "dataset": cfg.data.name, **weights}
     return log_pain_model(weights_path, model_config(cfg, class_names, 0.5, 0.5), metadata, name=f"fold_{fold}",
                           tags={"painvit.kind": "fold", "painvit.fold": str(fold)})
+
+
+def _member_order(name: str) -> int:
+    return int(name.rsplit("_", 1)[1]) if name.rsplit("_", 1)[-1].isdigit() else -1
 
 
 def signature():
@@ -155,7 +165,8 @@ def requirements() -> list[str]:
 
 
 def log_pain_model(weights_path: Path, config: dict[str, Any], metadata: dict[str, Any], name: str = "pain_model",
-                   registered_model_name: str | None = None, tags: dict[str, str] | None = None):
+                   registered_model_name: str | None = None, tags: dict[str, str] | None = None,
+                   ensemble_paths: Sequence[Path] = ()):
     """Log the model (from code) into the active run; returns MLflow's ModelInfo.
 
     The input example is two frames of the synthetic twin: drawn faces, never BioVid's. `registered_model_name`
@@ -163,6 +174,8 @@ def log_pain_model(weights_path: Path, config: dict[str, Any], metadata: dict[st
     """
     example = pd.DataFrame({"image": [encode_image(f, ".jpg") for f in synthetic_frames()]})
     return mlflow.pyfunc.log_model(
-        name=name, python_model=str(CODE_FILE), artifacts={WEIGHTS_ARTIFACT: str(weights_path)},
+        name=name, python_model=str(CODE_FILE),
+        artifacts={WEIGHTS_ARTIFACT: str(weights_path),
+                   **{f"{WEIGHTS_ARTIFACT}_{i}": str(p) for i, p in enumerate(ensemble_paths, start=1)}},
         model_config=config, metadata=metadata, signature=signature(), input_example=example,
         pip_requirements=requirements(), registered_model_name=registered_model_name, tags=tags)

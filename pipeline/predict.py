@@ -140,7 +140,7 @@ def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None =
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from pipeline.pain_model import scorer_from_config
+    from pipeline.pain_model import _member_order, scorer_from_config
     from pipeline.registry import champion_uri
 
     tracking_uri = cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT)
@@ -160,7 +160,9 @@ def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None =
     flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]
     config = dict(flavor.get("config") or {})
     config["crop"] = {**config.get("crop", {}), "min_face_fraction": float(cfg.predict.min_face_fraction)}
-    return scorer_from_config(local / flavor["artifacts"]["weights"]["path"], config, device), uri
+    artifacts = flavor["artifacts"]
+    members = [local / artifacts[k]["path"] for k in sorted(artifacts, key=_member_order) if k.startswith("weights_")]
+    return scorer_from_config(local / artifacts["weights"]["path"], config, device, members), uri
 
 
 def run_scorer(cfg: DictConfig, client, run_id: str, tracking_uri: str) -> PainScorer:

@@ -115,8 +115,11 @@ class PainScorer:
     """A kept model plus its crop settings: `score(frames)` -> one row per frame (see `OUTPUT_COLUMNS`)."""
 
     def __init__(self, net: PainNet, meta: dict[str, Any], settings: CropSettings, threshold: float = 0.5,
-                 aggregation: str = "mean", topk: int = 3, device: str = "cpu", batch_size: int = 32) -> None:
+                 aggregation: str = "mean", topk: int = 3, device: str = "cpu", batch_size: int = 32,
+                 ensemble: Sequence[PainNet] = ()) -> None:
         self.net = net.eval().to(device)
+        # a fold ensemble: every network sees the same crop, their class probabilities are averaged
+        self.ensemble = [member.eval().to(device) for member in ensemble]
         self.meta = meta
         self.settings = settings
         self.threshold = float(threshold)
@@ -195,7 +198,9 @@ class PainScorer:
         out = []
         for start in range(0, len(crops_rgb), self.batch_size):
             batch = torch.stack([self.transform(image=c)["image"] for c in crops_rgb[start:start + self.batch_size]])
-            out.append(self.net(batch.to(self.device)).float().softmax(dim=1).cpu().numpy())
+            batch = batch.to(self.device)
+            probs = [n(batch).float().softmax(dim=1).cpu().numpy() for n in (self.net, *self.ensemble)]
+            out.append(np.mean(probs, axis=0))
         probs = np.concatenate(out)
         return 1.0 - probs[:, self.no_pain_index]
 

@@ -38,7 +38,7 @@ def chain(tiny_config, tmp_path_factory) -> dict:
     own = tmp_path_factory.mktemp("use_model")
     cfg = tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{own / 'mlflow.db'}",
                       f"mlflow.artifact_root={own / 'mlartifacts'}", f"cv.work_dir={own / 'runs'}",
-                      f"reports_dir={own / 'reports'}")
+                      f"reports_dir={own / 'reports'}", "final.ensemble=true")
     run_cv(cfg)
     final = run_final(cfg)
     run_promote(cfg, version=final["version"])
@@ -188,3 +188,22 @@ def test_export_writes_the_champion_as_onnx_with_its_input_contract(chain) -> No
     contract = json.loads(path.with_suffix(".json").read_text())
     assert contract["threshold"] == pytest.approx(chain["final"]["threshold"])
     assert contract["input_size"] == [3, 32, 32] and contract["max_abs_difference_to_pytorch"] < 1e-4
+
+
+def test_fold_ensemble_averages_the_fold_models(chain) -> None:
+    from pipeline.predict import load_scorer
+
+    cfg, client = chain["cfg"], chain["client"]
+    run = client.get_run(chain["final"]["run_id"])
+    parent_id = run.data.tags["painvit.source_cv_run"]
+    name = f"{registered_name('mobilevit_xxs', 'bl1_vs_pa4')}-folds"
+    assert str(client.get_model_version_by_alias(name, CANDIDATE).version) == run.data.tags["painvit.ensemble_version"]
+    _, _, frames = next(sampled_frames(twin_video(cfg), 5))
+    ensemble, _ = load_scorer(cfg, model_uri=f"models:/{name}@{CANDIDATE}")
+    assert len(ensemble.ensemble) == 1  # two folds: one network plus one more
+    together = ensemble.score(frames[:4])
+    fold_runs = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    alone = [load_scorer(cfg, run=r.info.run_id)[0].score(frames[:4]) for r in fold_runs]
+    assert len(alone) == 2 and together.face_found.all()
+    np.testing.assert_allclose(together.pain_probability, np.mean([a.pain_probability for a in alone], axis=0),
+                               atol=1e-6)
