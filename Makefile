@@ -25,6 +25,14 @@ UNTRAINED ?=
 IMG ?=
 BATCH ?=
 MLFLOW_PORT ?= 5000
+# `make final` / `promote` / `predict` / `serve` / `export` (README: "Use a trained model")
+VERSION ?=
+VIDEO ?=
+MODEL_URI ?=
+FPS ?=
+OUT ?=
+FORMAT ?= onnx
+SERVE_PORT ?= 5001
 # `make server`: a tracking server for fold jobs on other nodes (LAUNCHER=slurm); see the README.
 SERVER_HOST ?= 127.0.0.1
 SERVER_PORT ?= 5000
@@ -43,7 +51,8 @@ TABLE_OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) $(if $(BIOVID_ROOT),data.roo
 	launcher=$(LAUNCHER) $(if $(JOBS),launcher.jobs=$(JOBS)) $(if $(RESUME),cv.resume=$(RESUME)) $(ARGS)
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 
-.PHONY: help install lock data aug-preview cv compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data
+.PHONY: help install lock data aug-preview cv compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data \
+	final promote predict serve export
 
 help: ## list the targets
 	@echo "Pain detection from facial video: fine-tune and compare backbones on BioVid Part A (or its synthetic twin)."
@@ -88,6 +97,24 @@ inspect: install ## where MODEL's newest finished CV looks on each fold's test v
 
 calc: install ## size and cost of MODEL: shape trace, parameters by part, MACs, training memory (IMG=224 BATCH=32)
 	$(PY) -m pipeline calc $(OVERRIDES) $(if $(IMG),model.img_size=$(IMG)) $(if $(BATCH),loader.batch_size=$(BATCH))
+
+final: install ## one model of MODEL on all subjects with its latest finished CV's settings, registered (alias candidate)
+	$(PY) -m pipeline final $(OVERRIDES) $(if $(RUN),--run=$(RUN))
+
+promote: install ## make VERSION of pain-MODEL-TASK the champion (what predict and serve use)
+	$(PY) -m pipeline promote $(OVERRIDES) --version=$(VERSION)
+
+predict: install ## pain timeline (CSV + PNG) of VIDEO (a file or a folder) with the champion, MODEL_URI= or RUN=
+	$(PY) -m pipeline predict $(OVERRIDES) --video=$(VIDEO) $(if $(MODEL_URI),--model_uri=$(MODEL_URI)) \
+		$(if $(RUN),--run=$(RUN)) $(if $(FPS),predict.fps=$(FPS)) $(if $(OUT),--out=$(OUT))
+
+serve: install ## REST scoring server for the champion (or MODEL_URI=) on http://127.0.0.1:$(SERVE_PORT)/invocations
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" MLFLOW_TRACKING_URI=$(TRACKING_URI) $(VENV)/bin/mlflow models serve --env-manager local --host 127.0.0.1 \
+		--port $(SERVE_PORT) -m $(or $(MODEL_URI),models:/pain-$(MODEL)-$(TASK)@champion)
+
+export: install ## the network of MODEL_URI (default: the champion) as ONNX (FORMAT=onnx) into reports/export/
+	$(PY) -m pipeline export $(OVERRIDES) $(if $(MODEL_URI),--model_uri=$(MODEL_URI)) --format=$(FORMAT) \
+		$(if $(OUT),--out=$(OUT))
 
 ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store
 	@$(PY) -m pipeline ui-url --tracking-uri '$(TRACKING_URI)' --host 127.0.0.1 --port $(MLFLOW_PORT)

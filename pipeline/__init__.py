@@ -4,6 +4,7 @@ Subpackages by role, each importing only those below it (the layers contract in 
 `make lint` and `make test`):
 
     cli                      the command line: dispatches, nothing else
+    deployment               the final model, predictions on new videos, export
     analysis | course        comparison, inspection, calculator, benchmarks | the ViT course's helpers
     runs                     MLflow store rules, fold jobs, launchers, the cross-validation driver
     models                   backbone adapters, weights, the LightningModule and its callbacks, kept models, cost

@@ -11,6 +11,12 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline calc        [key=value ...]   a backbone's shapes, parameters, MACs and training memory
     python -m pipeline table       [key=value ...] [--models="vit_b16 cvt_13"] [--tasks="bl1_vs_pa4 ..."]
                                        the BioVid benchmark table: every task's CV run or reused, beside published rows
+    python -m pipeline final       [key=value ...] [--run=<CV parent run>]
+                                       one model on all subjects with a CV's settings, registered in MLflow
+    python -m pipeline promote     [key=value ...] --version=<n>   move the registered model's champion alias
+    python -m pipeline predict     [key=value ...] --video=<file or folder> [--model_uri=...] [--run=<run>]
+                                       pain timeline (CSV + PNG) of any video
+    python -m pipeline export      [key=value ...] --model_uri=... [--format=onnx] [--out=...]   the network as ONNX
     python -m pipeline config      [key=value ...]   print the resolved config
     python -m pipeline fold-job    JOB.json          run one fold job (what the parallel launcher starts per fold)
     python -m pipeline fold-files  write-biovid | check PATH...   regenerate or check committed fold files
@@ -74,6 +80,30 @@ def _table(cfg: DictConfig, **options) -> None:
     run_table(cfg, **options)
 
 
+def _final(cfg: DictConfig, **options) -> None:
+    from pipeline.deployment.final_model import run_final
+
+    run_final(cfg, **options)
+
+
+def _promote(cfg: DictConfig, **options) -> None:
+    from pipeline.runs.registry import run_promote
+
+    run_promote(cfg, **options)
+
+
+def _predict(cfg: DictConfig, **options) -> None:
+    from pipeline.deployment.predict import run_predict
+
+    run_predict(cfg, **options)
+
+
+def _export(cfg: DictConfig, **options) -> None:
+    from pipeline.deployment.export import run_export
+
+    run_export(cfg, **options)
+
+
 def _print_config(cfg: DictConfig, **options) -> None:
     print(OmegaConf.to_yaml(cfg))
 
@@ -100,7 +130,8 @@ def _ui_url(argv: list[str]) -> int:
 # commands over the composed config (key=value overrides, --name=value options)
 COMMANDS: dict[str, Callable[..., None]] = {
     "data": _data, "aug-preview": _aug_preview, "cv": _cv, "compare": _compare, "inspect": _inspect,
-    "calc": _calc, "table": _table, "config": _print_config,
+    "calc": _calc, "table": _table, "final": _final, "promote": _promote, "predict": _predict, "export": _export,
+    "config": _print_config,
 }
 # tools with arguments of their own
 TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "fold-files": _fold_files, "ui-url": _ui_url}

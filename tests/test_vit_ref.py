@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import timm
 import torch
-from pipeline.course.vit_numpy import vit_forward, weights_from_state_dict
 from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
+from pipeline.course.vit_numpy import vit_forward, weights_from_state_dict
 from pipeline.models.backbones import (
     VIT_REF_VARIANTS,
     ReferenceVitBackbone,

@@ -51,7 +51,7 @@ from pipeline.evaluation.statistics import subject_intervals, subject_scores
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource
-from pipeline.runs import launchers, tracking
+from pipeline.runs import launchers, registry, tracking
 from pipeline.runs.environment import library_versions, log_environment
 from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, decide, result_from_run
 from pipeline.utils.accelerator import announce_device, training_device
@@ -68,7 +68,7 @@ HEADLINE = "pooled/video_accuracy_at_threshold"  # the number to set beside the 
 DATA_ERRORS = ("has no frames of task", "have no frames in", "have no usable videos")
 # Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
 NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
-                "data.synthetic.workers")
+                "data.synthetic.workers", "final", "predict")
 IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256")
 
 
@@ -242,7 +242,8 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
                     "precision": decisions.precision, "model_family": decisions.model_family,
                     "cpu": cpu_description(), **device_tags(cfg), **library_versions(), **weights.as_tags(),
                     **subject_set_tags(fold_file),
-                    "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped))}
+                    "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped)),
+                    **registry.standard_tags("make cv")}
         run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
         parent = client.create_run(experiment_id, run_name=run_name, tags=run_tags)
         run_id = parent.info.run_id
@@ -255,6 +256,8 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in cost.items()])
         client.log_artifact(run_id, str(fold_file), "folds")
         log_exclusions(client, run_id, frames_result, cfg.preprocess.frames_per_video)
+        registry.log_subjects(client, run_id, registry.cv_subjects(fold_file, frames_result.frames, task.classes),
+                              f"{cfg.data.name}-{task.name}-{fold_file.stem}")
     else:
         plan.finished = parent.info.status == tracking.FINISHED
         if not plan.finished:
@@ -424,7 +427,8 @@ def run_cv(cfg: DictConfig) -> dict:
             raise SystemExit(f"error: fold(s) {failed} failed (traceback in each fold's run); the other folds are "
                              f"kept: run the same command again to retry only the failed ones")
         summary = aggregate(plan, client)
-        print(f"parent run {plan.parent_run_id}")
+        url = registry.run_url(tracking_uri, plan.experiment_id, plan.parent_run_id)
+        print(f"parent run {plan.parent_run_id}: {url}")
         return summary
 
 
@@ -448,7 +452,9 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
     summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, plan.cfg)
     client.set_tag(plan.parent_run_id, "headline_metric", HEADLINE)  # the number to quote beside the literature
     client.set_terminated(plan.parent_run_id, tracking.FINISHED)
-    print_table(results, summary)
+    table = print_table(results, summary)
+    registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.cfg.model.name}: video-level test "
+                          f"scores per fold", table.rename_axis("").reset_index())
     return summary
 
 
@@ -514,7 +520,7 @@ def pooled_at_threshold(videos: pd.DataFrame, class_names) -> dict[str, float]:
     return result
 
 
-def print_table(results: list[FoldResult], summary: dict[str, float]) -> None:
+def print_table(results: list[FoldResult], summary: dict[str, float]) -> pd.DataFrame:
     """Per fold, mean and sd over folds (and seeds), pooled over all test videos (with the subject-bootstrap
     interval)."""
     several_seeds = len({r.seed for r in results}) > 1
@@ -536,3 +542,4 @@ def print_table(results: list[FoldResult], summary: dict[str, float]) -> None:
         low, high = summary.get(f"{HEADLINE}_ci95_low", np.nan), summary.get(f"{HEADLINE}_ci95_high", np.nan)
         print(f"headline: video accuracy at the validation threshold, pooled over all test videos "
               f"{summary[HEADLINE]:.3f} (95 % subject-bootstrap CI {low:.3f}-{high:.3f})")
+    return table

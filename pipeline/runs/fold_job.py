@@ -43,6 +43,7 @@ from pipeline.models.callbacks import FreezeBackbone, ResumableEarlyStopping, Se
 from pipeline.models.classifier import OptimConfig, PainClassifier
 from pipeline.models.kept_model import MODEL_ARTIFACT, model_meta, save_fold_model
 from pipeline.models.weights import WeightsSource
+from pipeline.runs.registry import split_videos, subjects_dataset
 from pipeline.runs.tracking import (
     ATTEMPT_TAG,
     FINISHED,
@@ -220,8 +221,12 @@ def build_network(cfg: DictConfig, n_classes: int, decisions: FoldDecisions) -> 
     return net
 
 
-def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions) -> tuple[PainClassifier, PainDataModule, dict]:
-    """A fresh model, the fold's data and the LightningModule; also the weights' provenance as tags."""
+def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions,
+               datamodule_class: type[PainDataModule] = PainDataModule) -> tuple[PainClassifier, PainDataModule, dict]:
+    """A fresh model, the fold's data and the LightningModule; also the weights' provenance as tags.
+
+    `datamodule_class` lets the final model (`pipeline.deployment.final_model`) read its train / validation split the
+    same way."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = get_task(cfg.task.name)
     net = build_network(cfg, task.n_classes, decisions)
@@ -229,7 +234,7 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions) -> tuple[Pa
     if channels_last:
         net = net.to(memory_format=torch.channels_last)
     fold_file = Path(decisions.fold_file)
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file, fold, task, net.backbone.data_config,
+    datamodule = datamodule_class(resolve_path(cfg.data.processed_dir), fold_file, fold, task, net.backbone.data_config,
                                 OmegaConf.to_container(cfg.augment), LoaderConfig.from_config(cfg.loader),
                                 seed=cfg.seed)
     datamodule.setup()
@@ -350,6 +355,8 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     started = time.time()
     work_dir.mkdir(parents=True, exist_ok=True)
     module, datamodule, weights = build_fold(cfg, fold, decisions)
+    mlflow.log_input(subjects_dataset(split_videos(datamodule), f"{cfg.data.name}-{cfg.task.name}-fold{fold}"),
+                     context="training")
     fitted = fit_fold(cfg, module, datamodule, work_dir, decisions.precision)
     validation = validate_fold(fitted, module, datamodule)
     predictions, evaluation = test_fold(fitted, module, datamodule)
@@ -376,6 +383,9 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         path = keep_fold_model(cfg, module, fitted.best_path, weights, work_dir / Path(MODEL_ARTIFACT).name,
                                fold=fold, best_epoch=fitted.best_epoch)
         mlflow.log_artifact(str(path), str(Path(MODEL_ARTIFACT).parent))
+        from pipeline.runs.pain_model import log_fold_model
+
+        log_fold_model(cfg, path, fold, list(module.class_names), weights)
     return FoldResult(fold, metrics, predictions, evaluation.video_predictions, time.time() - started)
 
 

@@ -1,0 +1,297 @@
+"""`make final`: one model trained on all subjects with the settings of a backbone's latest finished CV, logged as an
+MLflow Model and registered as `pain-<model>-<task>` (alias `candidate`).
+
+The CV said how well these settings do on unseen people; the final model uses them on everybody. Its config is the
+CV's own `config.yaml` (only where and how it runs comes from the current command), and the CV's parent run is
+recorded as its source. A seeded, stratified share of whole subjects (`final.val_fraction`) is held out: early
+stopping and checkpoint selection read it, as in a fold, and the decision threshold is chosen on its videos with the
+evaluation rule (`eval.threshold`, Youden's J where the config has none).
+
+Design: the final model is a fold whose test subjects are its validation subjects. Its split file has train and val
+roles only (a fold file needs a test role, and these subjects must not be tested on twice under two names), and
+`FinalDataModule` serves the validation frames as the test split, so `build_fold`, `fit_fold` (epoch checkpoints,
+resume from `last.ckpt`) and `test_fold` (the best checkpoint on those frames, for the threshold) run unchanged.
+Resume works as for a fold: the work folder is named after the source CV and the final settings, a run left RUNNING
+by a killed attempt is marked KILLED, and the next attempt continues from the last epoch checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import traceback
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+from mlflow import MlflowClient
+from mlflow.entities import Param
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.data.datamodule import FrameDataset, PainDataModule, evenly_spaced_frames, frames_from
+from pipeline.data.fold_files import _stratified_sample, read_folds, subject_strata
+from pipeline.evaluation.thresholds import binary_metrics_at, choose_threshold
+from pipeline.runs import tracking
+from pipeline.runs.registry import (
+    describe_run,
+    register,
+    registered_name,
+    run_url,
+    split_videos,
+    standard_tags,
+    subjects_dataset,
+)
+from pipeline.utils.atomic_io import atomic_write_csv
+from pipeline.utils.paths import PROJECT_ROOT, resolve_path
+
+log = logging.getLogger(__name__)
+# Where and how a run happens, not what it learns: taken from the current command, not from the source CV.
+RUNTIME_KEYS = ("launcher", "mlflow", "cv", "reports_dir", "final", "predict")
+SPLIT_FILE = "final_split.csv"
+
+
+class FinalDataModule(PainDataModule):
+    """The final model's frames: train and val subjects from a split file (`subject_name, role`), and the val frames
+    again as the test split (the threshold is chosen on them)."""
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._splits is not None:
+            return
+        split = read_split(self.fold_file)
+        table = self._read_frame_table()
+        missing = sorted(set(split["subject_name"]) - set(table["subject_name"]))
+        if missing:
+            raise ValueError(f"{self.fold_file}: {len(missing)} subject(s) have no frames in {self.frames_csv}: "
+                             f"{missing[:5]}")
+        frames = table[table["class_name"].isin(self.task.classes)].copy()
+        frames["label"] = frames["class_name"].map(self.task.label_map()).astype(np.int64)
+        if self.from_s is not None:
+            frames = frames_from(frames, self.from_s, self.frames_csv)
+        if self.frames_per_video is not None:
+            frames = evenly_spaced_frames(frames, self.frames_per_video)
+        splits = {}
+        for role in ("train", "val"):
+            members = split.loc[split["role"] == role, "subject_name"]
+            splits[role] = frames[frames["subject_name"].isin(members)]
+            if splits[role].empty:
+                raise ValueError(f"{self.fold_file}: role {role!r} has no frames of task {self.task.name}")
+        splits["test"] = splits["val"]
+        self._splits = splits
+        self._datasets = {role: FrameDataset(rows, self.processed_dir,
+                                             self.train_transform if role == "train" else self.eval_transform)
+                          for role, rows in splits.items()}
+
+
+def read_split(path: Path) -> pd.DataFrame:
+    """A final split file: every subject once, roles train and val, both present."""
+    split = pd.read_csv(path, dtype=str, keep_default_na=False)
+    if list(split.columns) != ["subject_name", "role"]:
+        raise ValueError(f"{path}: expected columns subject_name, role; found {list(split.columns)}")
+    bad = split.index[~split["role"].isin(["train", "val"])]
+    if len(bad):
+        raise ValueError(f"{path}, data row {bad[0] + 1}: role {split['role'].iloc[bad[0]]!r} (expected train or val)")
+    twice = split["subject_name"][split["subject_name"].duplicated()]
+    if len(twice):
+        raise ValueError(f"{path}: subject {twice.iloc[0]!r} is listed twice")
+    if split["role"].nunique() != 2:
+        raise ValueError(f"{path}: needs train and val subjects")
+    return split
+
+
+def make_split(subjects: list[str], val_fraction: float, seed: int) -> pd.DataFrame:
+    """Whole subjects, a stratified seeded share of them val (at least one, at least one left to train)."""
+    names = sorted(subjects)
+    if len(names) < 2:
+        raise ValueError(f"the final model needs at least 2 subjects (train and val), got {len(names)}")
+    n_val = min(max(1, round(val_fraction * len(names))), len(names) - 1)
+    val = set(_stratified_sample(names, n_val, subject_strata(names), np.random.default_rng(seed)))
+    return pd.DataFrame({"subject_name": names, "role": ["val" if n in val else "train" for n in names]})
+
+
+def training_config(cfg: DictConfig, client: MlflowClient, source_run_id: str) -> DictConfig:
+    """The source CV's resolved config, with the current command's runtime settings (`RUNTIME_KEYS`)."""
+    path = client.download_artifacts(source_run_id, "config.yaml")
+    trained = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    current = OmegaConf.to_container(cfg, resolve=True)
+    for key in RUNTIME_KEYS:
+        if key in current:
+            trained[key] = current[key]
+    for key in ("workers", "device"):
+        trained.setdefault("preprocess", {})[key] = current["preprocess"][key]
+    return OmegaConf.create(trained)
+
+
+def threshold_rule(train_cfg: DictConfig, cfg: DictConfig) -> str | float:
+    """The evaluation rule of the source CV, else of the current config, else Youden's J."""
+    rule = OmegaConf.select(train_cfg, "eval.threshold", default=None)
+    return rule if rule is not None else OmegaConf.select(cfg, "eval.threshold", default="youden")
+
+
+def final_key(source_run_id: str, val_fraction: float, seed: int) -> str:
+    text = json.dumps({"source": source_run_id, "val_fraction": val_fraction, "seed": seed}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_final(cfg: DictConfig, run: str | None = None) -> dict:
+    """`make final [RUN=<CV parent run>]`; returns the final run's id, metrics, threshold and registered version."""
+    from pipeline.analysis.inspection import InspectionError, find_cv_run
+
+    tracking_uri = cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT)
+    client = MlflowClient(tracking_uri)
+    try:
+        source = find_cv_run(client, cfg, run)
+    except InspectionError as error:
+        raise SystemExit(f"final: {error}") from None
+    source_id = source.info.run_id
+    train_cfg = training_config(cfg, client, source_id)
+    fold_file = resolve_path(train_cfg.fold_file)
+    subjects = sorted(set(read_folds(fold_file)["subject_name"]))
+    key = final_key(source_id, float(cfg.final.val_fraction), int(cfg.final.seed))
+    work_dir = resolve_path(cfg.cv.work_dir) / "final" / key
+    previous = client.search_runs([source.info.experiment_id],
+                                  f"tags.`painvit.run_kind` = 'final' and tags.`painvit.final_key` = '{key}'",
+                                  order_by=["attribute.start_time DESC"])
+    finished = [r for r in previous if r.info.status == "FINISHED"]
+    if finished and cfg.cv.resume == "auto":
+        done = finished[0]
+        print(f"final model of {source.info.run_name!r} already trained: run {done.info.run_id}, registered "
+              f"{done.data.tags.get('painvit.registered_model', '-')} version "
+              f"{done.data.tags.get('painvit.registered_version', '-')} (RESUME=never trains a new one)")
+        return {"run_id": done.info.run_id, "metrics": dict(done.data.metrics),
+                "version": done.data.tags.get("painvit.registered_version")}
+    if cfg.cv.resume == "never":
+        shutil.rmtree(work_dir, ignore_errors=True)
+    for old in previous:
+        if old.info.status == "RUNNING":  # a killed attempt: this one replaces it and continues its checkpoint
+            client.set_terminated(old.info.run_id, "KILLED")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    split_path = work_dir / SPLIT_FILE
+    if not split_path.is_file():
+        atomic_write_csv(split_path, make_split(subjects, float(cfg.final.val_fraction), int(cfg.final.seed)))
+    split = read_split(split_path)
+
+    tags = {k: source.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed",
+                                                       "fold_file_sha256", "weights_source")}
+    tags.update({"painvit.run_kind": "final", "painvit.final_key": key, "painvit.source_cv_run": source_id,
+                 "painvit.attempt": str(len(previous) + 1), **standard_tags("make final")})
+    model_name, task = train_cfg.model.name, train_cfg.task.name
+    mlflow.set_tracking_uri(tracking_uri)
+    active = mlflow.start_run(experiment_id=source.info.experiment_id, run_name=f"final {model_name} "
+                              f"{train_cfg.data.name} {task}", tags=tags)
+    run_id = active.info.run_id
+    print(f"final model: {model_name} on all {len(subjects)} subjects ({(split.role == 'val').sum()} held out for "
+          f"early stopping and the threshold), settings of CV {source.info.run_name!r} ({source_id})")
+    try:
+        result = train_final(cfg, train_cfg, client, run_id, source, split_path, work_dir)
+    except BaseException as error:
+        mlflow.log_text(traceback.format_exc(), "traceback.txt")
+        mlflow.end_run("KILLED" if isinstance(error, KeyboardInterrupt | SystemExit) else "FAILED")
+        raise
+    mlflow.end_run("FINISHED")
+    shutil.rmtree(work_dir, ignore_errors=True)
+    url = run_url(tracking_uri, source.info.experiment_id, run_id)
+    print(f"final run {run_id}: {url}")
+    print(f"registered {result['name']} version {result['version']} (alias candidate); "
+          f"`make promote MODEL={model_name} VERSION={result['version']}` makes it the champion")
+    return {"run_id": run_id, **result}
+
+
+def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, run_id: str, source, split_path: Path,
+                work_dir: Path) -> dict:
+    """Train, choose the threshold, keep and log the model, register it; inside the active final run."""
+    from pipeline.runs.cross_validation import _chunks, flat_params, identity_config
+    from pipeline.runs.fold_job import build_fold, decide, fit_fold, keep_fold_model, test_fold
+    from pipeline.runs.pain_model import log_pain_model, model_config
+
+    for chunk in _chunks(list(flat_params(identity_config(train_cfg)).items()), 100):
+        client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
+    mlflow.log_text(OmegaConf.to_yaml(train_cfg), "config.yaml")
+    mlflow.log_artifact(str(split_path))
+    decisions = decide(train_cfg, split_path)  # the weights, backbone family and precision, decided once here too
+    module, datamodule, weights = build_fold(train_cfg, 0, decisions, datamodule_class=FinalDataModule)
+    used = split_videos(datamodule, ("train", "val"))
+    mlflow.log_input(subjects_dataset(used, f"{train_cfg.data.name}-{train_cfg.task.name}-final"), context="training")
+    fitted = fit_fold(train_cfg, module, datamodule, work_dir, decisions.precision)
+    _, evaluation = test_fold(fitted, module, datamodule)
+    class_names = list(module.class_names)
+    no_pain = class_names.index("BL1") if "BL1" in class_names else 0
+    videos = evaluation.video_predictions
+    labels = (videos["label"].to_numpy() != no_pain).astype(int)
+    scores = 1.0 - videos[f"prob_{class_names[no_pain]}"].to_numpy()
+    rule = threshold_rule(train_cfg, cfg)
+    threshold = choose_threshold(labels, scores, rule)
+    at = binary_metrics_at(labels, scores, threshold)
+    metrics = {**evaluation.metrics(prefix="val/"), **{f"val/video_{k}_at_threshold": v for k, v in at.items()},
+               "threshold": threshold, "best_epoch": fitted.best_epoch, "epochs_trained": len(fitted.history),
+               "best_val_score": fitted.best_score}
+    mlflow.log_metrics({k: float(v) for k, v in metrics.items() if np.isfinite(v)})
+    with tempfile.TemporaryDirectory() as tmp:
+        videos.to_csv(Path(tmp) / "predictions_val_videos.csv", index=False)
+        mlflow.log_artifact(str(Path(tmp) / "predictions_val_videos.csv"))
+    model_path = keep_fold_model(train_cfg, module, fitted.best_path, weights, work_dir / "model.pt", final=True,
+                                 best_epoch=fitted.best_epoch, threshold=threshold, source_cv_run=source.info.run_id)
+    mlflow.log_artifact(str(model_path), "model")
+    from pipeline.runs.cross_validation import git_commit
+
+    name = registered_name(train_cfg.model.name, train_cfg.task.name)
+    metadata = {"source_cv_run": source.info.run_id, "final_run": run_id, "git_commit": git_commit(),
+                "model": train_cfg.model.name, "task": train_cfg.task.name, "dataset": train_cfg.data.name,
+                **{f"weights_{k.removeprefix('weights_')}": v for k, v in weights.items()}}
+    info = log_pain_model(model_path, model_config(train_cfg, class_names, threshold, rule), metadata,
+                          tags={"painvit.kind": "final", "painvit.source_cv_run": source.info.run_id})
+    version = register(client, info.model_uri, name, run_id, tags={"source_cv_run": source.info.run_id,
+                                                                   "threshold": f"{threshold:.4f}"})
+    client.update_model_version(name, version.version, description=(
+        f"{train_cfg.model.name}, {train_cfg.task.name}: trained on all subjects of {train_cfg.data.name} with the "
+        f"settings of CV run {source.info.run_id}; threshold {threshold:.3f} ({rule}) on the held-out validation "
+        f"subjects; final run {run_id}."))
+    mlflow.set_tags({"painvit.registered_model": name, "painvit.registered_version": str(version.version)})
+    table = pd.DataFrame([{"subjects (train / val)": f"{(datamodule.split_summary()['train']['subjects'])} / "
+                                                     f"{datamodule.split_summary()['val']['subjects']}",
+                           "val video AUROC": metrics.get("val/video_auroc", float("nan")),
+                           "threshold": threshold, "rule": str(rule),
+                           "val bal-acc at threshold": at["balanced_accuracy"],
+                           "best epoch": fitted.best_epoch}])
+    describe_run(client, run_id, f"Final {train_cfg.model.name} model, {train_cfg.task.name}", table,
+                 [f"Trained on all subjects with the settings of CV run `{source.info.run_id}` "
+                  f"({source.info.run_name}). Registered as `{name}` version {version.version} (alias `candidate`).",
+                  "The validation numbers come from the subjects that chose the checkpoint and the threshold: "
+                  "optimistic. The CV's scores are the estimate for new people."])
+    if cfg.final.ensemble:
+        ensemble = log_fold_ensemble(client, train_cfg, source, run_id, class_names)
+        mlflow.set_tag("painvit.ensemble_version", ensemble)
+        print(f"fold ensemble registered as {name}-folds version {ensemble} (alias candidate)")
+    print(f"val video AUROC {metrics.get('val/video_auroc', float('nan')):.3f}, threshold {threshold:.3f} ({rule}), "
+          f"best epoch {fitted.best_epoch} of {len(fitted.history)}")
+    return {"metrics": metrics, "threshold": threshold, "name": name, "version": str(version.version),
+            "model_uri": info.model_uri}
+
+
+def log_fold_ensemble(client: MlflowClient, train_cfg: DictConfig, source, run_id: str, class_names: list[str]) -> str:
+    """The source CV's kept fold models as one MLflow model that averages their probabilities, logged in the final
+    run and registered as `pain-<model>-<task>-folds` (alias `candidate`). Its threshold is 0.5: no subjects were
+    held out from all folds to choose one on."""
+    from pipeline.models.kept_model import MODEL_ARTIFACT
+    from pipeline.runs.cross_validation import git_commit
+    from pipeline.runs.pain_model import log_pain_model, model_config
+
+    runs = tracking.finished_fold_runs(client, source.info.run_id)
+    kept = {fold: r for fold, r in runs.items()
+            if any(a.path == MODEL_ARTIFACT for a in client.list_artifacts(r.info.run_id, "model"))}
+    if not kept:
+        raise SystemExit(f"final.ensemble: CV run {source.info.run_id} kept no fold models (cv.log_models=false)")
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [Path(client.download_artifacts(r.info.run_id, MODEL_ARTIFACT, str(Path(tmp) / f"fold_{fold}")))
+                 for fold, r in sorted(kept.items())]
+        metadata = {"source_cv_run": source.info.run_id, "final_run": run_id, "folds": sorted(kept),
+                    "git_commit": git_commit(), "model": train_cfg.model.name, "task": train_cfg.task.name}
+        info = log_pain_model(paths[0], model_config(train_cfg, class_names, 0.5, 0.5), metadata,
+                              name="fold_ensemble", tags={"painvit.kind": "fold_ensemble"}, ensemble_paths=paths[1:])
+    name = f"{registered_name(train_cfg.model.name, train_cfg.task.name)}-folds"
+    version = register(client, info.model_uri, name, run_id, tags={"source_cv_run": source.info.run_id,
+                                                                   "folds": ",".join(map(str, sorted(kept)))})
+    return str(version.version)

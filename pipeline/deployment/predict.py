@@ -1,0 +1,258 @@
+"""`make predict VIDEO=...`: the pain timeline of any video with a trained model.
+
+The model is the registered champion (`models:/pain-<model>-<task>@champion`) unless `MODEL_URI=` names another
+MLflow model or `RUN=` a fold or final run (its kept `model/model.pt`). Frames are sampled at `predict.fps` per second
+(0: every frame), the same person is followed through them (`pipeline.models.scoring`), and each scored frame gets a
+pain probability. Per video: a CSV (time_s, frame, face_found, pain_probability, pain) and a PNG timeline (probability over
+time, the threshold, the video's decision, spans without a face shaded). `VIDEO=` a folder scores every video in it
+and writes one summary row per video besides. A video without any face gets a message and an empty timeline, never
+a score.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.data.video import DEFAULT_FPS
+from pipeline.evaluation.metrics import save_png
+from pipeline.models.scoring import PainScorer
+from pipeline.runs import tracking
+from pipeline.utils.atomic_io import atomic_write_csv
+from pipeline.utils.paths import PROJECT_ROOT, resolve_path
+
+log = logging.getLogger(__name__)
+VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v")
+CHUNK = 32  # frames decoded and scored at a time: a long video never sits in memory whole
+
+
+class PredictError(RuntimeError):
+    """No model to use, or no video to score: the message says what to do."""
+
+
+@dataclass
+class VideoResult:
+    video: Path
+    frames: pd.DataFrame  # time_s, frame, face_found, pain_probability, pain
+    score: float  # NaN without a face
+    threshold: float
+    seconds: float
+
+    @property
+    def decision(self) -> str:
+        if not np.isfinite(self.score):
+            return "no face"
+        return "pain" if self.score >= self.threshold else "no pain"
+
+
+def sampled_frames(path: Path, fps: float, chunk: int = CHUNK) -> Iterator[tuple[list[int], list[float], list]]:
+    """The video's frames at `fps` per second (0: all), decoded in order, in chunks of (indices, times, frames)."""
+    capture = cv2.VideoCapture(str(path))
+    if not capture.isOpened():
+        raise PredictError(f"cannot open video {path}")
+    native = capture.get(cv2.CAP_PROP_FPS) or DEFAULT_FPS
+    step = native / fps if fps and fps > 0 else 1.0
+    indices: list[int] = []
+    times: list[float] = []
+    frames: list = []
+    index, taken = 0, 0
+    try:
+        while capture.grab():
+            if index >= round(taken * step):
+                ok, frame = capture.retrieve()
+                if ok:
+                    indices.append(index)
+                    times.append(round(index / native, 4))
+                    frames.append(frame)
+                while round(taken * step) <= index:
+                    taken += 1
+                if len(frames) == chunk:
+                    yield indices, times, frames
+                    indices, times, frames = [], [], []
+            index += 1
+    finally:
+        capture.release()
+    if frames:
+        yield indices, times, frames
+    if index == 0:
+        raise PredictError(f"{path}: no frame could be decoded")
+
+
+def score_video(scorer: PainScorer, path: Path, fps: float) -> VideoResult:
+    started = time.perf_counter()
+    follower = scorer.follower()
+    parts = []
+    for indices, times, frames in sampled_frames(path, fps):
+        table = scorer.score(frames, follower)
+        table["frame"] = indices
+        table.insert(0, "time_s", times)
+        parts.append(table)
+    frames = pd.concat(parts, ignore_index=True)
+    score = scorer.video_score(frames["pain_probability"].to_numpy())
+    return VideoResult(path, frames, score, scorer.threshold, time.perf_counter() - started)
+
+
+def plot_timeline(result: VideoResult, path: Path, title: str) -> None:
+    """Probability over time, the threshold, faceless spans shaded, the decision in the title."""
+    figure = Figure(figsize=(9, 3.2))
+    axes = figure.add_subplot()
+    table = result.frames
+    times = table["time_s"].to_numpy()
+    end = float(times[-1]) if len(times) else 1.0
+    spacing = float(np.median(np.diff(times))) if len(times) > 1 else 0.2
+    for t, found in zip(times, table["face_found"], strict=True):
+        if not found:
+            axes.axvspan(t - spacing / 2, t + spacing / 2, color="0.85", lw=0)
+    if table["face_found"].any():
+        axes.plot(times, table["pain_probability"], marker=".", lw=1.2, color="tab:red", label="pain probability")
+    else:
+        axes.text(end / 2, 0.5, "no face found: no score", ha="center", va="center", fontsize=12)
+    axes.axhline(result.threshold, color="0.3", ls="--", lw=1, label=f"threshold {result.threshold:.2f}")
+    axes.set_xlim(-spacing / 2, end + spacing / 2)
+    axes.set_ylim(0, 1)
+    axes.set_xlabel("time (s)")
+    axes.set_ylabel("pain probability")
+    score = f"score {result.score:.2f}: " if np.isfinite(result.score) else ""
+    axes.set_title(f"{title}\n{score}{result.decision} (grey: no face)", fontsize=10)
+    axes.legend(loc="upper right", fontsize=8)
+    save_png(figure, path)
+
+
+def write_outputs(result: VideoResult, out_stem: Path) -> tuple[Path, Path]:
+    csv_path, png_path = out_stem.with_suffix(".csv"), out_stem.with_suffix(".png")
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_csv(csv_path, result.frames[["time_s", "frame", "face_found", "pain_probability", "pain"]])
+    plot_timeline(result, png_path, result.video.name)
+    return csv_path, png_path
+
+
+def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None = None) -> tuple[PainScorer, str]:
+    """The scorer of an MLflow model (`model_uri`, default the champion) or of a run's kept model; and its name."""
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.runs.pain_model import _member_order, scorer_from_config
+    from pipeline.runs.registry import champion_uri
+
+    tracking_uri = cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT)
+    mlflow.set_tracking_uri(tracking_uri)
+    device = cfg.predict.device
+    if run:
+        return run_scorer(cfg, MlflowClient(tracking_uri), run, tracking_uri), f"run {run}"
+    uri = model_uri or champion_uri(cfg.model.name, cfg.task.name)
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(uri))
+    except MlflowException as error:
+        hint = ("" if model_uri else f" (run `make final MODEL={cfg.model.name}` and `make promote "
+                f"MODEL={cfg.model.name} VERSION=<n>`, or give MODEL_URI= or RUN=)")
+        raise PredictError(f"cannot load model {uri}: {error.message}{hint}") from None
+    import yaml
+
+    flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]
+    config = dict(flavor.get("config") or {})
+    config["crop"] = {**config.get("crop", {}), "min_face_fraction": float(cfg.predict.min_face_fraction)}
+    artifacts = flavor["artifacts"]
+    members = [local / artifacts[k]["path"] for k in sorted(artifacts, key=_member_order) if k.startswith("weights_")]
+    return scorer_from_config(local / artifacts["weights"]["path"], config, device, members), uri
+
+
+def run_scorer(cfg: DictConfig, client, run_id: str, tracking_uri: str) -> PainScorer:
+    """A fold's or a final run's kept model, with the crop settings of its CV and its threshold (0.5 for a fold,
+    whose validation subjects chose no threshold)."""
+    from pipeline.models.kept_model import load_fold_model
+    from pipeline.runs.pain_model import model_config
+
+    run = client.get_run(run_id)
+    kind = run.data.tags.get("painvit.run_kind")
+    if kind not in ("fold", "final"):
+        raise PredictError(f"run {run_id} is neither a fold's nor a final model's run (painvit.run_kind={kind})")
+    config_run = run_id if kind == "final" else run.data.tags["mlflow.parentRunId"]
+    trained = OmegaConf.load(client.download_artifacts(config_run, "config.yaml"))
+    OmegaConf.set_struct(trained, False)
+    trained.predict = cfg.predict
+    net, meta = load_fold_model(run_id, tracking_uri)
+    threshold = float(run.data.metrics.get("threshold", 0.5))
+    config = model_config(trained, list(meta["class_names"]), threshold, "run")
+    from pipeline.models.scoring import CropSettings
+
+    return PainScorer(net, meta, CropSettings.from_dict(config["crop"]), threshold=threshold,
+                      aggregation=config["aggregation"], topk=config["topk"], device=cfg.predict.device)
+
+
+def videos_in(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.suffix.lower() in VIDEO_SUFFIXES and p.is_file())
+        if not found:
+            raise PredictError(f"no video ({', '.join(VIDEO_SUFFIXES)}) in folder {path}")
+        return found
+    raise PredictError(f"VIDEO={path}: no such file or folder")
+
+
+def predict(scorer: PainScorer, video: Path, out_dir: Path, fps: float, model_name: str = "") -> pd.DataFrame:
+    """Score one video or every video of a folder; CSV + PNG per video, and for a folder a summary CSV (one row per
+    video). Returns the summary."""
+    videos = videos_in(video)
+    rows = []
+    folder = video if video.is_dir() else None
+    for path in videos:
+        stem = out_dir / (path.relative_to(folder).with_suffix("") if folder else Path(path.stem))
+        try:
+            result = score_video(scorer, path, fps)
+        except PredictError as error:
+            print(f"{path}: skipped ({error})")
+            rows.append({"video": str(path), "frames_scored": 0, "frames_with_face": 0, "pain_score": np.nan,
+                         "decision": f"error: {error}", "csv": "", "png": ""})
+            continue
+        csv_path, png_path = write_outputs(result, stem)
+        n_face = int(result.frames["face_found"].sum())
+        if n_face == 0:
+            print(f"{path}: no face found in any of the {len(result.frames)} sampled frames: no score "
+                  f"(timeline {png_path})")
+        else:
+            print(f"{path}: {result.decision} (score {result.score:.3f}, threshold {result.threshold:.3f}; face in "
+                  f"{n_face} of {len(result.frames)} frames; {result.seconds:.1f} s) -> {csv_path}, {png_path}")
+        rows.append({"video": str(path), "frames_scored": len(result.frames), "frames_with_face": n_face,
+                     "pain_score": result.score, "decision": result.decision, "csv": str(csv_path),
+                     "png": str(png_path)})
+    summary = pd.DataFrame(rows)
+    if folder is not None:
+        summary_path = out_dir / "videos.csv"
+        atomic_write_csv(summary_path, summary)
+        print(f"{len(summary)} videos scored with {model_name}: {summary_path}")
+    return summary
+
+
+def run_predict(cfg: DictConfig, video: str | None = None, model_uri: str | None = None, run: str | None = None,
+                out: str | None = None) -> pd.DataFrame:
+    """`make predict VIDEO=... [MODEL_URI=... | RUN=...] [FPS=5]`."""
+    if not video:
+        raise SystemExit("predict: say which video, e.g. make predict VIDEO=path/to/clip.mp4 (or a folder)")
+    started = time.perf_counter()
+    video_path = Path(video).expanduser().resolve()
+    out_dir = Path(out).expanduser().resolve() if out else resolve_path(cfg.reports_dir) / "predict"
+    if video_path.is_dir() and not out:
+        out_dir = out_dir / video_path.name
+    try:
+        videos_in(video_path)
+        scorer, name = load_scorer(cfg, model_uri or None, run or None)
+        print(f"model {name}: {scorer.meta['model_name']}, threshold {scorer.threshold:.3f} "
+              f"(loaded in {time.perf_counter() - started:.1f} s)")
+        summary = predict(scorer, video_path, out_dir, float(cfg.predict.fps), name)
+    except PredictError as error:
+        raise SystemExit(f"predict: {error}") from None
+    per_frame = scorer.timings.per_frame()
+    print(f"per frame: detection {per_frame['detect_s'] * 1000:.0f} ms, alignment {per_frame['align_s'] * 1000:.0f}"
+          f" ms, network {per_frame['network_s'] * 1000:.0f} ms; total {time.perf_counter() - started:.1f} s")
+    return summary

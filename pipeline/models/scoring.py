@@ -1,0 +1,246 @@
+"""From video frames to a pain probability per frame: find the face, follow one person, crop it as training did, run
+the network. One implementation serves `make predict`, the MLflow model (`pipeline.runs.pain_model`) and the benchmark,
+so a served answer and a predicted CSV agree on the same frames.
+
+The crop repeats preprocessing (`pipeline.data.face_crops.crop_video`): aligned on MTCNN's five landmarks (or a square
+around the box for a model trained on square crops) with the training margin and crop size, JPEG-encoded at the
+training quality, then the evaluation transform of the kept model (central crop fraction, resize, mean/std). Two
+things differ on purpose: the smallest face searched for is a setting of its own (`min_face_fraction`, 5 % of the
+shorter side by default, where BioVid's crops search from 10 %), and boxes are not smoothed over time (frames of a new
+recording may be seconds apart or absent, and each scored frame should show that frame's face).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import cv2
+import numpy as np
+import pandas as pd
+import torch
+
+from pipeline.data.augment import build_eval_transform
+from pipeline.models.backbones import PainNet
+from pipeline.models.kept_model import data_config_of
+
+NO_PAIN_CLASS = "BL1"
+OUTPUT_COLUMNS = ("frame", "face_found", "pain_probability", "pain")
+
+
+@dataclass(frozen=True)
+class CropSettings:
+    """How the training crops were made (the CV's `preprocess.*`), and how faces are searched for here."""
+
+    detector: str = "mtcnn"
+    align: bool = True
+    margin: float = 0.2
+    crop_size: int = 224
+    jpeg_quality: int = 95
+    min_face_fraction: float = 0.05  # the smallest face searched for, as a fraction of the frame's shorter side
+    max_side: int = 720  # frames are halved until their longer side is at most this before detection
+    max_jump: float = 1.0  # a detection further than this many face sides from the followed face is someone else
+    reacquire_after: int = 10  # after this many frames without the followed face, follow the most plausible one
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> CropSettings:
+        known = {k: values[k] for k in cls.__dataclass_fields__ if k in values and values[k] is not None}
+        return cls(**known)
+
+
+@dataclass
+class Timings:
+    """Seconds spent per stage, summed over calls (the benchmark reports them per frame)."""
+
+    detect: float = 0.0
+    align: float = 0.0
+    network: float = 0.0
+    frames: int = 0
+
+    def per_frame(self) -> dict[str, float]:
+        n = max(1, self.frames)
+        return {"detect_s": self.detect / n, "align_s": self.align / n, "network_s": self.network / n}
+
+
+def plausibility(found: np.ndarray) -> np.ndarray:
+    """MTCNN's rows (x1, y1, x2, y2, score, ...) ranked as preprocessing ranks them: the largest among those about as
+    confident as the most confident (a torso can pass as a big face with a low score)."""
+    area = (found[:, 2] - found[:, 0]) * (found[:, 3] - found[:, 1])
+    return np.where(found[:, 4] >= found[:, 4].max() - 0.02, area, -1.0)
+
+
+class FaceFollower:
+    """One face per frame, always the same person's: the most plausible face first, then in each frame the detection
+    nearest the last followed face (its centre within `max_jump` face sides); a frame where only others are seen has
+    no face. After `reacquire_after` frames without the person, the most plausible face is followed again. Keeps its
+    state between calls, so a long video can be scored chunk by chunk."""
+
+    def __init__(self, max_jump: float = 1.0, reacquire_after: int = 10) -> None:
+        self.max_jump, self.reacquire_after = max_jump, reacquire_after
+        self.previous: np.ndarray | None = None
+        self.missing = 0
+
+    def step(self, found: np.ndarray) -> np.ndarray | None:
+        pick = None
+        if len(found):
+            if self.previous is None:
+                pick = found[int(np.argmax(plausibility(found)))]
+            else:
+                previous = self.previous
+                centres = np.stack([(found[:, 0] + found[:, 2]) / 2, (found[:, 1] + found[:, 3]) / 2], 1)
+                centre = np.array([(previous[0] + previous[2]) / 2, (previous[1] + previous[3]) / 2])
+                side = max(previous[2] - previous[0], previous[3] - previous[1], 1.0)
+                distance = np.linalg.norm(centres - centre, axis=1) / side
+                nearest = int(np.argmin(distance))
+                pick = found[nearest] if distance[nearest] <= self.max_jump else None
+        if pick is None:
+            self.missing += 1
+            if self.missing >= self.reacquire_after:
+                self.previous = None
+        else:
+            self.previous, self.missing = pick, 0
+        return pick
+
+
+def follow_one_face(found_per_frame: Sequence[np.ndarray], max_jump: float = 1.0,
+                    reacquire_after: int = 10) -> list[np.ndarray | None]:
+    """`FaceFollower` over a whole sequence."""
+    follower = FaceFollower(max_jump, reacquire_after)
+    return [follower.step(found) for found in found_per_frame]
+
+
+class PainScorer:
+    """A kept model plus its crop settings: `score(frames)` -> one row per frame (see `OUTPUT_COLUMNS`)."""
+
+    def __init__(self, net: PainNet, meta: dict[str, Any], settings: CropSettings, threshold: float = 0.5,
+                 aggregation: str = "mean", topk: int = 3, device: str = "cpu", batch_size: int = 32,
+                 ensemble: Sequence[PainNet] = ()) -> None:
+        self.net = net.eval().to(device)
+        # a fold ensemble: every network sees the same crop, their class probabilities are averaged
+        self.ensemble = [member.eval().to(device) for member in ensemble]
+        self.meta = meta
+        self.settings = settings
+        self.threshold = float(threshold)
+        self.aggregation, self.topk = aggregation, int(topk)
+        self.device = device
+        self.batch_size = batch_size
+        self.class_names = list(meta["class_names"])
+        crop_fraction = (meta.get("loader") or {}).get("crop_fraction") or 1.0
+        self.transform = build_eval_transform(data_config_of(meta), float(crop_fraction))
+        self.timings = Timings()
+        self._detector = None
+
+    @property
+    def no_pain_index(self) -> int:
+        return self.class_names.index(NO_PAIN_CLASS) if NO_PAIN_CLASS in self.class_names else 0
+
+    def detector(self):
+        """Built on first use: MTCNN (every face of a frame, with landmarks), or Haar's cascade (box only)."""
+        if self._detector is None:
+            if self.settings.detector == "mtcnn":
+                from pipeline.data.mtcnn import MTCNN
+
+                self._detector = MTCNN(self.device, min_face_fraction=self.settings.min_face_fraction,
+                                       max_side=self.settings.max_side)
+            else:
+                from pipeline.data.faces import build_detector
+
+                self._detector = build_detector(self.settings.detector,
+                                                min_size_fraction=self.settings.min_face_fraction)
+        return self._detector
+
+    def find_faces(self, frames_bgr: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Every face of every frame as rows (x1, y1, x2, y2, score, 5 landmark x, 5 landmark y); frames of
+        different sizes are detected in runs of equal size."""
+        detector = self.detector()
+        found: list[np.ndarray] = []
+        start = 0
+        while start < len(frames_bgr):
+            end = start + 1
+            while (end < len(frames_bgr) and end - start < 16
+                   and frames_bgr[end].shape == frames_bgr[start].shape):
+                end += 1
+            batch = list(frames_bgr[start:end])
+            if self.settings.detector == "mtcnn":
+                found += detector.detect(batch)
+            else:
+                for frame in batch:
+                    box = detector.detect(frame)
+                    found.append(np.empty((0, 15)) if box is None else np.array(
+                        [[box[0], box[1], box[0] + box[2], box[1] + box[3], 1.0, *([np.nan] * 10)]]))
+            start = end
+        return found
+
+    def crop(self, frame_bgr: np.ndarray, face: np.ndarray) -> np.ndarray:
+        """The face as the network saw its training crops: an RGB crop after the JPEG round trip."""
+        from pipeline.data.faces import aligned_crop, square_crop
+
+        s = self.settings
+        if s.align:
+            landmarks = np.stack([face[5:10], face[10:15]], axis=1)
+            crop, _ = aligned_crop(frame_bgr, landmarks, margin=s.margin, size=s.crop_size)
+        else:
+            x1, y1, x2, y2 = (float(v) for v in face[:4])
+            box = (round(x1), round(y1), max(1, round(x2 - x1)), max(1, round(y2 - y1)))
+            crop = square_crop(frame_bgr, box, margin=s.margin, size=s.crop_size)
+        ok, encoded = cv2.imencode(".jpg", crop, [cv2.IMWRITE_JPEG_QUALITY, s.jpeg_quality])
+        if not ok:
+            raise RuntimeError("JPEG encoding of a face crop failed")
+        return cv2.cvtColor(cv2.imdecode(encoded, cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+
+    @torch.inference_mode()
+    def probabilities(self, crops_rgb: Sequence[np.ndarray]) -> np.ndarray:
+        """Pain probability (1 - P(no pain)) of each crop."""
+        if not crops_rgb:
+            return np.empty(0)
+        out = []
+        for start in range(0, len(crops_rgb), self.batch_size):
+            batch = torch.stack([self.transform(image=c)["image"] for c in crops_rgb[start:start + self.batch_size]])
+            batch = batch.to(self.device)
+            probs = [n(batch).float().softmax(dim=1).cpu().numpy() for n in (self.net, *self.ensemble)]
+            out.append(np.mean(probs, axis=0))
+        probs = np.concatenate(out)
+        return 1.0 - probs[:, self.no_pain_index]
+
+    def follower(self) -> FaceFollower:
+        return FaceFollower(self.settings.max_jump, self.settings.reacquire_after)
+
+    def score(self, frames_bgr: Sequence[np.ndarray], follower: FaceFollower | None = None) -> pd.DataFrame:
+        """One row per frame, in order: frame (position), face_found, pain_probability (NaN without a face) and
+        pain (probability >= threshold; None without a face). Pass one `follower` to successive calls to follow
+        the same person through a video scored in chunks."""
+        started = time.perf_counter()
+        follower = follower or self.follower()
+        faces = [follower.step(found) for found in self.find_faces(frames_bgr)]
+        detected = time.perf_counter()
+        with_face = [i for i, face in enumerate(faces) if face is not None]
+        crops = [self.crop(frames_bgr[i], faces[i]) for i in with_face]
+        cropped = time.perf_counter()
+        probs = self.probabilities(crops)
+        finished = time.perf_counter()
+        self.timings.detect += detected - started
+        self.timings.align += cropped - detected
+        self.timings.network += finished - cropped
+        self.timings.frames += len(frames_bgr)
+        probability = np.full(len(frames_bgr), np.nan)
+        probability[with_face] = probs
+        found = np.zeros(len(frames_bgr), dtype=bool)
+        found[with_face] = True
+        pain = [bool(p >= self.threshold) if f else None for p, f in zip(probability, found, strict=True)]
+        return pd.DataFrame({"frame": np.arange(len(frames_bgr)), "face_found": found,
+                             "pain_probability": probability, "pain": pain})
+
+    def video_score(self, probabilities: np.ndarray) -> float:
+        """The video's pain score from its frames' probabilities, aggregated as in training (`trainer.aggregation`);
+        NaN without any face."""
+        values = np.asarray(probabilities, dtype=float)
+        values = values[np.isfinite(values)]
+        if not len(values):
+            return float("nan")
+        if self.aggregation == "max":
+            return float(values.max())
+        if self.aggregation == "topk":
+            return float(np.sort(values)[::-1][: self.topk].mean())
+        return float(values.mean())
