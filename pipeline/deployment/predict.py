@@ -3,10 +3,10 @@
 The model is the registered champion (`models:/pain-<model>-<task>@champion`) unless `MODEL_URI=` names another
 MLflow model or `RUN=` a fold or final run (its kept `model/model.pt`). Frames are sampled at `predict.fps` per second
 (0: every frame), the same person is followed through them (`pipeline.models.scoring`), and each scored frame gets a
-pain probability. Per video: a CSV (time_s, frame, face_found, pain_probability, pain) and a PNG timeline (probability over
-time, the threshold, the video's decision, spans without a face shaded). `VIDEO=` a folder scores every video in it
-and writes one summary row per video besides. A video without any face gets a message and an empty timeline, never
-a score.
+pain probability. Per video: a CSV (time_s, frame, face_found, pain_probability, pain) and a PNG timeline
+(probability over time, the threshold, the video's decision, spans without a face shaded). `VIDEO=` a folder scores
+every video in it and writes one summary row per video besides. A video without any face gets a message and an empty
+timeline, never a score.
 """
 
 from __future__ import annotations
