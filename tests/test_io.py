@@ -51,8 +51,10 @@ def test_a_replaced_file_keeps_its_mode_and_a_private_file_stays_private(tmp_pat
 
 def test_fold_job_files_are_private(tmp_path: Path) -> None:
     """A fold job's JSON holds the tracking URI, which may carry a database password."""
-    from pipeline.runs.fold_job import FoldJob
+    from pipeline.runs.fold_job import FoldDecisions, FoldJob
 
-    job = FoldJob({"a": 1}, 0, "parent", "postgresql://user:secret@db/mlflow", str(tmp_path / "work"))
+    weights = {"kind": "random", "ref": "", "sha256": None}
+    decisions = FoldDecisions(str(tmp_path / "folds.csv"), "32-true", "vit", weights)
+    job = FoldJob({"a": 1}, 0, "parent", "postgresql://user:secret@db/mlflow", str(tmp_path / "work"), decisions)
     path = job.write(tmp_path / "job.json")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and FoldJob.read(path) == job
