@@ -9,7 +9,9 @@ three ways and prints each fold's test metrics side by side:
 - killed once fold 1's epoch-1 checkpoint is on disk, then run again (it continues from that checkpoint).
 
 The kill points are held, not guessed: tests/gated_cv.py stops the process at the checkpoint writer and this script
-kills it there. It also prints the size of an epoch checkpoint and the wall time of each epoch of the straight run.
+kills it there. It also prints the size of an epoch checkpoint, and what the keyed draws cost: the time to load and
+augment one crop with its own seed (what training does now) against without (what it did before), interleaved over
+the same crops, and the time of the per-batch reseed.
 
 Run:
     .venv/bin/python scripts/bench_resume.py                       # 3 folds, 4 epochs, no loader workers
@@ -69,6 +71,60 @@ def fold_metrics(db: Path) -> dict[str, dict[str, float]]:
             for fold, run in sorted(tracking.finished_fold_runs(client, parent.info.run_id).items())}
 
 
+def checkpoint_size_without_datamodule_state(path: Path) -> int:
+    """The checkpoint's size as the code before exact resume wrote it: the same file less the DataModule's state."""
+    import io
+
+    import torch
+
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint.pop("PainDataModule", None)
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    return buffer.getbuffer().nbytes
+
+
+def draw_cost(base: Path, rounds: int = 5, items: int = 200) -> dict[str, float]:
+    """Microseconds per crop: load + augment with a per-item seed (EpochSampler) against without; per-batch reseed."""
+    import numpy as np
+    import torch
+
+    from pipeline.data.datamodule import LoaderConfig, PainDataModule
+    from pipeline.data.prepare import fold_file_path
+    from pipeline.data.tasks import get_task
+    from pipeline.models.backbones import create_backbone
+    from pipeline.utils.config import load_config
+    from pipeline.utils.seeds import derived_seed
+
+    cfg = load_config(tiny_overrides(base, *SETTINGS, "augment=heavy"))
+    backbone, _ = create_backbone(cfg.model.name, img_size=cfg.model.img_size)
+    from omegaconf import OmegaConf
+
+    datamodule = PainDataModule(Path(cfg.data.processed_dir), fold_file_path(cfg), 0, get_task(cfg.task.name),
+                                backbone.data_config, OmegaConf.to_container(cfg.augment),
+                                LoaderConfig.from_config(cfg.loader, num_workers=0), seed=cfg.seed)
+    datamodule.setup()
+    dataset = datamodule.dataset("train")
+    count = min(items, len(dataset))
+    seeds = np.random.default_rng(0).integers(0, 2**63 - 1, size=count).tolist()
+    plain, keyed = [], []
+    for _ in range(rounds):  # A B A B: the machine's drift hits both alike
+        started = time.perf_counter()
+        for item in range(count):
+            dataset[item]
+        plain.append((time.perf_counter() - started) / count)
+        started = time.perf_counter()
+        for item in range(count):
+            dataset[(item, seeds[item])]
+        keyed.append((time.perf_counter() - started) / count)
+    started = time.perf_counter()
+    for batch in range(1000):
+        torch.manual_seed(derived_seed(0, 0, 1, batch))
+    reseed = (time.perf_counter() - started) / 1000
+    return {"crop_us_before": 1e6 * float(np.median(plain)), "crop_us_keyed": 1e6 * float(np.median(keyed)),
+            "batch_reseed_us": 1e6 * reseed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=ROOT / "reports" / "bench" / "resume")
@@ -98,6 +154,7 @@ def main() -> None:
     run(command("killed_late.db", "1", "1", "after", str(marker)), marker)
     checkpoint = next((base / "runs_killed_late.db").glob("*/fold_1/last.ckpt"))
     size = checkpoint.stat().st_size
+    size_without = checkpoint_size_without_datamodule_state(checkpoint)
     marker.unlink()
     seconds["killed after fold 1's epoch-1 checkpoint, then rerun"] = run(command("killed_late.db"))
 
@@ -111,11 +168,17 @@ def main() -> None:
             print(f"{fold:<5}{metric:<22}" + "".join(f"{value:>15.6f}" for value in values))
     identical = all(results[name] == results["straight"] for name in results)
     print(f"\nevery metric of every fold identical to the straight run: {identical}")
-    print(f"epoch checkpoint (last.ckpt) of fold 1 after epoch 1: {size:,} bytes")
+    print(f"epoch checkpoint (last.ckpt) of fold 1 after epoch 1: {size:,} bytes; without the state this change "
+          f"adds (the DataModule's next epoch): {size_without:,} bytes")
     for name, value in seconds.items():
         print(f"wall time, {name}: {value:.1f} s")
+    cost = draw_cost(base)
+    print(f"load + heavy augmentation of one crop: {cost['crop_us_before']:.0f} us without a per-crop seed, "
+          f"{cost['crop_us_keyed']:.0f} us with it (median of 5 interleaved rounds); per-batch reseed "
+          f"{cost['batch_reseed_us']:.0f} us")
     (base / "resume_check.json").write_text(json.dumps({"identical": identical, "checkpoint_bytes": size,
-                                                         "seconds": seconds, "metrics": results}, indent=1))
+                                                         "seconds": seconds, "cost": cost, "metrics": results},
+                                                        indent=1))
 
 
 if __name__ == "__main__":
