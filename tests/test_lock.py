@@ -55,6 +55,8 @@ def test_the_lock_satisfies_every_declared_requirement() -> None:
     for text in requirements:
         requirement = Requirement(text)
         name = lock.canonical(requirement.name)
+        if name == "painvit":  # an extra that pulls in another extra of the project (painvit[export])
+            continue
         assert name in pins, f"{requirement.name} is declared but not locked: run make lock"
         assert requirement.specifier.contains(pins[name], prereleases=True), (
             f"{requirement.name} locked at {pins[name]}, outside {requirement.specifier}")

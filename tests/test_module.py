@@ -8,8 +8,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from pipeline.data.datamodule import PainDataModule
-from pipeline.data.fold_files import fold_subjects, read_folds
+from pipeline.data.datamodule import FrameDataset, PainDataModule
 from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
 from pipeline.models.backbones import create_model
@@ -144,12 +143,14 @@ def test_fused_adamw_still_clips_gradients(tiny_config, precision: str) -> None:
 
 
 class OneClassValidation(PainDataModule):
-    """The fold's data with a validation split that holds no-pain videos only: its AUROC is undefined."""
+    """The fold's data with a validation split that holds no-pain videos only: its AUROC is undefined. (Cut after
+    the split: a participant with one class of a binary task is left out of it before, as unusable.)"""
 
-    def _read_frame_table(self):
-        table = super()._read_frame_table()
-        validation_subjects = fold_subjects(read_folds(self.fold_file), self.fold)["val"]
-        return table[~table["subject_name"].isin(validation_subjects) | (table["class_name"] == "BL1")]
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        validation = self._splits["val"]
+        self._splits["val"] = validation[validation["class_name"] == "BL1"]
+        self._datasets["val"] = FrameDataset(self._splits["val"], self.processed_dir, self.eval_transform)
 
 
 def one_class_fit(cfg, monitor: str) -> tuple[PainClassifier, pl.Trainer]:
