@@ -36,7 +36,8 @@ def render_clip(folder: Path) -> Path:
     """One full-size (1388 x 1038) PA4 clip of the twin's first subject, 5.5 s at 25 fps."""
     from dataclasses import replace
 
-    from pipeline.data.synthetic import PRESETS, make_samples, make_subjects, write_video
+    from pipeline.data.synthetic import PRESETS, make_samples, make_subjects
+    from pipeline.data.synthetic.videos import write_video
 
     config = replace(PRESETS["full"], n_subjects=1, samples_per_class=1)
     subjects = make_subjects(config)

@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def plot(report: Mapping[str, Any], path: Path) -> Path:
     from matplotlib.figure import Figure
 
-    from pipeline.evaluation.metrics import save_png
+    from pipeline.utils.atomic_io import save_png
 
     models = list(report["models"])
     entries = [report["models"][m] for m in models]

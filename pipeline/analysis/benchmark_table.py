@@ -22,9 +22,8 @@ from matplotlib.figure import Figure
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 
-from pipeline.evaluation.metrics import save_png
 from pipeline.runs import tracking
-from pipeline.utils.atomic_io import atomic_path, atomic_write_csv
+from pipeline.utils.atomic_io import atomic_path, atomic_write_csv, save_png
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import PROJECT_ROOT, resolve_path
 

@@ -23,7 +23,6 @@ from matplotlib.ticker import EngFormatter, LogLocator, MaxNLocator, NullFormatt
 from mlflow import MlflowClient
 from mlflow.entities import Run, RunStatus
 
-from pipeline.evaluation.metrics import save_png
 from pipeline.evaluation.statistics import (
     SUBJECT_METRICS,
     holm,
@@ -33,7 +32,7 @@ from pipeline.evaluation.statistics import (
     subject_scores,
 )
 from pipeline.runs import tracking
-from pipeline.utils.atomic_io import atomic_write_csv
+from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import resolve_path
 
 logger = logging.getLogger(__name__)

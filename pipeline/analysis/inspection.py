@@ -47,12 +47,12 @@ from pipeline.data.augment import denormalize
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.fold_files import fold_file_sha256
 from pipeline.data.tasks import get_task
-from pipeline.evaluation.metrics import aggregate_videos, save_png, summarize_folds
+from pipeline.evaluation.metrics import aggregate_videos, summarize_folds
 from pipeline.models.backbones import PainNet, create_model
 from pipeline.models.introspection import vit_of
 from pipeline.models.kept_model import load_fold_model
 from pipeline.runs import tracking
-from pipeline.utils.atomic_io import atomic_write_csv
+from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)

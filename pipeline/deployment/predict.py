@@ -24,10 +24,9 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.video import DEFAULT_FPS
-from pipeline.evaluation.metrics import save_png
 from pipeline.models.scoring import PainScorer
 from pipeline.runs import tracking
-from pipeline.utils.atomic_io import atomic_write_csv
+from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import PROJECT_ROOT, resolve_path
 
 log = logging.getLogger(__name__)

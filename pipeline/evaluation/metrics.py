@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from sklearn.metrics import accuracy_score, balanced_accuracy_score, f1_score, roc_auc_score, roc_curve
 
-from pipeline.utils.atomic_io import atomic_path
+from pipeline.utils.atomic_io import save_png
 
 AGGREGATIONS = ("mean", "max", "topk")
 VIDEO_KEYS = ["subject_name", "sample_name"]
@@ -229,13 +228,6 @@ def summarize_folds(fold_metrics: Sequence[Mapping[str, float]]) -> dict[str, fl
         summary[f"{name}_mean"] = mean
         summary[f"{name}_std"] = std
     return summary
-
-
-def save_png(figure: Figure, path: str | os.PathLike) -> None:
-    """Render a figure to PNG atomically (temporary file beside `path`, then rename)."""
-    FigureCanvasAgg(figure)
-    with atomic_path(path, suffix=".png") as tmp:
-        figure.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
 
 
 def plot_confusion(matrix: np.ndarray, class_names: Sequence[str], path: str | os.PathLike, title: str = "") -> None:

@@ -75,3 +75,13 @@ def atomic_write_csv(path: str | os.PathLike, frame: pd.DataFrame, sep: str = ",
     """Write a DataFrame as CSV (no index) atomically."""
     with atomic_path(path) as tmp:
         frame.to_csv(tmp, sep=sep, index=False)
+
+
+def save_png(figure, path: str | os.PathLike) -> None:
+    """Render a matplotlib figure to PNG atomically (temporary file beside `path`, then rename). Here, not beside the
+    plots, so that a command that only draws one (make predict) need not import the metrics and scikit-learn."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(figure)
+    with atomic_path(path, suffix=".png") as tmp:
+        figure.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
