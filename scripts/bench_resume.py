@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from tests.conftest import tiny_overrides  # noqa: E402
 
 SETTINGS = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.batch_size=8",
             "trainer.max_epochs=4", "trainer.patience=4", "trainer.folds=[0,1,2]", "augment=light",
-            "trainer.deterministic=true", "cv.resume=never")
+            "trainer.deterministic=true")
 
 
 def run(command: list[str], marker: Path | None = None) -> float:
@@ -143,8 +144,9 @@ def main() -> None:
         return [sys.executable, "-m", "pipeline", "cv", *overrides]
 
     print(f"CPU: {cpu_description()}; loader workers {args.workers}")
-    for db in ("straight.db", "killed_early.db", "killed_late.db"):
+    for db in ("straight.db", "killed_early.db", "killed_late.db"):  # every run from nothing
         (base / db).unlink(missing_ok=True)
+        shutil.rmtree(base / f"runs_{db}", ignore_errors=True)
     seconds = {"straight": run(command("straight.db"))}
     marker = base / "held"
     marker.unlink(missing_ok=True)
