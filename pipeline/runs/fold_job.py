@@ -385,7 +385,7 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         mlflow.log_artifact(str(path), str(Path(MODEL_ARTIFACT).parent))
         from pipeline.runs.pain_model import log_fold_model
 
-        log_fold_model(cfg, path, fold, list(module.class_names), weights)
+        log_fold_model(cfg, path, fold, list(module.class_names), weights, threshold, rule)
     return FoldResult(fold, metrics, predictions, evaluation.video_predictions, time.time() - started)
 
 

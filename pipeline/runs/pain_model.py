@@ -112,14 +112,17 @@ def model_config(train_cfg, class_names: list[str], threshold: float, rule) -> d
                      "min_face_fraction": min_face}}
 
 
-def log_fold_model(cfg, weights_path: Path, fold: int, class_names: list[str], weights: dict[str, str]):
-    """A CV fold's kept model as an MLflow model in the active fold run (the UI's Models tab lists it), at the
-    threshold 0.5: a fold's validation subjects chose its checkpoint, not a threshold. Not registered."""
+def log_fold_model(cfg, weights_path: Path, fold: int, class_names: list[str], weights: dict[str, str],
+                   threshold: float, rule: str):
+    """A CV fold's kept model as an MLflow model in the active fold run (the UI's Models tab lists it), deciding at
+    the threshold its validation subjects chose (`rule` as the fold run records it; 0.5 where there is none, as for
+    five classes). Not registered."""
     from pipeline.runs.cross_validation import git_commit
 
     metadata = {"fold": fold, "git_commit": git_commit(), "model": cfg.model.name, "task": cfg.task.name,
                 "dataset": cfg.data.name, **weights}
-    return log_pain_model(weights_path, model_config(cfg, class_names, 0.5, 0.5), metadata, name=f"fold_{fold}",
+    decided = float(threshold) if threshold == threshold else 0.5  # NaN: no threshold was chosen
+    return log_pain_model(weights_path, model_config(cfg, class_names, decided, rule), metadata, name=f"fold_{fold}",
                           tags={"painvit.kind": "fold", "painvit.fold": str(fold)})
 
 
