@@ -117,6 +117,7 @@ def test_predict_writes_a_timeline_for_a_video_and_a_folder_with_a_faceless_clip
     capsys.readouterr()
     summary = run_predict(cfg, video=str(folder), out=str(own / "many"))
     out = capsys.readouterr().out
+    assert out.startswith("device: ")  # the device it runs on, said first (predict.device=cpu here)
     assert "no face found in any of the 6 sampled frames: no score" in out
     listed = pd.read_csv(own / "many" / "videos.csv")
     assert len(listed) == 2 and len(summary) == 2

@@ -45,8 +45,9 @@ from pipeline.runs.registry import (
     standard_tags,
     subjects_dataset,
 )
+from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_write_csv
-from pipeline.utils.paths import PROJECT_ROOT, resolve_path
+from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
 # Where and how a run happens, not what it learns: taken from the current command, not from the source CV.
@@ -140,7 +141,8 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
     """`make final [RUN=<CV parent run>]`; returns the final run's id, metrics, threshold and registered version."""
     from pipeline.analysis.inspection import InspectionError, find_cv_run
 
-    tracking_uri = cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT)
+    announce_device(cfg.trainer.accelerator)  # said first; a GPU asked for and not usable stops here
+    tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
     client = MlflowClient(tracking_uri)
     try:
         source = find_cv_run(client, cfg, run)

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.data.video import DEFAULT_FPS
 from pipeline.models.scoring import PainScorer
 from pipeline.runs import tracking
+from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import PROJECT_ROOT, resolve_path
 
@@ -238,6 +239,7 @@ def run_predict(cfg: DictConfig, video: str | None = None, model_uri: str | None
     """`make predict VIDEO=... [MODEL_URI=... | RUN=...] [FPS=5]`."""
     if not video:
         raise SystemExit("predict: say which video, e.g. make predict VIDEO=path/to/clip.mp4 (or a folder)")
+    announce_device(cfg.predict.device)  # where the network and the detector run, said first
     started = time.perf_counter()
     video_path = Path(video).expanduser().resolve()
     out_dir = Path(out).expanduser().resolve() if out else resolve_path(cfg.reports_dir) / "predict"
