@@ -258,8 +258,7 @@ class PainDataModule(pl.LightningDataModule):
         table = self._read_frame_table()
         # The fold file may cover a subset of the preprocessed subjects (e.g. the 67 responders out of 87), so it is
         # checked on its own (roles, duplicates, leaks) and then must only name subjects that have frames.
-        folds = read_folds(self.fold_file)
-        roles = fold_subjects(folds, self.fold)
+        roles = self.subject_roles()
         subjects_with_frames = set(table["subject_name"])
         without_frames = sorted({s for members in roles.values() for s in members} - subjects_with_frames)
         if without_frames:
@@ -290,6 +289,10 @@ class PainDataModule(pl.LightningDataModule):
             )
             for role, rows in splits.items()
         }
+
+    def subject_roles(self) -> dict[str, list[str]]:
+        """Which subjects train, validate and test: fold `fold` of the fold file, read and leak-checked."""
+        return fold_subjects(read_folds(self.fold_file), self.fold)
 
     def _read_frame_table(self) -> pd.DataFrame:
         if not self.frames_csv.is_file():

@@ -90,7 +90,7 @@ def usable_strata(
     return {subject: "" for subject in subjects}, "none"
 
 
-def _stratified_sample(
+def stratified_sample(
     pool: Sequence[str], n_pick: int, strata: Mapping[str, str] | None, rng: np.random.Generator
 ) -> list[str]:
     """Draw `n_pick` subjects from `pool`, each stratum represented in proportion to its size.
@@ -190,14 +190,14 @@ def make_folds(
         test_sets = _kfold_test_sets(names, k, strata, rng)
     else:
         n_test = min(max(1, round(test_fraction * n)), n - 2)
-        test_sets = [_stratified_sample(names, n_test, strata, rng)]
+        test_sets = [stratified_sample(names, n_test, strata, rng)]
 
     rows: list[tuple[int, str, str]] = []
     for fold, test_set in enumerate(test_sets):
         tested = set(test_set)
         non_test = [name for name in names if name not in tested]
         n_val = min(max(1, round(val_fraction * len(non_test))), len(non_test) - 1)
-        val_set = set(_stratified_sample(non_test, n_val, strata, rng))
+        val_set = set(stratified_sample(non_test, n_val, strata, rng))
         rows.extend((fold, name, "test") for name in test_set)
         rows.extend((fold, name, "val" if name in val_set else "train") for name in non_test)
     return _sorted_fold_table(pd.DataFrame(rows, columns=list(FOLD_COLUMNS)))

@@ -32,8 +32,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Param
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.data.datamodule import FrameDataset, PainDataModule, evenly_spaced_frames, frames_from
-from pipeline.data.fold_files import _stratified_sample, read_folds, subject_strata
+from pipeline.data.datamodule import PainDataModule
+from pipeline.data.fold_files import read_folds, stratified_sample, subject_strata
 from pipeline.evaluation.thresholds import binary_metrics_at, choose_threshold
 from pipeline.runs import tracking
 from pipeline.runs.registry import (
@@ -56,35 +56,13 @@ SPLIT_FILE = "final_split.csv"
 
 
 class FinalDataModule(PainDataModule):
-    """The final model's frames: train and val subjects from a split file (`subject_name, role`), and the val frames
-    again as the test split (the threshold is chosen on them)."""
+    """The final model's frames: train and val subjects from a split file (`subject_name, role`), and the val subjects
+    again as the test split (the threshold is chosen on them). Everything else is `PainDataModule`'s."""
 
-    def setup(self, stage: str | None = None) -> None:
-        if self._splits is not None:
-            return
+    def subject_roles(self) -> dict[str, list[str]]:
         split = read_split(self.fold_file)
-        table = self._read_frame_table()
-        missing = sorted(set(split["subject_name"]) - set(table["subject_name"]))
-        if missing:
-            raise ValueError(f"{self.fold_file}: {len(missing)} subject(s) have no frames in {self.frames_csv}: "
-                             f"{missing[:5]}")
-        frames = table[table["class_name"].isin(self.task.classes)].copy()
-        frames["label"] = frames["class_name"].map(self.task.label_map()).astype(np.int64)
-        if self.from_s is not None:
-            frames = frames_from(frames, self.from_s, self.frames_csv)
-        if self.frames_per_video is not None:
-            frames = evenly_spaced_frames(frames, self.frames_per_video)
-        splits = {}
-        for role in ("train", "val"):
-            members = split.loc[split["role"] == role, "subject_name"]
-            splits[role] = frames[frames["subject_name"].isin(members)]
-            if splits[role].empty:
-                raise ValueError(f"{self.fold_file}: role {role!r} has no frames of task {self.task.name}")
-        splits["test"] = splits["val"]
-        self._splits = splits
-        self._datasets = {role: FrameDataset(rows, self.processed_dir,
-                                             self.train_transform if role == "train" else self.eval_transform)
-                          for role, rows in splits.items()}
+        roles = {role: sorted(split.loc[split["role"] == role, "subject_name"]) for role in ("train", "val")}
+        return {**roles, "test": roles["val"]}
 
 
 def read_split(path: Path) -> pd.DataFrame:
@@ -109,7 +87,7 @@ def make_split(subjects: list[str], val_fraction: float, seed: int) -> pd.DataFr
     if len(names) < 2:
         raise ValueError(f"the final model needs at least 2 subjects (train and val), got {len(names)}")
     n_val = min(max(1, round(val_fraction * len(names))), len(names) - 1)
-    val = set(_stratified_sample(names, n_val, subject_strata(names), np.random.default_rng(seed)))
+    val = set(stratified_sample(names, n_val, subject_strata(names), np.random.default_rng(seed)))
     return pd.DataFrame({"subject_name": names, "role": ["val" if n in val else "train" for n in names]})
 
 
