@@ -93,9 +93,8 @@ class PainClassifier(pl.LightningModule):
         self._outputs: dict[str, list] = {"val": [], "test": []}
         self.test_predictions: pd.DataFrame | None = None  # per-frame test predictions, set by the test epoch
         self.test_evaluation: Evaluation | None = None
-        # the latest validation epoch's predictions; after `trainer.validate(ckpt_path=best)` the best checkpoint's,
-        # from which the fold's decision threshold is chosen
-        self.val_predictions: pd.DataFrame | None = None
+        # the latest validation epoch's scores; after `trainer.validate(ckpt_path=best)` the best checkpoint's, from
+        # whose videos the fold's decision threshold is chosen
         self.val_evaluation: Evaluation | None = None
         self._warned_undefined: set[str] = set()
 
@@ -166,7 +165,7 @@ class PainClassifier(pl.LightningModule):
         if self.trainer.sanity_checking:
             self._outputs["val"] = []
             return
-        self.val_predictions, self.val_evaluation = self._log_metrics("val")
+        _, self.val_evaluation = self._log_metrics("val")
 
     def on_test_epoch_end(self) -> None:
         self.test_predictions, self.test_evaluation = self._log_metrics("test")
