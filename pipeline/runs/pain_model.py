@@ -18,6 +18,7 @@ without a face). The rows of one request are one sequence: the same person is fo
 from __future__ import annotations
 
 import base64
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,7 @@ def log_fold_model(cfg, weights_path: Path, fold: int, class_names: list[str], w
 
     metadata = {"fold": fold, "git_commit": git_commit(), "model": cfg.model.name, "task": cfg.task.name,
                 "dataset": cfg.data.name, **weights}
-    decided = float(threshold) if threshold == threshold else 0.5  # NaN: no threshold was chosen
+    decided = float(threshold) if math.isfinite(threshold) else 0.5  # NaN: no threshold was chosen
     return log_pain_model(weights_path, model_config(cfg, class_names, decided, rule), metadata, name=f"fold_{fold}",
                           tags={"painvit.kind": "fold", "painvit.fold": str(fold)})
 

@@ -16,6 +16,8 @@ import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.utils.paths import PROJECT_ROOT
+
 if TYPE_CHECKING:  # mlflow takes seconds to import; `python -m pipeline ui-url` must answer at once
     from mlflow import MlflowClient
     from mlflow.entities import Run
@@ -58,8 +60,6 @@ def tracking_uri(project_root: Path) -> str:
 def store_uri(configured: str | None = None) -> str:
     """The tracking URI a command uses: the config's `mlflow.tracking_uri` when set, else `tracking_uri` of the
     project."""
-    from pipeline.utils.paths import PROJECT_ROOT
-
     return configured or tracking_uri(PROJECT_ROOT)
 
 
@@ -166,8 +166,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", default="5000")
     args = parser.parse_args(argv)
-    from pipeline.utils.paths import PROJECT_ROOT
-
     uri = args.tracking_uri or tracking_uri(PROJECT_ROOT)
     experiment_id = find_experiment_id(uri, args.experiment)
     url = ui_url(args.host, args.port, experiment_id)
