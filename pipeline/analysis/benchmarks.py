@@ -40,7 +40,7 @@ from pipeline.utils.atomic_io import atomic_write_csv, atomic_write_text
 from pipeline.utils.config import CONFIG_DIR, load_config
 from pipeline.utils.cpus import available_cpus
 from pipeline.utils.devices import precision_for
-from pipeline.utils.paths import PROJECT_ROOT
+from pipeline.utils.paths import PROJECT_ROOT, git_commit
 
 DEFAULT_OUT = PROJECT_ROOT / "reports" / "bench"
 DEFAULT_WORK = PROJECT_ROOT / "data" / "bench"
@@ -291,8 +291,6 @@ def loader_dataset(source_dir: Path, out_dir: Path, min_train_images: int, cfg: 
 
 def environment() -> dict[str, Any]:
     """What the numbers depend on: the machine, its load when the run started, and the code version."""
-    from pipeline.runs.cross_validation import git_commit
-
     cuda = torch.cuda.is_available()
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -47,7 +47,7 @@ from pipeline.runs.registry import (
 )
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_write_csv
-from pipeline.utils.paths import resolve_path
+from pipeline.utils.paths import git_commit, resolve_path
 
 log = logging.getLogger(__name__)
 # Where and how a run happens, not what it learns: taken from the current command, not from the source CV.
@@ -215,8 +215,6 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     model_path = keep_fold_model(train_cfg, module, fitted.best_path, weights, work_dir / "model.pt", final=True,
                                  best_epoch=fitted.best_epoch, threshold=threshold, source_cv_run=source.info.run_id)
     mlflow.log_artifact(str(model_path), "model")
-    from pipeline.runs.cross_validation import git_commit
-
     name = registered_name(train_cfg.model.name, train_cfg.task.name)
     metadata = {"source_cv_run": source.info.run_id, "final_run": run_id, "git_commit": git_commit(),
                 "model": train_cfg.model.name, "task": train_cfg.task.name, "dataset": train_cfg.data.name,
@@ -256,7 +254,6 @@ def log_fold_ensemble(client: MlflowClient, train_cfg: DictConfig, source, run_i
     run and registered as `pain-<model>-<task>-folds` (alias `candidate`). Its threshold is 0.5: no subjects were
     held out from all folds to choose one on."""
     from pipeline.models.kept_model import MODEL_ARTIFACT
-    from pipeline.runs.cross_validation import git_commit
     from pipeline.runs.pain_model import log_pain_model, model_config
 
     runs = tracking.finished_fold_runs(client, source.info.run_id)

@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import os
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -56,7 +55,7 @@ from pipeline.runs.environment import library_versions, log_environment
 from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, decide, result_from_run
 from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
-from pipeline.utils.paths import PROJECT_ROOT, resolve_path
+from pipeline.utils.paths import PROJECT_ROOT, git_commit, resolve_path
 
 log = logging.getLogger(__name__)
 REPORTED = ("auroc", "accuracy", "balanced_accuracy", "f1")
@@ -70,18 +69,6 @@ DATA_ERRORS = ("has no frames of task", "have no frames in", "have no usable vid
 NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
                 "data.synthetic.workers", "final", "predict")
 IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256")
-
-
-def git_commit() -> str:
-    """HEAD's commit (suffixed -dirty with uncommitted changes), or 'unknown' outside a git checkout."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT_ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def warn_from_scratch(model_name: str, source: WeightsSource) -> None:

@@ -30,6 +30,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from pipeline.models.scoring import CropSettings, PainScorer
+from pipeline.utils.paths import git_commit
 
 CODE_FILE = Path(__file__).with_name("pain_model_code.py")
 WEIGHTS_ARTIFACT = "weights"
@@ -118,8 +119,6 @@ def log_fold_model(cfg, weights_path: Path, fold: int, class_names: list[str], w
     """A CV fold's kept model as an MLflow model in the active fold run (the UI's Models tab lists it), deciding at
     the threshold its validation subjects chose (`rule` as the fold run records it; 0.5 where there is none, as for
     five classes). Not registered."""
-    from pipeline.runs.cross_validation import git_commit
-
     metadata = {"fold": fold, "git_commit": git_commit(), "model": cfg.model.name, "task": cfg.task.name,
                 "dataset": cfg.data.name, **weights}
     decided = float(threshold) if math.isfinite(threshold) else 0.5  # NaN: no threshold was chosen

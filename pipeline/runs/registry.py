@@ -14,6 +14,8 @@ from collections.abc import Iterable
 
 import pandas as pd
 
+from pipeline.utils.paths import git_commit
+
 CANDIDATE, CHAMPION = "candidate", "champion"
 UI_WORKFLOW = "machine_learning"  # the UI's "Model training" mode (pipeline.runs.tracking)
 
@@ -28,8 +30,6 @@ def champion_uri(model: str, task: str) -> str:
 
 def standard_tags(source_name: str | None = None) -> dict[str, str]:
     """MLflow's own tags for who ran what from which commit: the UI's "Created by" and "Source" columns."""
-    from pipeline.runs.cross_validation import git_commit
-
     commit = git_commit()
     tags = {"mlflow.user": getpass.getuser(), "mlflow.source.type": "LOCAL",
             "mlflow.source.name": source_name or " ".join(["python -m pipeline", *sys.argv[1:2]])}
