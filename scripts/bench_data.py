@@ -10,7 +10,7 @@ What it measures (numbers for the release notes, not a test):
 2. Detection rate of the config's face detector on those videos (`pipeline.data.faces.detection_rate`), overall and per
    class, and of every detector in --detectors (default haar,mtcnn) beside it; the subsets are drawn with the config's
    data.synthetic.difficulty (--difficulty hard: the twin that tests the detector). Then the same detectors on real-
-   face clips (`pipeline.data.photo_clips`: scikit-image's astronaut at 15-60 % of the frame height, rolled by up to 20
+   face clips (`tests.photo_clips`: scikit-image's astronaut at 15-60 % of the frame height, rolled by up to 20
    degrees, three brightness levels, three backgrounds, 694 x 519), with the rate per face size and roll, and a
    picture of square crops beside aligned ones (aligned_vs_unaligned.png). Not in --quick.
 3. Loader throughput: images/s from `PainDataModule.train_dataloader()` built by `make cv`'s own
@@ -52,6 +52,8 @@ import numpy as np
 import pandas as pd
 import torch
 from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/photo_clips.py: the real-face clips
 
 from pipeline.analysis.benchmarks import (
     DEFAULT_OUT,
@@ -157,8 +159,8 @@ def bench_photo_detection(work_dir: Path, detectors: Sequence[str], device: str,
     face size and per roll. Every clip has the face at >= 15 % of the frame height, rolled by <= 20 degrees: the
     frames of the issue's >= 99 % target."""
     from pipeline.data.faces import build_detector, find_faces
-    from pipeline.data.photo_clips import clip_grid, write_clips
     from pipeline.data.video import read_sampled_frames
+    from tests.photo_clips import clip_grid, write_clips
 
     clips = clip_grid(**PHOTO_GRID, width=694, height=519, n_frames=4)
     paths = write_clips(work_dir / "photo_clips", clips)
@@ -187,8 +189,8 @@ def alignment_picture(samples: pd.DataFrame, path: Path, size: int = 112, margin
     import cv2
 
     from pipeline.data.faces import MTCNNFaceDetector, aligned_crop, square_crop
-    from pipeline.data.photo_clips import PhotoClip, astronaut, clip_frames
     from pipeline.data.video import read_frames
+    from tests.photo_clips import PhotoClip, astronaut, clip_frames
 
     detector = MTCNNFaceDetector(device="cpu")
     frames = []

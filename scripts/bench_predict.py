@@ -52,15 +52,15 @@ def save_model(name: str, folder: Path) -> tuple[Path, int]:
     import mlflow
 
     from pipeline.models.backbones import create_model
-    from pipeline.models.kept_model import model_meta, save_fold_model
-    from pipeline.runs.pain_model import CODE_FILE, WEIGHTS_ARTIFACT, model_config, signature
+    from pipeline.models.model_file import model_meta, save_model_file
+    from pipeline.runs.mlflow_model import CODE_FILE, WEIGHTS_ARTIFACT, model_config, signature
 
     cfg = load_config([f"model={name}"])
     torch.manual_seed(0)
     net, source = create_model(name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
     meta = model_meta(net, model_name=name, img_size=cfg.model.img_size, class_names=["BL1", "PA4"],
                       task="bl1_vs_pa4", loader=dict(cfg.loader), weights=source.as_tags())
-    weights = save_fold_model(net, meta, folder / f"{name}.pt")
+    weights = save_model_file(net, meta, folder / f"{name}.pt")
     path = folder / f"model_{name}"
     mlflow.pyfunc.save_model(str(path), python_model=str(CODE_FILE), artifacts={WEIGHTS_ARTIFACT: str(weights)},
                              model_config=model_config(cfg, ["BL1", "PA4"], 0.5, 0.5), signature=signature())

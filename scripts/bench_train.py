@@ -1,9 +1,9 @@
-"""Training throughput benchmark: the real path (PainDataModule + PainClassifier + Lightning Trainer) against a bare
-PyTorch loop on the same model, per backbone, with the settings `make cv` trains with.
+"""Training throughput benchmark: the real path (PainDataModule + PainLightningModule + Lightning Trainer) against a
+bare PyTorch loop on the same model, per backbone, with the settings `make cv` trains with.
 
 What it measures (numbers for the release notes, not a test), for each backbone:
 
-(a) images/s of the REAL training path: `PainDataModule` over prepared face crops, `PainClassifier`
+(a) images/s of the REAL training path: `PainDataModule` over prepared face crops, `PainLightningModule`
     (pipeline/module.py), `pl.Trainer` with no logger, checkpointing or validation; a callback times the training
     batches after the warm-up steps (data loading included, as in training);
 (b) images/s of a bare PyTorch loop on the same model, batch, optimizer groups, precision, gradient clipping and
@@ -65,7 +65,7 @@ from pipeline.analysis.benchmarks import (
     write_report,
 )
 from pipeline.data.datamodule import PainDataModule
-from pipeline.models.classifier import PainClassifier
+from pipeline.models.lightning_module import PainLightningModule
 from pipeline.utils.accelerator import announce_device_or_exit
 from pipeline.utils.cpus import available_cpus
 from pipeline.utils.paths import resolve_path
@@ -113,7 +113,7 @@ class TrainThroughput(pl.Callback):
 
 
 def lightning_throughput(
-    cfg: DictConfig, module: PainClassifier, datamodule: PainDataModule, args: argparse.Namespace
+    cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, args: argparse.Namespace
 ) -> float:
     """(a): images/s of the real training path, timed by `TrainThroughput`."""
     timer = TrainThroughput(args.warmup_steps)

@@ -1,5 +1,5 @@
 """MTCNN and aligned crops on a real face: scikit-image's astronaut photograph, as is and pasted into real mp4 clips
-at several sizes, rolls, brightness levels and backgrounds (pipeline.data.photo_clips)."""
+at several sizes, rolls, brightness levels and backgrounds (tests.photo_clips)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from pipeline.data.faces import (
     square_crop,
     square_crop_transform,
 )
-from pipeline.data.photo_clips import PhotoClip, astronaut, clip_frames, clip_grid, write_clips
 from pipeline.data.video import read_sampled_frames
+from tests.photo_clips import PhotoClip, astronaut, clip_frames, clip_grid, write_clips
 
 # small tensors: one torch thread (see conftest.one_torch_thread)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -19,7 +19,7 @@ import pytest
 from pipeline.analysis.benchmarks import build, load_configs, loader_dataset, training_settings
 from pipeline.data.augment import build_train_transform
 from pipeline.data.prepare import fold_file_path
-from pipeline.models.classifier import OptimConfig
+from pipeline.models.lightning_module import OptimConfig
 from pipeline.runs.fold_job import build_fold, decide
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.config import load_config

@@ -19,8 +19,8 @@ from pipeline.data.datamodule import PainDataModule
 from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.thresholds import choose_threshold
-from pipeline.models.classifier import OptimConfig, PainClassifier
-from pipeline.models.kept_model import load_fold_model
+from pipeline.models.lightning_module import OptimConfig, PainLightningModule
+from pipeline.models.model_file import load_model_file
 from pipeline.runs.cross_validation import identity_lock, plan_cv, run_cv
 from pipeline.runs.environment import FREEZE_ARTIFACT
 from pipeline.runs.fold_job import decide, train_fold
@@ -154,7 +154,7 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
 
     task = get_task(cfg.task.name)
     net, _ = create_model(cfg.model.name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
-    module = PainClassifier(net, task.classes, OptimConfig(**cfg.model.optim))
+    module = PainLightningModule(net, task.classes, OptimConfig(**cfg.model.optim))
     module.load_state_dict(checkpoint["state_dict"])
     module.eval()
     datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 1, task,
@@ -235,7 +235,7 @@ def test_kept_model_reloads_and_gives_the_same_test_predictions(cv_runs, tiny_co
     cfg = tiny_config(*FAST)
     client, children = runs_of(cfg, "fold")
     child = next(c for c in children if c.data.tags["model"] == "mobilevit_xxs" and c.info.status == "FINISHED")
-    net, meta = load_fold_model(child.info.run_id, tracking_uri=cfg.mlflow.tracking_uri)
+    net, meta = load_model_file(child.info.run_id, tracking_uri=cfg.mlflow.tracking_uri)
     assert (meta["model_name"], meta["class_names"], meta["task"]) == ("mobilevit_xxs", ["BL1", "PA4"], "bl1_vs_pa4")
     assert meta["weights"]["weights_source"] == "random" and meta["img_size"] == 32
     # the file alone is enough: it loads with weights_only=True (no pickled code)

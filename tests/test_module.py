@@ -13,7 +13,7 @@ from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
 from pipeline.models.backbones import create_model
 from pipeline.models.callbacks import FreezeBackbone, ResumableEarlyStopping
-from pipeline.models.classifier import OptimConfig, PainClassifier, parameter_groups, warmup_cosine
+from pipeline.models.lightning_module import OptimConfig, PainLightningModule, parameter_groups, warmup_cosine
 from pipeline.utils.paths import resolve_path
 from tests.conftest import loader_config
 
@@ -59,7 +59,7 @@ def test_scheduler_applies_each_groups_own_rate(tiny_config) -> None:
     net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
     datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, task,
                                 net.backbone.data_config, {}, loader_config(batch_size=4, num_workers=0))
-    module = PainClassifier(net, task.classes, OPTIM)
+    module = PainLightningModule(net, task.classes, OPTIM)
     recorder = RecordLearningRates()
     trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -92,7 +92,7 @@ def test_frozen_backbone_does_not_move(tiny_config) -> None:
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          callbacks=[FreezeBackbone(1)])
-    trainer.fit(PainClassifier(net, task.classes, OPTIM), datamodule=datamodule)
+    trainer.fit(PainLightningModule(net, task.classes, OPTIM), datamodule=datamodule)
     assert all(torch.equal(before[k], v) for k, v in net.backbone.state_dict().items())
     assert not torch.equal(head_before, net.head.weight)
 
@@ -135,7 +135,7 @@ def test_fused_adamw_still_clips_gradients(tiny_config, precision: str) -> None:
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=3, accelerator="cpu", logger=False, precision=precision,
                          gradient_clip_val=clip, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, callbacks=[recorder])
-    trainer.fit(PainClassifier(net, task.classes, OPTIM), datamodule=datamodule)
+    trainer.fit(PainLightningModule(net, task.classes, OPTIM), datamodule=datamodule)
     assert recorder.fused == [True]
     assert len(recorder.before) == len(recorder.after) == 3
     assert min(recorder.before) > 10 * clip  # clipping had work to do
@@ -153,12 +153,12 @@ class OneClassValidation(PainDataModule):
         self._datasets["val"] = FrameDataset(self._splits["val"], self.processed_dir, self.eval_transform)
 
 
-def one_class_fit(cfg, monitor: str) -> tuple[PainClassifier, pl.Trainer]:
+def one_class_fit(cfg, monitor: str) -> tuple[PainLightningModule, pl.Trainer]:
     task = get_task("bl1_vs_pa4")
     net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
     datamodule = OneClassValidation(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, task,
                                     net.backbone.data_config, {}, loader_config(batch_size=8, num_workers=0))
-    module = PainClassifier(net, task.classes, OPTIM, monitor=monitor)
+    module = PainLightningModule(net, task.classes, OPTIM, monitor=monitor)
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=datamodule)
@@ -167,7 +167,7 @@ def one_class_fit(cfg, monitor: str) -> tuple[PainClassifier, pl.Trainer]:
 
 def test_an_undefined_metric_stays_nan_and_is_named(tiny_config, caplog) -> None:
     """AUROC over one class is undefined: it is logged as NaN (never as 0) with a warning naming the split."""
-    with caplog.at_level("WARNING", logger="pipeline.models.classifier"):
+    with caplog.at_level("WARNING", logger="pipeline.models.lightning_module"):
         _, trainer = one_class_fit(tiny_config(), monitor="val/loss")
     assert math.isnan(float(trainer.callback_metrics["val/video_auroc"]))
     assert math.isfinite(float(trainer.callback_metrics["val/loss"]))

@@ -23,10 +23,10 @@ from pipeline.data.face_crops import (
     video_to_crop,
 )
 from pipeline.data.faces import CANONICAL_LANDMARKS, HaarFaceDetector, detection_rate
-from pipeline.data.photo_clips import PhotoClip, astronaut, clip_frames
 from pipeline.data.prepare import preprocess_config
 from pipeline.data.video import sample_frame_indices
 from pipeline.utils.config import load_config
+from tests.photo_clips import PhotoClip, astronaut, clip_frames
 
 PROJECT_CONFIG = preprocess_config(load_config())  # the settings `make data` uses; tests change a few
 CONFIG = replace(PROJECT_CONFIG, frames_per_video=3, crop_size=48)

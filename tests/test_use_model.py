@@ -22,7 +22,7 @@ from pipeline.deployment.final_model import read_split, run_final
 from pipeline.deployment.predict import run_predict, sampled_frames
 from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.runs.cross_validation import run_cv
-from pipeline.runs.pain_model import encode_image
+from pipeline.runs.mlflow_model import encode_image
 from pipeline.runs.registry import CANDIDATE, CHAMPION, registered_name, run_promote
 from pipeline.utils.paths import PROJECT_ROOT
 

@@ -21,7 +21,7 @@ from pipeline.models.backbones import (
     create_model,
     weights_source,
 )
-from pipeline.models.classifier import OptimConfig, parameter_groups
+from pipeline.models.lightning_module import OptimConfig, parameter_groups
 from pipeline.models.vit_reference import ReferenceViT, interpolate_position_embeddings
 from pipeline.models.weights import RANDOM_INIT, IncompatibleWeights, WeightsUnavailable
 from pipeline.utils.config import load_config

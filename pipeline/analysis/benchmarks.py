@@ -34,7 +34,7 @@ from pipeline.data.face_crops import PreprocessConfig
 from pipeline.data.fold_files import MIN_SUBJECTS, make_folds, write_folds
 from pipeline.data.tasks import get_task
 from pipeline.models.backbones import model_family
-from pipeline.models.classifier import PainClassifier
+from pipeline.models.lightning_module import PainLightningModule
 from pipeline.runs.fold_job import build_fold, decide
 from pipeline.utils.atomic_io import atomic_write_csv, atomic_write_text
 from pipeline.utils.config import CONFIG_DIR, load_config
@@ -97,7 +97,7 @@ def listed(cfg: DictConfig, dataset: Mapping[str, Any]) -> DictConfig:
     return cfg
 
 
-def build(cfg: DictConfig, dataset: Mapping[str, Any]) -> tuple[PainClassifier, PainDataModule]:
+def build(cfg: DictConfig, dataset: Mapping[str, Any]) -> tuple[PainLightningModule, PainDataModule]:
     """The LightningModule and the data of fold 0 over `dataset`, built by `make cv`'s own `build_fold`."""
     cfg = listed(cfg, dataset)
     module, datamodule, _ = build_fold(cfg, 0, decide(cfg, Path(dataset["fold_file"])))
@@ -110,7 +110,7 @@ def precision(cfg: DictConfig) -> str:
                          model_family(cfg.model.name, cfg.model.img_size))
 
 
-def training_settings(cfg: DictConfig, module: PainClassifier, datamodule: PainDataModule) -> dict[str, Any]:
+def training_settings(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule) -> dict[str, Any]:
     """What a benchmark measured with, read back from the built objects (for the report, and for the test that
     they are `make cv`'s)."""
     import albumentations as A
@@ -162,15 +162,15 @@ def timed() -> Iterator[Callable[[], float]]:
     end.append(time.perf_counter())
 
 
-def bare_training_throughput(cfg: DictConfig, module: PainClassifier, batch_size: int, *, steps: int,
+def bare_training_throughput(cfg: DictConfig, module: PainLightningModule, batch_size: int, *, steps: int,
                              warmup_steps: int, progress: bool = True, desc: str = "bare steps") -> dict[str, float]:
     """Images/s of a plain PyTorch loop over `module`'s network: one pre-made random batch, fwd + loss + bwd + clip +
     AdamW + LR step, at the config's precision and gradient clipping.
 
-    The optimizer groups and schedule are the real recipe's (`pipeline.models.classifier.parameter_groups`, warm-up
-    cosine), so the only thing missing compared with training is the data loading and Lightning's bookkeeping.
+    The optimizer groups and schedule are the real recipe's (`pipeline.models.lightning_module.parameter_groups`,
+    warm-up cosine), so the only thing missing compared with training is the data loading and Lightning's bookkeeping.
     """
-    from pipeline.models.classifier import fused_adamw_supported, parameter_groups, warmup_cosine
+    from pipeline.models.lightning_module import fused_adamw_supported, parameter_groups, warmup_cosine
 
     device = compute_device()
     net = module.model.to(device).train()

@@ -50,7 +50,7 @@ from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import aggregate_videos, summarize_folds
 from pipeline.models.backbones import PainNet, create_model
 from pipeline.models.introspection import vit_of
-from pipeline.models.kept_model import load_fold_model
+from pipeline.models.model_file import load_model_file
 from pipeline.runs import tracking
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import resolve_path
@@ -446,7 +446,7 @@ def inspect_cv(cfg: DictConfig, run_id: str | None = None, untrained: bool = Fal
     inspections = []
     for fold, child in sorted(children.items()):
         try:
-            net, meta = load_fold_model(child.info.run_id, tracking_uri=uri)
+            net, meta = load_model_file(child.info.run_id, tracking_uri=uri)
         except Exception as error:  # a CV run with cv.log_models=false keeps no model
             raise InspectionError(f"fold {fold}: no kept model in child run {child.info.run_id} ({error}); "
                                   f"cross-validations run with cv.log_models=false cannot be inspected") from error

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from pipeline.models.backbones import PainNet
-from pipeline.models.kept_model import data_config_of
+from pipeline.models.model_file import data_config_of
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text
 from pipeline.utils.paths import resolve_path
 

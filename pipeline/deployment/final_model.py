@@ -185,7 +185,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     """Train, choose the threshold, keep and log the model, register it; inside the active final run."""
     from pipeline.runs.cross_validation import _chunks, flat_params, identity_config
     from pipeline.runs.fold_job import build_fold, decide, fit_fold, keep_fold_model, test_fold
-    from pipeline.runs.pain_model import log_pain_model, model_config
+    from pipeline.runs.mlflow_model import log_mlflow_model, model_config
 
     for chunk in _chunks(list(flat_params(identity_config(train_cfg)).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
@@ -219,7 +219,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     metadata = {"source_cv_run": source.info.run_id, "final_run": run_id, "git_commit": git_commit(),
                 "model": train_cfg.model.name, "task": train_cfg.task.name, "dataset": train_cfg.data.name,
                 **{f"weights_{k.removeprefix('weights_')}": v for k, v in weights.items()}}
-    info = log_pain_model(model_path, model_config(train_cfg, class_names, threshold, rule), metadata,
+    info = log_mlflow_model(model_path, model_config(train_cfg, class_names, threshold, rule), metadata,
                           tags={"painvit.kind": "final", "painvit.source_cv_run": source.info.run_id})
     version = register(client, info.model_uri, name, run_id, tags={"source_cv_run": source.info.run_id,
                                                                    "threshold": f"{threshold:.4f}"})
@@ -253,8 +253,8 @@ def log_fold_ensemble(client: MlflowClient, train_cfg: DictConfig, source, run_i
     """The source CV's kept fold models as one MLflow model that averages their probabilities, logged in the final
     run and registered as `pain-<model>-<task>-folds` (alias `candidate`). Its threshold is 0.5: no subjects were
     held out from all folds to choose one on."""
-    from pipeline.models.kept_model import MODEL_ARTIFACT
-    from pipeline.runs.pain_model import log_pain_model, model_config
+    from pipeline.models.model_file import MODEL_ARTIFACT
+    from pipeline.runs.mlflow_model import log_mlflow_model, model_config
 
     runs = tracking.finished_fold_runs(client, source.info.run_id)
     kept = {fold: r for fold, r in runs.items()
@@ -266,7 +266,7 @@ def log_fold_ensemble(client: MlflowClient, train_cfg: DictConfig, source, run_i
                  for fold, r in sorted(kept.items())]
         metadata = {"source_cv_run": source.info.run_id, "final_run": run_id, "folds": sorted(kept),
                     "git_commit": git_commit(), "model": train_cfg.model.name, "task": train_cfg.task.name}
-        info = log_pain_model(paths[0], model_config(train_cfg, class_names, 0.5, 0.5), metadata,
+        info = log_mlflow_model(paths[0], model_config(train_cfg, class_names, 0.5, 0.5), metadata,
                               name="fold_ensemble", tags={"painvit.kind": "fold_ensemble"}, ensemble_paths=paths[1:])
     name = f"{registered_name(train_cfg.model.name, train_cfg.task.name)}-folds"
     version = register(client, info.model_uri, name, run_id, tags={"source_cv_run": source.info.run_id,

@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.video import DEFAULT_FPS
-from pipeline.models.scoring import PainScorer
+from pipeline.models.scoring import FrameScorer
 from pipeline.runs import tracking
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
@@ -87,7 +87,7 @@ def sampled_frames(path: Path, fps: float, chunk: int = CHUNK) -> Iterator[tuple
         raise PredictError(f"{path}: no frame could be decoded")
 
 
-def score_video(scorer: PainScorer, path: Path, fps: float) -> VideoResult:
+def score_video(scorer: FrameScorer, path: Path, fps: float) -> VideoResult:
     started = time.perf_counter()
     follower = scorer.follower()
     parts = []
@@ -135,13 +135,13 @@ def write_outputs(result: VideoResult, out_stem: Path) -> tuple[Path, Path]:
     return csv_path, png_path
 
 
-def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None = None) -> tuple[PainScorer, str]:
+def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None = None) -> tuple[FrameScorer, str]:
     """The scorer of an MLflow model (`model_uri`, default the champion) or of a run's kept model; and its name."""
     import mlflow
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from pipeline.runs.pain_model import _member_order, scorer_from_config
+    from pipeline.runs.mlflow_model import _member_order, scorer_from_config
     from pipeline.runs.registry import champion_uri
 
     tracking_uri = cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT)
@@ -166,11 +166,11 @@ def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None =
     return scorer_from_config(local / artifacts["weights"]["path"], config, device, members), uri
 
 
-def run_scorer(cfg: DictConfig, client, run_id: str, tracking_uri: str) -> PainScorer:
+def run_scorer(cfg: DictConfig, client, run_id: str, tracking_uri: str) -> FrameScorer:
     """A fold's or a final run's kept model, with the crop settings of its CV and its threshold (0.5 for a fold,
     whose validation subjects chose no threshold)."""
-    from pipeline.models.kept_model import load_fold_model
-    from pipeline.runs.pain_model import model_config
+    from pipeline.models.model_file import load_model_file
+    from pipeline.runs.mlflow_model import model_config
 
     run = client.get_run(run_id)
     kind = run.data.tags.get("painvit.run_kind")
@@ -180,12 +180,12 @@ def run_scorer(cfg: DictConfig, client, run_id: str, tracking_uri: str) -> PainS
     trained = OmegaConf.load(client.download_artifacts(config_run, "config.yaml"))
     OmegaConf.set_struct(trained, False)
     trained.predict = cfg.predict
-    net, meta = load_fold_model(run_id, tracking_uri)
+    net, meta = load_model_file(run_id, tracking_uri)
     threshold = float(run.data.metrics.get("threshold", 0.5))
     config = model_config(trained, list(meta["class_names"]), threshold, "run")
     from pipeline.models.scoring import CropSettings
 
-    return PainScorer(net, meta, CropSettings.from_dict(config["crop"]), threshold=threshold,
+    return FrameScorer(net, meta, CropSettings.from_dict(config["crop"]), threshold=threshold,
                       aggregation=config["aggregation"], topk=config["topk"], device=cfg.predict.device)
 
 
@@ -200,7 +200,7 @@ def videos_in(path: Path) -> list[Path]:
     raise PredictError(f"VIDEO={path}: no such file or folder")
 
 
-def predict(scorer: PainScorer, video: Path, out_dir: Path, fps: float, model_name: str = "") -> pd.DataFrame:
+def predict(scorer: FrameScorer, video: Path, out_dir: Path, fps: float, model_name: str = "") -> pd.DataFrame:
     """Score one video or every video of a folder; CSV + PNG per video, and for a folder a summary CSV (one row per
     video). Returns the summary."""
     videos = videos_in(video)

@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks.early_stopping import EarlyStopping, EarlyStoppingReason
 
-from pipeline.models.classifier import PainClassifier
+from pipeline.models.lightning_module import PainLightningModule
 from pipeline.utils.seeds import derived_seed
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ class FreezeBackbone(pl.Callback):
     def __init__(self, epochs: int) -> None:
         self.epochs = epochs
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: PainClassifier) -> None:
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: PainLightningModule) -> None:
         frozen = trainer.current_epoch < self.epochs
         for parameter in pl_module.model.backbone.parameters():
             parameter.requires_grad_(not frozen)

@@ -1,6 +1,6 @@
 """From video frames to a pain probability per frame: find the face, follow one person, crop it as training did, run
-the network. One implementation serves `make predict`, the MLflow model (`pipeline.runs.pain_model`) and the benchmark,
-so a served answer and a predicted CSV agree on the same frames.
+the network. One implementation serves `make predict`, the MLflow model (`pipeline.runs.mlflow_model`) and the
+benchmark, so a served answer and a predicted CSV agree on the same frames.
 
 The crop repeats preprocessing (`pipeline.data.face_crops.crop_video`): aligned on MTCNN's five landmarks (or a square
 around the box for a model trained on square crops) with the training margin and crop size, JPEG-encoded at the
@@ -24,7 +24,7 @@ import torch
 
 from pipeline.data.augment import build_eval_transform
 from pipeline.models.backbones import PainNet
-from pipeline.models.kept_model import data_config_of
+from pipeline.models.model_file import data_config_of
 
 NO_PAIN_CLASS = "BL1"
 OUTPUT_COLUMNS = ("frame", "face_found", "pain_probability", "pain")
@@ -111,7 +111,7 @@ def follow_one_face(found_per_frame: Sequence[np.ndarray], max_jump: float = 1.0
     return [follower.step(found) for found in found_per_frame]
 
 
-class PainScorer:
+class FrameScorer:
     """A kept model plus its crop settings: `score(frames)` -> one row per frame (see `OUTPUT_COLUMNS`)."""
 
     def __init__(self, net: PainNet, meta: dict[str, Any], settings: CropSettings, threshold: float = 0.5,

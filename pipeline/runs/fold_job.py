@@ -40,8 +40,8 @@ from pipeline.evaluation.metrics import Evaluation, plot_confusion, plot_roc, pl
 from pipeline.evaluation.thresholds import decide_fold, rule_name
 from pipeline.models.backbones import PainNet, create_model, model_family, weights_source
 from pipeline.models.callbacks import FreezeBackbone, ResumableEarlyStopping, SeedEachBatch
-from pipeline.models.classifier import OptimConfig, PainClassifier
-from pipeline.models.kept_model import MODEL_ARTIFACT, model_meta, save_fold_model
+from pipeline.models.lightning_module import OptimConfig, PainLightningModule
+from pipeline.models.model_file import MODEL_ARTIFACT, model_meta, save_model_file
 from pipeline.models.weights import WeightsSource
 from pipeline.runs.registry import split_videos, subjects_dataset
 from pipeline.runs.tracking import (
@@ -222,7 +222,8 @@ def build_network(cfg: DictConfig, n_classes: int, decisions: FoldDecisions) -> 
 
 
 def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions,
-               datamodule_class: type[PainDataModule] = PainDataModule) -> tuple[PainClassifier, PainDataModule, dict]:
+               datamodule_class: type[PainDataModule] = PainDataModule,
+               ) -> tuple[PainLightningModule, PainDataModule, dict]:
     """A fresh model, the fold's data and the LightningModule; also the weights' provenance as tags.
 
     `datamodule_class` lets the final model (`pipeline.deployment.final_model`) read its train / validation split the
@@ -239,7 +240,7 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions,
                                 seed=cfg.seed)
     datamodule.setup()
     train_labels = datamodule.frames("train")["label"].to_numpy()
-    module = PainClassifier(
+    module = PainLightningModule(
         net, task.classes, OptimConfig(**OmegaConf.to_container(cfg.model.optim)),
         label_smoothing=cfg.trainer.label_smoothing,
         class_weights=class_weights_for(cfg.trainer.class_weights, train_labels, task.n_classes),
@@ -257,7 +258,7 @@ class Fitted:
     history: list[dict]
 
 
-def fit_fold(cfg: DictConfig, module: PainClassifier, datamodule: PainDataModule, work_dir: Path,
+def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
              precision: str) -> Fitted:
     """Train with early stopping; select the best epoch on the inner validation subjects.
 
@@ -304,13 +305,14 @@ def fit_fold(cfg: DictConfig, module: PainClassifier, datamodule: PainDataModule
     return Fitted(trainer, best.best_model_path, best_epoch, best_score, epoch_logger.history)
 
 
-def test_fold(fitted: Fitted, module: PainClassifier, datamodule: PainDataModule) -> tuple[pd.DataFrame, Evaluation]:
+def test_fold(fitted: Fitted, module: PainLightningModule,
+              datamodule: PainDataModule) -> tuple[pd.DataFrame, Evaluation]:
     """Score the best checkpoint once on the test subjects: per-crop predictions and their evaluation."""
     fitted.trainer.test(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
     return module.test_predictions, module.test_evaluation
 
 
-def validate_fold(fitted: Fitted, module: PainClassifier, datamodule: PainDataModule) -> Evaluation:
+def validate_fold(fitted: Fitted, module: PainLightningModule, datamodule: PainDataModule) -> Evaluation:
     """Score the best checkpoint on the fold's validation subjects (the last epoch's scores may be another
     epoch's): the predictions the decision threshold is chosen on."""
     fitted.trainer.validate(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
@@ -335,15 +337,15 @@ def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], pre
     (out / "splits.json").write_text(json.dumps(splits, indent=2, default=str))
 
 
-def keep_fold_model(cfg: DictConfig, module: PainClassifier, best_path: str, weights: dict, path: Path,
+def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str, weights: dict, path: Path,
                     **extra) -> Path:
-    """The best checkpoint's network as a self-describing file (`pipeline.models.kept_model`)."""
+    """The best checkpoint's network as a self-describing file (`pipeline.models.model_file`)."""
     state = torch.load(best_path, map_location="cpu", weights_only=True)["state_dict"]
     module.load_state_dict(state)
     meta = model_meta(module.model, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
                       loader=OmegaConf.to_container(cfg.loader), weights=weights, **extra)
-    return save_fold_model(module.model, meta, path)
+    return save_model_file(module.model, meta, path)
 
 
 def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path,
@@ -383,7 +385,7 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         path = keep_fold_model(cfg, module, fitted.best_path, weights, work_dir / Path(MODEL_ARTIFACT).name,
                                fold=fold, best_epoch=fitted.best_epoch)
         mlflow.log_artifact(str(path), str(Path(MODEL_ARTIFACT).parent))
-        from pipeline.runs.pain_model import log_fold_model
+        from pipeline.runs.mlflow_model import log_fold_model
 
         log_fold_model(cfg, path, fold, list(module.class_names), weights, threshold, rule)
     return FoldResult(fold, metrics, predictions, evaluation.video_predictions, time.time() - started)

@@ -1,4 +1,4 @@
-"""`PainClassifier`: the LightningModule that fine-tunes a backbone + Linear(D, n_classes) head.
+"""`PainLightningModule`: the LightningModule that fine-tunes a backbone + Linear(D, n_classes) head.
 
 The recipe for a small dataset: a lower learning rate for the backbone than for the fresh head, decaying further
 towards the stem (layer-wise decay), linear warm-up then cosine decay applied to every group's own LR, optional
@@ -69,7 +69,7 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-class PainClassifier(pl.LightningModule):
+class PainLightningModule(pl.LightningModule):
     """Cross-entropy classifier over face crops with video-level evaluation.
 
     Batches are (images, labels, rows) where rows index the split's frame table (`datamodule.frames(split)`), so

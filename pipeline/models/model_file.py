@@ -31,7 +31,7 @@ def model_meta(net: PainNet, *, model_name: str, img_size: int | None, class_nam
             "weights": dict(weights), **extra}
 
 
-def save_fold_model(net: PainNet, meta: dict[str, Any], path: Path) -> Path:
+def save_model_file(net: PainNet, meta: dict[str, Any], path: Path) -> Path:
     """Write the kept model atomically (a killed job leaves the old file or none, never half of one)."""
     state = {name: tensor.detach().cpu().contiguous() for name, tensor in net.state_dict().items()}
     with atomic_path(path) as tmp:
@@ -39,7 +39,7 @@ def save_fold_model(net: PainNet, meta: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def load_fold_model(source: str | Path, tracking_uri: str | None = None) -> tuple[PainNet, dict[str, Any]]:
+def load_model_file(source: str | Path, tracking_uri: str | None = None) -> tuple[PainNet, dict[str, Any]]:
     """A kept model as a ready `PainNet` (eval mode, on the CPU) plus its `meta`.
 
     `source` is a file path, or an MLflow child run id (or `runs:/<id>`) whose `model/model.pt` is downloaded.

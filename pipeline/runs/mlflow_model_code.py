@@ -3,6 +3,6 @@ when the model is loaded; everything it needs comes from the installed `pipeline
 
 import mlflow
 
-from pipeline.runs.pain_model import PainFrameModel
+from pipeline.runs.mlflow_model import PainMlflowModel
 
-mlflow.models.set_model(PainFrameModel())
+mlflow.models.set_model(PainMlflowModel())
