@@ -16,15 +16,26 @@ log = logging.getLogger(__name__)
 
 
 class FreezeBackbone(pl.Callback):
-    """Train only the head for the first `epochs` epochs, then the whole network (a fine-tuning policy)."""
+    """Train only the head for the first `epochs` epochs, then what the fine-tuning strategy trains (a policy).
+
+    The backbone parameters that train after the warm-up are those that required a gradient when fit started: the
+    strategy's choice (`pipeline.models.finetune`), all of them for `full`.
+    """
 
     def __init__(self, epochs: int) -> None:
         self.epochs = epochs
+        self._trainable: set[int] | None = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: PainLightningModule) -> None:
+        self._trainable = {id(p) for p in pl_module.model.backbone.parameters() if p.requires_grad}
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: PainLightningModule) -> None:
         frozen = trainer.current_epoch < self.epochs
+        if self._trainable is None:
+            self.on_fit_start(trainer, pl_module)
+        assert self._trainable is not None
         for parameter in pl_module.model.backbone.parameters():
-            parameter.requires_grad_(not frozen)
+            parameter.requires_grad_(not frozen and id(parameter) in self._trainable)
         if trainer.current_epoch in (0, self.epochs) and self.epochs > 0:
             log.info("epoch %d: backbone %s", trainer.current_epoch, "frozen" if frozen else "unfrozen")
 

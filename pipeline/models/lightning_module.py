@@ -22,8 +22,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline.evaluation.metrics import Evaluation, evaluate_predictions
+from pipeline.models.finetune import FinetuneStrategy
 
 log = logging.getLogger(__name__)
+BACKBONE_PREFIX = "model.backbone."  # the backbone's keys in the module's state dict
 
 
 @dataclass(frozen=True)
@@ -42,15 +44,18 @@ def parameter_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
     """AdamW groups: head at head_lr, backbone groups from the top down at backbone_lr * layer_decay**depth.
 
     Biases and normalisation weights (1-D tensors) get no weight decay. Each group carries its own "lr"; the
-    scheduler multiplies each group's initial LR, so the ratios hold throughout training.
+    scheduler multiplies each group's initial LR, so the ratios hold throughout training. Only parameters that
+    require a gradient are optimised: what the fine-tuning strategy (`pipeline.models.finetune`) left trainable, at
+    the LR of the group it sits in (a LoRA adapter gets its block's LR).
     """
     named_groups = model.backbone.parameter_groups()
     n = len(named_groups)
     groups = []
     for depth, (name, params) in enumerate(named_groups):
         lr = optim.backbone_lr * optim.layer_decay ** (n - 1 - depth)
-        groups += _split_decay(name, params, lr, optim.weight_decay)
-    groups += _split_decay("head", list(model.head.parameters()), optim.head_lr, optim.weight_decay)
+        groups += _split_decay(name, [p for p in params if p.requires_grad], lr, optim.weight_decay)
+    head = [p for p in model.head.parameters() if p.requires_grad]
+    groups += _split_decay("head", head, optim.head_lr, optim.weight_decay)
     return [g for g in groups if g["params"]]
 
 
@@ -79,9 +84,14 @@ class PainLightningModule(pl.LightningModule):
     def __init__(self, model: nn.Module, class_names: Sequence[str], optim: OptimConfig,
                  label_smoothing: float = 0.0, class_weights: Sequence[float] | None = None,
                  aggregation: str = "mean", topk: int = 3, channels_last: bool = False,
-                 monitor: str | None = None) -> None:
+                 monitor: str | None = None, finetune: FinetuneStrategy | None = None) -> None:
         super().__init__()
         self.model = model
+        # what trains and how the frozen part behaves (pipeline.models.finetune); prepared on `model` by its builder
+        self.finetune = finetune or FinetuneStrategy()
+        # a fixed backbone is rebuilt from its planned weights, never read from an epoch checkpoint (ViT-B/16: 330 MB
+        # an epoch less to write); every other key still loads strictly (on_load_checkpoint)
+        self.strict_loading = not self.finetune.backbone_fixed
         self.class_names = tuple(class_names)
         self.optim = optim
         self.label_smoothing = label_smoothing
@@ -101,7 +111,27 @@ class PainLightningModule(pl.LightningModule):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        return self.model(images)
+        return self.finetune.forward(self.model, images)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.finetune.backbone_fixed:
+            checkpoint["state_dict"] = {key: value for key, value in checkpoint["state_dict"].items()
+                                        if not key.startswith(BACKBONE_PREFIX)}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        expected = {key for key in self.state_dict() if not (self.finetune.backbone_fixed
+                                                             and key.startswith(BACKBONE_PREFIX))}
+        missing = sorted(expected - set(checkpoint["state_dict"]))
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} weight(s) of the model, e.g. {missing[0]}")
+
+    def train(self, mode: bool = True) -> PainLightningModule:
+        """Lightning puts the module in train mode before every training epoch; the strategy then puts back in eval
+        mode what it keeps frozen (a frozen backbone, frozen batch norms)."""
+        super().train(mode)
+        if mode:
+            self.finetune.after_train_mode(self.model)
+        return self
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float(), labels, weight=self.class_weights, label_smoothing=self.label_smoothing)

@@ -35,11 +35,14 @@ from pytorch_lightning.plugins.environments import SLURMEnvironment
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
+from pipeline.data.embeddings import EmbeddingDataModule
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import Evaluation, plot_confusion, plot_roc, plot_training_curves
 from pipeline.evaluation.thresholds import decide_fold, rule_name
 from pipeline.models.backbones import PainNet, create_model, model_family, weights_source
 from pipeline.models.callbacks import FreezeBackbone, ResumableEarlyStopping, SeedEachBatch
+from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings
+from pipeline.models.finetune import FinetuneConfig, parameter_counts, strategy_for
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import MODEL_ARTIFACT, model_meta, save_model_file
 from pipeline.models.weights import WeightsSource
@@ -231,13 +234,28 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions,
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = get_task(cfg.task.name)
     net = build_network(cfg, task.n_classes, decisions)
-    channels_last = use_channels_last(cfg.trainer.channels_last, decisions.model_family)
+    finetune = FinetuneConfig.from_model_config(cfg.model)
+    # a frozen backbone's features are the same in every fold: read them from the embedding cache (built if missing)
+    cached = uses_embedding_cache(cfg) and datamodule_class is PainDataModule
+    strategy = strategy_for(finetune, embeddings=cached)
+    strategy.prepare(net)
+    channels_last = not cached and use_channels_last(cfg.trainer.channels_last, decisions.model_family)
     if channels_last:
         net = net.to(memory_format=torch.channels_last)
     fold_file = Path(decisions.fold_file)
-    datamodule = datamodule_class(resolve_path(cfg.data.processed_dir), fold_file, fold, task, net.backbone.data_config,
-                                OmegaConf.to_container(cfg.augment), LoaderConfig.from_config(cfg.loader),
-                                seed=cfg.seed)
+    processed_dir = resolve_path(cfg.data.processed_dir)
+    loader = LoaderConfig.from_config(cfg.loader)
+    augment = OmegaConf.to_container(cfg.augment)
+    if cached:
+        entry = ensure_embeddings(net.backbone, processed_dir, crop_fraction=loader.crop_fraction, from_s=loader.from_s,
+                                  frames_per_video=loader.frames_per_video, augment=augment,
+                                  settings=CacheSettings.from_config(cfg.cache), progress=sys.stderr.isatty())
+        datamodule: PainDataModule = EmbeddingDataModule(processed_dir, fold_file, fold, task, net.backbone.data_config,
+                                                         augment, loader, seed=cfg.seed, embeddings=entry.table,
+                                                         source=entry.path)
+    else:
+        datamodule = datamodule_class(processed_dir, fold_file, fold, task, net.backbone.data_config, augment, loader,
+                                      seed=cfg.seed)
     datamodule.setup()
     train_labels = datamodule.frames("train")["label"].to_numpy()
     module = PainLightningModule(
@@ -245,8 +263,19 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions,
         label_smoothing=cfg.trainer.label_smoothing,
         class_weights=class_weights_for(cfg.trainer.class_weights, train_labels, task.n_classes),
         aggregation=cfg.trainer.aggregation, topk=cfg.trainer.topk, channels_last=channels_last,
-        monitor=cfg.trainer.monitor)
+        monitor=cfg.trainer.monitor, finetune=strategy)
     return module, datamodule, decisions.weights_source.as_tags()
+
+
+def uses_embedding_cache(cfg: DictConfig) -> bool:
+    """A frozen backbone trains its head on cached embeddings unless cache.embeddings=false."""
+    return cfg.model.finetune == "frozen" and bool(cfg.cache.embeddings)
+
+
+def finetune_tags(cfg: DictConfig) -> dict[str, str]:
+    """What trains, as tags: the strategy's label (full, frozen, top_blocks2, lora_r8) and whether embeddings fed it."""
+    return {"finetune": FinetuneConfig.from_model_config(cfg.model).label,
+            "embedding_cache": str(uses_embedding_cache(cfg)).lower()}
 
 
 @dataclass
@@ -341,11 +370,13 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
                     **extra) -> Path:
     """The best checkpoint's network as a self-describing file (`pipeline.models.model_file`)."""
     state = torch.load(best_path, map_location="cpu", weights_only=True)["state_dict"]
-    module.load_state_dict(state)
-    meta = model_meta(module.model, model_name=cfg.model.name, img_size=cfg.model.img_size,
+    module.load_state_dict(state, strict=module.strict_loading)  # a fixed backbone is not in the checkpoint
+    net = module.finetune.for_keeping(module.model)  # LoRA: the adapters merged, a plain PainNet
+    meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
-                      loader=OmegaConf.to_container(cfg.loader), weights=weights, **extra)
-    return save_model_file(module.model, meta, path)
+                      loader=OmegaConf.to_container(cfg.loader), weights=weights,
+                      finetune=FinetuneConfig.from_model_config(cfg.model).label, **extra)
+    return save_model_file(net, meta, path)
 
 
 def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path,
@@ -357,6 +388,12 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     started = time.time()
     work_dir.mkdir(parents=True, exist_ok=True)
     module, datamodule, weights = build_fold(cfg, fold, decisions)
+    counts = parameter_counts(module.model)
+    log.info("fold %d: %s, %d of %d parameters trainable (backbone %d of %d)", fold, module.finetune.name,
+             counts["parameters_trainable"], counts["parameters_total"], counts["backbone_parameters_trainable"],
+             counts["backbone_parameters"])
+    mlflow.log_params(counts)
+    mlflow.set_tags(finetune_tags(cfg))
     mlflow.log_input(subjects_dataset(split_videos(datamodule), f"{cfg.data.name}-{cfg.task.name}-fold{fold}"),
                      context="training")
     fitted = fit_fold(cfg, module, datamodule, work_dir, decisions.precision)

@@ -1,0 +1,234 @@
+"""The embedding cache: a frozen backbone's per-crop embeddings, computed once and read by every fold, seed and run.
+
+A frozen backbone maps a crop to the same embedding in every fold (no fold's training touches it), so a frozen run
+(`model.finetune=frozen`) trains its head on embeddings computed once instead of running the backbone on every crop
+of every epoch. An entry is data with a key: its name is the SHA-256 of everything that made it
+
+- the backbone (name, architecture) and the SHA-256 of its weights as built (a weights file, a hub checkpoint, or
+  the seeded random init: the state dict's tensors are hashed, so any other weights are another entry),
+- the input size and preprocessing (mean, std, interpolation), the evaluation transform as albumentations
+  serialises it and the crop fraction,
+- the crops: the processed folder's `preprocess.json` (detector, alignment, margin, size, ...), the SHA-256 of its
+  `frames.csv`, and which of its rows are used (`loader.from_s`, `loader.frames_per_video`),
+- `cache.views` (K augmented views per crop), the training augmentation and `cache.seed` they are drawn with;
+
+so an entry with another key is never read: a changed key part builds a new entry. Entries live next to the crops
+(`<processed_dir>/embeddings/<backbone>-<key>.npz`, with `.json` beside it: the key and the SHA-256 of the arrays),
+are written atomically (arrays first, the JSON last), and are checked on read: a file whose hash differs from its
+JSON is refused with its name, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import albumentations as A
+import numpy as np
+import pandas as pd
+import torch
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from pipeline.data.augment import build_eval_transform, build_train_transform
+from pipeline.data.datamodule import FrameDataset, default_num_workers, evenly_spaced_frames
+from pipeline.data.embeddings import EmbeddingTable
+from pipeline.models.backbones import Backbone
+from pipeline.utils.atomic_io import atomic_path, atomic_write_text
+from pipeline.utils.seeds import derived_seed
+
+log = logging.getLogger(__name__)
+FORMAT = "painvit.embeddings/1"
+CACHE_DIR = "embeddings"
+
+
+class CorruptEmbeddings(RuntimeError):
+    """A cache entry whose arrays do not match their record: refused, with the file named."""
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The `cache` config group: K augmented views per crop, the seed they are drawn with, the batch that builds."""
+
+    views: int
+    seed: int
+    batch_size: int
+
+    @classmethod
+    def from_config(cls, cache: Any) -> CacheSettings:
+        settings = cls(int(cache["views"]), int(cache["seed"]), int(cache["batch_size"]))
+        if settings.views < 0 or settings.batch_size < 1:
+            raise ValueError(f"cache.views must be >= 0 and cache.batch_size >= 1, got {settings}")
+        return settings
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def state_dict_sha256(module: torch.nn.Module) -> str:
+    """SHA-256 over the module's tensors (names, shapes, dtypes, values), in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        value = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(value.shape)}:{value.dtype}".encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+def used_rows(frames: pd.DataFrame, from_s: float | None, frames_per_video: int | None) -> pd.DataFrame:
+    """The frame-table rows a loader with these settings reads (of every class: any task's rows are among them)."""
+    if from_s is not None:
+        frames = frames[frames["time_s"] >= from_s]
+    if frames_per_video is not None:
+        frames = evenly_spaced_frames(frames, frames_per_video)
+    return frames
+
+
+def cache_key(backbone: Backbone, weights_sha256: str, processed_dir: Path, crop_fraction: float,
+              from_s: float | None, frames_per_video: int | None, augment: Any, settings: CacheSettings) -> dict:
+    """Everything that makes the entry (module docstring): a plain dict, hashed for the entry's name."""
+    data = backbone.data_config
+    preprocess = processed_dir / "preprocess.json"
+    eval_transform = build_eval_transform(data, crop_fraction)
+    key = {
+        "format": FORMAT, "backbone": backbone.name, "architecture": backbone.architecture,
+        "weights_sha256": weights_sha256, "input_size": list(data.input_size), "mean": list(data.mean),
+        "std": list(data.std), "interpolation": data.interpolation, "crop_fraction": crop_fraction,
+        "eval_transform": A.to_dict(eval_transform),
+        "crops": json.loads(preprocess.read_text()) if preprocess.is_file() else None,
+        "frames_csv_sha256": file_sha256(processed_dir / "frames.csv"),
+        "from_s": from_s, "frames_per_video": frames_per_video, "views": settings.views,
+    }
+    if settings.views:
+        key["view_transform"] = A.to_dict(build_train_transform(data, augment, crop_fraction))
+        key["view_seed"] = settings.seed
+    return key
+
+
+def key_digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def entry_paths(processed_dir: Path, backbone_name: str, key: dict) -> tuple[Path, Path]:
+    stem = processed_dir / CACHE_DIR / f"{backbone_name}-{key_digest(key)[:20]}"
+    return stem.with_suffix(".npz"), stem.with_suffix(".json")
+
+
+def read_entry(arrays: Path, record: Path, key: dict) -> EmbeddingTable:
+    """A stored entry, checked: the record's key and the arrays' SHA-256 must match, else CorruptEmbeddings."""
+    try:
+        stored = json.loads(record.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise CorruptEmbeddings(f"embedding cache record {record} is unreadable ({error}); delete it and "
+                                f"{arrays.name} to rebuild") from error
+    if stored.get("key") != json.loads(json.dumps(key, default=str)):
+        raise CorruptEmbeddings(f"embedding cache record {record} holds another key than its name says; delete it "
+                                f"and {arrays.name} to rebuild")
+    actual = file_sha256(arrays) if arrays.is_file() else "(missing)"
+    if actual != stored.get("sha256"):
+        raise CorruptEmbeddings(f"embedding cache file {arrays} is corrupted: SHA-256 {actual}, its record {record} "
+                                f"says {stored.get('sha256')}; delete both to rebuild")
+    with np.load(arrays, allow_pickle=False) as npz:
+        table = EmbeddingTable(npz["rows"], npz["plain"], npz["views"])
+    if table.plain.shape != (len(table.rows), stored.get("dim")) or table.views.shape[1:] != table.plain.shape:
+        raise CorruptEmbeddings(f"embedding cache file {arrays}: arrays of shapes {table.plain.shape} / "
+                                f"{table.views.shape} do not match its record {record}")
+    return table
+
+
+def _embed(backbone: Backbone, dataset: FrameDataset, keys: list, batch_size: int, description: str,
+           progress: bool) -> np.ndarray:
+    """The backbone's features for the dataset items `keys` (item numbers, or (item, draw seed))."""
+    workers = default_num_workers()
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=keys, num_workers=workers,
+                        prefetch_factor=4 if workers else None)
+    chunks = []
+    with torch.inference_mode():
+        for images, _, _ in tqdm(loader, desc=description, unit="batch", disable=not progress):
+            chunks.append(backbone(images.to(torch.float32)).float().numpy())
+    return np.concatenate(chunks).astype(np.float32)
+
+
+def build_entry(backbone: Backbone, frames: pd.DataFrame, processed_dir: Path, crop_fraction: float, augment: Any,
+                settings: CacheSettings, progress: bool) -> EmbeddingTable:
+    """Run the backbone (eval mode, float32) over the crops of `frames`: the plain view, then K augmented ones."""
+    was_training = backbone.training
+    backbone.eval()
+    try:
+        plain_set = FrameDataset(frames, processed_dir, build_eval_transform(backbone.data_config, crop_fraction))
+        plain = _embed(backbone, plain_set, list(range(len(frames))), settings.batch_size,
+                       f"embeddings {backbone.name}", progress)
+        views = np.zeros((0, *plain.shape), dtype=np.float32)
+        if settings.views:
+            view_set = FrameDataset(frames, processed_dir,
+                                    build_train_transform(backbone.data_config, augment, crop_fraction))
+            rows = frames.index.to_numpy()
+            views = np.stack([
+                _embed(backbone, view_set, [(item, derived_seed(settings.seed, view, int(row)))
+                                            for item, row in enumerate(rows)],
+                       settings.batch_size, f"view {view + 1}/{settings.views}", progress)
+                for view in range(settings.views)])
+    finally:
+        backbone.train(was_training)
+    return EmbeddingTable(frames.index.to_numpy(dtype=np.int64), plain, views)
+
+
+def write_entry(table: EmbeddingTable, key: dict, arrays: Path, record: Path, seconds: float) -> None:
+    with atomic_path(arrays) as tmp:
+        with open(tmp, "wb") as handle:
+            np.savez(handle, rows=table.rows, plain=table.plain, views=table.views)
+    atomic_write_text(record, json.dumps({"key": key, "sha256": file_sha256(arrays), "rows": len(table.rows),
+                                          "dim": int(table.plain.shape[1]), "views": int(len(table.views)),
+                                          "build_seconds": round(seconds, 2)}, indent=1, default=str))
+
+
+@dataclass(frozen=True)
+class CachedEmbeddings:
+    table: EmbeddingTable
+    path: Path  # the entry's arrays file
+    built: bool  # True: computed now; False: read from the cache
+    seconds: float
+
+
+def read_frame_table(processed_dir: Path) -> pd.DataFrame:
+    """frames.csv with its data-row numbers as the index (as `PainDataModule` numbers them)."""
+    text_columns = {"subject_name": str, "sample_name": str, "class_name": str, "crop_path": str}
+    return pd.read_csv(processed_dir / "frames.csv", dtype=text_columns, keep_default_na=False)
+
+
+def ensure_embeddings(backbone: Backbone, processed_dir: Path, *, crop_fraction: float,
+                      from_s: float | None, frames_per_video: int | None, augment: Any, settings: CacheSettings,
+                      progress: bool = False) -> CachedEmbeddings:
+    """The entry for this backbone and these crops: read and checked when it exists, else built and stored.
+
+    The rows of the processed folder's frame table that a loader with `from_s` and `frames_per_video` reads are
+    embedded, of every class (so one entry serves every task).
+    """
+    processed_dir = Path(processed_dir)
+    started = time.time()
+    key = cache_key(backbone, state_dict_sha256(backbone), processed_dir, crop_fraction, from_s, frames_per_video,
+                    augment, settings)
+    arrays, record = entry_paths(processed_dir, backbone.name, key)
+    if record.is_file():
+        table = read_entry(arrays, record, key)
+        log.info("embeddings of %s read from %s (%d crops, %.1f s)", backbone.name, arrays, len(table.rows),
+                 time.time() - started)
+        return CachedEmbeddings(table, arrays, False, time.time() - started)
+    rows = used_rows(read_frame_table(processed_dir), from_s, frames_per_video)
+    log.info("building embeddings of %s for %d crops (%d augmented views each) into %s", backbone.name, len(rows),
+             settings.views, arrays)
+    table = build_entry(backbone, rows, processed_dir, crop_fraction, augment, settings, progress)
+    seconds = time.time() - started
+    write_entry(table, key, arrays, record, seconds)
+    log.info("embeddings of %s built in %.1f s: %s", backbone.name, seconds, arrays)
+    return CachedEmbeddings(table, arrays, True, seconds)

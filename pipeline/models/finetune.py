@@ -1,0 +1,219 @@
+"""What trains in a fine-tuning run: one small strategy object per `model.finetune`, not branches in the training step.
+
+- `full` (default): every backbone weight trains, at the discriminative learning rates of `parameter_groups`.
+- `frozen`: the backbone is fixed and runs in eval mode (batch-norm statistics, dropout and drop-path fixed too), only
+  the head trains: a linear probe on the backbone's features. Its per-crop features never change, so they can be
+  computed once (`pipeline.models.embedding_cache`); `FrozenOnEmbeddings` is the same strategy fed those features.
+- `top_blocks` (`model.finetune_blocks=k`): the top k of the backbone's parameter groups (stem to top, as
+  `Backbone.parameter_groups` lists them; the final norm is a group of its own) train with the head.
+- `lora`: low-rank adapters (Hu et al. 2021) injected by `peft` into the modules `model.lora.target_modules` names
+  (a full-match regex over the backbone's module names); the backbone's own weights stay fixed. A kept model has the
+  adapters merged into the weights they adapt, so it is a plain `PainNet` again.
+
+A strategy does three things: `prepare` the network once (requires_grad, adapters), keep the frozen part in eval mode
+whenever Lightning puts the module in train mode (`after_train_mode`), and give the network to keep (`for_keeping`).
+The optimizer then takes what requires a gradient (`lightning_module.parameter_groups`), so layer-wise LR decay
+applies to whatever trains.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.lora import LoraLayer
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from pipeline.models.backbones import PainNet
+
+STRATEGY_NAMES = ("full", "frozen", "top_blocks", "lora")
+ADAPTER_MARK = "lora_"  # peft's adapter parameters carry it in their names (lora_A, lora_B, ...)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA's hyper-parameters, from `model.lora` (configs/model/)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: str  # full-match regex over the backbone's module names, e.g. r".*\.attn\.(qkv|proj)"
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"model.lora.rank must be >= 1, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        re.compile(self.target_modules)
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """`model.finetune`, `model.finetune_blocks` and `model.lora` as one checked object."""
+
+    strategy: str
+    blocks: int | None
+    lora: LoraSettings
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGY_NAMES:
+            raise ValueError(f"unknown model.finetune={self.strategy!r}; use one of {', '.join(STRATEGY_NAMES)}")
+        if self.strategy == "top_blocks" and (self.blocks is None or self.blocks < 1):
+            raise ValueError(f"model.finetune=top_blocks needs model.finetune_blocks >= 1, got {self.blocks}")
+
+    @classmethod
+    def from_model_config(cls, model: Mapping[str, Any]) -> FinetuneConfig:
+        lora = dict(model["lora"])
+        return cls(str(model["finetune"]), model.get("finetune_blocks"),
+                   LoraSettings(int(lora["rank"]), float(lora["alpha"]), float(lora["dropout"]),
+                                str(lora["target_modules"])))
+
+    @property
+    def label(self) -> str:
+        """A short name for tags and tables: full, frozen, top_blocks3, lora_r8."""
+        if self.strategy == "top_blocks":
+            return f"top_blocks{self.blocks}"
+        if self.strategy == "lora":
+            return f"lora_r{self.lora.rank}"
+        return self.strategy
+
+
+class FinetuneStrategy:
+    """Full fine-tuning: everything trains. The base of the other strategies."""
+
+    name = "full"
+    backbone_fixed = False  # True: the backbone's weights never change, so checkpoints need not hold them
+
+    def prepare(self, net: PainNet) -> PainNet:
+        """Set what trains (and inject adapters); returns the same network."""
+        for parameter in net.parameters():
+            parameter.requires_grad_(True)
+        return net
+
+    def after_train_mode(self, net: PainNet) -> None:
+        """Called whenever the module goes to train mode: batch norms whose weights are all frozen keep their
+        running statistics (eval mode), so a frozen part stays exactly what it was."""
+        for module in net.backbone.modules():
+            if isinstance(module, _NormBase) and not any(p.requires_grad for p in module.parameters()):
+                module.eval()
+
+    def forward(self, net: PainNet, inputs: torch.Tensor) -> torch.Tensor:
+        return net(inputs)
+
+    def for_keeping(self, net: PainNet) -> PainNet:
+        """The network as a kept model holds it (a plain PainNet)."""
+        return net
+
+
+class FrozenBackbone(FinetuneStrategy):
+    """Only the head trains; the whole backbone runs in eval mode (its features are then a function of the crop)."""
+
+    name = "frozen"
+    backbone_fixed = True
+
+    def prepare(self, net: PainNet) -> PainNet:
+        net.backbone.requires_grad_(False)
+        net.head.requires_grad_(True)
+        return net
+
+    def after_train_mode(self, net: PainNet) -> None:
+        net.backbone.eval()
+
+
+class FrozenOnEmbeddings(FrozenBackbone):
+    """`frozen`, fed the backbone's cached per-crop embeddings instead of images: only the head runs."""
+
+    def forward(self, net: PainNet, inputs: torch.Tensor) -> torch.Tensor:
+        return net.head(inputs)
+
+
+class TopBlocks(FinetuneStrategy):
+    """The top `blocks` parameter groups of the backbone and the head train; the groups below are frozen."""
+
+    name = "top_blocks"
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = int(blocks)
+
+    def prepare(self, net: PainNet) -> PainNet:
+        groups = net.backbone.parameter_groups()
+        if self.blocks > len(groups):
+            raise ValueError(f"model.finetune_blocks={self.blocks}, but {net.backbone.name} has {len(groups)} "
+                             f"parameter groups ({', '.join(name for name, _ in groups)})")
+        for index, (_, parameters) in enumerate(groups):
+            for parameter in parameters:
+                parameter.requires_grad_(index >= len(groups) - self.blocks)
+        net.head.requires_grad_(True)
+        return net
+
+
+class Lora(FinetuneStrategy):
+    """LoRA adapters on the target modules (peft); the backbone's own weights are frozen, the head trains."""
+
+    name = "lora"
+
+    def __init__(self, settings: LoraSettings) -> None:
+        self.settings = settings
+
+    def prepare(self, net: PainNet) -> PainNet:
+        names = [name for name, _ in net.backbone.named_modules()]
+        if not any(re.fullmatch(self.settings.target_modules, name) for name in names):
+            raise ValueError(f"model.lora.target_modules={self.settings.target_modules!r} matches no module of "
+                             f"{net.backbone.name} (e.g. {', '.join(names[1:6])})")
+        config = LoraConfig(r=self.settings.rank, lora_alpha=self.settings.alpha, lora_dropout=self.settings.dropout,
+                            target_modules=self.settings.target_modules, bias="none")
+        inject_adapter_in_model(config, net.backbone)
+        for name, parameter in net.backbone.named_parameters():
+            parameter.requires_grad_(ADAPTER_MARK in name)
+        net.head.requires_grad_(True)
+        return net
+
+    def for_keeping(self, net: PainNet) -> PainNet:
+        return merged_copy(net)
+
+
+def merged_copy(net: PainNet) -> PainNet:
+    """A copy of `net` with every LoRA adapter merged into the layer it adapts and the layer put back in its place:
+    the same function as `net` (to rounding), with the plain module names a kept model is loaded with."""
+    merged = copy.deepcopy(net)
+    for name, module in list(merged.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge(safe_merge=True)
+            parent_name, _, child = name.rpartition(".")
+            setattr(merged.get_submodule(parent_name) if parent_name else merged, child, module.get_base_layer())
+    for parameter in merged.parameters():
+        parameter.requires_grad_(True)
+    return merged
+
+
+def strategy_for(config: FinetuneConfig, *, embeddings: bool = False) -> FinetuneStrategy:
+    """The strategy object of `config`; `embeddings`: a frozen run fed cached embeddings."""
+    if config.strategy == "frozen":
+        return FrozenOnEmbeddings() if embeddings else FrozenBackbone()
+    if embeddings:
+        raise ValueError(f"cached embeddings serve model.finetune=frozen only, not {config.strategy}")
+    if config.strategy == "top_blocks":
+        assert config.blocks is not None
+        return TopBlocks(config.blocks)
+    if config.strategy == "lora":
+        return Lora(config.lora)
+    return FinetuneStrategy()
+
+
+def parameter_counts(net: nn.Module) -> dict[str, int]:
+    """Trainable and total parameters, of the whole network and of its backbone (adapters counted apart)."""
+    backbone = getattr(net, "backbone", None)
+    counts = {"parameters_total": sum(p.numel() for p in net.parameters()),
+              "parameters_trainable": sum(p.numel() for p in net.parameters() if p.requires_grad)}
+    if backbone is not None:
+        named = list(backbone.named_parameters())
+        counts["backbone_parameters"] = sum(p.numel() for name, p in named if ADAPTER_MARK not in name)
+        counts["backbone_adapter_parameters"] = sum(p.numel() for name, p in named if ADAPTER_MARK in name)
+        counts["backbone_parameters_trainable"] = sum(p.numel() for _, p in named if p.requires_grad)
+    return counts
