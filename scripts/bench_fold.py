@@ -66,12 +66,13 @@ def main() -> int:
     parser.add_argument("--model", default="mobilevit_s")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--other", type=Path, help="a second checkout to run the same fold on, alternating")
+    parser.add_argument("--other", type=Path, action="append", default=[],
+                        help="another checkout to run the same fold on, alternating (may be given more than once)")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "bench" / "bench_fold.json")
     parser.add_argument("overrides", nargs="*", help="more key=value overrides for both checkouts")
     args = parser.parse_args()
     subprocess.run([sys.executable, "-m", "pipeline", "data", *data_overrides()], cwd=ROOT, check=True)
-    trees = [ROOT] + ([args.other.resolve()] if args.other else [])
+    trees = [ROOT] + [other.resolve() for other in args.other]
     print(f"CPU: {cpu_description()}")
     results = []
     for repeat in range(args.repeats):
