@@ -1,7 +1,8 @@
 """What one fold of `make cv` costs, end to end and step by step, and the same fold on another checkout.
 
 Runs `python -m pipeline cv` for one fold of the default synthetic twin (`trainer.folds=[0]`, `--epochs` epochs, no
-early stop), in a fresh MLflow store each time, `--repeats` times, and reports the wall time of each run. Where the
+early stop), in a fresh MLflow store each time, `--repeats` times, and reports the wall and CPU time of each run
+(CPU time is less disturbed by other load on the machine, wall time is what a user waits). Where the
 checkout logs them (this one does), the fold's step times follow: set-up, fit, validation re-pass, test, threshold,
 artifacts, model logging (`time/<step>_s` on the fold run). `--other PATH` runs the same fold on a second checkout
 (e.g. a `git worktree` of an older commit), alternating with this one, so both see the same machine load.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -44,10 +46,12 @@ def run_fold(tree: Path, model: str, epochs: int, extra: list[str]) -> dict:
                    f"trainer.max_epochs={epochs}", f"trainer.patience={epochs + 1}", "cv.resume=never",
                    f"mlflow.tracking_uri={store}", f"mlflow.artifact_root={tmp}/mlartifacts",
                    f"cv.work_dir={tmp}/runs", f"reports_dir={tmp}/reports", *data_overrides(), *extra]
-        started = time.perf_counter()
+        started, cpu_before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         result = subprocess.run(command, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
                                 capture_output=True, text=True)
         wall = time.perf_counter() - started
+        cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
         if result.returncode != 0:
             raise SystemExit(f"{tree}: the fold failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
         from mlflow import MlflowClient
@@ -57,8 +61,8 @@ def run_fold(tree: Path, model: str, epochs: int, extra: list[str]) -> dict:
         metrics = runs[0].data.metrics if runs else {}
         steps = {k.removeprefix("time/").removesuffix("_s"): v for k, v in metrics.items() if k.startswith("time/")}
         epochs_run = int(metrics.get("epochs_trained", -1))
-        return {"tree": str(tree), "wall_s": round(wall, 1), "epochs": epochs_run, "steps_s": steps,
-                "load": round(os.getloadavg()[0], 2)}
+        return {"tree": str(tree), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "epochs": epochs_run,
+                "steps_s": steps, "load": round(os.getloadavg()[0], 2)}
 
 
 def main() -> int:
@@ -80,8 +84,9 @@ def main() -> int:
             result = run_fold(tree, args.model, args.epochs, args.overrides)
             results.append(result)
             steps = ", ".join(f"{k} {v:.1f} s" for k, v in result["steps_s"].items()) or "no step times logged"
-            print(f"[{repeat + 1}/{args.repeats}] {tree}: {result['wall_s']:.1f} s wall, {result['epochs']} epochs, "
-                  f"load {result['load']} ({steps})", flush=True)
+            print(f"[{repeat + 1}/{args.repeats}] {tree}: {result['wall_s']:.1f} s wall, "
+                  f"{result['cpu_s']:.0f} CPU-s, {result['epochs']} epochs, load {result['load']} ({steps})",
+                  flush=True)
     for tree in trees:
         walls = [r["wall_s"] for r in results if r["tree"] == str(tree)]
         print(f"{tree}: wall {', '.join(f'{w:.1f}' for w in walls)} s (mean {sum(walls) / len(walls):.1f})")
