@@ -19,12 +19,12 @@ from pipeline.analysis.compare import (
     check_same_folds,
     compare,
     fold_scores,
-    latest_cvs,
     paired_tests,
     plot_fold_scores,
     summary_table,
 )
 from pipeline.runs import tracking
+from pipeline.runs.cv_runs import latest_finished_cvs
 
 EXPERIMENT = "pain-cv-test"
 N_FOLDS = 5
@@ -122,13 +122,14 @@ def store(tmp_path_factory) -> dict:
 
 def test_latest_finished_cv_per_model(store) -> None:
     client, ids = store["client"], store["ids"]
-    runs = latest_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4")
+    runs = latest_finished_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4")
     assert {model: run.info.run_id for model, run in runs.items()} == {
         "cvt": ids["cvt"],
         "mobilevit": ids["mobilevit"],
         "vit": ids["vit"],
     }
-    assert latest_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4", subject_set="67") == {}
+    assert latest_finished_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4",
+                               subject_set="67") == {}
 
 
 def test_fold_scores_read_children(store) -> None:
@@ -197,7 +198,7 @@ def test_compare_writes_tables_plots_and_run(store, tmp_path) -> None:
     assert "comparison_synthetic_loso_bl1_vs_pa4.csv" in logged
     assert plot.name in logged
     # The comparison run is not itself a CV: a second comparison sees the same three backbones.
-    again = latest_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4")
+    again = latest_finished_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4")
     assert sorted(again) == models
 
 
@@ -330,14 +331,14 @@ def test_only_cvs_on_the_same_crops_are_compared(store) -> None:
         runs[name] = make_cv(client, experiment_id, model, random_scores(30), start_time=start, dataset="crops")
         for key, value in params.items():
             client.log_param(runs[name], key, value)
-    latest = latest_cvs(client, [experiment_id], "crops", "loso", "bl1_vs_pa4", params=aligned)
+    latest = latest_finished_cvs(client, [experiment_id], "crops", "loso", "bl1_vs_pa4", params=aligned)
     assert {model: run.info.run_id for model, run in latest.items()} == {"vit": runs["vit"], "cvt": runs["cvt"]}
-    unfiltered = latest_cvs(client, [experiment_id], "crops", "loso", "bl1_vs_pa4")
+    unfiltered = latest_finished_cvs(client, [experiment_id], "crops", "loso", "bl1_vs_pa4")
     assert unfiltered["cvt"].info.run_id == runs["cvt_square"] and "mobilevit" in unfiltered
 
 
 def test_crop_settings_name_the_twin_look_detector_and_alignment() -> None:
-    from pipeline.analysis.compare import crop_settings
+    from pipeline.runs.cv_runs import crop_settings
     from pipeline.utils.config import load_config
 
     settings = crop_settings(load_config(["data.align_faces=false"]))

@@ -74,6 +74,7 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
     assert 0 <= low <= parent.data.metrics["pooled/video_accuracy_at_threshold"] <= high <= 1
     assert parent.data.params["model.name"] == "mobilevit_xxs"
     assert tags["headline_metric"] == "pooled/video_accuracy_at_threshold"
+    assert (tags["precision_asked"], tags["precision"]) == ("32-true", "32-true")  # asked, and what the folds used
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"config.yaml", "folds", "folds_summary.csv", "predictions_videos_all_folds.csv", "data",
             "scores_per_subject.csv"} <= artifacts
@@ -94,6 +95,7 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
     for child in children:
         assert child.info.status == "FINISHED"
         assert child.data.tags["device"] == device.kind  # each fold's own node says where it trained
+        assert (child.data.tags["precision"], child.data.tags["precision_asked"]) == ("32-true", "32-true")
         for key in ("test/video_auroc", "test/video_accuracy", "test/video_balanced_accuracy", "test/video_f1",
                     "test/frame_auroc", "test/frame_accuracy", "best_epoch"):
             assert key in child.data.metrics, key

@@ -22,7 +22,8 @@ from matplotlib.figure import Figure
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 
-from pipeline.runs import tracking
+from pipeline.runs import cv_runs, tracking
+from pipeline.runs.cross_validation import run_cv
 from pipeline.utils.atomic_io import atomic_path, atomic_write_csv, save_png
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import PROJECT_ROOT, resolve_path
@@ -71,21 +72,6 @@ def read_literature(path: Path = LITERATURE) -> pd.DataFrame:
     if missing:
         raise ValueError(f"{path}: missing column(s) {missing}; expected {LITERATURE_COLUMNS}")
     return table[LITERATURE_COLUMNS]
-
-
-def finished_parent(client: MlflowClient, cfg):
-    """The FINISHED parent run of the cross-validation `cfg` describes, or None."""
-    from pipeline.runs.cross_validation import IDENTITY_TAGS, identity_tags
-
-    experiment = client.get_experiment_by_name(cfg.mlflow.experiment)
-    if experiment is None:
-        return None
-    tags = identity_tags(cfg, resolve_path(cfg.fold_file))
-    query = " and ".join(["tags.`painvit.run_kind` = 'cv'", "attributes.status = 'FINISHED'"]
-                         + [f"tags.`{key}` = '{tags[key]}'" for key in IDENTITY_TAGS])
-    runs = client.search_runs([experiment.experiment_id], query, order_by=["attribute.start_time DESC"],
-                              max_results=1)
-    return runs[0] if runs else None
 
 
 def project_row(model: str, task: str, run) -> dict:
@@ -150,19 +136,17 @@ def plot_table(ours: pd.DataFrame, published: pd.DataFrame, title: str, path: Pa
 
 def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tasks: str | None = None) -> dict:
     """Run or reuse every (backbone, task) cross-validation, then write and log the table."""
-    from pipeline.runs.cross_validation import run_cv
-
     model_names = (models or cfg.model.name).split()
     task_names = (tasks or " ".join(TASKS)).split()
     base = [o for o in overrides if not o.startswith(("model=", "model.name=", "task="))]
-    client = MlflowClient(cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT))
+    client = MlflowClient(tracking.store_uri(cfg.mlflow.tracking_uri))
     rows = []
     for model in model_names:
         for task in task_names:
             run_cfg = load_config([*base, *model_overrides(model), f"task={task}"])
             print(f"== {model} on {task}")
             run_cv(run_cfg)
-            rows.append(project_row(model, task, finished_parent(client, run_cfg)))
+            rows.append(project_row(model, task, cv_runs.finished_cv(client, run_cfg)))
     rows = pd.DataFrame(rows)
     literature = read_literature()
     published = literature[literature["task"].isin(task_names)].reset_index(drop=True)

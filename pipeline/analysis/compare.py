@@ -31,7 +31,7 @@ from pipeline.evaluation.statistics import (
     subject_intervals,
     subject_scores,
 )
-from pipeline.runs import tracking
+from pipeline.runs import cv_runs, tracking
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import resolve_path
 
@@ -59,66 +59,6 @@ POOLED_VIDEOS = "predictions_videos_all_folds.csv"  # a CV parent's pooled test 
 
 class ComparisonError(RuntimeError):
     """The finished runs cannot be compared (too few backbones, different folds, missing experiment)."""
-
-
-def _quoted(value: str, what: str) -> str:
-    """A value for an MLflow filter string; quotes would break the filter, so they are refused."""
-    if "'" in value or '"' in value or "`" in value:
-        raise ComparisonError(f"{what} {value!r} contains a quote character, which MLflow run filters cannot hold")
-    return f"'{value}'"
-
-
-def _search_all(client: MlflowClient, experiment_ids: Sequence[str], filter_string: str) -> list[Run]:
-    runs: list[Run] = []
-    page_token = None
-    while True:
-        page = client.search_runs(
-            list(experiment_ids),
-            filter_string=filter_string,
-            max_results=1000,
-            order_by=["attributes.start_time DESC"],
-            page_token=page_token,
-        )
-        runs.extend(page)
-        page_token = page.token
-        if not page_token:
-            return runs
-
-
-def latest_cvs(
-    client: MlflowClient,
-    experiment_ids: Sequence[str],
-    dataset: str,
-    protocol: str,
-    task: str,
-    subject_set: str | None = None,
-    fold_file_sha256: str | None = None,
-    params: Mapping[str, str] | None = None,
-) -> dict[str, Run]:
-    """The most recently started FINISHED parent CV run per `model` tag for this dataset, protocol and task
-    (and, when given, subject set, fold file and logged parameter values, e.g. the crop settings)."""
-    conditions = [
-        f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'",
-        f"attributes.status = '{RunStatus.to_string(RunStatus.FINISHED)}'",
-        f"tags.dataset = {_quoted(dataset, 'dataset')}",
-        f"tags.protocol = {_quoted(protocol, 'protocol')}",
-        f"tags.task = {_quoted(task, 'task')}",
-    ]
-    if subject_set is not None:
-        conditions.append(f"tags.subject_set = {_quoted(subject_set, 'subject_set')}")
-    if fold_file_sha256 is not None:
-        conditions.append(f"tags.{FOLD_FILE_TAG} = {_quoted(fold_file_sha256, FOLD_FILE_TAG)}")
-    for key, value in (params or {}).items():
-        conditions.append(f"params.`{key}` = {_quoted(value, key)}")
-    runs = _search_all(client, experiment_ids, " and ".join(conditions))
-    latest: dict[str, Run] = {}
-    for run in sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.end_time or 0), reverse=True):
-        model = run.data.tags.get("model")
-        if not model:
-            logger.warning("CV run %s has no 'model' tag; ignored", run.info.run_id)
-            continue
-        latest.setdefault(model, run)
-    return dict(sorted(latest.items()))
 
 
 def fold_scores(client: MlflowClient, parent_run: Run, metrics: Sequence[str]) -> pd.DataFrame:
@@ -383,7 +323,11 @@ def compare(
     if found is None:
         raise ComparisonError(f"no MLflow experiment {experiment!r} at {uri}")
     experiment_id = found.experiment_id
-    runs = latest_cvs(client, [experiment_id], dataset, protocol, task, subject_set, fold_file_sha256, crop_params)
+    try:
+        runs = cv_runs.latest_finished_cvs(client, [experiment_id], dataset, protocol, task, subject_set,
+                                           fold_file_sha256, crop_params)
+    except ValueError as error:  # a value MLflow's filter cannot hold
+        raise ComparisonError(str(error)) from None
     where = f"dataset={dataset}, protocol={protocol}, task={task}" + (
         f", subject_set={subject_set}" if subject_set else ""
     ) + (" and these crops (" + ", ".join(f"{k}={v}" for k, v in crop_params.items()) + ")" if crop_params else "")
@@ -505,28 +449,15 @@ def cost_lines(costs: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-CROP_PREFIXES = ("preprocess.", "data.synthetic.")  # how the crops were made (twin look and size, detector, align)
-
-
-def crop_settings(cfg) -> dict[str, str]:
-    """The config's crop settings as the CV's parent run logs them (parameter name -> value)."""
-    from pipeline.runs.cross_validation import flat_params, identity_config
-
-    return {key: value for key, value in flat_params(identity_config(cfg)).items() if key.startswith(CROP_PREFIXES)}
-
-
 def run_compare(cfg) -> dict:
     """`make compare`: the latest finished cross-validation of each backbone on the config's data/protocol/task,
     fold file and crop settings."""
-    from pipeline.data.fold_files import fold_file_sha256 as sha256_of_folds
-
     # Only CVs on the current fold file: runs on older or other folds never enter the comparison.
-    fold_file = resolve_path(cfg.fold_file)
-    sha = sha256_of_folds(fold_file) if fold_file.is_file() else None
+    sha = cv_runs.current_fold_file_sha256(cfg)
     try:
         result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, resolve_path(cfg.reports_dir),
                          tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
-                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=crop_settings(cfg))
+                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=cv_runs.crop_settings(cfg))
     except ComparisonError as error:
         raise SystemExit(f"compare: {error}") from None
     summary = result["summary"]

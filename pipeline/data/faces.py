@@ -171,7 +171,7 @@ class MTCNNFaceDetector:
         self.network = MTCNN(self.device, tuple(thresholds), min_size_fraction, max_side)
 
     def detect_faces(self, frames_bgr: Sequence[np.ndarray]) -> list[Face | None]:
-        """The most plausible face of each frame (`_plausibility`), with its landmarks and score."""
+        """The most plausible face of each frame (`plausibility`), with its landmarks and score."""
         faces: list[Face | None] = []
         for start in range(0, len(frames_bgr), self.batch_size):
             batch = [_to_bgr(frame) for frame in frames_bgr[start : start + self.batch_size]]
@@ -179,7 +179,7 @@ class MTCNNFaceDetector:
                 if not len(found):
                     faces.append(None)
                     continue
-                best = found[np.argmax(_plausibility(found))]
+                best = found[np.argmax(plausibility(found))]
                 x1, y1, x2, y2, score = best[:5]
                 landmarks = np.stack([best[5:10], best[10:15]], axis=1)
                 faces.append(Face((float(x1), float(y1), float(x2 - x1), float(y2 - y1)), landmarks, float(score)))
@@ -195,7 +195,7 @@ class MTCNNFaceDetector:
         return (x0, y0, min(width, round(x + w)) - x0, min(height, round(y + h)) - y0)
 
 
-def _plausibility(found: np.ndarray) -> np.ndarray:
+def plausibility(found: np.ndarray) -> np.ndarray:
     """Rank MTCNN's faces (rows x1, y1, x2, y2, score, ...): the largest of those about as confident as the most
     confident one. Not simply the largest: a torso or a patterned shirt can pass as a big face with a low score
     (0.7-0.96, where the real face scores > 0.99)."""

@@ -1,12 +1,13 @@
 """`make predict VIDEO=...`: the pain timeline of any video with a trained model.
 
 The model is the registered champion (`models:/pain-<model>-<task>@champion`) unless `MODEL_URI=` names another
-MLflow model or `RUN=` a fold or final run (its kept `model/model.pt`). Frames are sampled at `predict.fps` per second
-(0: every frame), the same person is followed through them (`pipeline.models.scoring`), and each scored frame gets a
-pain probability. Per video: a CSV (time_s, frame, face_found, pain_probability, pain) and a PNG timeline
-(probability over time, the threshold, the video's decision, spans without a face shaded). `VIDEO=` a folder scores
-every video in it and writes one summary row per video besides. A video without any face gets a message and an empty
-timeline, never a score.
+MLflow model or `RUN=` a fold or final run (the MLflow model that run logged, deciding at that run's threshold).
+Frames are sampled at `predict.fps` per second (0: every frame), the same person is followed through them
+(`pipeline.models.scoring`), and each scored frame gets a pain probability; the video's score aggregates its frames
+as the cross-validation did (`trainer.aggregation`). Per video: a CSV (time_s, frame, face_found, pain_probability,
+pain) and a PNG timeline (probability over time, the threshold, the video's decision, spans without a face shaded).
+`VIDEO=` a folder scores every video in it and writes one summary row per video besides. A video without any face
+gets a message and an empty timeline, never a score.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ import cv2
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeline.data.video import DEFAULT_FPS
 from pipeline.models.scoring import FrameScorer
 from pipeline.runs import tracking
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
-from pipeline.utils.paths import PROJECT_ROOT, resolve_path
+from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v")
@@ -97,7 +98,7 @@ def score_video(scorer: FrameScorer, path: Path, fps: float) -> VideoResult:
         table.insert(0, "time_s", times)
         parts.append(table)
     frames = pd.concat(parts, ignore_index=True)
-    score = scorer.video_score(frames["pain_probability"].to_numpy())
+    score = scorer.video_score(frames)
     return VideoResult(path, frames, score, scorer.threshold, time.perf_counter() - started)
 
 
@@ -136,57 +137,51 @@ def write_outputs(result: VideoResult, out_stem: Path) -> tuple[Path, Path]:
 
 
 def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None = None) -> tuple[FrameScorer, str]:
-    """The scorer of an MLflow model (`model_uri`, default the champion) or of a run's kept model; and its name."""
+    """The scorer of an MLflow model (`model_uri`, default the registered champion) or of the MLflow model a fold or
+    final run logged (`run`), built by the one factory (`pipeline.runs.mlflow_model.load_scorer`); and its name.
+    A fold run's model decides at the threshold its validation subjects chose, as in the cross-validation."""
     import mlflow
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from pipeline.runs.mlflow_model import _member_order, scorer_from_config
+    from pipeline.runs import mlflow_model
     from pipeline.runs.registry import champion_uri
 
-    tracking_uri = cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT)
+    tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)
-    device = cfg.predict.device
     if run:
-        return run_scorer(cfg, MlflowClient(tracking_uri), run, tracking_uri), f"run {run}"
-    uri = model_uri or champion_uri(cfg.model.name, cfg.task.name)
+        uri = run_model_uri(MlflowClient(tracking_uri), run)
+        name = f"run {run} ({uri})"
+    else:
+        uri = model_uri or champion_uri(cfg.model.name, cfg.task.name)
+        name = uri
     try:
-        local = Path(mlflow.artifacts.download_artifacts(uri))
-    except MlflowException as error:
-        hint = ("" if model_uri else f" (run `make final MODEL={cfg.model.name}` and `make promote "
+        scorer = mlflow_model.load_scorer(uri, device=cfg.predict.device,
+                                          min_face_fraction=float(cfg.predict.min_face_fraction))
+    except (MlflowException, OSError) as error:
+        hint = ("" if model_uri or run else f" (run `make final MODEL={cfg.model.name}` and `make promote "
                 f"MODEL={cfg.model.name} VERSION=<n>`, or give MODEL_URI= or RUN=)")
-        raise PredictError(f"cannot load model {uri}: {error.message}{hint}") from None
-    import yaml
-
-    flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]
-    config = dict(flavor.get("config") or {})
-    config["crop"] = {**config.get("crop", {}), "min_face_fraction": float(cfg.predict.min_face_fraction)}
-    artifacts = flavor["artifacts"]
-    members = [local / artifacts[k]["path"] for k in sorted(artifacts, key=_member_order) if k.startswith("weights_")]
-    return scorer_from_config(local / artifacts["weights"]["path"], config, device, members), uri
+        raise PredictError(f"cannot load model {uri}: {getattr(error, 'message', error)}{hint}") from None
+    return scorer, name
 
 
-def run_scorer(cfg: DictConfig, client, run_id: str, tracking_uri: str) -> FrameScorer:
-    """A fold's or a final run's kept model, with the crop settings of its CV and its threshold (0.5 for a fold,
-    whose validation subjects chose no threshold)."""
-    from pipeline.models.model_file import load_model_file
-    from pipeline.runs.mlflow_model import model_config
+def run_model_uri(client, run_id: str) -> str:
+    """The MLflow model a fold's or a final model's run logged, as a URI; an error naming the run otherwise."""
+    from mlflow.exceptions import MlflowException
 
-    run = client.get_run(run_id)
-    kind = run.data.tags.get("painvit.run_kind")
-    if kind not in ("fold", "final"):
-        raise PredictError(f"run {run_id} is neither a fold's nor a final model's run (painvit.run_kind={kind})")
-    config_run = run_id if kind == "final" else run.data.tags["mlflow.parentRunId"]
-    trained = OmegaConf.load(client.download_artifacts(config_run, "config.yaml"))
-    OmegaConf.set_struct(trained, False)
-    trained.predict = cfg.predict
-    net, meta = load_model_file(run_id, tracking_uri)
-    threshold = float(run.data.metrics.get("threshold", 0.5))
-    config = model_config(trained, list(meta["class_names"]), threshold, "run")
-    from pipeline.models.scoring import CropSettings
+    from pipeline.runs.mlflow_model import logged_model_uri
 
-    return FrameScorer(net, meta, CropSettings.from_dict(config["crop"]), threshold=threshold,
-                      aggregation=config["aggregation"], topk=config["topk"], device=cfg.predict.device)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as error:
+        raise PredictError(f"RUN={run_id}: {error.message}") from None
+    kind = run.data.tags.get(tracking.RUN_KIND_TAG)
+    if kind not in (tracking.FOLD_RUN, tracking.FINAL_RUN):
+        raise PredictError(f"run {run_id} is neither a fold's nor a final model's run ({tracking.RUN_KIND_TAG}={kind})")
+    uri = logged_model_uri(client, run_id)
+    if uri is None:
+        raise PredictError(f"run {run_id} logged no MLflow model (a fold keeps one with cv.log_models=true)")
+    return uri
 
 
 def videos_in(path: Path) -> list[Path]:

@@ -16,9 +16,9 @@ import pandas as pd
 from matplotlib.figure import Figure
 from sklearn.metrics import accuracy_score, balanced_accuracy_score, f1_score, roc_auc_score, roc_curve
 
+from pipeline.evaluation.aggregation import check_aggregation
 from pipeline.utils.atomic_io import save_png
 
-AGGREGATIONS = ("mean", "max", "topk")
 VIDEO_KEYS = ["subject_name", "sample_name"]
 PROB_PREFIX = "prob_"
 
@@ -44,16 +44,9 @@ def _require_columns(table: pd.DataFrame, columns: Sequence[str], what: str) -> 
 
 
 def aggregate_videos(frames: pd.DataFrame, method: str = "mean", k: int = 3) -> pd.DataFrame:
-    """One row per video from per-frame class probabilities.
-
-    `mean` averages each class's probability over the frames; `max` takes each class's highest frame probability
-    and `topk` the mean of each class's `k` highest (all frames when a video has fewer); both are renormalised
-    to sum to 1 because per-class maxima come from different frames. `pred` is the argmax class index.
-    """
-    if method not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {method!r}; choose one of {AGGREGATIONS}")
-    if method == "topk" and k < 1:
-        raise ValueError(f"topk aggregation needs k >= 1, got {k}")
+    """One row per video from per-frame class probabilities, by the rule of `pipeline.evaluation.aggregation`
+    (the one `make predict` applies to a new video); `pred` is the argmax class index."""
+    check_aggregation(method, k)
     _require_columns(frames, [*VIDEO_KEYS, "label"], "frame table")
     prob_columns = probability_columns(frames)
     if frames.empty:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -36,7 +35,6 @@ from pipeline.data.exclusions import (
     lost_share_warning,
     unusable_for_task,
 )
-from pipeline.data.fold_files import fold_file_sha256
 from pipeline.data.prepare import prepare_data, read_fold_file, subject_set_tags
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import (
@@ -50,7 +48,7 @@ from pipeline.evaluation.statistics import subject_intervals, subject_scores
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource
-from pipeline.runs import launchers, registry, tracking
+from pipeline.runs import cv_runs, launchers, registry, tracking
 from pipeline.runs.environment import library_versions, log_environment
 from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, decide, result_from_run
 from pipeline.utils.accelerator import announce_device, training_device
@@ -65,10 +63,6 @@ AT_THRESHOLD = ("accuracy_at_threshold", "balanced_accuracy_at_threshold", "sens
 HEADLINE = "pooled/video_accuracy_at_threshold"  # the number to set beside the BioVid literature
 # A fold failure whose reason holds one of these is a property of the data: a retry fails the same way.
 DATA_ERRORS = ("has no frames of task", "have no frames in", "have no usable videos")
-# Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
-NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
-                "data.synthetic.workers", "final", "predict")
-IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256")
 
 
 def warn_from_scratch(model_name: str, source: WeightsSource) -> None:
@@ -80,30 +74,6 @@ def warn_from_scratch(model_name: str, source: WeightsSource) -> None:
                f"cope better with little data. Scores are not comparable with fine-tuned runs; provide weights "
                f"with WEIGHTS=/path or pretrained=true to fine-tune.")
     log.warning(message)
-
-
-def identity_config(cfg: DictConfig) -> dict:
-    """The resolved config without the settings in NOT_IDENTITY."""
-    config = OmegaConf.to_container(cfg, resolve=True)
-    seeds = config.get("cv", {}).get("seeds")
-    for key in NOT_IDENTITY:
-        *parents, leaf = key.split(".")
-        node = config
-        for parent in parents:
-            node = node.get(parent, {})
-        node.pop(leaf, None)
-    if seeds is not None:  # several training seeds change what is computed; none keeps older CVs' identity
-        config["cv"] = {"seeds": list(seeds)}
-    return config
-
-
-def config_sha256(cfg: DictConfig) -> str:
-    return hashlib.sha256(json.dumps(identity_config(cfg), sort_keys=True, default=str).encode()).hexdigest()
-
-
-def flat_params(config: dict) -> dict[str, str]:
-    flat = pd.json_normalize(config, sep=".").iloc[0].to_dict()
-    return {k: str(v)[:500] for k, v in flat.items()}
 
 
 @dataclass
@@ -136,33 +106,6 @@ class Plan:
                        tracking_uri or self.tracking_uri, str(self.work_dir / folder), self.decisions, seed)
 
 
-def _differences(old: dict[str, str], new: dict[str, str]) -> list[str]:
-    keys = sorted(set(old) | set(new))
-    return [f"{k}: {old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in keys if old.get(k) != new.get(k)]
-
-
-def find_parent(client: MlflowClient, experiment_id: str, tags: dict[str, str], cfg: DictConfig):
-    """The newest parent run with these identity tags; if there is none, say why an older CV is not resumed."""
-    query = " and ".join([f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'"]
-                         + [f"tags.`{key}` = '{tags[key]}'" for key in IDENTITY_TAGS])
-    runs = client.search_runs([experiment_id], query, order_by=["attribute.start_time DESC"], max_results=1)
-    if runs:
-        return runs[0]
-    similar = " and ".join([f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'"]
-                           + [f"tags.`{key}` = '{tags[key]}'" for key in ("model", "dataset", "protocol", "task")])
-    older = client.search_runs([experiment_id], similar, order_by=["attribute.start_time DESC"], max_results=1)
-    if older:
-        previous = older[0]
-        changes = [f"{key}: {previous.data.tags.get(key)} -> {tags[key]}" for key in IDENTITY_TAGS
-                   if key != "config_sha256" and previous.data.tags.get(key) != tags[key]]
-        changes += _differences({k: v for k, v in previous.data.params.items()},
-                                flat_params(identity_config(cfg)))
-        print(f"not resuming {previous.info.run_name!r} ({previous.info.run_id}): its settings differ "
-              f"({'; '.join(changes[:8]) or 'config hash'}{' ...' if len(changes) > 8 else ''}); "
-              f"starting a new cross-validation")
-    return None
-
-
 @contextlib.contextmanager
 def identity_lock(work_dir: Path, identity: str) -> Iterator[None]:
     """One driver per cross-validation identity on this machine: a second one refuses instead of training the
@@ -187,13 +130,6 @@ def identity_lock(work_dir: Path, identity: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def identity_tags(cfg: DictConfig, fold_file: Path) -> dict[str, str]:
-    """The tags that identify a cross-validation (IDENTITY_TAGS): what resume and `make table` look for."""
-    return {"model": cfg.model.name, "dataset": cfg.data.name, "protocol": cfg.protocol.name, "task": cfg.task.name,
-            "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
-            "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg)}
-
-
 def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     parse_rule(cfg.eval.threshold)  # a wrong setting fails before any data or training
     frames_result, fold_file = prepare_data(cfg)
@@ -216,17 +152,21 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
         PROJECT_ROOT)
     experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
-    tags = identity_tags(cfg, fold_file)
+    tags = cv_runs.identity_tags(cfg, fold_file)
     plan = Plan(cfg, decisions, fold_ids, task.classes, tracking_uri, experiment_id, "", Path())
-    parent = find_parent(client, experiment_id, tags, cfg) if cfg.cv.resume == "auto" else None
+    parent = cv_runs.newest_cv(client, experiment_id, tags) if cfg.cv.resume == "auto" else None
+    if parent is None and cfg.cv.resume == "auto":
+        why = cv_runs.why_not_resumed(client, experiment_id, tags, cfg)
+        if why:
+            print(why)
     if parent is None:
         run_tags = {**tags, tracking.RUN_KIND_TAG: tracking.CV_RUN, "git_commit": git_commit(),
                     "fold_file": str(fold_file), "n_folds": str(len(fold_ids)),
                     # a smoke run (some folds, limited batches) is marked so nobody mistakes it for a full CV
-                    "complete": str(len(fold_ids) + len(skipped) == folds.fold.nunique()
+                    tracking.COMPLETE_TAG: str(len(fold_ids) + len(skipped) == folds.fold.nunique()
                                     and cfg.trainer.limit_train_batches is None
                                     and cfg.trainer.limit_val_batches is None).lower(),
-                    "precision": decisions.precision, "model_family": decisions.model_family,
+                    tracking.PRECISION_ASKED_TAG: decisions.precision, "model_family": decisions.model_family,
                     "cpu": cpu_description(), **device_tags(cfg), **library_versions(), **weights.as_tags(),
                     **subject_set_tags(fold_file),
                     "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped)),
@@ -234,7 +174,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
         parent = client.create_run(experiment_id, run_name=run_name, tags=run_tags)
         run_id = parent.info.run_id
-        for chunk in _chunks(list(flat_params(identity_config(cfg)).items()), 100):
+        for chunk in cv_runs.chunks(list(cv_runs.identity_params(cfg).items()), 100):
             client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
         client.log_text(run_id, OmegaConf.to_yaml(cfg), "config.yaml")
         log_environment(client, run_id)
@@ -278,11 +218,6 @@ def log_exclusions(client: MlflowClient, run_id: str, frames_result, frames_per_
         per_class.to_csv(Path(tmp) / "exclusions_per_class.csv", index=False)
         per_subject.to_csv(Path(tmp) / "exclusions_per_subject.csv", index=False)
         client.log_artifacts(run_id, tmp, "data")
-
-
-def _chunks(items: list, size: int) -> Iterator[list]:
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
 
 
 def fold_line(result: FoldResult) -> str:
@@ -392,8 +327,9 @@ def run_cv(cfg: DictConfig) -> dict:
             return dict(client.get_run(plan.parent_run_id).data.metrics)
         resumed = f", resuming: {len(plan.done)} fold(s) already done" if plan.done else ""
         seeds = f", {len(plan.seeds)} training seeds each ({', '.join(map(str, plan.seeds))})" if cfg.cv.seeds else ""
+        auto = " (each fold resolves it on its device)" if plan.decisions.precision == "auto" else ""
         print(f"cross-validation: {name}, {len(plan.fold_ids)} folds{seeds}{resumed}, launcher {cfg.launcher.name}, "
-              f"precision {plan.decisions.precision}")
+              f"precision {plan.decisions.precision}{auto}")
         print(f"MLflow: {tracking_uri} (experiment {cfg.mlflow.experiment}, parent run {plan.parent_run_id}); "
               f"`make ui` to review")
         try:
@@ -432,17 +368,34 @@ def data_error_message(failed: dict[int, str]) -> str | None:
 
 def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
     """Mean and std across folds, and pooled metrics over all test videos/frames, onto the parent run."""
-    results = []
+    results, runs = [], []
     for seed in plan.seeds:
         finished = tracking.finished_fold_runs(client, plan.parent_run_id, seed)
-        results += [result_from_run(client, finished[fold]) for fold in plan.fold_ids]
+        runs += [finished[fold] for fold in plan.fold_ids]
+    results = [result_from_run(client, run) for run in runs]
+    record_precisions(client, plan.parent_run_id, runs)
     summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, plan.cfg)
-    client.set_tag(plan.parent_run_id, "headline_metric", HEADLINE)  # the number to quote beside the literature
+    client.set_tag(plan.parent_run_id, tracking.HEADLINE_TAG, HEADLINE)  # the number to quote beside the literature
     client.set_terminated(plan.parent_run_id, tracking.FINISHED)
     table = print_table(results, summary)
     registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.cfg.model.name}: video-level test "
                           f"scores per fold", table.rename_axis("").reset_index())
     return summary
+
+
+def record_precisions(client: MlflowClient, run_id: str, fold_runs: list) -> str:
+    """Tag the parent with the precision(s) its folds trained in (each fold resolved `auto` on its own device);
+    say so when they differ, since the folds' numbers then come from different arithmetic."""
+    used = sorted({run.data.tags.get(tracking.PRECISION_TAG) or "unrecorded" for run in fold_runs})
+    value = ",".join(used)
+    client.set_tag(run_id, tracking.PRECISION_TAG, value)
+    if len(used) > 1:
+        per_fold = ", ".join(f"fold {run.data.tags.get(tracking.FOLD_TAG)}: "
+                             f"{run.data.tags.get(tracking.PRECISION_TAG) or 'unrecorded'}" for run in fold_runs)
+        message = f"the folds trained in different precisions ({per_fold}): their devices differed"
+        log.warning(message)
+        print(f"warning: {message}")
+    return value
 
 
 def spread_over_folds_and_seeds(results: list[FoldResult]) -> dict[str, float]:
@@ -474,7 +427,7 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     summary.update(pooled_at_threshold(videos, class_names))
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
-    for chunk in _chunks(metrics, 500):
+    for chunk in cv_runs.chunks(metrics, 500):
         client.log_batch(run_id, metrics=chunk)
 
     with tempfile.TemporaryDirectory() as tmp:

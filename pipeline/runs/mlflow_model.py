@@ -6,20 +6,24 @@ the model; it only instantiates `PainMlflowModel`). What MLflow stores besides:
 - artifact `weights`: the kept model file (`pipeline.models.model_file`: state dict, backbone, input size, mean/std,
   crop window and fraction, class names, weights provenance), read with `weights_only=True`;
 - `model_config`: the decision threshold and the rule that chose it, the video aggregation, how the training crops
-  were made (detector, alignment, margin, crop size, JPEG quality) and the smallest face searched for;
+  were made (detector, alignment, margin, crop size, JPEG quality), the smallest face searched for and the device
+  (`min_face_fraction` and `device` can be overridden at load time: `load_scorer`);
 - `metadata`: where the weights come from (source CV run, final or fold run, git commit), shown in the MLmodel file.
 
 Input: a DataFrame, one row per frame in time order, with column `image` (the frame as a base64-encoded PNG or JPEG)
 or column `path` (an image file the scoring process can read). Output: a DataFrame with `frame` (the row's position),
 `face_found`, `pain_probability` (1 - P(no pain); NaN without a face) and `pain` (probability >= threshold; null
 without a face). The rows of one request are one sequence: the same person is followed through them.
+
+Every way of scoring with a trained model (`make predict` with MODEL_URI=, RUN= or the champion, `make export`, the
+served model) builds its `FrameScorer` through `build_scorer`, called by `PainMlflowModel.load_context`.
 """
 
 from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +33,8 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from pipeline.models.scoring import CropSettings, FrameScorer
+from pipeline.models.model_file import load_model_file
+from pipeline.models.scoring import OUTPUT_COLUMNS, CropSettings, FrameScorer
 from pipeline.utils.paths import git_commit
 
 CODE_FILE = Path(__file__).with_name("mlflow_model_code.py")
@@ -77,17 +82,25 @@ def frames_from_input(model_input: pd.DataFrame | list | dict) -> list[np.ndarra
     return frames
 
 
-def scorer_from_config(weights_path: str | Path, config: dict[str, Any], device: str = "cpu",
-                       ensemble_paths: Sequence[str | Path] = ()) -> FrameScorer:
-    """A `FrameScorer` from a kept model file and the model's config (what `load_context` builds); more kept model
-    files make a fold ensemble that averages their probabilities."""
-    from pipeline.models.model_file import load_model_file
+def member_order(name: str) -> int:
+    """Ensemble members are artifacts `weights_1`, `weights_2`, ...: their order, -1 for anything else."""
+    tail = name.rsplit("_", 1)[-1]
+    return int(tail) if name.startswith(f"{WEIGHTS_ARTIFACT}_") and tail.isdigit() else -1
 
-    net, meta = load_model_file(Path(weights_path))
-    members = [load_model_file(Path(path))[0] for path in ensemble_paths]
-    return FrameScorer(net, meta, CropSettings.from_dict(config.get("crop", {})),
-                      threshold=float(config.get("threshold", 0.5)), aggregation=config.get("aggregation", "mean"),
-                      topk=int(config.get("topk", 3)), device=device, ensemble=members)
+
+def build_scorer(artifacts: Mapping[str, str | Path], config: Mapping[str, Any]) -> FrameScorer:
+    """The scorer of an MLflow pain model, from its artifacts (`weights`, and `weights_<i>` for the other members of
+    a fold ensemble, whose class probabilities are averaged) and its model_config: threshold, aggregation, topk,
+    crop settings, and the load-time `device` and `min_face_fraction`. The one place a scorer is made."""
+    net, meta = load_model_file(Path(artifacts[WEIGHTS_ARTIFACT]))
+    members = [load_model_file(Path(artifacts[name]))[0]
+               for name in sorted(artifacts, key=member_order) if member_order(name) >= 0]
+    crop = dict(config.get("crop", {}))
+    if config.get("min_face_fraction") is not None:
+        crop["min_face_fraction"] = float(config["min_face_fraction"])
+    return FrameScorer(net, meta, CropSettings.from_dict(crop), threshold=float(config.get("threshold", 0.5)),
+                       aggregation=config.get("aggregation", "mean"), topk=int(config.get("topk", 3)),
+                       device=str(config.get("device", "cpu")), ensemble=members)
 
 
 class PainMlflowModel(mlflow.pyfunc.PythonModel):
@@ -95,12 +108,41 @@ class PainMlflowModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context) -> None:
         self.config = dict(context.model_config or {})
-        members = [context.artifacts[name] for name in sorted(context.artifacts, key=_member_order)
-                   if name.startswith(f"{WEIGHTS_ARTIFACT}_")]
-        self.scorer = scorer_from_config(context.artifacts[WEIGHTS_ARTIFACT], self.config, ensemble_paths=members)
+        self.artifacts = dict(context.artifacts)
+        self.scorer = build_scorer(self.artifacts, self.config)
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        return self.scorer.score(frames_from_input(model_input))
+        return self.scorer.score(frames_from_input(model_input))[list(OUTPUT_COLUMNS)]
+
+
+def load_scorer(model_uri: str, device: str = "cpu", min_face_fraction: float | None = None) -> FrameScorer:
+    """The scorer of the MLflow pain model at `model_uri` (models:/..., runs:/..., a path), loaded by MLflow's own
+    pyfunc loader (`PainMlflowModel.load_context` -> `build_scorer`), with the device and smallest face overridden."""
+    overrides: dict[str, Any] = {"device": device}
+    if min_face_fraction is not None:
+        overrides["min_face_fraction"] = float(min_face_fraction)
+    model = mlflow.pyfunc.load_model(model_uri, model_config=overrides)
+    python_model = model.unwrap_python_model()
+    if not isinstance(python_model, PainMlflowModel):
+        raise TypeError(f"{model_uri} is not a pain model (its python model is {type(python_model).__name__})")
+    if any(python_model.config.get(key) != value for key, value in overrides.items()):
+        # logged before `device` and `min_face_fraction` were model_config keys: MLflow ignores overrides of
+        # keys a model lacks, so the scorer is made again with them
+        python_model.config = {**python_model.config, **overrides}
+        python_model.scorer = build_scorer(python_model.artifacts, python_model.config)
+    return python_model.scorer
+
+
+def logged_model_uri(client, run_id: str) -> str | None:
+    """`models:/<model id>` of the MLflow model a fold or final run logged (its newest), or None."""
+    run = client.get_run(run_id)
+    outputs = getattr(run, "outputs", None)
+    model_ids = [output.model_id for output in (outputs.model_outputs if outputs else [])]
+    if not model_ids:
+        found = client.search_logged_models([run.info.experiment_id],
+                                            filter_string=f"source_run_id = '{run_id}'", max_results=1)
+        model_ids = [model.model_id for model in found]
+    return f"models:/{model_ids[-1]}" if model_ids else None
 
 
 def model_config(train_cfg, class_names: list[str], threshold: float, rule) -> dict:
@@ -109,6 +151,7 @@ def model_config(train_cfg, class_names: list[str], threshold: float, rule) -> d
     min_face = float(OmegaConf.select(train_cfg, "predict.min_face_fraction", default=0.05))
     return {"threshold": float(threshold), "threshold_rule": str(rule), "aggregation": train_cfg.trainer.aggregation,
             "topk": int(train_cfg.trainer.topk), "class_names": list(class_names), "task": train_cfg.task.name,
+            "device": "cpu", "min_face_fraction": min_face,
             "crop": {"detector": pre.detector, "align": bool(pre.align), "margin": float(pre.margin),
                      "crop_size": int(pre.crop_size), "jpeg_quality": int(pre.jpeg_quality),
                      "min_face_fraction": min_face}}
@@ -123,11 +166,7 @@ def log_fold_model(cfg, weights_path: Path, fold: int, class_names: list[str], w
                 "dataset": cfg.data.name, **weights}
     decided = float(threshold) if math.isfinite(threshold) else 0.5  # NaN: no threshold was chosen
     return log_mlflow_model(weights_path, model_config(cfg, class_names, decided, rule), metadata, name=f"fold_{fold}",
-                          tags={"painvit.kind": "fold", "painvit.fold": str(fold)})
-
-
-def _member_order(name: str) -> int:
-    return int(name.rsplit("_", 1)[1]) if name.rsplit("_", 1)[-1].isdigit() else -1
+                            tags={"painvit.kind": "fold", "painvit.fold": str(fold)}, with_example=False)
 
 
 def signature():
@@ -169,13 +208,15 @@ def requirements() -> list[str]:
 
 def log_mlflow_model(weights_path: Path, config: dict[str, Any], metadata: dict[str, Any], name: str = "pain_model",
                    registered_model_name: str | None = None, tags: dict[str, str] | None = None,
-                   ensemble_paths: Sequence[Path] = ()):
+                   ensemble_paths: Sequence[Path] = (), with_example: bool = True):
     """Log the model (from code) into the active run; returns MLflow's ModelInfo.
 
-    The input example is two frames of the synthetic twin: drawn faces, never BioVid's. `registered_model_name`
-    registers the model as a new version of that name.
+    The input example is two frames of the synthetic twin: drawn faces, never BioVid's. MLflow checks it by loading
+    the model and scoring it, seconds per model: fold models (`with_example=False`) skip it, the final model that
+    gets served keeps it. `registered_model_name` registers the model as a new version of that name.
     """
-    example = pd.DataFrame({"image": [encode_image(f, ".jpg") for f in synthetic_frames()]})
+    example = (pd.DataFrame({"image": [encode_image(f, ".jpg") for f in synthetic_frames()]}) if with_example
+               else None)
     return mlflow.pyfunc.log_model(
         name=name, python_model=str(CODE_FILE),
         artifacts={WEIGHTS_ARTIFACT: str(weights_path),

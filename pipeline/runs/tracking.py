@@ -36,7 +36,7 @@ UI_WORKFLOW = "machine_learning"
 # per fold attempt (RUN_KIND_TAG=FOLD_RUN, FOLD_TAG=<fold>, MLflow's PARENT_TAG); a fold is done when one of its
 # attempts is FINISHED, and the newest such attempt is the one that counts.
 RUN_KIND_TAG = "painvit.run_kind"
-CV_RUN, FOLD_RUN, COMPARISON_RUN = "cv", "fold", "comparison"
+CV_RUN, FOLD_RUN, FINAL_RUN, COMPARISON_RUN = "cv", "fold", "final", "comparison"
 PARENT_TAG = "mlflow.parentRunId"
 FOLD_TAG = "fold"
 SEED_TAG = "seed"  # the training seed a fold run used (the config's, or one of cv.seeds)
@@ -47,6 +47,13 @@ SLURM_JOBS_TAG = "painvit.slurm_jobs"  # on the parent: fold -> SLURM job id of 
 JOB_TRACKING_URI_TAG = "painvit.tracking_uri"
 # where a fold attempt runs: lets a later driver tell a live attempt from a dead one
 HOST_TAG, PID_TAG, SLURM_JOB_TAG = "painvit.host", "painvit.pid", "painvit.slurm_job_id"
+# precision: on a fold run, what it trained in (resolved on its device); on a parent, the folds' values (comma-joined
+# when they differ). precision_asked: trainer.precision as planned (auto or an explicit value).
+PRECISION_TAG, PRECISION_ASKED_TAG = "precision", "precision_asked"
+# What identifies a cross-validation (pipeline.runs.cv_runs): resume continues the newest CV with these equal.
+IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256")
+COMPLETE_TAG = "complete"  # "true" when every fold of the fold file ran, without batch limits
+HEADLINE_TAG = "headline_metric"
 
 
 def tracking_uri(project_root: Path) -> str:
