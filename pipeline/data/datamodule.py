@@ -173,7 +173,8 @@ class LoaderConfig:
     """How a fold's crops are loaded: the `loader` config group as one typed object, checked once.
 
     The first seven fields have no defaults: their values live once, in configs/config.yaml's `loader` group
-    (`from_config`). The last three are loader mechanics no config sets.
+    (`from_config`; clip_frames has one, for configs saved before it). The last three are loader mechanics no config
+    sets.
     """
 
     batch_size: int
@@ -183,6 +184,7 @@ class LoaderConfig:
     frames_per_video: int | None  # None: every crop; k: k evenly spaced crops per video
     crop_fraction: float  # the central part of each face crop the model sees
     from_s: float | None  # None: every crop; t: only crops t seconds or later into the clip
+    clip_frames: int = 8  # a temporal head's clip length (pipeline.data.clips)
     pin_memory: bool | None = None  # None: when a GPU is visible
     persistent_workers: bool = True
     prefetch_factor: int = 4
@@ -194,6 +196,8 @@ class LoaderConfig:
             raise ValueError(f"frames_per_video must be >= 1 or None, got {self.frames_per_video}")
         if self.from_s is not None and self.from_s < 0:
             raise ValueError(f"from_s must be >= 0 or None, got {self.from_s}")
+        if self.clip_frames < 1:
+            raise ValueError(f"clip_frames must be >= 1, got {self.clip_frames}")
 
     @classmethod
     def from_config(cls, loader: Mapping[str, Any], **changes: Any) -> LoaderConfig:

@@ -60,6 +60,10 @@ def identity_config(cfg: DictConfig) -> dict:
         node.pop(leaf, None)
     if seeds is not None:  # several training seeds change what is computed; none keeps older CVs' identity
         config["cv"] = {"seeds": list(seeds)}
+    if config.get("model", {}).get("head", {}).get("name", "linear") == "linear":
+        # the per-frame head reads no clip settings: older CVs (before model.head) keep their identity
+        config["model"].pop("head", None)
+        config.get("loader", {}).pop("clip_frames", None)
     return config
 
 

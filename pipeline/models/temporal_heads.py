@@ -1,0 +1,177 @@
+"""Temporal heads: a clip's T frame embeddings (B, T, D) -> class logits (B, n_classes).
+
+`linear` is not a temporal head: it is today's per-frame `Linear(D, n)` of `PainNet`, whose frame probabilities are
+aggregated per video afterwards (`pipeline.evaluation.aggregation`). The others see the whole clip at once:
+
+- `attention`: a learned score per frame, softmax over time, the weighted mean of the embeddings, then a linear layer.
+- `gru`: a (bidirectional) GRU over the frames in time order; its last states, then a linear layer.
+- `transformer`: a small transformer encoder over the frames with learned time-position embeddings and a class token
+  whose final state is classified (the frame-encoder + temporal-transformer design of the BioVid literature).
+
+Every head projects D to `hidden` first, so its size does not grow with the backbone's width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+HEADS = ("linear", "attention", "gru", "transformer")
+MODES = ("two_stage", "end_to_end")
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """The `model.head` group: which head and its sizes (values in configs/model/timm.yaml)."""
+
+    name: str  # linear | attention | gru | transformer
+    hidden: int  # the width every temporal head works at (D is projected to it)
+    layers: int  # gru / transformer layers
+    attention_heads: int  # transformer attention heads (hidden must divide by it)
+    dropout: float
+    max_frames: int  # transformer: the longest clip its time-position embeddings cover
+    mode: str = "two_stage"  # a temporal head: two_stage (on the fold's frame model's embeddings) | end_to_end
+
+    def __post_init__(self) -> None:
+        if self.name not in HEADS:
+            raise ValueError(f"model.head.name={self.name!r}: expected one of {', '.join(HEADS)}")
+        if self.mode not in MODES:
+            raise ValueError(f"model.head.mode={self.mode!r}: expected one of {', '.join(MODES)}")
+        if min(self.hidden, self.layers, self.attention_heads, self.max_frames) < 1:
+            raise ValueError(f"model.head sizes must be >= 1, got {self}")
+        if self.name == "transformer" and self.hidden % self.attention_heads:
+            raise ValueError(f"model.head.hidden={self.hidden} must divide by attention_heads={self.attention_heads}")
+
+    @property
+    def temporal(self) -> bool:
+        """Whether the head sees a whole clip (anything but the per-frame linear head)."""
+        return self.name != "linear"
+
+    @property
+    def label(self) -> str:
+        """The head and its training mode as one tag value: `linear`, `attention_h64_two_stage`,
+        `transformer_h64x2_end_to_end`."""
+        if self.name == "linear":
+            return "linear"
+        size = f"h{self.hidden}" if self.name == "attention" else f"h{self.hidden}x{self.layers}"
+        return f"{self.name}_{size}_{self.mode}"
+
+    @classmethod
+    def from_config(cls, head: Mapping[str, Any]) -> HeadConfig:
+        names = {field.name for field in fields(cls)}
+        unknown = sorted(set(dict(head)) - names)
+        if unknown:
+            raise ValueError(f"unknown model.head setting(s) {unknown}; known: {sorted(names)}")
+        return cls(**dict(head))
+
+
+class AttentionPoolHead(nn.Module):
+    """Softmax-over-time attention pooling of the projected frame embeddings, then a linear classifier."""
+
+    def __init__(self, in_features: int, n_classes: int, config: HeadConfig) -> None:
+        super().__init__()
+        self.project = nn.Sequential(nn.Linear(in_features, config.hidden), nn.GELU(), nn.Dropout(config.dropout))
+        self.score = nn.Linear(config.hidden, 1)
+        self.classify = nn.Linear(config.hidden, n_classes)
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        hidden = self.project(embeddings)  # (B, T, H)
+        weights = self.score(hidden).softmax(dim=1)  # (B, T, 1): how much each frame counts
+        return self.classify((weights * hidden).sum(dim=1))
+
+
+class GruHead(nn.Module):
+    """A bidirectional GRU over the frames in time order; the two directions' final states, then a linear layer."""
+
+    def __init__(self, in_features: int, n_classes: int, config: HeadConfig) -> None:
+        super().__init__()
+        self.project = nn.Linear(in_features, config.hidden)
+        self.gru = nn.GRU(config.hidden, config.hidden, num_layers=config.layers, batch_first=True,
+                          bidirectional=True, dropout=config.dropout if config.layers > 1 else 0.0)
+        self.dropout = nn.Dropout(config.dropout)
+        self.classify = nn.Linear(2 * config.hidden, n_classes)
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        _, last = self.gru(self.project(embeddings))  # last: (2 * layers, B, H)
+        return self.classify(self.dropout(torch.cat([last[-2], last[-1]], dim=1)))
+
+
+class TransformerHead(nn.Module):
+    """A class token and the projected frames, plus learned time-position embeddings, through a pre-norm
+    transformer encoder; the class token's final state (after a LayerNorm) is classified."""
+
+    def __init__(self, in_features: int, n_classes: int, config: HeadConfig) -> None:
+        super().__init__()
+        self.project = nn.Linear(in_features, config.hidden)
+        self.class_token = nn.Parameter(torch.zeros(1, 1, config.hidden))
+        self.time_position = nn.Parameter(torch.zeros(1, config.max_frames + 1, config.hidden))
+        nn.init.trunc_normal_(self.class_token, std=0.02)
+        nn.init.trunc_normal_(self.time_position, std=0.02)
+        layer = nn.TransformerEncoderLayer(config.hidden, config.attention_heads, dim_feedforward=2 * config.hidden,
+                                           dropout=config.dropout, activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, config.layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(config.hidden)
+        self.classify = nn.Linear(config.hidden, n_classes)
+        self.max_frames = config.max_frames
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        frames = embeddings.shape[1]
+        if frames > self.max_frames:
+            raise ValueError(f"a clip of {frames} frames is longer than model.head.max_frames={self.max_frames}")
+        tokens = torch.cat([self.class_token.expand(len(embeddings), -1, -1), self.project(embeddings)], dim=1)
+        encoded = self.encoder(tokens + self.time_position[:, : frames + 1])
+        return self.classify(self.norm(encoded[:, 0]))
+
+
+class PerFrameLinearHead(nn.Module):
+    """The linear head applied to every frame of a clip, its logits averaged over time: the frame model's view of a
+    clip, so a `linear` head can be trained or scored on clips too."""
+
+    def __init__(self, in_features: int, n_classes: int) -> None:
+        super().__init__()
+        self.classify = nn.Linear(in_features, n_classes)
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        return self.classify(embeddings).mean(dim=1)
+
+
+def build_temporal_head(config: HeadConfig, in_features: int, n_classes: int) -> nn.Module:
+    """The head of `config` over clips of `in_features`-wide frame embeddings."""
+    if config.name == "attention":
+        return AttentionPoolHead(in_features, n_classes, config)
+    if config.name == "gru":
+        return GruHead(in_features, n_classes, config)
+    if config.name == "transformer":
+        return TransformerHead(in_features, n_classes, config)
+    return PerFrameLinearHead(in_features, n_classes)
+
+
+def head_parameters(head: nn.Module) -> int:
+    """The head's parameter count (logged as `head_parameters` on its run)."""
+    return sum(p.numel() for p in head.parameters())
+
+
+class ClipNet(nn.Module):
+    """A frame backbone and a temporal head: clips (B, T, 3, H, W) -> logits (B, n_classes), trained end to end.
+
+    `forward_embeddings` runs the head alone on precomputed frame embeddings (B, T, D): the second stage of
+    two-stage training and the frozen-backbone probe over time.
+    """
+
+    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    def forward(self, clips: torch.Tensor) -> torch.Tensor:
+        batch, frames = clips.shape[:2]
+        embeddings = self.backbone(clips.flatten(0, 1)).reshape(batch, frames, -1)
+        return self.head(embeddings)
+
+    def forward_embeddings(self, embeddings: torch.Tensor) -> torch.Tensor:
+        return self.head(embeddings)
