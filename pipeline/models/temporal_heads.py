@@ -34,6 +34,8 @@ class HeadConfig:
     attention_heads: int  # transformer attention heads (hidden must divide by it)
     dropout: float
     max_frames: int  # transformer: the longest clip its time-position embeddings cover
+    epochs: int = 50  # two_stage: the head's epochs at most (an epoch over a fold's clips takes milliseconds)
+    patience: int = 10  # two_stage: epochs without a better validation score before the head stops
     mode: str = "two_stage"  # a temporal head: two_stage (on the fold's frame model's embeddings) | end_to_end
 
     def __post_init__(self) -> None:

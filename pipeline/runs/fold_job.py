@@ -47,6 +47,7 @@ from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings
 from pipeline.models.finetune import FinetuneConfig, parameter_counts, strategy_for
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import MODEL_ARTIFACT, model_meta, save_model_file
+from pipeline.models.temporal_heads import HeadConfig
 from pipeline.models.weights import WeightsSource
 from pipeline.runs.mlflow_model import log_fold_model
 from pipeline.runs.registry import split_videos, subjects_dataset
@@ -64,6 +65,8 @@ from pipeline.runs.tracking import (
     SLURM_JOB_TAG,
     fold_runs,
 )
+from pipeline.runs.two_stage import RECORD as TWO_STAGE_RECORD
+from pipeline.runs.two_stage import second_stage, skips_first_stage, write_record
 from pipeline.utils.accelerator import TrainingDevice, training_device
 from pipeline.utils.atomic_io import atomic_path
 from pipeline.utils.devices import DeviceSettings, device_settings
@@ -449,18 +452,37 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         mlflow.set_tags(finetune_tags(cfg))
         mlflow.log_input(subjects_dataset(split_videos(datamodule), f"{cfg.data.name}-{cfg.task.name}-fold{fold}"),
                          context="training")
-    with times("fit"):
-        fitted = fit_fold(cfg, module, datamodule, work_dir, settings.precision)
-    with times("validation_repass"):
-        validation = validate_fold(fitted, module, datamodule)
-    with times("test"):
-        predictions, evaluation = test_fold(fitted, module, datamodule)
+    head = HeadConfig.from_config(cfg.model.head)
+    if head.temporal and head.mode != "two_stage":
+        raise ValueError(f"model.head.mode={head.mode} is not built yet; use model.head.mode=two_stage")
+    history: list[dict] = []  # the frame model's epochs (none when a frozen backbone skips the first stage)
+    best_path, stage = None, None
+    if not (head.temporal and skips_first_stage(cfg)):
+        with times("fit"):
+            fitted = fit_fold(cfg, module, datamodule, work_dir, settings.precision)
+        with times("validation_repass"):
+            validation = validate_fold(fitted, module, datamodule)
+        with times("test"):
+            predictions, evaluation = test_fold(fitted, module, datamodule)
+        best_path, history = fitted.best_path, fitted.history
+        selected = {"best_epoch": fitted.best_epoch, "epochs_trained": len(history),
+                    "best_val_score": fitted.best_score}
+    frame_model_metrics: dict[str, float] = {}
+    if head.temporal:  # two stages: the frame model, fixed, embeds the fold; the temporal head trains on that
+        if best_path is not None:
+            frame_model_metrics = evaluation.metrics(prefix="frame_model/test/")
+        with times("second_stage"):
+            stage = second_stage(cfg, fold, module, datamodule, best_path, work_dir)
+        validation, predictions, evaluation = stage.validation, stage.predictions, stage.evaluation
+        selected = {"best_epoch": stage.best_epoch, "epochs_trained": len(stage.history),
+                    "best_val_score": stage.best_score}
+    head_size = stage.record["head_parameters"] if stage else sum(p.numel() for p in module.model.head.parameters())
+    mlflow.log_params({"head": head.label, "head_parameters": head_size})
     with times("threshold"):  # the threshold sees the validation subjects only; the test videos get it as it is
         threshold, evaluation.video_predictions, decided = decide_fold(
             validation.video_predictions, evaluation.video_predictions, module.class_names, cfg.eval.threshold)
     metrics = {**evaluation.metrics(prefix="test/"), **{f"test/{k}": v for k, v in decided.items()},
-               "best_epoch": fitted.best_epoch, "epochs_trained": len(fitted.history),
-               "best_val_score": fitted.best_score}
+               **selected, **frame_model_metrics}
     if np.isfinite(threshold):
         metrics["test/threshold"] = threshold
     if evaluation.video_predictions["subject_name"].nunique() == 1:  # leave one subject out: AUROC within a person
@@ -468,17 +490,22 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     out = work_dir / "artifacts"
     rule = rule_name(cfg.eval.threshold, len(module.class_names))
     with times("artifacts"):
-        write_fold_artifacts(out, fold, module.class_names, predictions, evaluation, fitted.history,
+        write_fold_artifacts(out, fold, module.class_names, predictions, evaluation, history,
                              datamodule.split_summary())
+        if stage is not None:
+            write_record(stage.record, out / TWO_STAGE_RECORD)
+            pd.DataFrame(stage.history).to_csv(out / "head_training.csv", index=False)
         validation.video_predictions.to_csv(out / VAL_VIDEO_PREDICTIONS, index=False)
         mlflow.log_params({"threshold_rule": rule})
         mlflow.set_tag("threshold_rule", rule)
         mlflow.log_metrics(metrics)
         mlflow.log_artifacts(str(out))
-    if keep_model:
+    if keep_model and stage is not None:
+        log.warning("fold %d: a clip model (model.head=%s) is not kept as a fold model yet", fold, head.name)
+    elif keep_model and best_path is not None:
         with times("model_logging"):
-            path = keep_fold_model(cfg, module, fitted.best_path, weights, work_dir / Path(MODEL_ARTIFACT).name,
-                                   fold=fold, best_epoch=fitted.best_epoch)
+            path = keep_fold_model(cfg, module, best_path, weights, work_dir / Path(MODEL_ARTIFACT).name,
+                                   fold=fold, best_epoch=int(selected["best_epoch"]))
             mlflow.log_artifact(str(path), str(Path(MODEL_ARTIFACT).parent))
             log_fold_model(cfg, path, fold, list(module.class_names), weights, threshold, rule)
     mlflow.log_metrics(times.metrics())

@@ -1,0 +1,156 @@
+"""Two-stage clip training of one fold: the fold's frame model, fixed, embeds the fold's videos once; a temporal head
+(`model.head`) trains on the training clips, stops early and gets its threshold on the validation clips, and is
+tested once on the test clips.
+
+Which frame model embeds, and what it has seen:
+
+- fine-tuned in this fold (`model.finetune` other than frozen): the best checkpoint of the fold's first stage, which
+  trained on the fold's training subjects only. It embeds only this fold's rows (its training, validation and test
+  videos of the task), into an embedding-cache entry in the fold's own work folder whose key holds the SHA-256 of
+  those weights and the subjects they trained on: no other fold can read it, and a fold resumed after a kill in the
+  second stage reads it back (checked) instead of embedding again.
+- a frozen pretrained backbone (`model.finetune=frozen`): the first stage is skipped; the backbone trained on no
+  subject of the dataset, so the shared embedding cache next to the crops (the frozen probe's) serves every fold.
+
+`two_stage.json` (an artifact of the fold run) records both facts: the frame model's weights SHA-256, the subjects it
+trained on, the cache entry and the subjects of each split it embedded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.data.datamodule import LoaderConfig, PainDataModule
+from pipeline.data.embeddings import EmbeddingTable
+from pipeline.data.fold_files import ROLES
+from pipeline.evaluation.metrics import Evaluation, evaluate_predictions
+from pipeline.models.embedding_cache import (
+    CacheSettings,
+    build_entry,
+    cache_key,
+    ensure_embeddings,
+    entry_paths,
+    read_entry,
+    state_dict_sha256,
+    write_entry,
+)
+from pipeline.models.head_training import HeadTraining, clip_predictions, embedded_clips, train_head
+from pipeline.models.lightning_module import PainLightningModule
+from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head, head_parameters
+from pipeline.utils.atomic_io import atomic_write_text
+from pipeline.utils.paths import resolve_path
+
+log = logging.getLogger(__name__)
+RECORD = "two_stage.json"
+
+
+def skips_first_stage(cfg: DictConfig) -> bool:
+    """A frozen backbone has nothing to fine-tune: the head trains on the backbone as built (the probe over time)."""
+    return cfg.model.finetune == "frozen"
+
+
+@dataclass(frozen=True)
+class EmbeddingsSource:
+    table: EmbeddingTable
+    path: Path  # the cache entry's arrays file
+
+
+@dataclass
+class SecondStage:
+    """The head's validation and test predictions (one row per video), their evaluations, and how it trained."""
+
+    net: ClipNet  # the fold's frame backbone and its trained head
+    validation: Evaluation
+    predictions: pd.DataFrame  # test clips, in the frame-prediction layout (one row per video)
+    evaluation: Evaluation
+    history: list[dict]
+    best_epoch: int
+    best_score: float
+    record: dict  # two_stage.json
+
+
+def fold_embeddings(cfg: DictConfig, fold: int, module: PainLightningModule, datamodule: PainDataModule,
+                    fine_tuned: bool, work_dir: Path) -> tuple[EmbeddingsSource, dict]:
+    """The fold's crops embedded by its frame model (module docstring) and the record of who embedded what."""
+    backbone = module.model.backbone
+    loader = LoaderConfig.from_config(cfg.loader)
+    augment = OmegaConf.to_container(cfg.augment)
+    processed_dir = resolve_path(cfg.data.processed_dir)
+    plain = CacheSettings(views=0, seed=int(cfg.cache.seed), batch_size=int(cfg.cache.batch_size))
+    weights_sha256 = state_dict_sha256(backbone)
+    trained_on = sorted(datamodule.frames("train")["subject_name"].unique()) if fine_tuned else []
+    started = time.time()
+    if fine_tuned:
+        rows = pd.concat([datamodule.frames(role) for role in ROLES]).sort_index()
+        key = cache_key(backbone, weights_sha256, processed_dir, loader.crop_fraction, loader.from_s,
+                        loader.frames_per_video, augment, plain)
+        key.update({"frame_model_fold": fold, "frame_model_trained_on": trained_on,
+                    "rows": [int(row) for row in rows.index]})
+        arrays, record = entry_paths(work_dir / "embeddings", backbone.name, key)
+        if record.is_file():
+            table = read_entry(arrays, record, key)
+        else:
+            arrays.parent.mkdir(parents=True, exist_ok=True)
+            table = build_entry(backbone, rows, processed_dir, loader.crop_fraction, augment, plain,
+                                progress=sys.stderr.isatty())
+            write_entry(table, key, arrays, record, time.time() - started)
+        source = EmbeddingsSource(table, arrays)
+        cache_identity = {name: key[name] for name in ("weights_sha256", "frame_model_fold", "frame_model_trained_on")}
+    else:
+        entry = ensure_embeddings(backbone, processed_dir, crop_fraction=loader.crop_fraction, from_s=loader.from_s,
+                                  frames_per_video=loader.frames_per_video, augment=augment, settings=plain,
+                                  progress=sys.stderr.isatty())
+        source, record = EmbeddingsSource(entry.table, entry.path), entry.path.with_suffix(".json")
+        cache_identity = {"weights_sha256": json.loads(record.read_text())["key"]["weights_sha256"]}
+    log.info("fold %d: embeddings of its frame model in %.1f s (%s)", fold, time.time() - started, source.path)
+    facts = {"fold": fold, "frame_model": "fine-tuned in this fold" if fine_tuned else "frozen, as built",
+             "frame_model_weights_sha256": weights_sha256, "frame_model_trained_on": trained_on,
+             "cache_record": record.name, "cache_key": cache_identity,
+             "embedded": {role: sorted(datamodule.frames(role)["subject_name"].unique()) for role in ROLES}}
+    return source, facts
+
+
+def second_stage(cfg: DictConfig, fold: int, module: PainLightningModule, datamodule: PainDataModule,
+                 best_path: str | None, work_dir: Path) -> SecondStage:
+    """Train and test the fold's temporal head on its frame model's embeddings; `best_path`: the first stage's best
+    checkpoint (None: the first stage was skipped and the backbone is used as built)."""
+    config = HeadConfig.from_config(cfg.model.head)
+    if best_path is not None:
+        state = torch.load(best_path, map_location="cpu", weights_only=True)["state_dict"]
+        module.load_state_dict(state, strict=module.strict_loading)
+    module.eval()
+    source, facts = fold_embeddings(cfg, fold, module, datamodule, best_path is not None, work_dir)
+    clip_frames = int(cfg.loader.clip_frames)
+    clips = {role: embedded_clips(datamodule.frames(role), source.table, clip_frames, source.path) for role in ROLES}
+    torch.manual_seed(cfg.seed)
+    head = build_temporal_head(config, clips["train"].embeddings.shape[-1], len(module.class_names))
+    facts["head"], facts["head_parameters"] = config.label, head_parameters(head)
+    log.info("fold %d: temporal head %s, %d parameters, clips of %d frames", fold, config.label,
+             facts["head_parameters"], clip_frames)
+    settings = HeadTraining(max_epochs=config.epochs, patience=config.patience, lr=float(cfg.model.optim.head_lr),
+                            weight_decay=float(cfg.model.optim.weight_decay), batch_size=int(cfg.loader.batch_size),
+                            seed=int(cfg.seed), stream=fold)
+    trained = train_head(head, clips["train"], clips["val"], settings)
+    names = module.class_names
+    aggregation = {"aggregation": "mean", "k": 1}  # one row per video: its clip's score is the video's
+    validation = evaluate_predictions(clip_predictions(trained.head, clips["val"], names), names, **aggregation)
+    predictions = clip_predictions(trained.head, clips["test"], names)
+    evaluation = evaluate_predictions(predictions, names, **aggregation)
+    net = ClipNet(module.model.backbone, trained.head)
+    return SecondStage(net, validation, predictions, evaluation, trained.history, trained.best_epoch,
+                       trained.best_score, facts)
+
+
+def write_record(facts: dict, path: Path) -> Path:
+    atomic_write_text(path, json.dumps(facts, indent=1))
+    return path
+

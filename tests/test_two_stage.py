@@ -1,0 +1,79 @@
+"""Two-stage clip training of a fold on the tiny twin: who embeds what (split files, cache keys), the head's scores,
+the frozen probe over time, and the CV identity of a clip model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow
+import numpy as np
+from mlflow import MlflowClient
+
+from pipeline.data.fold_files import fold_subjects, read_folds
+from pipeline.data.prepare import fold_file_path
+from pipeline.runs.cv_runs import config_sha256
+from pipeline.runs.fold_job import decide, train_fold
+from pipeline.runs.tracking import get_or_create_experiment
+from pipeline.utils.paths import resolve_path
+
+FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
+        "loader.batch_size=8", "trainer.max_epochs=1", "trainer.patience=1", "augment=light",
+        "loader.clip_frames=3", "model.head.hidden=16", "model.head.epochs=5", "model.head.patience=2")
+
+
+def two_stage_fold(cfg, fold: int, work_dir: Path) -> tuple[dict, dict, dict]:
+    """train_fold in a fresh run of the test's store: the fold's metrics, params and its two_stage.json."""
+    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
+    experiment_id = get_or_create_experiment("two-stage-tests", Path(cfg.mlflow.artifact_root))
+    with mlflow.start_run(experiment_id=experiment_id) as run:
+        result = train_fold(cfg, fold, decide(cfg, fold_file_path(cfg)), work_dir)
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    record = json.loads(Path(client.download_artifacts(run.info.run_id, "two_stage.json")).read_text())
+    stored = client.get_run(run.info.run_id).data
+    assert len(result.video_predictions) == result.video_predictions["sample_name"].nunique()  # a score per video
+    return stored.metrics, stored.params, record
+
+
+def test_two_stage_never_embeds_a_folds_test_subjects_with_a_model_that_trained_on_them(tiny_config,
+                                                                                       tmp_path: Path) -> None:
+    cfg = tiny_config(*FAST, "model.head.name=gru", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'two.db'}")
+    folds = read_folds(fold_file_path(cfg))
+    weights = []
+    for fold in (0, 1):
+        metrics, params, record = two_stage_fold(cfg, fold, tmp_path / f"fold{fold}")
+        roles = fold_subjects(folds, fold)  # the fold file, as written
+        # the frame model trained on the fold's training subjects only, and the cache entry says so in its key
+        assert record["frame_model_trained_on"] == sorted(roles["train"])
+        assert record["cache_key"]["frame_model_trained_on"] == sorted(roles["train"])
+        assert record["cache_key"]["frame_model_fold"] == fold
+        assert record["cache_key"]["weights_sha256"] == record["frame_model_weights_sha256"]
+        assert not set(record["frame_model_trained_on"]) & set(roles["test"])
+        assert {role: set(names) for role, names in record["embedded"].items()} == {
+            role: set(names) & set(record["embedded"][role]) for role, names in roles.items()}
+        assert set(record["embedded"]["test"]) == set(roles["test"])
+        weights.append(record["frame_model_weights_sha256"])
+        # the head's test scores are the fold's; the frame model's stay beside them
+        assert np.isfinite(metrics["test/video_accuracy_at_threshold"])
+        assert "frame_model/test/video_auroc" in metrics and "time/second_stage_s" in metrics
+        assert params["head"] == "gru_h16x1_two_stage" and int(params["head_parameters"]) > 0
+    assert weights[0] != weights[1]  # one entry per fold's model: no fold reads another's embeddings
+
+
+def test_a_frozen_backbone_skips_the_first_stage_and_shares_the_cache(tiny_config, tmp_path: Path) -> None:
+    cfg = tiny_config(*FAST, "model.head.name=attention", "model.finetune=frozen",
+                      f"mlflow.tracking_uri=sqlite:///{tmp_path / 'frozen.db'}")
+    metrics, params, record = two_stage_fold(cfg, 0, tmp_path / "fold0")
+    assert "time/fit_s" not in metrics and "frame_model/test/video_auroc" not in metrics
+    assert record["frame_model_trained_on"] == [] and record["frame_model"] == "frozen, as built"
+    entry = resolve_path(cfg.data.processed_dir) / "embeddings" / record["cache_record"]
+    assert json.loads(entry.read_text())["key"]["weights_sha256"] == record["frame_model_weights_sha256"]
+    assert params["head"] == "attention_h16_two_stage" and np.isfinite(metrics["test/video_auroc"])
+
+
+def test_the_cv_identity_holds_the_head_and_keeps_older_frame_cvs(tiny_config) -> None:
+    linear = tiny_config(*FAST)
+    assert config_sha256(linear) == config_sha256(tiny_config(*FAST, "loader.clip_frames=5", "model.head.hidden=8"))
+    gru = config_sha256(tiny_config(*FAST, "model.head.name=gru"))
+    assert len({config_sha256(linear), gru, config_sha256(tiny_config(*FAST, "model.head.name=transformer")),
+                config_sha256(tiny_config(*FAST, "model.head.name=gru", "model.head.mode=end_to_end"))}) == 4
