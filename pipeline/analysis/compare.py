@@ -95,8 +95,9 @@ def latest_cvs(
     fold_file_sha256: str | None = None,
     params: Mapping[str, str] | None = None,
 ) -> dict[str, Run]:
-    """The most recently started FINISHED parent CV run per `model` tag for this dataset, protocol and task
-    (and, when given, subject set, fold file and logged parameter values, e.g. the crop settings)."""
+    """The most recently started FINISHED parent CV run per backbone and fine-tuning (`cv_label`) for this dataset,
+    protocol and task (and, when given, subject set, fold file and logged parameter values, e.g. the crop
+    settings)."""
     conditions = [
         f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'",
         f"attributes.status = '{RunStatus.to_string(RunStatus.FINISHED)}'",
@@ -117,8 +118,20 @@ def latest_cvs(
         if not model:
             logger.warning("CV run %s has no 'model' tag; ignored", run.info.run_id)
             continue
-        latest.setdefault(model, run)
+        latest.setdefault(cv_label(run.data.tags), run)
     return dict(sorted(latest.items()))
+
+
+def cv_label(tags: Mapping[str, str]) -> str:
+    """How a comparison names a CV: the backbone, then what trained when it is not every weight (`frozen`,
+    `top_blocks2`, `lora_r8`) and the weights file it started from when there was one (`weights 1a2b3c4d`), so that
+    strategies and starting points of one backbone are compared with each other."""
+    label = tags["model"]
+    if tags.get("finetune", "full") not in ("", "full"):
+        label += f" {tags['finetune']}"
+    if tags.get("weights_source") == "file" and tags.get("weights_sha256"):
+        label += f" weights {tags['weights_sha256'][:8]}"
+    return label
 
 
 def fold_scores(client: MlflowClient, parent_run: Run, metrics: Sequence[str]) -> pd.DataFrame:
@@ -298,7 +311,8 @@ def cost_and_regions(runs: Mapping[str, Run], summary: pd.DataFrame, task: str,
             row.update({"params": metrics["cost/params"], "macs": metrics["cost/macs"], "cost_source": "run"})
         else:
             try:
-                cost = backbone_cost(model, _optional_int(params.get("model.img_size")), get_task(task).n_classes)
+                cost = backbone_cost(run.data.tags.get("model", model), _optional_int(params.get("model.img_size")),
+                                     get_task(task).n_classes)
                 row.update({"params": cost["cost/params"], "macs": cost["cost/macs"], "cost_source": "computed"})
             except (ValueError, KeyError, RuntimeError) as error:
                 logger.warning("no cost for %s: %s", model, error)

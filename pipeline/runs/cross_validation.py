@@ -48,11 +48,12 @@ from pipeline.evaluation.metrics import (
 )
 from pipeline.evaluation.statistics import subject_intervals, subject_scores
 from pipeline.evaluation.thresholds import parse_rule
+from pipeline.models.backbones import weights_source
 from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource
 from pipeline.runs import launchers, registry, tracking
 from pipeline.runs.environment import library_versions, log_environment
-from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, decide, result_from_run
+from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, decide, finetune_tags, result_from_run
 from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
 from pipeline.utils.paths import PROJECT_ROOT, git_commit, resolve_path
@@ -67,8 +68,9 @@ HEADLINE = "pooled/video_accuracy_at_threshold"  # the number to set beside the 
 DATA_ERRORS = ("has no frames of task", "have no frames in", "have no usable videos")
 # Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
 NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
-                "data.synthetic.workers", "final", "predict")
-IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256")
+                "data.synthetic.workers", "final", "predict", "cache.batch_size")
+IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256",
+                 "finetune", "initial_weights")
 
 
 def warn_from_scratch(model_name: str, source: WeightsSource) -> None:
@@ -191,7 +193,11 @@ def identity_tags(cfg: DictConfig, fold_file: Path) -> dict[str, str]:
     """The tags that identify a cross-validation (IDENTITY_TAGS): what resume and `make table` look for."""
     return {"model": cfg.model.name, "dataset": cfg.data.name, "protocol": cfg.protocol.name, "task": cfg.task.name,
             "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
-            "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg)}
+            "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg),
+            # what trains (full, frozen, top_blocks2, lora_r8) and the SHA-256 of the weights it starts from
+            "finetune": finetune_tags(cfg)["finetune"],
+            "initial_weights": (weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights).sha256
+                                or "random")}
 
 
 def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
