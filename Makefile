@@ -51,7 +51,7 @@ TABLE_OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) $(if $(BIOVID_ROOT),data.roo
 	launcher=$(LAUNCHER) $(if $(JOBS),launcher.jobs=$(JOBS)) $(if $(RESUME),cv.resume=$(RESUME)) $(ARGS)
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 
-.PHONY: help install lock data aug-preview cv compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data \
+.PHONY: help install lock data aug-preview cv embed compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data \
 	final promote predict serve export
 
 help: ## list the targets
@@ -85,6 +85,9 @@ aug-preview: install ## PNG grid of augmented crops, as MODEL sees them (reports
 
 cv: install ## cross-validate MODEL on DATA/PROTOCOL/TASK, tracked in MLflow
 	$(PY) -m pipeline cv $(OVERRIDES)
+
+embed: install ## the embedding cache of MODEL frozen (WEIGHTS=): what make cv ARGS="model.finetune=frozen" reads
+	$(PY) -m pipeline embed $(OVERRIDES)
 
 compare: install ## compare the backbones' latest cross-validations on DATA/PROTOCOL/TASK (reports/ and MLflow)
 	$(PY) -m pipeline compare $(OVERRIDES)

@@ -5,6 +5,7 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline data        [key=value ...]   generate (synthetic twin) or validate (BioVid), crop faces, folds
     python -m pipeline aug-preview [key=value ...]   PNG grid of augmented crops
     python -m pipeline cv          [key=value ...]   participant-grouped cross-validation, tracked in MLflow
+    python -m pipeline embed       [key=value ...]   the embedding cache of a frozen backbone (model.finetune=frozen)
     python -m pipeline compare     [key=value ...]   compare the backbones' latest cross-validations
     python -m pipeline inspect     [key=value ...] [--run=<parent run id>] [--untrained=1]
                                        attention rollout, Grad-CAM and region score on each fold's test videos
@@ -54,6 +55,12 @@ def _cv(cfg: DictConfig, **options) -> None:
     from pipeline.runs.cross_validation import run_cv
 
     run_cv(cfg, **options)
+
+
+def _embed(cfg: DictConfig, **options) -> None:
+    from pipeline.runs.embed import run_embed
+
+    run_embed(cfg)
 
 
 def _compare(cfg: DictConfig, **options) -> None:
@@ -129,7 +136,7 @@ def _ui_url(argv: list[str]) -> int:
 
 # commands over the composed config (key=value overrides, --name=value options)
 COMMANDS: dict[str, Callable[..., None]] = {
-    "data": _data, "aug-preview": _aug_preview, "cv": _cv, "compare": _compare, "inspect": _inspect,
+    "data": _data, "aug-preview": _aug_preview, "cv": _cv, "embed": _embed, "compare": _compare, "inspect": _inspect,
     "calc": _calc, "table": _table, "final": _final, "promote": _promote, "predict": _predict, "export": _export,
     "config": _print_config,
 }

@@ -145,3 +145,12 @@ def test_bad_settings_are_refused() -> None:
         prepared("mobilevit_xxs", config("lora", target=r".*\.nothing"))
     with pytest.raises(ValueError, match="parameter groups"):
         prepared("mobilevit_xxs", config("top_blocks", blocks=99))
+
+
+def test_compare_names_strategies_and_weights_files_apart() -> None:
+    from pipeline.runs.cv_runs import cv_label
+
+    assert cv_label({"model": "vit_b16", "finetune": "full", "weights_source": "random"}) == "vit_b16"
+    assert cv_label({"model": "vit_b16"}) == "vit_b16"  # a CV from before strategies existed
+    assert cv_label({"model": "vit_b16", "finetune": "lora_r8", "weights_source": "file",
+                     "weights_sha256": "1a2b3c4d5e"}) == "vit_b16 lora_r8 weights 1a2b3c4d"

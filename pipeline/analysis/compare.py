@@ -238,7 +238,8 @@ def cost_and_regions(runs: Mapping[str, Run], summary: pd.DataFrame, task: str,
             row.update({"params": metrics["cost/params"], "macs": metrics["cost/macs"], "cost_source": "run"})
         else:
             try:
-                cost = backbone_cost(model, _optional_int(params.get("model.img_size")), get_task(task).n_classes)
+                cost = backbone_cost(run.data.tags.get("model", model), _optional_int(params.get("model.img_size")),
+                                     get_task(task).n_classes)
                 row.update({"params": cost["cost/params"], "macs": cost["cost/macs"], "cost_source": "computed"})
             except (ValueError, KeyError, RuntimeError) as error:
                 logger.warning("no cost for %s: %s", model, error)

@@ -81,7 +81,7 @@ def state_dict_sha256(module: torch.nn.Module) -> str:
     for name, tensor in sorted(module.state_dict().items()):
         value = tensor.detach().cpu().contiguous()
         digest.update(f"{name}:{tuple(value.shape)}:{value.dtype}".encode())
-        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
     return digest.hexdigest()
 
 
@@ -147,9 +147,8 @@ def read_entry(arrays: Path, record: Path, key: dict) -> EmbeddingTable:
 
 
 def _embed(backbone: Backbone, dataset: FrameDataset, keys: list, batch_size: int, description: str,
-           progress: bool) -> np.ndarray:
+           progress: bool, workers: int) -> np.ndarray:
     """The backbone's features for the dataset items `keys` (item numbers, or (item, draw seed))."""
-    workers = default_num_workers()
     loader = DataLoader(dataset, batch_size=batch_size, sampler=keys, num_workers=workers,
                         prefetch_factor=4 if workers else None)
     chunks = []
@@ -160,14 +159,16 @@ def _embed(backbone: Backbone, dataset: FrameDataset, keys: list, batch_size: in
 
 
 def build_entry(backbone: Backbone, frames: pd.DataFrame, processed_dir: Path, crop_fraction: float, augment: Any,
-                settings: CacheSettings, progress: bool) -> EmbeddingTable:
+                settings: CacheSettings, progress: bool, workers: int | None = None) -> EmbeddingTable:
     """Run the backbone (eval mode, float32) over the crops of `frames`: the plain view, then K augmented ones."""
     was_training = backbone.training
     backbone.eval()
+    frames = frames.assign(label=0)  # FrameDataset serves a label; embeddings do not depend on it
+    workers = default_num_workers() if workers is None else workers
     try:
         plain_set = FrameDataset(frames, processed_dir, build_eval_transform(backbone.data_config, crop_fraction))
         plain = _embed(backbone, plain_set, list(range(len(frames))), settings.batch_size,
-                       f"embeddings {backbone.name}", progress)
+                       f"embeddings {backbone.name}", progress, workers)
         views = np.zeros((0, *plain.shape), dtype=np.float32)
         if settings.views:
             view_set = FrameDataset(frames, processed_dir,
@@ -176,7 +177,7 @@ def build_entry(backbone: Backbone, frames: pd.DataFrame, processed_dir: Path, c
             views = np.stack([
                 _embed(backbone, view_set, [(item, derived_seed(settings.seed, view, int(row)))
                                             for item, row in enumerate(rows)],
-                       settings.batch_size, f"view {view + 1}/{settings.views}", progress)
+                       settings.batch_size, f"view {view + 1}/{settings.views}", progress, workers)
                 for view in range(settings.views)])
     finally:
         backbone.train(was_training)
@@ -208,7 +209,7 @@ def read_frame_table(processed_dir: Path) -> pd.DataFrame:
 
 def ensure_embeddings(backbone: Backbone, processed_dir: Path, *, crop_fraction: float,
                       from_s: float | None, frames_per_video: int | None, augment: Any, settings: CacheSettings,
-                      progress: bool = False) -> CachedEmbeddings:
+                      progress: bool = False, workers: int | None = None) -> CachedEmbeddings:
     """The entry for this backbone and these crops: read and checked when it exists, else built and stored.
 
     The rows of the processed folder's frame table that a loader with `from_s` and `frames_per_video` reads are
@@ -227,7 +228,7 @@ def ensure_embeddings(backbone: Backbone, processed_dir: Path, *, crop_fraction:
     rows = used_rows(read_frame_table(processed_dir), from_s, frames_per_video)
     log.info("building embeddings of %s for %d crops (%d augmented views each) into %s", backbone.name, len(rows),
              settings.views, arrays)
-    table = build_entry(backbone, rows, processed_dir, crop_fraction, augment, settings, progress)
+    table = build_entry(backbone, rows, processed_dir, crop_fraction, augment, settings, progress, workers)
     seconds = time.time() - started
     write_entry(table, key, arrays, record, seconds)
     log.info("embeddings of %s built in %.1f s: %s", backbone.name, seconds, arrays)

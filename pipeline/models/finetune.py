@@ -90,18 +90,25 @@ class FinetuneStrategy:
     name = "full"
     backbone_fixed = False  # True: the backbone's weights never change, so checkpoints need not hold them
 
+    def __init__(self) -> None:
+        self.frozen_norms: list[nn.Module] = []
+
     def prepare(self, net: PainNet) -> PainNet:
         """Set what trains (and inject adapters); returns the same network."""
-        for parameter in net.parameters():
-            parameter.requires_grad_(True)
+        net.requires_grad_(True)
+        return self.remember_frozen_norms(net)
+
+    def remember_frozen_norms(self, net: PainNet) -> PainNet:
+        """The batch norms whose weights this strategy froze: they keep their running statistics (eval mode)."""
+        self.frozen_norms = [module for module in net.backbone.modules() if isinstance(module, _NormBase)
+                             and not any(p.requires_grad for p in module.parameters())]
         return net
 
     def after_train_mode(self, net: PainNet) -> None:
-        """Called whenever the module goes to train mode: batch norms whose weights are all frozen keep their
-        running statistics (eval mode), so a frozen part stays exactly what it was."""
-        for module in net.backbone.modules():
-            if isinstance(module, _NormBase) and not any(p.requires_grad for p in module.parameters()):
-                module.eval()
+        """Called whenever the module goes to train mode and at every training epoch's start: what the strategy
+        froze stays exactly what it was (frozen batch norms in eval mode)."""
+        for module in self.frozen_norms:
+            module.eval()
 
     def forward(self, net: PainNet, inputs: torch.Tensor) -> torch.Tensor:
         return net(inputs)
@@ -120,7 +127,7 @@ class FrozenBackbone(FinetuneStrategy):
     def prepare(self, net: PainNet) -> PainNet:
         net.backbone.requires_grad_(False)
         net.head.requires_grad_(True)
-        return net
+        return self.remember_frozen_norms(net)
 
     def after_train_mode(self, net: PainNet) -> None:
         net.backbone.eval()
@@ -139,6 +146,7 @@ class TopBlocks(FinetuneStrategy):
     name = "top_blocks"
 
     def __init__(self, blocks: int) -> None:
+        super().__init__()
         self.blocks = int(blocks)
 
     def prepare(self, net: PainNet) -> PainNet:
@@ -150,7 +158,7 @@ class TopBlocks(FinetuneStrategy):
             for parameter in parameters:
                 parameter.requires_grad_(index >= len(groups) - self.blocks)
         net.head.requires_grad_(True)
-        return net
+        return self.remember_frozen_norms(net)
 
 
 class Lora(FinetuneStrategy):
@@ -159,6 +167,7 @@ class Lora(FinetuneStrategy):
     name = "lora"
 
     def __init__(self, settings: LoraSettings) -> None:
+        super().__init__()
         self.settings = settings
 
     def prepare(self, net: PainNet) -> PainNet:
@@ -172,7 +181,7 @@ class Lora(FinetuneStrategy):
         for name, parameter in net.backbone.named_parameters():
             parameter.requires_grad_(ADAPTER_MARK in name)
         net.head.requires_grad_(True)
-        return net
+        return self.remember_frozen_norms(net)
 
     def for_keeping(self, net: PainNet) -> PainNet:
         return merged_copy(net)

@@ -125,9 +125,12 @@ class PainLightningModule(pl.LightningModule):
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} weight(s) of the model, e.g. {missing[0]}")
 
+    def on_train_epoch_start(self) -> None:
+        self.finetune.after_train_mode(self.model)
+
     def train(self, mode: bool = True) -> PainLightningModule:
-        """Lightning puts the module in train mode before every training epoch; the strategy then puts back in eval
-        mode what it keeps frozen (a frozen backbone, frozen batch norms)."""
+        """Train mode, but what the strategy keeps frozen (a frozen backbone, frozen batch norms) stays in eval mode;
+        Lightning's fit keeps each submodule's mode across validation, and every training epoch starts with this."""
         super().train(mode)
         if mode:
             self.finetune.after_train_mode(self.model)

@@ -28,13 +28,16 @@ from mlflow.entities import Run
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.fold_files import fold_file_sha256
+from pipeline.models.backbones import weights_source
+from pipeline.models.finetune import FinetuneConfig
+from pipeline.models.temporal_heads import HeadConfig
 from pipeline.runs import tracking
 from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
 # Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
 NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
-                "data.synthetic.workers", "final", "predict")
+                "data.synthetic.workers", "final", "predict", "cache.batch_size")
 CROP_PREFIXES = ("preprocess.", "data.synthetic.")  # how the crops were made (twin look and size, detector, align)
 CV_QUERY = f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'"
 FINISHED_QUERY = f"attributes.status = '{tracking.FINISHED}'"
@@ -92,7 +95,12 @@ def identity_tags(cfg: DictConfig, fold_file: Path) -> dict[str, str]:
     """The tags that identify a cross-validation (tracking.IDENTITY_TAGS): what resume and `make table` look for."""
     return {"model": cfg.model.name, "dataset": cfg.data.name, "protocol": cfg.protocol.name, "task": cfg.task.name,
             "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
-            "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg)}
+            "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg),
+            # what trains (full, frozen, top_blocks2, lora_r8) and the SHA-256 of the weights it starts from
+            "finetune": FinetuneConfig.from_model_config(cfg.model).label,
+            "initial_weights": (weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights).sha256
+                                or "random"),
+            "head": HeadConfig.from_config(cfg.model.head).label}  # linear, or a temporal head and its mode
 
 
 def crop_settings(cfg: DictConfig) -> dict[str, str]:
@@ -174,8 +182,9 @@ def finished_cv(client: MlflowClient, cfg: DictConfig) -> Run | None:
 def latest_finished_cvs(client: MlflowClient, experiment_ids: Sequence[str], dataset: str, protocol: str, task: str,
                         subject_set: str | None = None, fold_file_sha256: str | None = None,
                         params: Mapping[str, str] | None = None) -> dict[str, Run]:
-    """The most recently started FINISHED parent CV run per `model` tag for this dataset, protocol and task
-    (and, when given, subject set, fold file and logged parameter values, e.g. the crop settings)."""
+    """The most recently started FINISHED parent CV run per backbone, fine-tuning and head (`cv_label`) for this
+    dataset, protocol and task (and, when given, subject set, fold file and logged parameter values, e.g. the crop
+    settings)."""
     conditions = [CV_QUERY, FINISHED_QUERY, f"tags.dataset = {quoted(dataset, 'dataset')}",
                   f"tags.protocol = {quoted(protocol, 'protocol')}", f"tags.task = {quoted(task, 'task')}"]
     if subject_set is not None:
@@ -191,8 +200,23 @@ def latest_finished_cvs(client: MlflowClient, experiment_ids: Sequence[str], dat
         if not model:
             log.warning("CV run %s has no 'model' tag; ignored", run.info.run_id)
             continue
-        latest.setdefault(model, run)
+        latest.setdefault(cv_label(run.data.tags), run)
     return dict(sorted(latest.items()))
+
+
+def cv_label(tags: Mapping[str, str]) -> str:
+    """How a comparison names a CV: the backbone, then what trained when it is not every weight (`frozen`,
+    `top_blocks2`, `lora_r8`), the weights file it started from when there was one (`weights 1a2b3c4d`) and a
+    temporal head when there is one (`gru_h64x1_two_stage`), so that strategies, starting points and heads of one
+    backbone are compared with each other."""
+    label = tags["model"]
+    if tags.get("finetune", "full") not in ("", "full"):
+        label += f" {tags['finetune']}"
+    if tags.get("weights_source") == "file" and tags.get("weights_sha256"):
+        label += f" weights {tags['weights_sha256'][:8]}"
+    if tags.get("head", "linear") not in ("", "linear"):
+        label += f" {tags['head']}"
+    return label
 
 
 def source_cv(client: MlflowClient, cfg: DictConfig, run_id: str | None = None) -> Run:

@@ -272,7 +272,8 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     if cached:
         entry = ensure_embeddings(net.backbone, processed_dir, crop_fraction=loader.crop_fraction, from_s=loader.from_s,
                                   frames_per_video=loader.frames_per_video, augment=augment,
-                                  settings=CacheSettings.from_config(cfg.cache), progress=sys.stderr.isatty())
+                                  settings=CacheSettings.from_config(cfg.cache), progress=sys.stderr.isatty(),
+                                  workers=loader.num_workers)
         datamodule: PainDataModule = EmbeddingDataModule(processed_dir, fold_file, fold, task, net.backbone.data_config,
                                                          augment, loader, seed=cfg.seed, embeddings=entry.table,
                                                          source=entry.path)

@@ -51,7 +51,8 @@ HOST_TAG, PID_TAG, SLURM_JOB_TAG = "painvit.host", "painvit.pid", "painvit.slurm
 # when they differ). precision_asked: trainer.precision as planned (auto or an explicit value).
 PRECISION_TAG, PRECISION_ASKED_TAG = "precision", "precision_asked"
 # What identifies a cross-validation (pipeline.runs.cv_runs): resume continues the newest CV with these equal.
-IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256")
+IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256",
+                 "finetune", "initial_weights", "head")
 COMPLETE_TAG = "complete"  # "true" when every fold of the fold file ran, without batch limits
 HEADLINE_TAG = "headline_metric"
 
