@@ -8,17 +8,20 @@ from pathlib import Path
 
 import mlflow
 import numpy as np
+import pytest
 from mlflow import MlflowClient
 
 from pipeline.data.fold_files import fold_subjects, read_folds
 from pipeline.data.prepare import fold_file_path
+from pipeline.models.backbones import create_model
+from pipeline.models.embedding_cache import state_dict_sha256
 from pipeline.runs.cv_runs import config_sha256
 from pipeline.runs.fold_job import decide, train_fold
 from pipeline.runs.tracking import get_or_create_experiment
 from pipeline.utils.paths import resolve_path
 
 FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
-        "loader.batch_size=8", "trainer.max_epochs=1", "trainer.patience=1", "augment=light",
+        "loader.batch_size=8", "trainer.max_epochs=1", "trainer.limit_train_batches=1", "augment=light",
         "loader.clip_frames=3", "model.head.hidden=16", "model.head.epochs=5", "model.head.patience=2")
 
 
@@ -35,34 +38,40 @@ def two_stage_fold(cfg, fold: int, work_dir: Path) -> tuple[dict, dict, dict]:
     return stored.metrics, stored.params, record
 
 
-def test_two_stage_never_embeds_a_folds_test_subjects_with_a_model_that_trained_on_them(tiny_config,
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One sqlite store for the module's fold runs (created once: its tables take seconds)."""
+    return f"mlflow.tracking_uri=sqlite:///{tmp_path_factory.mktemp('two_stage') / 'mlflow.db'}"
+
+
+def test_two_stage_never_embeds_a_folds_test_subjects_with_a_model_that_trained_on_them(tiny_config, store,
                                                                                        tmp_path: Path) -> None:
-    cfg = tiny_config(*FAST, "model.head.name=gru", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'two.db'}")
-    folds = read_folds(fold_file_path(cfg))
-    weights = []
-    for fold in (0, 1):
-        metrics, params, record = two_stage_fold(cfg, fold, tmp_path / f"fold{fold}")
-        roles = fold_subjects(folds, fold)  # the fold file, as written
-        # the frame model trained on the fold's training subjects only, and the cache entry says so in its key
-        assert record["frame_model_trained_on"] == sorted(roles["train"])
-        assert record["cache_key"]["frame_model_trained_on"] == sorted(roles["train"])
-        assert record["cache_key"]["frame_model_fold"] == fold
-        assert record["cache_key"]["weights_sha256"] == record["frame_model_weights_sha256"]
-        assert not set(record["frame_model_trained_on"]) & set(roles["test"])
-        assert {role: set(names) for role, names in record["embedded"].items()} == {
-            role: set(names) & set(record["embedded"][role]) for role, names in roles.items()}
-        assert set(record["embedded"]["test"]) == set(roles["test"])
-        weights.append(record["frame_model_weights_sha256"])
-        # the head's test scores are the fold's; the frame model's stay beside them
-        assert np.isfinite(metrics["test/video_accuracy_at_threshold"])
-        assert "frame_model/test/video_auroc" in metrics and "time/second_stage_s" in metrics
-        assert params["head"] == "gru_h16x1_two_stage" and int(params["head_parameters"]) > 0
-    assert weights[0] != weights[1]  # one entry per fold's model: no fold reads another's embeddings
+    cfg = tiny_config(*FAST, "model.head.name=gru", store)
+    fold = 1
+    metrics, params, record = two_stage_fold(cfg, fold, tmp_path)
+    roles = fold_subjects(read_folds(fold_file_path(cfg)), fold)  # the fold file, as written
+    # the frame model trained on the fold's training subjects only, and the cache entry's key says so
+    assert record["frame_model"] == "fine-tuned in this fold"
+    assert record["frame_model_trained_on"] == sorted(roles["train"])
+    assert record["cache_key"] == {"weights_sha256": record["frame_model_weights_sha256"], "frame_model_fold": fold,
+                                   "frame_model_trained_on": sorted(roles["train"])}
+    assert not set(record["frame_model_trained_on"]) & set(roles["test"] + roles["val"])
+    assert {role: set(names) for role, names in record["embedded"].items()} == {
+        role: set(names) for role, names in roles.items()}
+    # the entry lives in the fold's own folder (the fold job removes it with the folder), not in the shared cache
+    assert (tmp_path / "embeddings" / record["cache_record"]).is_file()
+    assert not (resolve_path(cfg.data.processed_dir) / "embeddings" / record["cache_record"]).exists()
+    # the head's test scores are the fold's; the frame model's stay beside them
+    assert np.isfinite(metrics["test/video_accuracy_at_threshold"])
+    assert "frame_model/test/video_auroc" in metrics and "time/second_stage_s" in metrics
+    assert params["head"] == "gru_h16x1_two_stage" and int(params["head_parameters"]) > 0
+    # the same backbone as built (what a frozen probe embeds with) has other weights: the fine-tuned model embedded
+    net, _ = create_model(cfg.model.name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
+    assert state_dict_sha256(net.backbone) != record["frame_model_weights_sha256"]
 
 
-def test_a_frozen_backbone_skips_the_first_stage_and_shares_the_cache(tiny_config, tmp_path: Path) -> None:
-    cfg = tiny_config(*FAST, "model.head.name=attention", "model.finetune=frozen",
-                      f"mlflow.tracking_uri=sqlite:///{tmp_path / 'frozen.db'}")
+def test_a_frozen_backbone_skips_the_first_stage_and_shares_the_cache(tiny_config, store, tmp_path: Path) -> None:
+    cfg = tiny_config(*FAST, "model.head.name=attention", "model.finetune=frozen", store)
     metrics, params, record = two_stage_fold(cfg, 0, tmp_path / "fold0")
     assert "time/fit_s" not in metrics and "frame_model/test/video_auroc" not in metrics
     assert record["frame_model_trained_on"] == [] and record["frame_model"] == "frozen, as built"

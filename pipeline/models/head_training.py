@@ -45,7 +45,7 @@ def embedded_clips(frames: pd.DataFrame, table: EmbeddingTable, clip_frames: int
     rows = np.stack(videos["rows"].to_numpy())  # (V, T)
     positions = table.positions(rows.reshape(-1), source).reshape(rows.shape)
     embeddings = torch.from_numpy(np.ascontiguousarray(table.plain[positions]))
-    return Clips(videos, embeddings, torch.from_numpy(videos["label"].to_numpy(dtype=np.int64)))
+    return Clips(videos, embeddings, torch.tensor(videos["label"].to_numpy(dtype=np.int64)))
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def train_head(head: nn.Module, train: Clips, val: Clips, settings: HeadTraining
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         score, val_loss = validation_score(head, val)
         best.history.append({"epoch": epoch, "head/train_loss": float(np.mean(losses)), "head/val_loss": val_loss,
                              "head/val_score": score})

@@ -95,7 +95,7 @@ def fold_embeddings(cfg: DictConfig, fold: int, module: PainLightningModule, dat
                         loader.frames_per_video, augment, plain)
         key.update({"frame_model_fold": fold, "frame_model_trained_on": trained_on,
                     "rows": [int(row) for row in rows.index]})
-        arrays, record = entry_paths(work_dir / "embeddings", backbone.name, key)
+        arrays, record = entry_paths(work_dir, backbone.name, key)  # <work_dir>/embeddings/
         if record.is_file():
             table = read_entry(arrays, record, key)
         else:
