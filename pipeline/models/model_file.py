@@ -4,6 +4,9 @@ A kept model is a plain dict saved with `torch.save` and read back with `torch.l
 pickled classes, so loading a file from someone else's run executes no code): the network's state dict and a
 `meta` dict of plain values, namely backbone name, input size, class names, task, the data settings the model was
 trained on (crop window, crop fraction, crops per clip, mean/std), the weights it started from and where it ran.
+
+A clip model (`ClipNet`: a frame backbone and a temporal head, `pipeline.models.temporal_heads`) carries its head's
+settings in `meta["head"]` and its clip length in `meta["loader"]["clip_frames"]`; a frame model has neither.
 """
 
 from __future__ import annotations
@@ -13,25 +16,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from pipeline.models.backbones import DataConfig, PainNet, create_model
+from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
 from pipeline.utils.atomic_io import atomic_path
 
 FORMAT = "painvit.fold_model/1"
 MODEL_ARTIFACT = "model/model.pt"  # where a child run keeps its fold's model
 
 
-def model_meta(net: PainNet, *, model_name: str, img_size: int | None, class_names: list[str], task: str,
+def model_meta(net: PainNet | ClipNet, *, model_name: str, img_size: int | None, class_names: list[str], task: str,
                loader: dict[str, Any], weights: dict[str, str], **extra: Any) -> dict[str, Any]:
     """The plain-value description that travels inside a kept model."""
     data_config = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(net.backbone.data_config).items()}
     return {"model_name": model_name, "architecture": net.backbone.architecture, "img_size": img_size,
             "class_names": list(class_names), "task": task, "data_config": data_config,
-            "loader": {k: loader.get(k) for k in ("crop_fraction", "from_s", "frames_per_video")},
+            "loader": {k: loader.get(k) for k in ("crop_fraction", "from_s", "frames_per_video", "clip_frames")},
             "weights": dict(weights), **extra}
 
 
-def save_model_file(net: PainNet, meta: dict[str, Any], path: Path) -> Path:
+def save_model_file(net: nn.Module, meta: dict[str, Any], path: Path) -> Path:
     """Write the kept model atomically (a killed job leaves the old file or none, never half of one)."""
     state = {name: tensor.detach().cpu().contiguous() for name, tensor in net.state_dict().items()}
     with atomic_path(path) as tmp:
@@ -39,8 +44,8 @@ def save_model_file(net: PainNet, meta: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def load_model_file(source: str | Path, tracking_uri: str | None = None) -> tuple[PainNet, dict[str, Any]]:
-    """A kept model as a ready `PainNet` (eval mode, on the CPU) plus its `meta`.
+def load_model_file(source: str | Path, tracking_uri: str | None = None) -> tuple[PainNet | ClipNet, dict[str, Any]]:
+    """A kept model as a ready `PainNet`, or `ClipNet` for a clip model (eval mode, on the CPU), plus its `meta`.
 
     `source` is a file path, or an MLflow child run id (or `runs:/<id>`) whose `model/model.pt` is downloaded.
     """
@@ -56,10 +61,20 @@ def load_model_file(source: str | Path, tracking_uri: str | None = None) -> tupl
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         raise ValueError(f"{path} is not a kept fold model (format {FORMAT})")
     meta = saved["meta"]
-    net, _ = create_model(meta["model_name"], n_classes=len(meta["class_names"]), pretrained=False,
-                          img_size=meta["img_size"])
+    frame_net, _ = create_model(meta["model_name"], n_classes=len(meta["class_names"]), pretrained=False,
+                                img_size=meta["img_size"])
+    net: PainNet | ClipNet = frame_net
+    if meta.get("head"):
+        head = build_temporal_head(HeadConfig.from_config(meta["head"]), frame_net.backbone.num_features,
+                                   len(meta["class_names"]))
+        net = ClipNet(frame_net.backbone, head)
     net.load_state_dict(saved["state_dict"], strict=True)
     return net.eval(), meta
+
+
+def clip_frames_of(meta: dict[str, Any]) -> int | None:
+    """A clip model's clip length (crops per window); None for a frame model."""
+    return int(meta["loader"]["clip_frames"]) if meta.get("head") else None
 
 
 def data_config_of(meta: dict[str, Any]) -> DataConfig:

@@ -13,6 +13,7 @@ recording may be seconds apart or absent, and each scored frame should show that
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +28,11 @@ from pipeline.data.faces import plausibility
 from pipeline.data.tasks import no_pain_index
 from pipeline.evaluation.aggregation import aggregate_class_probabilities, check_aggregation
 from pipeline.models.backbones import PainNet
-from pipeline.models.model_file import data_config_of
+from pipeline.models.model_file import clip_frames_of, data_config_of
+from pipeline.models.temporal_heads import ClipNet
 
 OUTPUT_COLUMNS = ("frame", "face_found", "pain_probability", "pain")
+WINDOW_COLUMN = "window_faces"  # a clip model's row: how many frames with a face its window held (NaN without a face)
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,14 @@ class FaceFollower:
     """One face per frame, always the same person's: the most plausible face first, then in each frame the detection
     nearest the last followed face (its centre within `max_jump` face sides); a frame where only others are seen has
     no face. After `reacquire_after` frames without the person, the most plausible face is followed again. Keeps its
-    state between calls, so a long video can be scored chunk by chunk."""
+    state between calls, so a long video can be scored chunk by chunk; for a clip model it also keeps the embeddings
+    of the last `window_frames` frames with the person's face (the sliding window)."""
 
-    def __init__(self, max_jump: float = 1.0, reacquire_after: int = 10) -> None:
+    def __init__(self, max_jump: float = 1.0, reacquire_after: int = 10, window_frames: int = 1) -> None:
         self.max_jump, self.reacquire_after = max_jump, reacquire_after
         self.previous: np.ndarray | None = None
         self.missing = 0
+        self.window: deque[torch.Tensor] = deque(maxlen=window_frames)
 
     def step(self, found: np.ndarray) -> np.ndarray | None:
         pick = None
@@ -107,9 +112,14 @@ def follow_one_face(found_per_frame: Sequence[np.ndarray], max_jump: float = 1.0
 
 
 class FrameScorer:
-    """A kept model plus its crop settings: `score(frames)` -> one row per frame (see `OUTPUT_COLUMNS`)."""
+    """A kept model plus its crop settings: `score(frames)` -> one row per frame (see `OUTPUT_COLUMNS`).
 
-    def __init__(self, net: PainNet, meta: dict[str, Any], settings: CropSettings, threshold: float = 0.5,
+    A clip model (`ClipNet`) scores a sliding window instead: each frame with a face is scored with the clip of the
+    last T sampled frames with the face (T = the model's `loader.clip_frames`; fewer at the start of a video), so the
+    timeline has one window score per step, and `WINDOW_COLUMN` says how many faces the window held.
+    """
+
+    def __init__(self, net: PainNet | ClipNet, meta: dict[str, Any], settings: CropSettings, threshold: float = 0.5,
                  aggregation: str = "mean", topk: int = 3, device: str = "cpu", batch_size: int = 32,
                  ensemble: Sequence[PainNet] = ()) -> None:
         self.net = net.eval().to(device)
@@ -127,6 +137,9 @@ class FrameScorer:
         self.transform = build_eval_transform(data_config_of(meta), float(crop_fraction))
         self.timings = Timings()
         self._detector = None
+        self.clip_frames = clip_frames_of(meta)
+        if self.clip_frames is not None and self.ensemble:
+            raise ValueError("a fold ensemble of clip models is not supported; score one clip model")
 
     @property
     def no_pain_index(self) -> int:
@@ -203,8 +216,22 @@ class FrameScorer:
         """Pain probability (1 - P(no pain)) of each crop."""
         return 1.0 - self.class_probabilities(crops_rgb)[:, self.no_pain_index]
 
+    @torch.inference_mode()
+    def window_probabilities(self, crops_rgb: Sequence[np.ndarray], follower: FaceFollower) -> np.ndarray:
+        """A clip model's class probabilities (N, C), one per crop: of the window of the last T crops up to it
+        (the follower's window, carried over from earlier chunks)."""
+        assert isinstance(self.net, ClipNet)
+        out = []
+        for start in range(0, len(crops_rgb), self.batch_size):
+            batch = torch.stack([self.transform(image=c)["image"] for c in crops_rgb[start:start + self.batch_size]])
+            for embedding in self.net.backbone(batch.to(self.device)).float():
+                follower.window.append(embedding)
+                logits = self.net.forward_embeddings(torch.stack(list(follower.window))[None])
+                out.append(logits.float().softmax(dim=1).cpu().numpy()[0])
+        return np.stack(out) if out else np.empty((0, len(self.class_names)))
+
     def follower(self) -> FaceFollower:
-        return FaceFollower(self.settings.max_jump, self.settings.reacquire_after)
+        return FaceFollower(self.settings.max_jump, self.settings.reacquire_after, self.clip_frames or 1)
 
     def score(self, frames_bgr: Sequence[np.ndarray], follower: FaceFollower | None = None) -> pd.DataFrame:
         """One row per frame, in order: frame (position), face_found, pain_probability (NaN without a face),
@@ -218,7 +245,12 @@ class FrameScorer:
         with_face = [i for i, face in enumerate(faces) if face is not None]
         crops = [self.crop(frames_bgr[i], faces[i]) for i in with_face]
         cropped = time.perf_counter()
-        class_probs = self.class_probabilities(crops)
+        windows = []
+        if self.clip_frames is None:
+            class_probs = self.class_probabilities(crops)
+        else:  # the window's size after each crop joins it, then the window's scores
+            windows = [min(len(follower.window) + i + 1, self.clip_frames) for i in range(len(crops))]
+            class_probs = self.window_probabilities(crops, follower)
         finished = time.perf_counter()
         self.timings.detect += detected - started
         self.timings.align += cropped - detected
@@ -234,12 +266,16 @@ class FrameScorer:
                               "pain_probability": probability, "pain": pain})
         for column, name in enumerate(self.class_names):
             table[f"prob_{name}"] = per_class[:, column]
+        if self.clip_frames is not None:
+            table[WINDOW_COLUMN] = np.nan
+            table.loc[with_face, WINDOW_COLUMN] = windows
         return table
 
     def video_score(self, frames: pd.DataFrame) -> float:
         """The video's pain score from the class probabilities of its frames with a face (`score`'s prob_<class>
         columns), aggregated by the rule the cross-validation uses (`trainer.aggregation`,
-        `pipeline.evaluation.aggregation`), then 1 - P(no pain); NaN without any face."""
+        `pipeline.evaluation.aggregation`), then 1 - P(no pain); NaN without any face. For a clip model, the rows
+        hold window scores: the video's score aggregates its windows'."""
         columns = [f"prob_{name}" for name in self.class_names]
         missing = [column for column in columns if column not in frames.columns]
         if missing:

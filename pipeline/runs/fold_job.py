@@ -66,7 +66,7 @@ from pipeline.runs.tracking import (
     fold_runs,
 )
 from pipeline.runs.two_stage import RECORD as TWO_STAGE_RECORD
-from pipeline.runs.two_stage import second_stage, skips_first_stage, write_record
+from pipeline.runs.two_stage import SecondStage, second_stage, skips_first_stage, write_record
 from pipeline.utils.accelerator import TrainingDevice, training_device
 from pipeline.utils.atomic_io import atomic_path
 from pipeline.utils.devices import DeviceSettings, device_settings
@@ -431,6 +431,17 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
     return save_model_file(net, meta, path)
 
 
+def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondStage, weights: dict, path: Path,
+                    **extra) -> Path:
+    """A two-stage fold's clip model (`ClipNet`) as a self-describing file: the head's settings in its meta."""
+    meta = model_meta(stage.net, model_name=cfg.model.name, img_size=cfg.model.img_size,
+                      class_names=list(module.class_names), task=cfg.task.name,
+                      loader=OmegaConf.to_container(cfg.loader), weights=weights,
+                      finetune=FinetuneConfig.from_model_config(cfg.model).label,
+                      head=OmegaConf.to_container(cfg.model.head), **extra)
+    return save_model_file(stage.net, meta, path)
+
+
 def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path,
                keep_model: bool = False, settings: DeviceSettings | None = None) -> FoldResult:
     """Train on the fold's training subjects, select on its validation subjects, test once on its test subjects.
@@ -501,12 +512,15 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         mlflow.set_tag("threshold_rule", rule)
         mlflow.log_metrics(metrics)
         mlflow.log_artifacts(str(out))
-    if keep_model and stage is not None:
-        log.warning("fold %d: a clip model (model.head=%s) is not kept as a fold model yet", fold, head.name)
-    elif keep_model and best_path is not None:
+    if keep_model:
         with times("model_logging"):
-            path = keep_fold_model(cfg, module, best_path, weights, work_dir / Path(MODEL_ARTIFACT).name,
-                                   fold=fold, best_epoch=int(selected["best_epoch"]))
+            target = work_dir / Path(MODEL_ARTIFACT).name
+            if stage is not None:  # the clip model: the fold's frame backbone and its temporal head
+                path = keep_clip_model(cfg, module, stage, weights, target, fold=fold,
+                                       best_epoch=int(selected["best_epoch"]))
+            else:
+                path = keep_fold_model(cfg, module, str(best_path), weights, target, fold=fold,
+                                       best_epoch=int(selected["best_epoch"]))
             mlflow.log_artifact(str(path), str(Path(MODEL_ARTIFACT).parent))
             log_fold_model(cfg, path, fold, list(module.class_names), weights, threshold, rule)
     mlflow.log_metrics(times.metrics())
