@@ -15,6 +15,8 @@ from pipeline.data.fold_files import fold_subjects, read_folds
 from pipeline.data.prepare import fold_file_path
 from pipeline.models.backbones import create_model
 from pipeline.models.embedding_cache import state_dict_sha256
+from pipeline.models.model_file import load_model_file
+from pipeline.models.temporal_heads import ClipNet
 from pipeline.runs.cv_runs import config_sha256
 from pipeline.runs.fold_job import decide, train_fold
 from pipeline.runs.tracking import get_or_create_experiment
@@ -25,14 +27,17 @@ FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "l
         "loader.clip_frames=3", "model.head.hidden=16", "model.head.epochs=5", "model.head.patience=2")
 
 
-def two_stage_fold(cfg, fold: int, work_dir: Path) -> tuple[dict, dict, dict]:
-    """train_fold in a fresh run of the test's store: the fold's metrics, params and its two_stage.json."""
+def two_stage_fold(cfg, fold: int, work_dir: Path, keep_model: bool = False) -> tuple[dict, dict, dict]:
+    """train_fold in a fresh run of the test's store: the fold's metrics, params and its two_stage.json (and, with
+    `keep_model`, the kept clip model reloaded as `record["model"]`)."""
     mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
     experiment_id = get_or_create_experiment("two-stage-tests", Path(cfg.mlflow.artifact_root))
     with mlflow.start_run(experiment_id=experiment_id) as run:
-        result = train_fold(cfg, fold, decide(cfg, fold_file_path(cfg)), work_dir)
+        result = train_fold(cfg, fold, decide(cfg, fold_file_path(cfg)), work_dir, keep_model=keep_model)
     client = MlflowClient(cfg.mlflow.tracking_uri)
     record = json.loads(Path(client.download_artifacts(run.info.run_id, "two_stage.json")).read_text())
+    if keep_model:
+        record["model"] = load_model_file(run.info.run_id, cfg.mlflow.tracking_uri)
     stored = client.get_run(run.info.run_id).data
     assert len(result.video_predictions) == result.video_predictions["sample_name"].nunique()  # a score per video
     return stored.metrics, stored.params, record
@@ -48,7 +53,7 @@ def test_two_stage_never_embeds_a_folds_test_subjects_with_a_model_that_trained_
                                                                                        tmp_path: Path) -> None:
     cfg = tiny_config(*FAST, "model.head.name=gru", store)
     fold = 1
-    metrics, params, record = two_stage_fold(cfg, fold, tmp_path)
+    metrics, params, record = two_stage_fold(cfg, fold, tmp_path, keep_model=True)
     roles = fold_subjects(read_folds(fold_file_path(cfg)), fold)  # the fold file, as written
     # the frame model trained on the fold's training subjects only, and the cache entry's key says so
     assert record["frame_model"] == "fine-tuned in this fold"
@@ -68,6 +73,10 @@ def test_two_stage_never_embeds_a_folds_test_subjects_with_a_model_that_trained_
     # the same backbone as built (what a frozen probe embeds with) has other weights: the fine-tuned model embedded
     net, _ = create_model(cfg.model.name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
     assert state_dict_sha256(net.backbone) != record["frame_model_weights_sha256"]
+    # the fold's kept model is the clip model: the embedding backbone and the trained head
+    kept, meta = record["model"]
+    assert isinstance(kept, ClipNet) and meta["head"]["name"] == "gru" and meta["loader"]["clip_frames"] == 3
+    assert state_dict_sha256(kept.backbone) == record["frame_model_weights_sha256"]
 
 
 def test_a_frozen_backbone_skips_the_first_stage_and_shares_the_cache(tiny_config, store, tmp_path: Path) -> None:
