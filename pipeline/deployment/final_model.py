@@ -36,6 +36,7 @@ from pipeline.data.datamodule import PainDataModule
 from pipeline.data.fold_files import read_folds, stratified_sample, subject_strata
 from pipeline.data.tasks import no_pain_index
 from pipeline.evaluation.thresholds import binary_metrics_at, choose_threshold
+from pipeline.models.temporal_heads import HeadConfig
 from pipeline.runs import cv_runs, tracking
 from pipeline.runs.cv_runs import CvNotFound
 from pipeline.runs.registry import (
@@ -184,8 +185,17 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
 def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, run_id: str, source, split_path: Path,
                 work_dir: Path) -> dict:
     """Train, choose the threshold, keep and log the model, register it; inside the active final run."""
-    from pipeline.runs.fold_job import build_fold, decide, fit_fold, keep_fold_model, resolve_here, test_fold
+    from pipeline.runs.fold_job import (
+        build_fold,
+        decide,
+        fit_fold,
+        keep_clip_model,
+        keep_fold_model,
+        resolve_here,
+        test_fold,
+    )
     from pipeline.runs.mlflow_model import log_mlflow_model, model_config
+    from pipeline.runs.two_stage import second_stage, skips_first_stage
 
     for chunk in cv_runs.chunks(list(cv_runs.identity_params(train_cfg).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
@@ -198,8 +208,18 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     module, datamodule, weights = build_fold(train_cfg, 0, decisions, settings, datamodule_class=FinalDataModule)
     used = split_videos(datamodule, ("train", "val"))
     mlflow.log_input(subjects_dataset(used, f"{train_cfg.data.name}-{train_cfg.task.name}-final"), context="training")
-    fitted = fit_fold(train_cfg, module, datamodule, work_dir, settings.precision)
-    _, evaluation = test_fold(fitted, module, datamodule)
+    head = HeadConfig.from_config(train_cfg.model.head)
+    fitted = None
+    if not (head.temporal and skips_first_stage(train_cfg)):
+        fitted = fit_fold(train_cfg, module, datamodule, work_dir, settings.precision)
+        _, evaluation = test_fold(fitted, module, datamodule)
+    stage = None
+    if head.temporal:  # the chosen temporal head, trained on the frame model's embeddings as the CV's folds did
+        stage = second_stage(train_cfg, 0, module, datamodule, fitted.best_path if fitted else None, work_dir)
+        evaluation = stage.validation
+    best_epoch = stage.best_epoch if stage else fitted.best_epoch if fitted else -1
+    epochs_trained = len(stage.history) if stage else len(fitted.history) if fitted else 0
+    best_score = stage.best_score if stage else fitted.best_score if fitted else float("nan")
     class_names = list(module.class_names)
     no_pain = no_pain_index(class_names)
     videos = evaluation.video_predictions
@@ -209,14 +229,18 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     threshold = choose_threshold(labels, scores, rule)
     at = binary_metrics_at(labels, scores, threshold)
     metrics = {**evaluation.metrics(prefix="val/"), **{f"val/video_{k}_at_threshold": v for k, v in at.items()},
-               "threshold": threshold, "best_epoch": fitted.best_epoch, "epochs_trained": len(fitted.history),
-               "best_val_score": fitted.best_score}
+               "threshold": threshold, "best_epoch": best_epoch, "epochs_trained": epochs_trained,
+               "best_val_score": best_score}
     mlflow.log_metrics({k: float(v) for k, v in metrics.items() if np.isfinite(v)})
     with tempfile.TemporaryDirectory() as tmp:
         videos.to_csv(Path(tmp) / "predictions_val_videos.csv", index=False)
         mlflow.log_artifact(str(Path(tmp) / "predictions_val_videos.csv"))
-    model_path = keep_fold_model(train_cfg, module, fitted.best_path, weights, work_dir / "model.pt", final=True,
-                                 best_epoch=fitted.best_epoch, threshold=threshold, source_cv_run=source.info.run_id)
+    kept = {"final": True, "best_epoch": best_epoch, "threshold": threshold, "source_cv_run": source.info.run_id}
+    if stage is not None:
+        model_path = keep_clip_model(train_cfg, module, stage, weights, work_dir / "model.pt", **kept)
+    else:
+        assert fitted is not None
+        model_path = keep_fold_model(train_cfg, module, fitted.best_path, weights, work_dir / "model.pt", **kept)
     mlflow.log_artifact(str(model_path), "model")
     name = registered_name(train_cfg.model.name, train_cfg.task.name)
     metadata = {"source_cv_run": source.info.run_id, "final_run": run_id, "git_commit": git_commit(),
@@ -236,7 +260,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
                            "val video AUROC": metrics.get("val/video_auroc", float("nan")),
                            "threshold": threshold, "rule": str(rule),
                            "val bal-acc at threshold": at["balanced_accuracy"],
-                           "best epoch": fitted.best_epoch}])
+                           "best epoch": best_epoch}])
     describe_run(client, run_id, f"Final {train_cfg.model.name} model, {train_cfg.task.name}", table,
                  [f"Trained on all subjects with the settings of CV run `{source.info.run_id}` "
                   f"({source.info.run_name}). Registered as `{name}` version {version.version} (alias `candidate`).",
@@ -247,7 +271,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
         mlflow.set_tag("painvit.ensemble_version", ensemble)
         print(f"fold ensemble registered as {name}-folds version {ensemble} (alias candidate)")
     print(f"val video AUROC {metrics.get('val/video_auroc', float('nan')):.3f}, threshold {threshold:.3f} ({rule}), "
-          f"best epoch {fitted.best_epoch} of {len(fitted.history)}")
+          f"best epoch {best_epoch} of {epochs_trained}")
     return {"metrics": metrics, "threshold": threshold, "name": name, "version": str(version.version),
             "model_uri": info.model_uri}
 
