@@ -49,6 +49,8 @@ OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) task=$(TASK) $(MODEL_OVERRIDE) \
 TASKS ?=
 TABLE_OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) $(if $(BIOVID_ROOT),data.root=$(abspath $(BIOVID_ROOT))) \
 	launcher=$(LAUNCHER) $(if $(JOBS),launcher.jobs=$(JOBS)) $(if $(RESUME),cv.resume=$(RESUME)) $(ARGS)
+# A value as one shell word in single quotes (paths with spaces, quotes or non-ASCII characters).
+quote = '$(subst ','\'',$(1))'
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 
 .PHONY: help install lock data aug-preview cv compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data \
@@ -105,8 +107,9 @@ promote: install ## make VERSION of pain-MODEL-TASK the champion (what predict a
 	$(PY) -m pipeline promote $(OVERRIDES) --version=$(VERSION)
 
 predict: install ## pain timeline (CSV + PNG) of VIDEO (a file or a folder) with the champion, MODEL_URI= or RUN=
-	$(PY) -m pipeline predict $(OVERRIDES) --video=$(VIDEO) $(if $(MODEL_URI),--model_uri=$(MODEL_URI)) \
-		$(if $(RUN),--run=$(RUN)) $(if $(FPS),predict.fps=$(FPS)) $(if $(OUT),--out=$(OUT))
+	$(PY) -m pipeline predict $(OVERRIDES) --video=$(call quote,$(VIDEO)) \
+		$(if $(MODEL_URI),--model_uri=$(call quote,$(MODEL_URI))) $(if $(RUN),--run=$(call quote,$(RUN))) \
+		$(if $(FPS),predict.fps=$(FPS)) $(if $(OUT),--out=$(call quote,$(OUT)))
 
 serve: install ## REST scoring server for the champion (or MODEL_URI=) on http://127.0.0.1:$(SERVE_PORT)/invocations
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" MLFLOW_TRACKING_URI=$(TRACKING_URI) $(VENV)/bin/mlflow models serve --env-manager local --host 127.0.0.1 \
