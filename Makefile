@@ -33,6 +33,7 @@ FPS ?=
 OUT ?=
 FORMAT ?= onnx
 SERVE_PORT ?= 5001
+SERVE_PATH_ROOT ?=
 # `make server`: a tracking server for fold jobs on other nodes (LAUNCHER=slurm); see the README.
 SERVER_HOST ?= 127.0.0.1
 SERVER_PORT ?= 5000
@@ -112,8 +113,8 @@ predict: install ## pain timeline (CSV + PNG) of VIDEO (a file or a folder) with
 		$(if $(FPS),predict.fps=$(FPS)) $(if $(OUT),--out=$(call quote,$(OUT)))
 
 serve: install ## REST scoring server for the champion (or MODEL_URI=) on http://127.0.0.1:$(SERVE_PORT)/invocations
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" MLFLOW_TRACKING_URI=$(TRACKING_URI) $(VENV)/bin/mlflow models serve --env-manager local --host 127.0.0.1 \
-		--port $(SERVE_PORT) -m $(or $(MODEL_URI),models:/pain-$(MODEL)-$(TASK)@champion)
+	$(PY) -m pipeline serve $(OVERRIDES) serve.port=$(SERVE_PORT) $(if $(MODEL_URI),--model_uri=$(call quote,$(MODEL_URI))) \
+		$(if $(SERVE_PATH_ROOT),--path_root=$(call quote,$(SERVE_PATH_ROOT)))
 
 export: install ## the network of MODEL_URI (default: the champion) as ONNX (FORMAT=onnx) into reports/export/
 	$(PY) -m pipeline export $(OVERRIDES) $(if $(MODEL_URI),--model_uri=$(MODEL_URI)) --format=$(FORMAT) \

@@ -16,6 +16,7 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline promote     [key=value ...] --version=<n>   move the registered model's champion alias
     python -m pipeline predict     [key=value ...] --video=<file or folder> [--model_uri=...] [--run=<run>]
                                        pain timeline (CSV + PNG) of any video
+    python -m pipeline serve       [key=value ...] [--model_uri=...]   the scoring server, with limits per request
     python -m pipeline export      [key=value ...] --model_uri=... [--format=onnx] [--out=...]   the network as ONNX
     python -m pipeline config      [key=value ...]   print the resolved config
     python -m pipeline fold-job    JOB.json          run one fold job (what the parallel launcher starts per fold)
@@ -98,6 +99,12 @@ def _predict(cfg: DictConfig, **options) -> None:
     run_predict(cfg, **options)
 
 
+def _serve(cfg: DictConfig, **options) -> None:
+    from pipeline.deployment.serving import run_serve
+
+    run_serve(cfg, **options)
+
+
 def _export(cfg: DictConfig, **options) -> None:
     from pipeline.deployment.export import run_export
 
@@ -130,7 +137,8 @@ def _ui_url(argv: list[str]) -> int:
 # commands over the composed config (key=value overrides, --name=value options)
 COMMANDS: dict[str, Callable[..., None]] = {
     "data": _data, "aug-preview": _aug_preview, "cv": _cv, "compare": _compare, "inspect": _inspect,
-    "calc": _calc, "table": _table, "final": _final, "promote": _promote, "predict": _predict, "export": _export,
+    "calc": _calc, "table": _table, "final": _final, "promote": _promote, "predict": _predict, "serve": _serve,
+    "export": _export,
     "config": _print_config,
 }
 # tools with arguments of their own
