@@ -21,6 +21,7 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline config      [key=value ...]   print the resolved config
     python -m pipeline fold-job    JOB.json          run one fold job (what the parallel launcher starts per fold)
     python -m pipeline fold-files  write-biovid | check PATH...   regenerate or check committed fold files
+    python -m pipeline server      --store URI --artifacts DIR [--host H --port P ...]   the tracking server
     python -m pipeline ui-url      [--port 5000]     the MLflow UI address of the cross-validation runs page
 
 The Makefile is the front door (`make help`); it turns MODEL=, DATA=, PROTOCOL=, TASK= into these overrides.
@@ -127,6 +128,12 @@ def _fold_files(argv: list[str]) -> int:
     return main(argv)
 
 
+def _server(argv: list[str]) -> int:
+    from pipeline.runs.tracking_server import main
+
+    return main(argv)
+
+
 def _ui_url(argv: list[str]) -> int:
     from pipeline.runs.tracking import main
 
@@ -142,7 +149,8 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "config": _print_config,
 }
 # tools with arguments of their own
-TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "fold-files": _fold_files, "ui-url": _ui_url}
+TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "fold-files": _fold_files, "ui-url": _ui_url,
+                                                "server": _server}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
