@@ -67,7 +67,7 @@ HEADLINE = "pooled/video_accuracy_at_threshold"  # the number to set beside the 
 DATA_ERRORS = ("has no frames of task", "have no frames in", "have no usable videos")
 # Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
 NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
-                "data.synthetic.workers", "final", "predict")
+                "data.synthetic.workers", "final", "predict", "serve")
 IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256")
 
 
