@@ -409,10 +409,9 @@ def result_from_run(client: MlflowClient, run) -> FoldResult:
 def job_owner_tags() -> dict[str, str]:
     """Where a fold attempt runs: lets a later driver tell a live attempt from a dead one."""
     tags = {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
-    if "SLURM_JOB_ID" in os.environ:
-        array = os.environ.get("SLURM_ARRAY_JOB_ID")
-        task = os.environ.get("SLURM_ARRAY_TASK_ID")
-        tags[SLURM_JOB_TAG] = f"{array}_{task}" if array and task else os.environ["SLURM_JOB_ID"]
+    slurm_job = fold_lease.own_slurm_job()
+    if slurm_job:
+        tags[SLURM_JOB_TAG] = slurm_job
     return tags
 
 

@@ -11,8 +11,8 @@ tracking server are kept apart here, through the store every node reaches:
   `painvit.heartbeat` (unix seconds), renewed every `lease_s / 5` by a thread for as long as the fold trains.
 - **Waited for, or taken over.** A job that finds its fold RUNNING under a heartbeat younger than `cv.lease_s` waits
   for it and returns its result when it finishes; a RUNNING attempt whose heartbeat is older (its node lost power, its
-  job was killed), or one of this machine whose process is gone, is marked KILLED and the next attempt is claimed, as
-  a killed run was before.
+  job was killed), one of this machine whose process is gone, or this SLURM task's own before its requeue, is marked
+  KILLED and the next attempt is claimed, as a killed run was before.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 
-from pipeline.runs.tracking import HOST_TAG, PID_TAG
+from pipeline.runs.tracking import HOST_TAG, PID_TAG, SLURM_JOB_TAG
 
 log = logging.getLogger(__name__)
 LEASE_TAG = "painvit.lease"  # on a fold's child run: the owner of its lease
@@ -46,6 +46,14 @@ def claim_key(fold: int, seed: int | None, attempt: int) -> str:
     return f"{LEASE_PARAM}.fold_{fold}" + (f".seed_{seed}" if seed is not None else "") + f".attempt_{attempt}"
 
 
+def own_slurm_job() -> str | None:
+    """This process's SLURM task as the fold runs record it (`<array>_<task>`, or the job id), None outside SLURM."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return None
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ["SLURM_JOB_ID"]
+
+
 def heartbeat_age(run: Run, now: float | None = None) -> float:
     """Seconds since the run's last heartbeat; infinite for a run without one (older code, or never renewed)."""
     value = run.data.tags.get(HEARTBEAT_TAG)
@@ -59,6 +67,9 @@ def is_live(run: Run, lease_s: float) -> bool:
     """A RUNNING attempt whose heartbeat is younger than `lease_s`, unless it ran on this machine in a process that
     is gone (a killed job resumed here is taken over at once, not after `lease_s`)."""
     if run.info.status != "RUNNING" or heartbeat_age(run) >= lease_s:
+        return False
+    slurm_job = run.data.tags.get(SLURM_JOB_TAG)
+    if slurm_job and slurm_job == own_slurm_job():  # this SLURM task's own earlier run: requeued after preemption
         return False
     pid = run.data.tags.get(PID_TAG, "")
     if run.data.tags.get(HOST_TAG) == socket.gethostname() and pid.isdigit():
