@@ -13,7 +13,16 @@ from pathlib import Path
 from mlflow import MlflowClient
 
 from pipeline.runs import fold_lease
-from pipeline.runs.tracking import FOLD_RUN, FOLD_TAG, HOST_TAG, PARENT_TAG, PID_TAG, RUN_KIND_TAG, fold_runs
+from pipeline.runs.tracking import (
+    FOLD_RUN,
+    FOLD_TAG,
+    HOST_TAG,
+    PARENT_TAG,
+    PID_TAG,
+    RUN_KIND_TAG,
+    SLURM_JOB_TAG,
+    fold_runs,
+)
 
 
 def store(tmp_path: Path) -> tuple[str, str, str]:
@@ -84,3 +93,18 @@ def test_a_live_lease_is_waited_for_and_a_dead_one_taken_over(tmp_path) -> None:
     started = time.monotonic()
     attempt, _ = fold_lease.acquire(client, parent, 2, None, "login1:1:ef01", 60, lambda: fold_runs(client, parent, 2))
     assert attempt == 2 and time.monotonic() - started < 5
+
+
+def test_a_requeued_slurm_task_takes_over_its_own_attempt_at_once(tmp_path, monkeypatch) -> None:
+    uri, experiment, parent = store(tmp_path)
+    client = MlflowClient(uri)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4240")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    # preempted on another node a moment ago: its heartbeat is fresh, but it is this very task before its requeue
+    before = fold_run(client, experiment, parent, 0, {**fold_lease.lease_tags("node7:9:abcd"), HOST_TAG: "node7",
+                                                      SLURM_JOB_TAG: "4240_0"})
+    started = time.monotonic()
+    attempt, _ = fold_lease.acquire(client, parent, 0, None, "node3:1:ef01", 60, lambda: fold_runs(client, parent, 0))
+    assert attempt == 2 and time.monotonic() - started < 5
+    assert client.get_run(before.info.run_id).info.status == "KILLED"
