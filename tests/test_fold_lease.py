@@ -108,3 +108,19 @@ def test_a_requeued_slurm_task_takes_over_its_own_attempt_at_once(tmp_path, monk
     attempt, _ = fold_lease.acquire(client, parent, 0, None, "node3:1:ef01", 60, lambda: fold_runs(client, parent, 0))
     assert attempt == 2 and time.monotonic() - started < 5
     assert client.get_run(before.info.run_id).info.status == "KILLED"
+
+
+def test_two_parents_created_at_once_become_one(tmp_path) -> None:
+    uri, experiment, _ = store(tmp_path)
+    client = MlflowClient(uri)
+    identity = {RUN_KIND_TAG: "cv", "model": "m", "config_sha256": "abc"}
+    killed_long_ago = client.create_run(experiment, start_time=int(time.time() * 1000) - 3_600_000, tags=identity)
+    other = client.create_run(experiment, tags={**identity, "config_sha256": "other"})
+    first = client.create_run(experiment, tags=identity)
+    second = client.create_run(experiment, tags=identity)
+    # each driver asks once its own parent is written; both go on with the same one, the other is deleted
+    assert fold_lease.first_of_twins(client, experiment, identity, second).info.run_id == first.info.run_id
+    assert fold_lease.first_of_twins(client, experiment, identity, first).info.run_id == first.info.run_id
+    assert client.get_run(second.info.run_id).info.lifecycle_stage == "deleted"
+    for kept in (killed_long_ago, other, first):  # an old killed CV and another CV are no twins
+        assert client.get_run(kept.info.run_id).info.lifecycle_stage == "active"

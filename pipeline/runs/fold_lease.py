@@ -1,5 +1,8 @@
 """One fold trained once, whichever machine asks: a lease on each fold attempt, held in the tracking store.
 
+Two drivers that start the same new CV at once each create a parent run; `first_of_twins`, asked by both once
+theirs is written, keeps the one that started first and deletes the other, so both train into one CV.
+
 The file lock of `make cv` (`identity_lock`) keeps two drivers on one machine apart; two login nodes sharing one
 tracking server are kept apart here, through the store every node reaches:
 
@@ -35,6 +38,25 @@ log = logging.getLogger(__name__)
 LEASE_TAG = "painvit.lease"  # on a fold's child run: the owner of its lease
 HEARTBEAT_TAG = "painvit.heartbeat"  # on a fold's child run: unix seconds of the last renewal
 LEASE_PARAM = "painvit.lease"  # prefix of the parent run's claim parameters
+
+
+def first_of_twins(client: MlflowClient, experiment_id: str, tags: dict[str, str], created: Run,
+                   window_s: float = 120.0) -> Run:
+    """The parent run a new CV goes on with: `created`, unless another driver created a RUNNING parent with the same
+    identity `tags` at most `window_s` earlier, or one that started first since (start time, then run id: every driver
+    picks the same one); then `created` is deleted and that one returned, and its folds are shared through the leases.
+    An older RUNNING parent is a killed CV, not a twin: `make cv` resumes those before it creates one."""
+    since = created.info.start_time - int(window_s * 1000)
+    query = " and ".join([f"tags.`{key}` = '{value}'" for key, value in tags.items()]
+                         + ["attributes.status = 'RUNNING'", f"attributes.start_time >= {since}"])
+    twins = client.search_runs([experiment_id], query, max_results=100)
+    first = min([*twins, created], key=lambda run: (run.info.start_time, run.info.run_id))
+    if first.info.run_id == created.info.run_id:
+        return created
+    client.delete_run(created.info.run_id)
+    print(f"the same cross-validation was started elsewhere a moment ago: going on with its parent run "
+          f"{first.info.run_id} (this one, {created.info.run_id}, deleted); its folds are shared", flush=True)
+    return first
 
 
 def new_owner() -> str:
