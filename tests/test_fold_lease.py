@@ -8,8 +8,8 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 
 from pipeline.runs import fold_lease
@@ -25,11 +25,17 @@ from pipeline.runs.tracking import (
 )
 
 
-def store(tmp_path: Path) -> tuple[str, str, str]:
-    uri = f"sqlite:///{tmp_path / 'lease.db'}"
-    client = MlflowClient(uri)
-    experiment = client.create_experiment("lease", artifact_location=str(tmp_path / "art"))
-    parent = client.create_run(experiment, tags={RUN_KIND_TAG: "cv"})
+@pytest.fixture(scope="module")
+def lease_store(tmp_path_factory) -> tuple[str, str]:
+    """One sqlite store for the module (creating one costs a second or two); each test has a parent run of its own."""
+    own = tmp_path_factory.mktemp("lease")
+    uri = f"sqlite:///{own / 'lease.db'}"
+    return uri, MlflowClient(uri).create_experiment("lease", artifact_location=str(own / "art"))
+
+
+def store(lease_store: tuple[str, str]) -> tuple[str, str, str]:
+    uri, experiment = lease_store
+    parent = MlflowClient(uri).create_run(experiment, tags={RUN_KIND_TAG: "cv"})
     return uri, experiment, parent.info.run_id
 
 
@@ -38,8 +44,8 @@ def fold_run(client: MlflowClient, experiment: str, parent: str, fold: int, tags
                                                **tags})
 
 
-def test_racing_claims_give_each_attempt_to_one_owner(tmp_path) -> None:
-    uri, _, parent = store(tmp_path)
+def test_racing_claims_give_each_attempt_to_one_owner(lease_store) -> None:
+    uri, _, parent = store(lease_store)
     won: dict[int, list[str]] = {fold: [] for fold in range(4)}
     start = threading.Barrier(3)
 
@@ -61,8 +67,8 @@ def test_racing_claims_give_each_attempt_to_one_owner(tmp_path) -> None:
         assert params[fold_lease.claim_key(fold, None, 1)].split()[0] == owners[0]
 
 
-def test_a_live_lease_is_waited_for_and_a_dead_one_taken_over(tmp_path) -> None:
-    uri, experiment, parent = store(tmp_path)
+def test_a_live_lease_is_waited_for_and_a_dead_one_taken_over(lease_store) -> None:
+    uri, experiment, parent = store(lease_store)
     client = MlflowClient(uri)
     # fold 0: trained elsewhere right now (another host, a fresh heartbeat); the second job waits, then reuses it
     other = fold_run(client, experiment, parent, 0, {**fold_lease.lease_tags("login2:77:abcd"), HOST_TAG: "login2"})
@@ -95,8 +101,8 @@ def test_a_live_lease_is_waited_for_and_a_dead_one_taken_over(tmp_path) -> None:
     assert attempt == 2 and time.monotonic() - started < 5
 
 
-def test_a_requeued_slurm_task_takes_over_its_own_attempt_at_once(tmp_path, monkeypatch) -> None:
-    uri, experiment, parent = store(tmp_path)
+def test_a_requeued_slurm_task_takes_over_its_own_attempt_at_once(lease_store, monkeypatch) -> None:
+    uri, experiment, parent = store(lease_store)
     client = MlflowClient(uri)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4240")
@@ -110,8 +116,8 @@ def test_a_requeued_slurm_task_takes_over_its_own_attempt_at_once(tmp_path, monk
     assert client.get_run(before.info.run_id).info.status == "KILLED"
 
 
-def test_two_parents_created_at_once_become_one(tmp_path) -> None:
-    uri, experiment, _ = store(tmp_path)
+def test_two_parents_created_at_once_become_one(lease_store) -> None:
+    uri, experiment, _ = store(lease_store)
     client = MlflowClient(uri)
     identity = {RUN_KIND_TAG: "cv", "model": "m", "config_sha256": "abc"}
     killed_long_ago = client.create_run(experiment, start_time=int(time.time() * 1000) - 3_600_000, tags=identity)
