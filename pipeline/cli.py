@@ -16,10 +16,12 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline promote     [key=value ...] --version=<n>   move the registered model's champion alias
     python -m pipeline predict     [key=value ...] --video=<file or folder> [--model_uri=...] [--run=<run>]
                                        pain timeline (CSV + PNG) of any video
+    python -m pipeline serve       [key=value ...] [--model_uri=...]   the scoring server, with limits per request
     python -m pipeline export      [key=value ...] --model_uri=... [--format=onnx] [--out=...]   the network as ONNX
     python -m pipeline config      [key=value ...]   print the resolved config
     python -m pipeline fold-job    JOB.json          run one fold job (what the parallel launcher starts per fold)
     python -m pipeline fold-files  write-biovid | check PATH...   regenerate or check committed fold files
+    python -m pipeline server      --store URI --artifacts DIR [--host H --port P ...]   the tracking server
     python -m pipeline ui-url      [--port 5000]     the MLflow UI address of the cross-validation runs page
 
 The Makefile is the front door (`make help`); it turns MODEL=, DATA=, PROTOCOL=, TASK= into these overrides.
@@ -98,6 +100,12 @@ def _predict(cfg: DictConfig, **options) -> None:
     run_predict(cfg, **options)
 
 
+def _serve(cfg: DictConfig, **options) -> None:
+    from pipeline.deployment.serving import run_serve
+
+    run_serve(cfg, **options)
+
+
 def _export(cfg: DictConfig, **options) -> None:
     from pipeline.deployment.export import run_export
 
@@ -120,6 +128,12 @@ def _fold_files(argv: list[str]) -> int:
     return main(argv)
 
 
+def _server(argv: list[str]) -> int:
+    from pipeline.runs.tracking_server import main
+
+    return main(argv)
+
+
 def _ui_url(argv: list[str]) -> int:
     from pipeline.runs.tracking import main
 
@@ -130,11 +144,13 @@ def _ui_url(argv: list[str]) -> int:
 # commands over the composed config (key=value overrides, --name=value options)
 COMMANDS: dict[str, Callable[..., None]] = {
     "data": _data, "aug-preview": _aug_preview, "cv": _cv, "compare": _compare, "inspect": _inspect,
-    "calc": _calc, "table": _table, "final": _final, "promote": _promote, "predict": _predict, "export": _export,
+    "calc": _calc, "table": _table, "final": _final, "promote": _promote, "predict": _predict, "serve": _serve,
+    "export": _export,
     "config": _print_config,
 }
 # tools with arguments of their own
-TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "fold-files": _fold_files, "ui-url": _ui_url}
+TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "fold-files": _fold_files, "ui-url": _ui_url,
+                                                "server": _server}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

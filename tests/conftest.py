@@ -75,3 +75,31 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def untrained_model(tiny_config, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The cheapest real pain model: an untrained MobileViT-XXS at 32 px (random head, no training), kept and logged as
+    the MLflow model `make final` logs, in a store of its own. For tests of what predict and the scoring server do with
+    their input (exit codes, limits), not of their scores. Returns cfg, the model's URI and its local folder."""
+    import mlflow
+
+    from pipeline.models.backbones import create_model
+    from pipeline.models.model_file import model_meta, save_model_file
+    from pipeline.runs.mlflow_model import log_mlflow_model, model_config
+
+    own = tmp_path_factory.mktemp("untrained_model")
+    cfg = tiny_config("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false",
+                      f"mlflow.tracking_uri=sqlite:///{own / 'mlflow.db'}", f"mlflow.artifact_root={own / 'art'}",
+                      f"reports_dir={own / 'reports'}")
+    net, _ = create_model("mobilevit_xxs", 2, pretrained=False, img_size=32)
+    class_names = ["BL1", "PA4"]
+    meta = model_meta(net, model_name="mobilevit_xxs", img_size=32, class_names=class_names, task=cfg.task.name,
+                      loader={"crop_fraction": 1.0}, weights={"weights_source": "random"})
+    path = save_model_file(net, meta, own / "model.pt")
+    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
+    experiment = mlflow.create_experiment("untrained", artifact_location=str(own / "art"))
+    with mlflow.start_run(experiment_id=experiment):
+        info = log_mlflow_model(path, model_config(cfg, class_names, 0.5, "fixed"), {"model": "mobilevit_xxs"})
+    local = Path(mlflow.artifacts.download_artifacts(info.model_uri, dst_path=str(own / "local")))
+    return {"cfg": cfg, "uri": info.model_uri, "local": local, "dir": own}

@@ -48,7 +48,7 @@ from pipeline.evaluation.statistics import subject_intervals, subject_scores
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource
-from pipeline.runs import cv_runs, launchers, registry, tracking
+from pipeline.runs import cv_runs, fold_lease, launchers, registry, tracking
 from pipeline.runs.environment import library_versions, log_environment
 from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, decide, result_from_run
 from pipeline.utils.accelerator import announce_device, training_device
@@ -185,6 +185,10 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         log_exclusions(client, run_id, frames_result, cfg.preprocess.frames_per_video)
         registry.log_subjects(client, run_id, registry.cv_subjects(fold_file, frames_result.frames, task.classes),
                               f"{cfg.data.name}-{task.name}-{fold_file.stem}")
+        # another machine's `make cv` of the same CV may have created its parent meanwhile: one of the two goes on
+        if cfg.cv.resume == "auto":
+            parent = fold_lease.first_of_twins(client, experiment_id,
+                                               {tracking.RUN_KIND_TAG: tracking.CV_RUN, **tags}, parent)
     else:
         plan.finished = parent.info.status == tracking.FINISHED
         if not plan.finished:

@@ -45,6 +45,7 @@ from pipeline.models.callbacks import FreezeBackbone, KeepBestValidation, Resuma
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import MODEL_ARTIFACT, model_meta, save_model_file
 from pipeline.models.weights import WeightsSource
+from pipeline.runs import fold_lease
 from pipeline.runs.mlflow_model import log_fold_model
 from pipeline.runs.registry import split_videos, subjects_dataset
 from pipeline.runs.tracking import (
@@ -466,50 +467,51 @@ def result_from_run(client: MlflowClient, run) -> FoldResult:
 def job_owner_tags() -> dict[str, str]:
     """Where a fold attempt runs: lets a later driver tell a live attempt from a dead one."""
     tags = {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
-    if "SLURM_JOB_ID" in os.environ:
-        array = os.environ.get("SLURM_ARRAY_JOB_ID")
-        task = os.environ.get("SLURM_ARRAY_TASK_ID")
-        tags[SLURM_JOB_TAG] = f"{array}_{task}" if array and task else os.environ["SLURM_JOB_ID"]
+    slurm_job = fold_lease.own_slurm_job()
+    if slurm_job:
+        tags[SLURM_JOB_TAG] = slurm_job
     return tags
 
 
 def run_fold_job(job: FoldJob) -> FoldResult:
     """Run one fold under its own child run of `job.parent_run_id`; see the module docstring for the rules."""
     client = MlflowClient(job.tracking_uri)
-    previous = fold_runs(client, job.parent_run_id, job.fold, job.seed)
-    finished = [run for run in previous if run.info.status == FINISHED]
-    if finished:
-        log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished[0].info.run_id)
-        return result_from_run(client, finished[0])
-    for run in previous:
-        if run.info.status == "RUNNING":  # a killed attempt: this one replaces it
-            client.set_terminated(run.info.run_id, "KILLED")
     cfg = OmegaConf.create(job.config)
+    # a lease in the store: a fold another machine trains now is waited for, a dead attempt replaced (fold_lease)
+    lease_s = float(OmegaConf.select(cfg, "cv.lease_s", default=300))
+    owner = fold_lease.new_owner()
+    attempt, finished = fold_lease.acquire(client, job.parent_run_id, job.fold, job.seed, owner, lease_s,
+                                           lambda: fold_runs(client, job.parent_run_id, job.fold, job.seed))
+    if finished is not None:
+        log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished.info.run_id)
+        return result_from_run(client, finished)
     parent = client.get_run(job.parent_run_id)
     tags = {k: parent.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed")}
     if job.seed is not None:  # one of several training seeds: the fold is trained with it, and tagged so
         cfg.seed = job.seed
         tags["seed"] = str(job.seed)
     work_dir = Path(job.work_dir)
-    attempt = len(previous) + 1
     mlflow.set_tracking_uri(job.tracking_uri)
     name = f"fold {job.fold}" + (f" seed {job.seed}" if job.seed is not None else "")
     run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=name,
                            tags={**tags, PARENT_TAG: job.parent_run_id, RUN_KIND_TAG: FOLD_RUN,
                                  FOLD_TAG: str(job.fold), ATTEMPT_TAG: str(attempt),
-                                 JOB_TRACKING_URI_TAG: job.tracking_uri, **job_owner_tags()})
-    try:
-        mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
-        device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
-        settings = resolve_on_device(cfg, job.decisions, device.kind)  # decided here, where the device is known
-        log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
-        mlflow.set_tags(device.tags)
-        result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models, settings=settings)
-    except BaseException as error:
-        mlflow.log_text(traceback.format_exc(), "traceback.txt")
-        interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
-        mlflow.end_run("KILLED" if interrupted else "FAILED")
-        raise
+                                 JOB_TRACKING_URI_TAG: job.tracking_uri, **job_owner_tags(),
+                                 **fold_lease.lease_tags(owner)})
+    with fold_lease.Heartbeat(client, run.info.run_id, lease_s / 5):  # renewed while the fold trains
+        try:
+            mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
+            device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
+            settings = resolve_on_device(cfg, job.decisions, device.kind)  # decided where the device is known
+            log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
+            mlflow.set_tags(device.tags)
+            result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models,
+                                settings=settings)
+        except BaseException as error:
+            mlflow.log_text(traceback.format_exc(), "traceback.txt")
+            interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
+            mlflow.end_run("KILLED" if interrupted else "FAILED")
+            raise
     mlflow.end_run(FINISHED)
     shutil.rmtree(work_dir, ignore_errors=True)  # the model and the tables now live in the tracking store
     result.run_id, result.seed = run.info.run_id, job.seed
