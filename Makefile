@@ -51,7 +51,7 @@ TABLE_OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) $(if $(BIOVID_ROOT),data.roo
 	launcher=$(LAUNCHER) $(if $(JOBS),launcher.jobs=$(JOBS)) $(if $(RESUME),cv.resume=$(RESUME)) $(ARGS)
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 
-.PHONY: help install lock data aug-preview cv compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data \
+.PHONY: help install lock data aug-preview cv tune compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data \
 	final promote predict serve export
 
 help: ## list the targets
@@ -85,6 +85,12 @@ aug-preview: install ## PNG grid of augmented crops, as MODEL sees them (reports
 
 cv: install ## cross-validate MODEL on DATA/PROTOCOL/TASK, tracked in MLflow
 	$(PY) -m pipeline cv $(OVERRIDES)
+
+# `make tune`: TRIALS= per study (default configs/tune/default.yaml), SCOPE=per_fold | shared (optimistic)
+TRIALS ?=
+SCOPE ?=
+tune: install ## search MODEL's settings per fold with Optuna (TRIALS=20, SCOPE=per_fold), then its tuned CV
+	$(PY) -m pipeline tune $(OVERRIDES) $(if $(TRIALS),tune.trials=$(TRIALS)) $(if $(SCOPE),tune.scope=$(SCOPE))
 
 compare: install ## compare the backbones' latest cross-validations on DATA/PROTOCOL/TASK (reports/ and MLflow)
 	$(PY) -m pipeline compare $(OVERRIDES)

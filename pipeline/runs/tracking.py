@@ -37,6 +37,14 @@ UI_WORKFLOW = "machine_learning"
 # attempts is FINISHED, and the newest such attempt is the one that counts.
 RUN_KIND_TAG = "painvit.run_kind"
 CV_RUN, FOLD_RUN, COMPARISON_RUN = "cv", "fold", "comparison"
+# A hyper-parameter search (`make tune`, pipeline.runs.tuning) is a parent run tagged TUNING_RUN with one child per
+# (fold, trial) tagged TRIAL_RUN: never a CV_RUN or FOLD_RUN, so no CV view or comparison takes a trial for a fold.
+# The tuned cross-validation it leads to is a CV_RUN with TUNED_TAG=true and its budget tags (TUNE_BUDGET_TAGS).
+TUNING_RUN, TRIAL_RUN = "tuning", "trial"
+TRIAL_TAG = "painvit.trial"  # the Optuna trial number of a trial run
+TUNED_TAG = "painvit.tuned"  # "true" on a tuned CV's parent; absent on a CV of the hand-picked settings
+TUNE_BUDGET_TAGS = ("painvit.tune_trials", "painvit.tune_scope", "painvit.tune_space_sha256")
+TUNING_RUN_TAG = "painvit.tuning_run_id"  # on a tuned CV's parent: its search
 PARENT_TAG = "mlflow.parentRunId"
 FOLD_TAG = "fold"
 SEED_TAG = "seed"  # the training seed a fold run used (the config's, or one of cv.seeds)
