@@ -241,6 +241,8 @@ def owner_alive(attrs: dict) -> bool:
     SLURM, its job is still queued; on another host without SLURM we cannot tell, and it is left alone."""
     if attrs.get("slurm_job"):
         return attrs["slurm_job"] in launchers.slurm_states([attrs["slurm_job"]])
+    if "host" not in attrs:  # the owner is written right after the ask, under the same lock: abandoned between
+        return False
     if attrs.get("host") == socket.gethostname():
         try:
             os.kill(int(attrs.get("pid", 0)), 0)
@@ -260,7 +262,9 @@ def retry_stale_trials(study: optuna.Study, storage: optuna.storages.BaseStorage
             continue
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
         if storage.set_trial_state_values(trial_id, optuna.trial.TrialState.FAIL):
-            study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number,
+            # an enqueued trial's settings are all fixed from the start; a drawn one's are those it had drawn
+            params = trial.system_attrs.get("fixed_params") or trial.params
+            study.enqueue_trial(params, user_attrs={"retry_of": trial.number,
                                                           **{k: v for k, v in trial.user_attrs.items()
                                                              if k == "default"}})
             failed.append(trial.number)
