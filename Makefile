@@ -89,11 +89,12 @@ cv: install ## cross-validate MODEL on DATA/PROTOCOL/TASK, tracked in MLflow
 # `make tune`: TRIALS= per study (default configs/tune/default.yaml), SCOPE=per_fold | shared (optimistic)
 TRIALS ?=
 SCOPE ?=
+TUNED ?=
 tune: install ## search MODEL's settings per fold with Optuna (TRIALS=20, SCOPE=per_fold), then its tuned CV
 	$(PY) -m pipeline tune $(OVERRIDES) $(if $(TRIALS),tune.trials=$(TRIALS)) $(if $(SCOPE),tune.scope=$(SCOPE))
 
-compare: install ## compare the backbones' latest cross-validations on DATA/PROTOCOL/TASK (reports/ and MLflow)
-	$(PY) -m pipeline compare $(OVERRIDES)
+compare: install ## compare the backbones' latest CVs on DATA/PROTOCOL/TASK (TUNED=latest: tuned CVs of one budget)
+	$(PY) -m pipeline compare $(OVERRIDES) $(if $(TUNED),--tuned=$(TUNED))
 
 table: install ## BioVid benchmark table: MODEL="vit_b16 cvt_13" on BL1 vs PA1..PA4 and five classes, beside published rows
 	$(PY) -m pipeline table $(TABLE_OVERRIDES) --models="$(MODEL)" $(if $(TASKS),--tasks="$(TASKS)")

@@ -22,6 +22,7 @@ import pytest
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
+from pipeline.analysis.compare import latest_cvs
 from pipeline.data.fold_files import fold_subjects, read_folds
 from pipeline.runs import tracking
 from pipeline.runs.fold_job import decide
@@ -134,6 +135,12 @@ def test_a_killed_search_resumes_and_the_study_never_sees_test_subjects(tiny_bas
     assert chosen["folds"]["0"]["params"] == best.params and chosen["folds"]["0"]["trial"] == best.number
     on_cv = json.loads(Path(client.download_artifacts(cv.info.run_id, CHOSEN_ARTIFACT)).read_text())
     assert on_cv["0"]["params"] == best.params
+    # make compare: tuned CVs are compared only among themselves, of one budget; untuned views do not see them
+    where = (client, [experiment], "synthetic", cfg.protocol.name, cfg.task.name)
+    assert latest_cvs(*where) == {}
+    assert [r.info.run_id for r in latest_cvs(*where, tuned="latest").values()] == [cv.info.run_id]
+    other = {**tracking.tune_budget(cv), "trials": "3"}
+    assert latest_cvs(*where, tuned=other) == {}
     plots = {a.path for a in client.list_artifacts(tuning.info.run_id, "plots")}
     assert any(p.endswith("_history.png") for p in plots)
 

@@ -94,9 +94,13 @@ def latest_cvs(
     subject_set: str | None = None,
     fold_file_sha256: str | None = None,
     params: Mapping[str, str] | None = None,
+    tuned: Mapping[str, str] | str | None = None,
 ) -> dict[str, Run]:
     """The most recently started FINISHED parent CV run per `model` tag for this dataset, protocol and task
-    (and, when given, subject set, fold file and logged parameter values, e.g. the crop settings)."""
+    (and, when given, subject set, fold file and logged parameter values, e.g. the crop settings).
+
+    Untuned CVs only, unless `tuned` names a search budget (`tracking.tune_budget`): then only tuned CVs of exactly
+    that budget; `"latest"`: the budget of the newest such tuned CV."""
     conditions = [
         f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'",
         f"attributes.status = '{RunStatus.to_string(RunStatus.FINISHED)}'",
@@ -111,6 +115,10 @@ def latest_cvs(
     for key, value in (params or {}).items():
         conditions.append(f"params.`{key}` = {_quoted(value, key)}")
     runs = _search_all(client, experiment_ids, " and ".join(conditions))
+    if tuned == "latest":
+        newest = max((r for r in runs if tracking.tune_budget(r)), key=lambda r: r.info.start_time or 0, default=None)
+        tuned = tracking.tune_budget(newest) if newest is not None else {"trials": "none"}
+    runs = [r for r in runs if tracking.tune_budget(r) == dict(tuned or {})]
     latest: dict[str, Run] = {}
     for run in sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.end_time or 0), reverse=True):
         model = run.data.tags.get("model")
@@ -366,6 +374,7 @@ def compare(
     subject_set: str | None = None,
     fold_file_sha256: str | None = None,
     crop_params: Mapping[str, str] | None = None,
+    tuned: Mapping[str, str] | str | None = None,
 ) -> dict:
     """Compare the latest finished CV of every backbone for one dataset/protocol/task, write tables and plots.
 
@@ -383,8 +392,11 @@ def compare(
     if found is None:
         raise ComparisonError(f"no MLflow experiment {experiment!r} at {uri}")
     experiment_id = found.experiment_id
-    runs = latest_cvs(client, [experiment_id], dataset, protocol, task, subject_set, fold_file_sha256, crop_params)
-    where = f"dataset={dataset}, protocol={protocol}, task={task}" + (
+    runs = latest_cvs(client, [experiment_id], dataset, protocol, task, subject_set, fold_file_sha256, crop_params,
+                      tuned)
+    where = ("tuned CVs of one budget (" + (", ".join(f"{k}={v}" for k, v in tracking.tune_budget(
+        next(iter(runs.values()))).items()) if runs else str(tuned)) + "), " if tuned else "untuned CVs, ") + (
+        f"dataset={dataset}, protocol={protocol}, task={task}") + (
         f", subject_set={subject_set}" if subject_set else ""
     ) + (" and these crops (" + ", ".join(f"{k}={v}" for k, v in crop_params.items()) + ")" if crop_params else "")
     if len(runs) < 2:
@@ -449,6 +461,10 @@ def compare(
     }
     if subject_set:
         tags["subject_set"] = subject_set
+    budget = tracking.tune_budget(next(iter(runs.values())))  # tuned CVs: the one budget they share
+    tags.update({f"painvit.tune_{k}": v for k, v in budget.items()})
+    if budget.get("scope") == "shared":
+        tags["painvit.tune_note"] = "OPTIMISTIC: settings chosen by a study shared over folds"
     comparison_run = client.create_run(experiment_id, tags=tags, run_name=stem)
     run_id = comparison_run.info.run_id
     try:
@@ -515,9 +531,10 @@ def crop_settings(cfg) -> dict[str, str]:
     return {key: value for key, value in flat_params(identity_config(cfg)).items() if key.startswith(CROP_PREFIXES)}
 
 
-def run_compare(cfg) -> dict:
+def run_compare(cfg, tuned: str | None = None) -> dict:
     """`make compare`: the latest finished cross-validation of each backbone on the config's data/protocol/task,
-    fold file and crop settings."""
+    fold file and crop settings; `tuned` (`--tuned=latest` or a budget, `tracking.parse_tune_budget`): tuned CVs of
+    that one search budget instead of untuned ones."""
     from pipeline.data.fold_files import fold_file_sha256 as sha256_of_folds
 
     # Only CVs on the current fold file: runs on older or other folds never enter the comparison.
@@ -526,7 +543,8 @@ def run_compare(cfg) -> dict:
     try:
         result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, resolve_path(cfg.reports_dir),
                          tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
-                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=crop_settings(cfg))
+                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=crop_settings(cfg),
+                         tuned=tuned if tuned in (None, "latest") else tracking.parse_tune_budget(tuned))
     except ComparisonError as error:
         raise SystemExit(f"compare: {error}") from None
     summary = result["summary"]

@@ -95,6 +95,24 @@ def finished_fold_runs(client: MlflowClient, parent_run_id: str, seed: int | Non
     return finished
 
 
+def tune_budget(run: Run) -> dict[str, str]:
+    """A tuned CV's search budget (trials, scope, search-space hash) from its parent's tags; {} for an untuned CV.
+    Two CVs are compared only when their budgets are equal (`make compare`)."""
+    if run.data.tags.get(TUNED_TAG) != "true":
+        return {}
+    return {tag.removeprefix("painvit.tune_"): run.data.tags.get(tag, "") for tag in TUNE_BUDGET_TAGS}
+
+
+def parse_tune_budget(text: str) -> dict[str, str]:
+    """`trials=20,scope=per_fold,space_sha256=<16 hex>` (as `make compare TUNED=...` takes it) as a budget."""
+    budget = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+    expected = {tag.removeprefix("painvit.tune_") for tag in TUNE_BUDGET_TAGS}
+    if set(budget) != expected:
+        raise ValueError(f"a tuning budget names {', '.join(sorted(expected))} (key=value, comma-separated), "
+                         f"not {text!r}; or say `latest`")
+    return budget
+
+
 def artifact_root(project_root: Path) -> str:
     """The file:// URI of `<project>/mlartifacts`, the artifact location given to experiments this project creates."""
     return (Path(project_root).resolve() / "mlartifacts").as_uri()
