@@ -97,7 +97,8 @@ compare: install ## compare the backbones' latest CVs on DATA/PROTOCOL/TASK (TUN
 	$(PY) -m pipeline compare $(OVERRIDES) $(if $(TUNED),--tuned=$(TUNED))
 
 table: install ## BioVid benchmark table: MODEL="vit_b16 cvt_13" on BL1 vs PA1..PA4 and five classes, beside published rows
-	$(PY) -m pipeline table $(TABLE_OVERRIDES) --models="$(MODEL)" $(if $(TASKS),--tasks="$(TASKS)")
+	$(PY) -m pipeline table $(TABLE_OVERRIDES) --models="$(MODEL)" $(if $(TASKS),--tasks="$(TASKS)") \
+		$(if $(TUNED),--tuned=$(TUNED) $(if $(TRIALS),--trials=$(TRIALS)) $(if $(SCOPE),--scope=$(SCOPE)))
 
 inspect: install ## where MODEL's newest finished CV looks on each fold's test videos: rollout, Grad-CAM, region score
 	$(PY) -m pipeline inspect $(OVERRIDES) $(if $(RUN),--run=$(RUN)) $(if $(UNTRAINED),--untrained=$(UNTRAINED))
