@@ -477,7 +477,10 @@ def launch_workers(cfg: DictConfig, worker: TuneWorker, client: MlflowClient, ex
     if launcher.name == "local":
         run_worker(worker)
         return
-    n_jobs = int(launcher.jobs or 1) if launcher.name == "parallel" else int(launcher.get("array_parallelism") or 1)
+    if launcher.name == "parallel":
+        n_jobs = int(launcher.jobs or 1)
+    else:  # one SLURM array task per study (per fold), at most launcher.array_parallelism of them
+        n_jobs = max(1, min(int(launcher.array_parallelism or 1), len(worker.studies)))
     if launcher.name == "slurm":
         folder = Path(worker.work_dir) / "slurm"
         executor = launchers.slurm_executor(launcher, folder, f"painvit-tune-{cfg.model.name}")
