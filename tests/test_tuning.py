@@ -188,3 +188,22 @@ def test_pruning_stops_a_trial_below_the_median(tiny_base: Path, tmp_path: Path)
     (child,) = client.search_runs([experiment], f"tags.`{tracking.PARENT_TAG}` = '{run.info.run_id}'")
     assert child.data.tags[TRIAL_STATE_TAG] == "PRUNED" and child.data.metrics["epochs_trained"] == 1
     assert len(client.get_metric_history(child.info.run_id, "val/loss")) == 1
+
+
+def test_every_backbone_has_a_search_space_that_starts_at_its_configured_settings() -> None:
+    """Each model config (on the twin, and ViT-B/16 on BioVid) composes with `tune`, finds its space, and today's
+    values lie inside it; a default outside its range is an error naming the file."""
+    from pipeline.runs.tuning import TuneError
+    from pipeline.utils.config import CONFIG_DIR
+
+    models = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml") if p.stem != "timm")
+    for overrides in [[f"model={m}"] for m in models] + [["model=vit_b16", "data=biovid", "data.root=/nowhere"]]:
+        cfg = load_config(overrides, groups=("tune=default",))
+        space = load_space(cfg)
+        assert set(space.defaults(cfg)) == {p.key for p in space.parameters}, overrides
+        assert all(p.log for p in space.parameters if p.key.endswith("_lr")), overrides
+    vit_ref = load_space(load_config(["model=vit_ref"], groups=("tune=default",)))
+    assert "model.optim.layer_decay" not in {p.key for p in vit_ref.parameters}  # removed by its own file
+    with pytest.raises(TuneError, match=r"spaces/default.yaml.*head_lr = 0.5"):
+        cfg = load_config(["model=mobilevit_xxs", "model.optim.head_lr=0.5"], groups=("tune=default",))
+        load_space(cfg).defaults(cfg)
