@@ -290,8 +290,9 @@ def study_lock(storage: str | Path) -> Iterator[None]:
 # A trial: a fold job with other settings, on the fold's training and validation subjects only.
 
 class StudyDataModule(PainDataModule):
-    """A fold's frames for its study: train and validation subjects of the fold file; the fold's test subjects are
-    dropped before any frame is read (the validation subjects stand in as the unused test split)."""
+    """A fold's frames for its study: train and validation subjects of the fold file; the fold's test subjects' rows
+    are dropped from the frame table before any crop is loaded (the validation subjects stand in as the unused test
+    split)."""
 
     def subject_roles(self) -> dict[str, list[str]]:
         roles = super().subject_roles()
