@@ -394,9 +394,9 @@ def compare(
     experiment_id = found.experiment_id
     runs = latest_cvs(client, [experiment_id], dataset, protocol, task, subject_set, fold_file_sha256, crop_params,
                       tuned)
-    where = ("tuned CVs of one budget (" + (", ".join(f"{k}={v}" for k, v in tracking.tune_budget(
-        next(iter(runs.values()))).items()) if runs else str(tuned)) + "), " if tuned else "untuned CVs, ") + (
-        f"dataset={dataset}, protocol={protocol}, task={task}") + (
+    budget = tracking.tune_budget(next(iter(runs.values()))) if runs else tuned
+    which = f"tuned CVs of the search budget {budget}" if tuned else "untuned CVs"
+    where = f"{which}, dataset={dataset}, protocol={protocol}, task={task}" + (
         f", subject_set={subject_set}" if subject_set else ""
     ) + (" and these crops (" + ", ".join(f"{k}={v}" for k, v in crop_params.items()) + ")" if crop_params else "")
     if len(runs) < 2:
