@@ -65,7 +65,7 @@ TABLE_OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) $(if $(BIOVID_ROOT),data.roo
 quote = '$(subst ','\'',$(1))'
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 
-.PHONY: help install lock data aug-preview cv compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data \
+.PHONY: help install lock data aug-preview cv tune compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data \
 	final promote predict serve export
 
 help: ## list the targets
@@ -100,11 +100,19 @@ aug-preview: install ## PNG grid of augmented crops, as MODEL sees them (reports
 cv: install ## cross-validate MODEL on DATA/PROTOCOL/TASK, tracked in MLflow
 	$(PY) -m pipeline cv $(OVERRIDES)
 
-compare: install ## compare the backbones' latest cross-validations on DATA/PROTOCOL/TASK (reports/ and MLflow)
-	$(PY) -m pipeline compare $(OVERRIDES)
+# `make tune`: TRIALS= per study (default configs/tune/default.yaml), SCOPE=per_fold | shared (optimistic)
+TRIALS ?=
+SCOPE ?=
+TUNED ?=
+tune: install ## search MODEL's settings per fold with Optuna (TRIALS=20, SCOPE=per_fold), then its tuned CV
+	$(PY) -m pipeline tune $(OVERRIDES) $(if $(TRIALS),tune.trials=$(TRIALS)) $(if $(SCOPE),tune.scope=$(SCOPE))
+
+compare: install ## compare the backbones' latest CVs on DATA/PROTOCOL/TASK (TUNED=latest: tuned CVs of one budget)
+	$(PY) -m pipeline compare $(OVERRIDES) $(if $(TUNED),--tuned=$(TUNED))
 
 table: install ## BioVid benchmark table: MODEL="vit_b16 cvt_13" on BL1 vs PA1..PA4 and five classes, beside published rows
-	$(PY) -m pipeline table $(TABLE_OVERRIDES) --models="$(MODEL)" $(if $(TASKS),--tasks="$(TASKS)")
+	$(PY) -m pipeline table $(TABLE_OVERRIDES) --models="$(MODEL)" $(if $(TASKS),--tasks="$(TASKS)") \
+		$(if $(TUNED),--tuned=$(TUNED) $(if $(TRIALS),--trials=$(TRIALS)) $(if $(SCOPE),--scope=$(SCOPE)))
 
 inspect: install ## where MODEL's newest finished CV looks on each fold's test videos: rollout, Grad-CAM, region score
 	$(PY) -m pipeline inspect $(OVERRIDES) $(if $(RUN),--run=$(RUN)) $(if $(UNTRAINED),--untrained=$(UNTRAINED))

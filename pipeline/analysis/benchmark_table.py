@@ -24,6 +24,7 @@ from mlflow.entities import RunStatus
 
 from pipeline.runs import cv_runs, tracking
 from pipeline.runs.cross_validation import run_cv
+from pipeline.runs.tuning import run_tune
 from pipeline.utils.atomic_io import atomic_path, atomic_write_csv, save_png
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import PROJECT_ROOT, resolve_path
@@ -134,8 +135,11 @@ def plot_table(ours: pd.DataFrame, published: pd.DataFrame, title: str, path: Pa
     save_png(figure, path)
 
 
-def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tasks: str | None = None) -> dict:
-    """Run or reuse every (backbone, task) cross-validation, then write and log the table."""
+def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tasks: str | None = None,
+              tuned: str | None = None, trials: str | None = None, scope: str | None = None) -> dict:
+    """Run or reuse every (backbone, task) cross-validation, then write and log the table. `tuned` (any non-empty
+    value): every cell is a tuned CV (`make tune`, `trials` and `scope` as its TRIALS= and SCOPE=) instead."""
+    search = [f"tune.trials={trials}"] * bool(trials) + [f"tune.scope={scope}"] * bool(scope)
     model_names = (models or cfg.model.name).split()
     task_names = (tasks or " ".join(TASKS)).split()
     base = [o for o in overrides if not o.startswith(("model=", "model.name=", "task="))]
@@ -143,9 +147,15 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
     rows = []
     for model in model_names:
         for task in task_names:
-            run_cfg = load_config([*base, *model_overrides(model), f"task={task}"])
-            print(f"== {model} on {task}")
-            run_cv(run_cfg)
+            if tuned:  # the tuned CV's identity includes its `tune` section: cv_runs.finished_cv finds that one
+                run_cfg = load_config([*base, *model_overrides(model), f"task={task}", *search],
+                                      groups=("tune=default",))
+                print(f"== {model} on {task}, tuned ({run_cfg.tune.trials} trials, {run_cfg.tune.scope})")
+                run_tune(run_cfg)
+            else:
+                run_cfg = load_config([*base, *model_overrides(model), f"task={task}"])
+                print(f"== {model} on {task}")
+                run_cv(run_cfg)
             rows.append(project_row(model, task, cv_runs.finished_cv(client, run_cfg)))
     rows = pd.DataFrame(rows)
     literature = read_literature()
@@ -159,6 +169,10 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
     stem = f"table_{cfg.data.name}_{cfg.protocol.name}_{cfg.data.subject_set}"
     if tuple(task_names) != TASKS:  # a subset never overwrites the full table
         stem += "_" + "_".join(task_names)
+    if tuned:  # tuned CVs: their own table, titled so
+        stem += "_tuned"
+        label = "tuned in a SHARED study (OPTIMISTIC)" if scope == "shared" else "tuned per fold"
+        title = title.replace("this project:", f"this project, {label} (make tune):", 1)
     paths = {"markdown": out_dir / f"{stem}.md", "csv": out_dir / f"{stem}.csv", "png": out_dir / f"{stem}.png"}
     markdown = "\n\n".join([f"## {title.replace(chr(10), ' ')}", to_markdown(ours),
                             "## Published results (from configs/literature/, not this project's numbers; "

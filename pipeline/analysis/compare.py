@@ -306,6 +306,7 @@ def compare(
     subject_set: str | None = None,
     fold_file_sha256: str | None = None,
     crop_params: Mapping[str, str] | None = None,
+    tuned: Mapping[str, str] | str | None = None,
 ) -> dict:
     """Compare the latest finished CV of every backbone for one dataset/protocol/task, write tables and plots.
 
@@ -325,10 +326,12 @@ def compare(
     experiment_id = found.experiment_id
     try:
         runs = cv_runs.latest_finished_cvs(client, [experiment_id], dataset, protocol, task, subject_set,
-                                           fold_file_sha256, crop_params)
+                                           fold_file_sha256, crop_params, tuned)
     except ValueError as error:  # a value MLflow's filter cannot hold
         raise ComparisonError(str(error)) from None
-    where = f"dataset={dataset}, protocol={protocol}, task={task}" + (
+    budget = tracking.tune_budget(next(iter(runs.values()))) if runs else tuned
+    which = f"tuned CVs of the search budget {budget}" if tuned else "untuned CVs"
+    where = f"{which}, dataset={dataset}, protocol={protocol}, task={task}" + (
         f", subject_set={subject_set}" if subject_set else ""
     ) + (" and these crops (" + ", ".join(f"{k}={v}" for k, v in crop_params.items()) + ")" if crop_params else "")
     if len(runs) < 2:
@@ -393,6 +396,10 @@ def compare(
     }
     if subject_set:
         tags["subject_set"] = subject_set
+    budget = tracking.tune_budget(next(iter(runs.values())))  # tuned CVs: the one budget they share
+    tags.update({f"painvit.tune_{k}": v for k, v in budget.items()})
+    if budget.get("scope") == "shared":
+        tags["painvit.tune_note"] = "OPTIMISTIC: settings chosen by a study shared over folds"
     comparison_run = client.create_run(experiment_id, tags=tags, run_name=stem)
     run_id = comparison_run.info.run_id
     try:
@@ -449,15 +456,17 @@ def cost_lines(costs: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def run_compare(cfg) -> dict:
+def run_compare(cfg, tuned: str | None = None) -> dict:
     """`make compare`: the latest finished cross-validation of each backbone on the config's data/protocol/task,
-    fold file and crop settings."""
+    fold file and crop settings; `tuned` (`--tuned=latest` or a budget, `tracking.parse_tune_budget`): tuned CVs of
+    that one search budget instead of untuned ones."""
     # Only CVs on the current fold file: runs on older or other folds never enter the comparison.
     sha = cv_runs.current_fold_file_sha256(cfg)
     try:
         result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, resolve_path(cfg.reports_dir),
                          tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
-                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=cv_runs.crop_settings(cfg))
+                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=cv_runs.crop_settings(cfg),
+                         tuned=tuned if tuned in (None, "latest") else tracking.parse_tune_budget(tuned))
     except ComparisonError as error:
         raise SystemExit(f"compare: {error}") from None
     summary = result["summary"]

@@ -169,9 +169,13 @@ def finished_cv(client: MlflowClient, cfg: DictConfig) -> Run | None:
 
 def latest_finished_cvs(client: MlflowClient, experiment_ids: Sequence[str], dataset: str, protocol: str, task: str,
                         subject_set: str | None = None, fold_file_sha256: str | None = None,
-                        params: Mapping[str, str] | None = None) -> dict[str, Run]:
+                        params: Mapping[str, str] | None = None,
+                        tuned: Mapping[str, str] | str | None = None) -> dict[str, Run]:
     """The most recently started FINISHED parent CV run per `model` tag for this dataset, protocol and task
-    (and, when given, subject set, fold file and logged parameter values, e.g. the crop settings)."""
+    (and, when given, subject set, fold file and logged parameter values, e.g. the crop settings).
+
+    Untuned CVs only, unless `tuned` names a search budget (`tracking.tune_budget`): then only tuned CVs of exactly
+    that budget; `"latest"`: the budget of the newest such tuned CV."""
     conditions = [CV_QUERY, FINISHED_QUERY, f"tags.dataset = {quoted(dataset, 'dataset')}",
                   f"tags.protocol = {quoted(protocol, 'protocol')}", f"tags.task = {quoted(task, 'task')}"]
     if subject_set is not None:
@@ -181,6 +185,10 @@ def latest_finished_cvs(client: MlflowClient, experiment_ids: Sequence[str], dat
     for key, value in (params or {}).items():
         conditions.append(f"params.`{key}` = {quoted(value, key)}")
     runs = search_all(client, experiment_ids, " and ".join(conditions))
+    if tuned == "latest":
+        newest = max((r for r in runs if tracking.tune_budget(r)), key=lambda r: r.info.start_time or 0, default=None)
+        tuned = tracking.tune_budget(newest) if newest is not None else {"trials": "none"}
+    runs = [r for r in runs if tracking.tune_budget(r) == dict(tuned or {})]
     latest: dict[str, Run] = {}
     for run in sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.end_time or 0), reverse=True):
         model = run.data.tags.get("model")

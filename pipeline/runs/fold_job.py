@@ -22,7 +22,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -303,13 +303,14 @@ class StepTimes:
 
 
 def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
-             precision: str) -> Fitted:
+             precision: str, extra_callbacks: Sequence[pl.Callback] = ()) -> Fitted:
     """Train with early stopping; select the best epoch on the inner validation subjects.
 
     Every epoch writes `last.ckpt` into work_dir; a fold that finds one there continues from it, exactly: the
     checkpoint holds the weights, optimizer, LR schedule, early-stopping counter, best-checkpoint record and epoch
     history, and every random draw of the remaining epochs is keyed by (seed, fold, epoch[, batch])
     (`EpochSampler`, `SeedEachBatch`), so it does not depend on the epochs before having run in this process.
+    `extra_callbacks` join the fit (a tuning trial's pruning callback, `pipeline.runs.tuning`).
     """
     if cfg.trainer.devices != 1:
         raise ValueError("trainer.devices must be 1: video-level metrics are computed from one process's predictions")
@@ -322,7 +323,8 @@ def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataM
     early_stopping = ResumableEarlyStopping(monitor=cfg.trainer.monitor, mode=cfg.trainer.monitor_mode,
                                            patience=cfg.trainer.patience)
     keeper = KeepBestValidation(cfg.trainer.monitor, cfg.trainer.monitor_mode)
-    callbacks = [epoch_logger, best, last, early_stopping, SeedEachBatch(cfg.seed, datamodule.fold), keeper]
+    callbacks = [epoch_logger, best, last, early_stopping, SeedEachBatch(cfg.seed, datamodule.fold), keeper,
+                 *extra_callbacks]
     if cfg.model.optim.freeze_backbone_epochs > 0:
         callbacks.append(FreezeBackbone(cfg.model.optim.freeze_backbone_epochs))
     plugins = [AtomicCheckpointIO()]
