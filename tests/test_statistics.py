@@ -26,7 +26,18 @@ def test_permutation_test_on_four_subjects_matches_the_enumeration() -> None:
     assert p_value == pytest.approx(4 / 16)
     # all four the same way: only (+,+,+,+) and (-,-,-,-) are as extreme, p = 2 / 16, the floor of four subjects
     assert paired_permutation_test(b + 1, b)[1] == pytest.approx(2 / 16) == smallest_signed_rank_p(4)
-    assert np.isnan(paired_permutation_test(b, b)[1])
+    assert paired_permutation_test(b, b) == (0.0, 1.0)
+
+
+def test_identical_scores_give_p_one_and_keep_holms_family() -> None:
+    """Two backbones with the same per-subject scores: p = 1, never NaN, so Holm still counts three tests
+    (0.01 * 3 = 0.03, not 0.01 * 2 as a dropped NaN would give)."""
+    same = np.array([0.5, 0.75, 1.0, 0.25])
+    difference, p_same = paired_permutation_test(same, same.copy())
+    assert (difference, p_same) == (0.0, 1.0)
+    assert paired_permutation_test(np.array([0.9]), np.array([0.1]))[1] == 1.0  # one subject: both flips as extreme
+    assert np.isnan(paired_permutation_test(np.array([np.nan]), np.array([0.1]))[1])  # nothing paired
+    np.testing.assert_allclose(holm([0.01, 0.04, p_same]), [0.03, 0.08, 1.0])
 
 
 def test_five_folds_cannot_reach_significance() -> None:

@@ -25,6 +25,7 @@ from mlflow.entities import Run, RunStatus
 
 from pipeline.evaluation.statistics import (
     SUBJECT_METRICS,
+    decided_by,
     holm,
     paired_permutation_test,
     smallest_signed_rank_p,
@@ -52,7 +53,7 @@ DEFAULT_METRICS: tuple[str, ...] = (
 )
 SUMMARY_COLUMNS = ["model", "metric", "mean", "std", "n_folds"]
 PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_folds", "mean_diff", "std_diff", "note"]
-SUBJECT_COLUMNS = ["model", "metric", "value", "ci95_low", "ci95_high", "n_subjects"]
+SUBJECT_COLUMNS = ["model", "metric", "value", "ci95_low", "ci95_high", "n_subjects", "decided_by"]
 SUBJECT_PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_subjects", "mean_diff", "p_value", "p_holm"]
 POOLED_VIDEOS = "predictions_videos_all_folds.csv"  # a CV parent's pooled test videos (pipeline.runs.cross_validation)
 
@@ -212,7 +213,9 @@ def subject_tables(videos: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd
         class_names = [column.removeprefix("prob_") for column in table.columns if column.startswith("prob_")]
         result = subject_intervals(table, class_names)
         n_subjects = table["subject_name"].nunique()
+        # a run that logged no decisions was called by argmax: its "at threshold" rows say so
         intervals += [{"model": model, "metric": metric, "value": result[metric], "n_subjects": n_subjects,
+                       "decided_by": decided_by(table),
                        "ci95_low": result[f"{metric}_ci95_low"], "ci95_high": result[f"{metric}_ci95_high"]}
                       for metric in SUBJECT_METRICS]
         per_subject.append(subject_scores(table, class_names).assign(model=model))

@@ -1,7 +1,8 @@
 """Statistics over subjects: per-subject scores, subject-level bootstrap intervals, paired tests between backbones.
 
-Every protocol tests every subject exactly once, so the pooled test videos of a cross-validation hold one score per
-subject, and two backbones run on the same fold file are paired subject by subject. Subjects, not folds, are the
+K-fold and leave-one-subject-out test every subject exactly once; a hold-out tests its test subjects only, once
+each. Either way the pooled test videos of a cross-validation hold one score per tested subject, and two backbones
+run on the same fold file are paired subject by subject. Subjects, not folds, are the
 independent units: folds share training subjects, and five folds can never make a signed-rank test significant
 (its smallest exact two-sided p-value is 2 / 2**5 = 0.0625). The numbers come from scipy:
 `scipy.stats.bootstrap` resamples subjects (each with all of its videos) and `scipy.stats.permutation_test` with
@@ -27,9 +28,16 @@ SUBJECT_METRICS = ("accuracy_at_threshold", "balanced_accuracy_at_threshold", "w
 
 
 def decisions(videos: pd.DataFrame) -> np.ndarray:
-    """The class each video was called: the fold's `decision` column (validation threshold), else argmax `pred`."""
+    """The class each video was called: the fold's `decision` column (validation threshold), else argmax `pred`
+    (`decided_by` names which, so a run without decisions is never labelled "at threshold")."""
     column = "decision" if "decision" in videos.columns else "pred"
     return videos[column].to_numpy(dtype=int)
+
+
+def decided_by(videos: pd.DataFrame) -> str:
+    """How the videos' calls were made: 'threshold' (each fold's validation threshold; argmax for more than two
+    classes) or 'argmax' (a run that logged no `decision` column)."""
+    return "threshold" if "decision" in videos.columns else "argmax"
 
 
 def within_subject_auroc(labels: np.ndarray, probs: np.ndarray) -> float:
@@ -124,13 +132,18 @@ def paired_permutation_test(a: np.ndarray, b: np.ndarray, n_resamples: int = N_P
                             random_state: int = RANDOM_STATE) -> tuple[float, float]:
     """Mean of (a - b) over subjects and its two-sided p-value from swapping a and b within subjects.
 
-    With 2**n <= n_resamples the 2**n swaps are enumerated exactly, so small cases can be checked by hand.
+    With 2**n <= n_resamples the 2**n swaps are enumerated exactly, so small cases can be checked by hand. Identical
+    scores (every difference 0) and a single subject give p = 1, which is what every swap says (each is as extreme
+    as the observed one): never NaN, which would drop the test from Holm's family and shrink it. NaN only without
+    any subject both have.
     """
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     keep = np.isfinite(a) & np.isfinite(b)
     a, b = a[keep], b[keep]
+    if len(a) == 0:
+        return float("nan"), float("nan")
     if len(a) < 2 or np.all(a == b):
-        return (float(np.mean(a - b)) if len(a) else float("nan")), float("nan")
+        return float(np.mean(a - b)), 1.0
 
     def mean_difference(x: np.ndarray, y: np.ndarray, axis: int) -> np.ndarray:
         return np.mean(x - y, axis=axis)

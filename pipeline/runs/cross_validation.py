@@ -507,6 +507,18 @@ def pooled_at_threshold(videos: pd.DataFrame, class_names) -> dict[str, float]:
     return result
 
 
+def fallback_line(results: list[FoldResult]) -> str:
+    """How many folds (and seeds) fell back to a threshold of 0.5 because their validation videos could not choose
+    one (`pipeline.evaluation.thresholds`); the reason is each fold run's `threshold_fallback` tag."""
+    fell_back = [f"fold {r.fold}" + (f" seed {r.seed}" if r.seed is not None else "") for r in results
+                 if r.metrics.get("test/threshold_fallback", 0.0) == 1.0]
+    if not fell_back:
+        return f"threshold fallbacks: 0 of {len(results)} folds"
+    return (f"threshold fallbacks: {len(fell_back)} of {len(results)} folds called their test videos at 0.5 because "
+            f"the validation scores could not choose a threshold ({', '.join(fell_back)}; the reason is each fold "
+            f"run's threshold_fallback tag)")
+
+
 def print_table(results: list[FoldResult], summary: dict[str, float]) -> pd.DataFrame:
     """Per fold, mean and sd over folds (and seeds), pooled over all test videos (with the subject-bootstrap
     interval)."""
@@ -525,6 +537,8 @@ def print_table(results: list[FoldResult], summary: dict[str, float]) -> pd.Data
     table.columns = [c.removeprefix("video_").replace("_at_threshold", "@thr").replace("_at_0.5", "@0.5")
                      for c in columns]
     print(table.to_string(float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    if any("test/threshold" in r.metrics for r in results):
+        print(fallback_line(results))
     if HEADLINE in summary:
         low, high = summary.get(f"{HEADLINE}_ci95_low", np.nan), summary.get(f"{HEADLINE}_ci95_high", np.nan)
         print(f"headline: video accuracy at the validation threshold, pooled over all test videos "

@@ -348,6 +348,15 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
     return save_model_file(module.model, meta, path)
 
 
+def log_threshold_fallback(fold: int, fallback: str) -> None:
+    """A fold whose validation videos could not choose a threshold says so: a warning and the tag
+    `threshold_fallback` with the reason (the metric `test/threshold_fallback` is 1 for it, 0 otherwise)."""
+    if fallback:
+        log.warning("fold %d: the threshold rule could not choose (%s); its test videos are called at 0.5",
+                    fold, fallback)
+        mlflow.set_tag("threshold_fallback", fallback)
+
+
 def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path,
                keep_model: bool = False) -> FoldResult:
     """Train on the fold's training subjects, select on its validation subjects, test once on its test subjects.
@@ -363,7 +372,7 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     validation = validate_fold(fitted, module, datamodule)
     predictions, evaluation = test_fold(fitted, module, datamodule)
     # the threshold sees the validation subjects only; the test videos get it as it is
-    threshold, evaluation.video_predictions, decided = decide_fold(
+    threshold, evaluation.video_predictions, decided, fallback = decide_fold(
         validation.video_predictions, evaluation.video_predictions, module.class_names, cfg.eval.threshold)
     metrics = {**evaluation.metrics(prefix="test/"), **{f"test/{k}": v for k, v in decided.items()},
                "best_epoch": fitted.best_epoch, "epochs_trained": len(fitted.history),
@@ -379,6 +388,7 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     rule = rule_name(cfg.eval.threshold, len(module.class_names))
     mlflow.log_params({"threshold_rule": rule})
     mlflow.set_tag("threshold_rule", rule)
+    log_threshold_fallback(fold, fallback)
     mlflow.log_metrics(metrics)
     mlflow.log_artifacts(str(out))
     if keep_model:
