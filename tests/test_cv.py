@@ -165,9 +165,10 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
     np.testing.assert_allclose(result.frame_predictions["prob_PA4"].to_numpy(), probs[:, 1].numpy(), atol=1e-5)
 
 
-def test_compare_writes_table_and_plot(cv_runs, tiny_config) -> None:
-    cfg = tiny_config(*FAST)
+def test_compare_writes_table_and_plot(cv_runs, tiny_config, capsys) -> None:
+    cfg = tiny_config(*FAST, "compare.allow_incomplete=true")  # two folds of five: a smoke comparison
     result = run_compare(cfg)
+    assert "SMOKE COMPARISON (compare.allow_incomplete=true)" in capsys.readouterr().out
     summary = pd.read_csv(result["paths"]["summary"])
     assert set(summary.model) == {"mobilevit_xxs", "resnet10t"}
     assert all(path.stat().st_size > 0 for path in result["paths"]["plots"].values())
@@ -191,7 +192,7 @@ def test_compare_refuses_mismatched_folds(cv_runs, tiny_config, tmp_path: Path) 
     with pytest.raises(ComparisonError, match="different fold files"):
         compare("synthetic", "kfold5", "bl1_vs_pa4", tmp_path, tracking_uri=cfg.mlflow.tracking_uri)
     # ... and `make compare` only considers CVs on the current fold file, so it pairs the two on identical folds.
-    result = run_compare(cfg)
+    result = run_compare(tiny_config(*FAST, "compare.allow_incomplete=true"))
     client = MlflowClient(cfg.mlflow.tracking_uri)
     hashes = {client.get_run(run_id).data.tags["fold_file_sha256"] for run_id in result["parent_run_ids"].values()}
     assert len(hashes) == 1

@@ -163,6 +163,43 @@ def check_same_folds(runs: Mapping[str, Run]) -> None:
         raise ComparisonError(f"refusing to compare CVs run on different fold files ({FOLD_FILE_TAG}): {listing}")
 
 
+# What must be equal for two CVs to be compared: identity tags of the parent run, and logged parameters (how the
+# test videos are decided, aggregated and sampled; which training seeds). A parameter that a run does not hold is
+# "(not set)": `cv.seeds` is only logged where several seeds were asked for.
+SAME_TAGS = ("dataset", "task", "protocol", "subject_set", FOLD_FILE_TAG)
+SAME_PARAMS = ("eval.threshold", "cv.seeds", "trainer.aggregation", "trainer.topk", "loader.frames_per_video",
+               "loader.from_s")
+NOT_SET = "(not set)"
+
+
+def comparability_problems(runs: Mapping[str, Run], allow_incomplete: bool = False,
+                           allowed: Sequence[str] = ()) -> list[str]:
+    """Every setting in which these CVs differ (SAME_TAGS, SAME_PARAMS), each with every run's value, and the
+    incomplete CVs unless `allow_incomplete`. Settings in `allowed` are not problems (a reader's explicit choice)."""
+    problems = []
+    for source, keys in (("tags", SAME_TAGS), ("params", SAME_PARAMS)):
+        for key in keys:
+            if key in allowed:
+                continue
+            values = {model: getattr(run.data, source).get(key, NOT_SET) for model, run in runs.items()}
+            if len(set(values.values())) > 1:
+                listing = "; ".join(f"{model}: {value}" for model, value in sorted(values.items()))
+                problems.append(f"{key} differs ({listing})")
+    incomplete = sorted(model for model, run in runs.items() if run.data.tags.get("complete", "true") != "true")
+    if incomplete and not allow_incomplete:
+        problems.append("incomplete CVs (some folds or limited batches: complete=false): " + ", ".join(incomplete)
+                        + "; ARGS=\"compare.allow_incomplete=true\" compares them as a smoke test, marked as one")
+    return problems
+
+
+def check_comparable(runs: Mapping[str, Run], allow_incomplete: bool = False, allowed: Sequence[str] = ()) -> None:
+    """Refuse CVs that differ in a setting that changes what is measured, naming the setting and the values."""
+    check_same_folds(runs)
+    problems = comparability_problems(runs, allow_incomplete, allowed)
+    if problems:
+        raise ComparisonError("refusing to compare CVs that are not comparable: " + " | ".join(problems))
+
+
 def summary_table(scores: pd.DataFrame, metrics: Sequence[str]) -> pd.DataFrame:
     """Per model and metric: mean, sd (ddof=1) and the number of folds. No interval over folds: they share training
     subjects, so they are not independent samples; the intervals are the subject bootstraps (`subject_table`)."""
@@ -369,11 +406,16 @@ def compare(
     subject_set: str | None = None,
     fold_file_sha256: str | None = None,
     crop_params: Mapping[str, str] | None = None,
+    allow_incomplete: bool = False,
+    allow_differences: Sequence[str] = (),
 ) -> dict:
     """Compare the latest finished CV of every backbone for one dataset/protocol/task, write tables and plots.
 
     With `crop_params` (logged parameter -> value, see `crop_settings`), only CVs trained on crops made that way
-    count: a backbone last run on another twin look, detector or alignment is not compared with the others.
+    count: a backbone last run on another twin look, detector or alignment is not compared with the others. CVs
+    that differ in a setting of SAME_TAGS or SAME_PARAMS, or are incomplete, are refused (`check_comparable`);
+    `allow_incomplete` makes a smoke comparison of incomplete CVs (marked: tag `complete=false`), and settings in
+    `allow_differences` may differ (each is listed in the result's `differences` and the run's tag).
 
     Writes `comparison_<dataset>_<protocol>_<task>[_<subject_set>]` `.csv` (summary), `_paired.csv`, `_folds.csv`
     and `_<metric>.png` into `out_dir`, and logs them as an MLflow run tagged `painvit.run_kind=comparison`.
@@ -395,7 +437,10 @@ def compare(
         raise ComparisonError(
             f"need finished CVs of at least 2 backbones for {where} in experiment {experiment!r}; found: {found_models}"
         )
-    check_same_folds(runs)
+    check_comparable(runs, allow_incomplete, allow_differences)
+    differences = comparability_problems(runs, True, [key for key in (*SAME_TAGS, *SAME_PARAMS)
+                                                      if key not in allow_differences])
+    complete = {model: run.data.tags.get("complete", "true") == "true" for model, run in runs.items()}
 
     scores = pd.concat([fold_scores(client, run, metrics) for run in runs.values()], ignore_index=True)
     empty = [model for model in runs if not (scores["model"] == model).any()]
@@ -452,6 +497,9 @@ def compare(
     }
     if subject_set:
         tags["subject_set"] = subject_set
+    tags["complete"] = str(all(complete.values())).lower()  # false: a smoke comparison of incomplete CVs
+    if differences:
+        tags["compared_despite"] = " | ".join(differences)[:5000]
     comparison_run = client.create_run(experiment_id, tags=tags, run_name=stem)
     run_id = comparison_run.info.run_id
     try:
@@ -482,7 +530,8 @@ def compare(
         "paths": {**paths, "plots": plots},
         "run_id": run_id,
         "parent_run_ids": {model: run.info.run_id for model, run in runs.items()},
-        "complete": {model: run.data.tags.get("complete", "true") == "true" for model, run in runs.items()},
+        "complete": complete,
+        "differences": differences,
         "cost": costs,
     }
 
@@ -526,12 +575,21 @@ def run_compare(cfg) -> dict:
     # Only CVs on the current fold file: runs on older or other folds never enter the comparison.
     fold_file = resolve_path(cfg.fold_file)
     sha = sha256_of_folds(fold_file) if fold_file.is_file() else None
+    options = cfg.get("compare") or {}
     try:
         result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, resolve_path(cfg.reports_dir),
                          tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
-                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=crop_settings(cfg))
+                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=crop_settings(cfg),
+                         allow_incomplete=bool(options.get("allow_incomplete", False)),
+                         allow_differences=list(options.get("allow_differences") or []))
     except ComparisonError as error:
         raise SystemExit(f"compare: {error}") from None
+    if not all(result["complete"].values()):
+        print("SMOKE COMPARISON (compare.allow_incomplete=true): incomplete CVs "
+              + ", ".join(model for model, done in result["complete"].items() if not done)
+              + "; not numbers to publish")
+    for difference in result["differences"]:
+        print(f"compared although (compare.allow_differences): {difference}")
     summary = result["summary"]
     wide = summary.pivot_table(index="model", columns="metric", values="mean")
     print("mean over folds (each fold's test subjects; at_threshold: the fold's validation threshold):")

@@ -66,7 +66,7 @@ HEADLINE = "pooled/video_accuracy_at_threshold"  # the number to set beside the 
 # A fold failure whose reason holds one of these is a property of the data: a retry fails the same way.
 DATA_ERRORS = ("has no frames of task", "have no frames in", "have no usable videos")
 # Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
-NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
+NOT_IDENTITY = ("launcher", "mlflow", "cv", "compare", "reports_dir", "preprocess.workers", "preprocess.device",
                 "data.synthetic.workers", "final", "predict")
 IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256")
 
