@@ -472,6 +472,8 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     summary.update({f"pooled/video_{k}": v for k, v in pooled_video.items()})
     summary.update({f"pooled/frame_{k}": v for k, v in pooled_frame.items()})
     summary.update(pooled_at_threshold(videos, class_names))
+    summary.update(pooled_argmax(videos, class_names))
+    summary.update(tested_counts(videos, resolve_path(cfg.fold_file), sorted({r.fold for r in results})))
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
     for chunk in _chunks(metrics, 500):
@@ -517,6 +519,28 @@ def fallback_line(results: list[FoldResult]) -> str:
     return (f"threshold fallbacks: {len(fell_back)} of {len(results)} folds called their test videos at 0.5 because "
             f"the validation scores could not choose a threshold ({', '.join(fell_back)}; the reason is each fold "
             f"run's threshold_fallback tag)")
+
+
+def pooled_argmax(videos: pd.DataFrame, class_names) -> dict[str, float]:
+    """Accuracy of the argmax calls (`pred`) over all test videos with its subject-bootstrap interval: what papers
+    that decide by argmax report, beside the accuracy at the validation threshold."""
+    values = subject_intervals(videos.drop(columns=["decision"], errors="ignore"), class_names)
+    return {f"pooled/video_accuracy_argmax{suffix}": values[f"accuracy_at_threshold{suffix}"]
+            for suffix in ("", "_ci95_low", "_ci95_high")}
+
+
+def tested_counts(videos: pd.DataFrame, fold_file: Path, folds: list[int]) -> dict[str, float]:
+    """How many subjects and videos were tested (each video once, whatever the seeds), and the fewest and most
+    training subjects of a fold (the fold file's `train` role; validation subjects are not trained on)."""
+    counts = {"data/subjects_tested": float(videos["subject_name"].nunique()),
+              "data/videos_tested": float(videos["sample_name"].nunique())}
+    if fold_file.is_file():
+        table = pd.read_csv(fold_file)
+        train = table[(table["role"] == "train") & table["fold"].isin(folds)].groupby("fold")["subject_name"].nunique()
+        if len(train):
+            counts.update({"data/train_subjects_min": float(train.min()),
+                           "data/train_subjects_max": float(train.max())})
+    return counts
 
 
 def print_table(results: list[FoldResult], summary: dict[str, float]) -> pd.DataFrame:
