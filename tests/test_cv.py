@@ -76,7 +76,13 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
     assert tags["headline_metric"] == "pooled/video_accuracy_at_threshold"
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"config.yaml", "folds", "folds_summary.csv", "predictions_videos_all_folds.csv", "data",
-            "scores_per_subject.csv"} <= artifacts
+            "scores_per_subject.csv", "reliability_video_pooled.png"} <= artifacts
+    pooled = pd.read_csv(client.download_artifacts(parent.info.run_id, "predictions_videos_all_folds.csv"))
+    assert parent.data.metrics["pooled/video_brier"] == pytest.approx(((pooled.prob_PA4 - pooled.label) ** 2).mean())
+    assert 0 <= parent.data.metrics["pooled/video_ece"] <= 1
+    assert parent.data.metrics["data/subjects_tested"] == pooled.subject_name.nunique()
+    assert parent.data.metrics["data/videos_tested"] == len(pooled)
+    assert parent.data.metrics["pooled/video_accuracy_argmax"] == pytest.approx((pooled.pred == pooled.label).mean())
     lost = pd.read_csv(client.download_artifacts(parent.info.run_id, "data/exclusions_per_class.csv"))
     assert set(lost.class_name) == {"BL1", "PA1", "PA2", "PA3", "PA4"} and (lost.sampled_frames > 0).all()
     assert parent.data.metrics["data/share_lost_BL1"] == pytest.approx(lost.set_index("class_name").share_lost["BL1"])

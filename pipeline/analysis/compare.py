@@ -23,6 +23,7 @@ from matplotlib.ticker import EngFormatter, LogLocator, MaxNLocator, NullFormatt
 from mlflow import MlflowClient
 from mlflow.entities import Run, RunStatus
 
+from pipeline.evaluation.metrics import calibration_metrics, plot_reliability
 from pipeline.evaluation.statistics import (
     SUBJECT_METRICS,
     decided_by,
@@ -469,7 +470,15 @@ def compare(
             atomic_write_csv(paths[name], table)
         paths["subjects_plot"] = out_dir / f"{stem}_subjects.png"
         plot_subject_intervals(subjects, paths["subjects_plot"])
-    elif videos:
+    if videos:  # calibration of each backbone's pooled video probabilities, and its reliability diagram
+        curves = {model: (table["label"].to_numpy(), table[[c for c in table.columns if c.startswith("prob_")]]
+                          .to_numpy()) for model, table in videos.items()}
+        calibration = pd.DataFrame([{"model": model, **calibration_metrics(*curve)} for model, curve in curves.items()])
+        paths["calibration"] = out_dir / f"{stem}_calibration.csv"
+        atomic_write_csv(paths["calibration"], calibration)
+        paths["reliability"] = out_dir / f"{stem}_reliability.png"
+        plot_reliability(curves, paths["reliability"], "pooled test videos: reliability of the probabilities")
+    if len(videos) == 1:
         logger.warning("only %s has pooled test videos (%s): no subject-level intervals or tests", next(iter(videos)),
                        POOLED_VIDEOS)
     plots = {metric: out_dir / f"{stem}_{_safe_name(metric.replace('/', '_'))}.png" for metric in metrics}

@@ -40,9 +40,11 @@ from pipeline.data.fold_files import fold_file_sha256
 from pipeline.data.prepare import prepare_data, read_fold_file, subject_set_tags
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import (
+    calibration_metrics,
     classification_metrics,
     evaluate_predictions,
     plot_confusion,
+    plot_reliability,
     plot_roc,
     summarize_folds,
 )
@@ -473,6 +475,8 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     summary.update({f"pooled/frame_{k}": v for k, v in pooled_frame.items()})
     summary.update(pooled_at_threshold(videos, class_names))
     summary.update(pooled_argmax(videos, class_names))
+    summary.update({f"pooled/video_{k}": v for k, v in calibration_metrics(
+        videos["label"].to_numpy(), videos[prob_columns].to_numpy()).items()})
     summary.update(tested_counts(videos, resolve_path(cfg.fold_file), sorted({r.fold for r in results})))
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
@@ -490,6 +494,8 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
         if len(class_names) == 2 and videos["label"].nunique() == 2:
             plot_roc(videos["label"].to_numpy(), videos[prob_columns[1]].to_numpy(), out / "roc_video_pooled.png",
                      "all test videos")
+        plot_reliability({"all test videos": (videos["label"].to_numpy(), videos[prob_columns].to_numpy())},
+                         out / "reliability_video_pooled.png")
         pooled.per_subject.to_csv(out / "accuracy_per_subject.csv", index=False)
         subject_scores(videos, class_names).to_csv(out / "scores_per_subject.csv", index=False)
         client.log_artifacts(run_id, str(out))

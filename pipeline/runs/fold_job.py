@@ -36,7 +36,13 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.tasks import get_task
-from pipeline.evaluation.metrics import Evaluation, plot_confusion, plot_roc, plot_training_curves
+from pipeline.evaluation.metrics import (
+    Evaluation,
+    calibration_metrics,
+    plot_confusion,
+    plot_roc,
+    plot_training_curves,
+)
 from pipeline.evaluation.thresholds import decide_fold, rule_name
 from pipeline.models.backbones import PainNet, create_model, model_family, weights_source
 from pipeline.models.callbacks import FreezeBackbone, ResumableEarlyStopping, SeedEachBatch
@@ -379,6 +385,9 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
                "best_val_score": fitted.best_score}
     if np.isfinite(threshold):
         metrics["test/threshold"] = threshold
+    videos = evaluation.video_predictions  # calibration of the video probabilities: test/video_brier, _ece
+    metrics.update({f"test/video_{k}": v for k, v in calibration_metrics(
+        videos["label"].to_numpy(), videos[[f"prob_{c}" for c in module.class_names]].to_numpy()).items()})
     if evaluation.video_predictions["subject_name"].nunique() == 1:  # leave one subject out: AUROC within a person
         metrics["test/within_subject_video_auroc"] = metrics["test/video_auroc"]
     out = work_dir / "artifacts"
