@@ -9,6 +9,7 @@ import pytest
 from pipeline.evaluation.statistics import (
     holm,
     paired_permutation_test,
+    seed_aware_difference_interval,
     smallest_signed_rank_p,
     subject_bootstrap,
     subject_intervals,
@@ -84,4 +85,24 @@ def test_subject_scores_and_intervals() -> None:
     result = subject_intervals(videos, ("BL1", "PA4"))
     assert result["accuracy_at_threshold"] == 0.75 == result["balanced_accuracy_at_threshold"]
     assert result["within_subject_auroc"] == 0.875
+    # pain videos called pain: a 2 of 2, b 1 of 2 -> 3 / 4; baseline called baseline: a 1 of 2, b 2 of 2 -> 3 / 4
+    assert result["sensitivity_at_threshold"] == 0.75 == result["specificity_at_threshold"]
     assert (result["within_subject_auroc_ci95_low"], result["within_subject_auroc_ci95_high"]) == (0.75, 1.0)
+
+
+def test_a_difference_smaller_than_the_seed_spread_is_not_significant_with_seeds() -> None:
+    """Twenty subjects, three training seeds each. Backbone a is 0.02 better on every subject, but its seeds move
+    every subject by +0.08, -0.08 or 0 together. Taking the models as fixed, the seed-mean differences sit near 0.02
+    and the interval excludes 0; resampling the seeds as well, a draw of (+0.08, +0.08, ...) or (-0.08, ...) makes
+    the difference range over about -0.06..0.10, and the interval holds 0."""
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.5, 0.9, 20)
+    b = np.column_stack([base] * 3)
+    a = b + 0.02 + np.array([0.08, -0.08, 0.0]) + rng.normal(0, 0.003, (20, 3))
+    fixed = seed_aware_difference_interval(a, b, resample_seeds=False)
+    with_seeds = seed_aware_difference_interval(a, b)
+    assert 0 < fixed[0] < fixed[1] < 0.03
+    assert with_seeds[0] < 0 < with_seeds[1]
+    # one seed each: the seed resampling changes nothing
+    assert seed_aware_difference_interval(a[:, :1], b[:, :1]) == seed_aware_difference_interval(
+        a[:, :1], b[:, :1], resample_seeds=False)

@@ -29,6 +29,7 @@ from pipeline.evaluation.statistics import (
     decided_by,
     holm,
     paired_permutation_test,
+    seed_aware_difference_interval,
     smallest_signed_rank_p,
     subject_intervals,
     subject_scores,
@@ -55,7 +56,9 @@ DEFAULT_METRICS: tuple[str, ...] = (
 SUMMARY_COLUMNS = ["model", "metric", "mean", "std", "n_folds"]
 PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_folds", "mean_diff", "std_diff", "note"]
 SUBJECT_COLUMNS = ["model", "metric", "value", "ci95_low", "ci95_high", "n_subjects", "decided_by"]
-SUBJECT_PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_subjects", "mean_diff", "p_value", "p_holm"]
+SUBJECT_PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_subjects", "mean_diff", "diff_ci95_low",
+                          "diff_ci95_high", "interval", "p_value", "p_holm", "primary"]
+PRIMARY_METRIC = "accuracy_at_threshold"  # pooled/video_accuracy_at_threshold: the one number set beside papers
 POOLED_VIDEOS = "predictions_videos_all_folds.csv"  # a CV parent's pooled test videos (pipeline.runs.cross_validation)
 
 
@@ -258,16 +261,43 @@ def subject_tables(videos: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd
                       for metric in SUBJECT_METRICS]
         per_subject.append(subject_scores(table, class_names).assign(model=model))
     scores = pd.concat(per_subject, ignore_index=True) if per_subject else pd.DataFrame()
+    by_seed = {model: seed_scores(table) for model, table in videos.items()}
+    several_seeds = any(table["seed"].nunique() > 1 for table in by_seed.values())
     paired = []
     for model_a, model_b in combinations(sorted(videos), 2):
         for metric in SUBJECT_METRICS:
             wide = scores.pivot(index="subject_name", columns="model", values=metric)[[model_a, model_b]].dropna()
             mean_diff, p_value = paired_permutation_test(wide[model_a].to_numpy(), wide[model_b].to_numpy())
+            a, b = (by_seed[m].pivot(index="subject_name", columns="seed", values=metric) for m in (model_a, model_b))
+            both = a.dropna().index.intersection(b.dropna().index)
+            low, high = seed_aware_difference_interval(a.loc[both].to_numpy(), b.loc[both].to_numpy())
             paired.append({"metric": metric, "model_a": model_a, "model_b": model_b, "n_subjects": len(wide),
-                           "mean_diff": mean_diff, "p_value": p_value})
+                           "mean_diff": mean_diff, "diff_ci95_low": low, "diff_ci95_high": high,
+                           "interval": "bootstrap over subjects and seeds" if several_seeds else
+                           "bootstrap over subjects (trained models fixed)",
+                           "p_value": p_value, "primary": metric == PRIMARY_METRIC})
     paired_table = pd.DataFrame(paired, columns=SUBJECT_PAIRED_COLUMNS)
     paired_table["p_holm"] = holm(paired_table["p_value"].to_numpy(dtype=float)) if len(paired_table) else []
     return pd.DataFrame(intervals, columns=SUBJECT_COLUMNS), scores, paired_table
+
+
+def seed_scores(videos: pd.DataFrame) -> pd.DataFrame:
+    """The subject metrics per subject and training seed (one seed, 0, for a CV without `cv.seeds`)."""
+    class_names = [column.removeprefix("prob_") for column in videos.columns if column.startswith("prob_")]
+    if "seed" not in videos.columns:
+        videos = videos.assign(seed=0)
+    return pd.concat([subject_scores(part.drop(columns="seed"), class_names).assign(seed=seed)
+                      for seed, part in videos.groupby("seed", sort=True)], ignore_index=True)
+
+
+def correction_family(paired: pd.DataFrame) -> str:
+    """The family Holm's correction runs over, in words."""
+    pairs = paired[["model_a", "model_b"]].drop_duplicates()
+    metrics = list(dict.fromkeys(paired["metric"]))
+    return (f"Holm over {len(paired)} tests: {len(pairs)} pair(s) of backbones ("
+            + ", ".join(f"{r.model_a} - {r.model_b}" for r in pairs.itertuples()) + f") x {len(metrics)} metrics ("
+            + ", ".join(metrics) + f"); primary metric: {PRIMARY_METRIC} (pooled/video_accuracy_at_threshold), "
+            "the others secondary")
 
 
 def plot_subject_intervals(table: pd.DataFrame, path: str | Path) -> None:
@@ -506,6 +536,8 @@ def compare(
     }
     if subject_set:
         tags["subject_set"] = subject_set
+    if subject_paired is not None and len(subject_paired):
+        tags["correction_family"] = correction_family(subject_paired)[:5000]
     tags["complete"] = str(all(complete.values())).lower()  # false: a smoke comparison of incomplete CVs
     if differences:
         tags["compared_despite"] = " | ".join(differences)[:5000]
@@ -608,8 +640,11 @@ def run_compare(cfg) -> dict:
     if result["subjects"] is not None:
         print("pooled test videos, 95 % subject-bootstrap intervals:")
         print(result["subjects"].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-        print("paired over subjects (within-subject permutation test; p_holm: Holm over every pair and metric):")
-        print(result["subjects_paired"].to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+        paired = result["subjects_paired"]
+        print("paired over subjects: mean difference a - b with its 95 % interval ("
+              + ", ".join(sorted(set(paired["interval"]))) + "), within-subject permutation p and p_holm:")
+        print(paired.drop(columns="interval").to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+        print(correction_family(paired))
     else:
         print(f"no subject-level intervals or tests: fewer than two of these CVs logged {POOLED_VIDEOS}")
     print(cost_lines(result["cost"]))

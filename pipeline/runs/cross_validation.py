@@ -507,7 +507,9 @@ def pooled_at_threshold(videos: pd.DataFrame, class_names) -> dict[str, float]:
     subject-bootstrap 95 % intervals, and the mean within-subject AUROC (one model's scores on one person)."""
     names = {"accuracy_at_threshold": "pooled/video_accuracy_at_threshold",
              "balanced_accuracy_at_threshold": "pooled/video_balanced_accuracy_at_threshold",
-             "within_subject_auroc": "pooled/within_subject_video_auroc"}
+             "within_subject_auroc": "pooled/within_subject_video_auroc",
+             "sensitivity_at_threshold": "pooled/video_sensitivity_at_threshold",
+             "specificity_at_threshold": "pooled/video_specificity_at_threshold"}
     result = {}
     for key, value in subject_intervals(videos, class_names).items():
         stem = next(k for k in sorted(names, key=len, reverse=True) if key.startswith(k))
