@@ -329,6 +329,20 @@ def test_several_seeds_give_one_child_per_fold_and_seed_and_resume_exactly(tiny_
     values = sorted(c.data.metrics["test/frame_accuracy"] for c in children)
     assert summary["seeds/frame_accuracy_std"] == pytest.approx(np.std(values, ddof=1))
     assert summary["cv/frame_accuracy_mean"] == pytest.approx(np.mean(values))
+    # the confusion counts are the calls as made (each fold's decision), one seed at a time, fold by fold
+    counts = pd.read_csv(client.download_artifacts(plan.parent_run_id, "confusion_video_pooled.csv"))
+    assert sorted(counts.seed.unique()) == [0, 1]
+    for child in children:
+        seed = int(child.data.tags["seed"])
+        videos = pd.read_csv(client.download_artifacts(child.info.run_id, "predictions_videos.csv"))
+        classes = ["BL1", "PA4"]
+        expected = {(classes[t], classes[c]): int(((videos.label == t) & (videos.decision == c)).sum())
+                    for t in (0, 1) for c in (0, 1)}
+        got = {(r.true, r.called): r.videos for r in counts[counts.seed == seed].itertuples()}
+        assert got == expected and sum(got.values()) == len(videos)
+        per_subject = pd.read_csv(client.download_artifacts(child.info.run_id, "accuracy_per_subject.csv"))
+        by_hand = (videos.decision == videos.label).groupby(videos.subject_name).mean()
+        assert per_subject.set_index("subject_name").accuracy.to_dict() == pytest.approx(by_hand.to_dict())
     # seed 1's child lost: the plan resumes exactly that (fold, seed), never seed 0's again
     lost = next(c for c in children if c.data.tags["seed"] == "1")
     client.set_terminated(lost.info.run_id, "FAILED")

@@ -388,3 +388,23 @@ def plot_reliability(curves: Mapping[str, tuple[np.ndarray, np.ndarray]], path: 
     axes.legend(fontsize=7, loc="upper left")
     axes.grid(alpha=0.3)
     save_png(figure, path)
+
+
+def decided_confusions(videos: pd.DataFrame, n_classes: int) -> dict[int | None, np.ndarray]:
+    """Video confusion matrices from the calls as they were made (the `decision` column: the fold's threshold;
+    argmax `pred` where there is none), one per training seed (`seed` column) and never over seeds averaged
+    together; key None for a CV without seeds."""
+    column = "decision" if "decision" in videos.columns else "pred"
+    if "seed" not in videos.columns:
+        return {None: confusion(videos["label"].to_numpy(), videos[column].to_numpy(), n_classes)}
+    return {int(seed): confusion(part["label"].to_numpy(), part[column].to_numpy(), n_classes)
+            for seed, part in videos.groupby("seed", sort=True)}
+
+
+def decided_per_subject(videos: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy per subject (and per seed, with a `seed` column) of the calls as they were made (`decision`)."""
+    table = videos.assign(pred=videos["decision"]) if "decision" in videos.columns else videos
+    if "seed" not in table.columns:
+        return per_subject_accuracy(table)
+    return pd.concat([per_subject_accuracy(part).assign(seed=seed) for seed, part in table.groupby("seed")],
+                     ignore_index=True)

@@ -42,7 +42,8 @@ from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import (
     calibration_metrics,
     classification_metrics,
-    evaluate_predictions,
+    decided_confusions,
+    decided_per_subject,
     plot_confusion,
     plot_reliability,
     plot_roc,
@@ -489,14 +490,21 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
                               for r in results])
         table.to_csv(out / "folds_summary.csv", index=False)
         videos.to_csv(out / "predictions_videos_all_folds.csv", index=False)
-        pooled = evaluate_predictions(frames, class_names, cfg.trainer.aggregation, cfg.trainer.topk)
-        plot_confusion(pooled.confusion_video, class_names, out / "confusion_video_pooled.png", "all test videos")
+        # every call as it was made (the fold's threshold), one seed at a time: no ensemble over seeds
+        counts = []
+        for seed, matrix in decided_confusions(videos, len(class_names)).items():
+            suffix, what = ("", "") if seed is None else (f"_seed_{seed}", f", seed {seed}")
+            plot_confusion(matrix, class_names, out / f"confusion_video_pooled{suffix}.png",
+                           f"all test videos{what}, at each fold's decision")
+            counts += [{"seed": seed, "true": class_names[t], "called": class_names[c], "videos": int(matrix[t, c])}
+                       for t in range(len(class_names)) for c in range(len(class_names))]
+        pd.DataFrame(counts).to_csv(out / "confusion_video_pooled.csv", index=False)
         if len(class_names) == 2 and videos["label"].nunique() == 2:
             plot_roc(videos["label"].to_numpy(), videos[prob_columns[1]].to_numpy(), out / "roc_video_pooled.png",
                      "all test videos")
         plot_reliability({"all test videos": (videos["label"].to_numpy(), videos[prob_columns].to_numpy())},
                          out / "reliability_video_pooled.png")
-        pooled.per_subject.to_csv(out / "accuracy_per_subject.csv", index=False)
+        decided_per_subject(videos).to_csv(out / "accuracy_per_subject.csv", index=False)
         subject_scores(videos, class_names).to_csv(out / "scores_per_subject.csv", index=False)
         client.log_artifacts(run_id, str(out))
     return summary

@@ -39,6 +39,8 @@ from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import (
     Evaluation,
     calibration_metrics,
+    decided_confusions,
+    decided_per_subject,
     plot_confusion,
     plot_roc,
     plot_training_curves,
@@ -329,8 +331,9 @@ def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], pre
                          evaluation: Evaluation, history: list[dict], splits: dict) -> None:
     """Plots and tables a person opens in the MLflow UI. Names and predictions only, never faces."""
     out.mkdir(parents=True, exist_ok=True)
-    videos = evaluation.video_predictions
-    plot_confusion(evaluation.confusion_video, class_names, out / "confusion_video.png", f"fold {fold}: videos")
+    videos = evaluation.video_predictions  # with the fold's decisions: the confusion counts the calls as made
+    plot_confusion(decided_confusions(videos, len(class_names))[None], class_names, out / "confusion_video.png",
+                   f"fold {fold}: videos, at the fold's decision")
     plot_confusion(evaluation.confusion_frame, class_names, out / "confusion_frame.png", f"fold {fold}: frames")
     if len(class_names) == 2 and videos["label"].nunique() == 2:
         plot_roc(videos["label"].to_numpy(), videos[f"prob_{class_names[1]}"].to_numpy(), out / "roc_video.png",
@@ -339,7 +342,7 @@ def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], pre
         plot_training_curves(pd.DataFrame(history), out / "training_curves.png")
     videos.to_csv(out / VIDEO_PREDICTIONS, index=False)
     predictions.drop(columns=["crop_path"], errors="ignore").to_csv(out / FRAME_PREDICTIONS, index=False)
-    evaluation.per_subject.to_csv(out / "accuracy_per_subject.csv", index=False)
+    decided_per_subject(videos).to_csv(out / "accuracy_per_subject.csv", index=False)
     (out / "splits.json").write_text(json.dumps(splits, indent=2, default=str))
 
 
