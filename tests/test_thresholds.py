@@ -108,3 +108,30 @@ def test_validation_scores_that_cannot_choose_fall_back_to_one_half_and_say_why(
     print_table(results, {})
     out = capsys.readouterr().out
     assert "threshold fallbacks: 1 of 3 folds" in out and "(fold 2;" in out
+
+
+def test_threshold_spread_shrinks_with_more_validation_subjects() -> None:
+    """The same kind of scores from 2 and from 20 validation subjects: every rule's bootstrap interval is wider with
+    2; the shrinkage rule stays nearer 0.5 with 2 subjects; the midpoint of class medians worked by hand."""
+    from pipeline.evaluation.thresholds import median_midpoint_threshold, threshold_spread
+
+    rng = np.random.default_rng(1)
+
+    def validation(n_subjects: int) -> pd.DataFrame:
+        parts = []
+        for s in range(n_subjects):
+            labels = [0] * 6 + [1] * 6
+            scores = np.clip(np.r_[rng.normal(0.35, 0.12, 6), rng.normal(0.6, 0.12, 6)], 0, 1)
+            parts.append(videos(labels, list(scores), f"s{s}"))
+        return pd.concat(parts, ignore_index=True)
+
+    few, many = threshold_spread(validation(2), "prob_PA4"), threshold_spread(validation(20), "prob_PA4")
+    for rule in ("youden", "equal_error", "median_midpoint", "shrinkage"):
+        width = {name: d[f"threshold_ci95_high_{rule}"] - d[f"threshold_ci95_low_{rule}"]
+                 for name, d in (("few", few), ("many", many))}
+        assert width["few"] > width["many"] > 0, rule
+        assert few[f"threshold_ci95_low_{rule}"] <= few[f"threshold_{rule}"] <= few[f"threshold_ci95_high_{rule}"]
+    assert abs(few["threshold_shrinkage"] - 0.5) < abs(few["threshold_youden"] - 0.5)
+    # medians 0.2 (of 0.1, 0.2, 0.3) and 0.7 (of 0.6, 0.7, 0.9): midpoint 0.45
+    assert median_midpoint_threshold(np.array([0, 0, 0, 1, 1, 1]),
+                                     np.array([0.1, 0.2, 0.3, 0.6, 0.7, 0.9])) == pytest.approx(0.45)

@@ -146,3 +146,64 @@ def rule_name(rule: str | float, n_classes: int) -> str:
         return "argmax"
     rule = parse_rule(rule)
     return rule if isinstance(rule, str) else "fixed"
+
+
+# Rules measured by `threshold_spread` (not selectable through eval.threshold yet): how much each one's threshold
+# moves when the fold's validation subjects are resampled.
+SHRINKAGE_SUBJECTS = 10  # the shrinkage rule weighs Youden's threshold by n / (n + 10) validation subjects
+SPREAD_RESAMPLES = 200
+
+
+def equal_error_threshold(labels: np.ndarray, scores: np.ndarray) -> float:
+    """The cut point where the false positive rate is nearest the false negative rate (0.5 with one class)."""
+    if len(np.unique(labels)) < 2:
+        return FALLBACK_THRESHOLD
+    fpr, tpr, candidates = roc_curve(labels, scores, drop_intermediate=False)
+    finite = np.isfinite(candidates)
+    gap = np.abs(fpr - (1 - tpr))[finite]
+    return float(candidates[finite][int(np.argmin(gap))])
+
+
+def median_midpoint_threshold(labels: np.ndarray, scores: np.ndarray) -> float:
+    """Halfway between the median score of baseline videos and that of pain videos (0.5 with one class)."""
+    if len(np.unique(labels)) < 2:
+        return FALLBACK_THRESHOLD
+    return float((np.median(scores[labels == 0]) + np.median(scores[labels == 1])) / 2)
+
+
+def shrunk_threshold(labels: np.ndarray, scores: np.ndarray, n_subjects: int) -> float:
+    """Youden's threshold pulled toward 0.5 by the number of validation subjects: w * t + (1 - w) * 0.5 with
+    w = n / (n + SHRINKAGE_SUBJECTS); two subjects keep a sixth of Youden's move, a BioVid fold's 12 over half."""
+    weight = n_subjects / (n_subjects + SHRINKAGE_SUBJECTS)
+    return weight * choose_threshold(labels, scores, "youden") + (1 - weight) * FALLBACK_THRESHOLD
+
+
+def rule_thresholds(labels: np.ndarray, scores: np.ndarray, n_subjects: int) -> dict[str, float]:
+    """Each measured rule's threshold on these validation videos (balanced accuracy's equals Youden's)."""
+    return {"youden": choose_threshold(labels, scores, "youden"),
+            "equal_error": equal_error_threshold(labels, scores),
+            "median_midpoint": median_midpoint_threshold(labels, scores),
+            "shrinkage": shrunk_threshold(labels, scores, n_subjects)}
+
+
+def threshold_spread(val_videos: pd.DataFrame, positive: str, n_resamples: int = SPREAD_RESAMPLES,
+                     random_state: int = 0) -> dict[str, float]:
+    """How much each rule's threshold varies over a bootstrap of the fold's validation subjects (each resampled
+    with all its videos): `threshold_<rule>` on the videos as they are, `threshold_ci95_low_<rule>` and
+    `threshold_ci95_high_<rule>` the 2.5 and 97.5 percentiles. Validation videos only: nothing of the test."""
+    groups = [(g["label"].to_numpy(dtype=int), g[positive].to_numpy(dtype=float))
+              for _, g in val_videos.groupby("subject_name", sort=True)]
+    labels, scores = val_videos["label"].to_numpy(dtype=int), val_videos[positive].to_numpy(dtype=float)
+    result = {f"threshold_{rule}": value for rule, value in rule_thresholds(labels, scores, len(groups)).items()}
+    rng = np.random.default_rng(random_state)
+    drawn: dict[str, list[float]] = {rule: [] for rule in ("youden", "equal_error", "median_midpoint", "shrinkage")}
+    for _ in range(n_resamples):
+        chosen = [groups[i] for i in rng.integers(0, len(groups), len(groups))]
+        values = rule_thresholds(np.concatenate([c[0] for c in chosen]), np.concatenate([c[1] for c in chosen]),
+                                 len(groups))
+        for rule, value in values.items():
+            drawn[rule].append(value)
+    for rule, draws in drawn.items():
+        low, high = np.percentile(draws, [2.5, 97.5])
+        result.update({f"threshold_ci95_low_{rule}": float(low), f"threshold_ci95_high_{rule}": float(high)})
+    return result

@@ -45,7 +45,7 @@ from pipeline.evaluation.metrics import (
     plot_roc,
     plot_training_curves,
 )
-from pipeline.evaluation.thresholds import decide_fold, rule_name
+from pipeline.evaluation.thresholds import decide_fold, rule_name, threshold_spread
 from pipeline.models.backbones import PainNet, create_model, model_family, weights_source
 from pipeline.models.callbacks import FreezeBackbone, ResumableEarlyStopping, SeedEachBatch
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
@@ -388,6 +388,9 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
                "best_val_score": fitted.best_score}
     if np.isfinite(threshold):
         metrics["test/threshold"] = threshold
+        # how much each rule's threshold moves over a bootstrap of the validation subjects (test/threshold_ci95_*)
+        metrics.update({f"test/{k}": v for k, v in threshold_spread(
+            validation.video_predictions, f"prob_{module.class_names[1]}").items()})
     videos = evaluation.video_predictions  # calibration of the video probabilities: test/video_brier, _ece
     metrics.update({f"test/video_{k}": v for k, v in calibration_metrics(
         videos["label"].to_numpy(), videos[[f"prob_{c}" for c in module.class_names]].to_numpy()).items()})
