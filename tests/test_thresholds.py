@@ -126,11 +126,14 @@ def test_threshold_spread_shrinks_with_more_validation_subjects() -> None:
         return pd.concat(parts, ignore_index=True)
 
     few, many = threshold_spread(validation(2), "prob_PA4"), threshold_spread(validation(20), "prob_PA4")
-    for rule in ("youden", "equal_error", "median_midpoint", "shrinkage"):
-        width = {name: d[f"threshold_ci95_high_{rule}"] - d[f"threshold_ci95_low_{rule}"]
-                 for name, d in (("few", few), ("many", many))}
-        assert width["few"] > width["many"] > 0, rule
+    def width(spread: dict, rule: str) -> float:
+        return spread[f"threshold_ci95_high_{rule}"] - spread[f"threshold_ci95_low_{rule}"]
+
+    for rule in ("youden", "equal_error", "median_midpoint"):
+        assert width(few, rule) > width(many, rule) > 0, rule
         assert few[f"threshold_ci95_low_{rule}"] <= few[f"threshold_{rule}"] <= few[f"threshold_ci95_high_{rule}"]
+    # shrinkage keeps 2 / 12 of Youden's move with two subjects: it moves far less than Youden's threshold there
+    assert width(few, "shrinkage") == pytest.approx(width(few, "youden") / 6, rel=0.05)
     assert abs(few["threshold_shrinkage"] - 0.5) < abs(few["threshold_youden"] - 0.5)
     # medians 0.2 (of 0.1, 0.2, 0.3) and 0.7 (of 0.6, 0.7, 0.9): midpoint 0.45
     assert median_midpoint_threshold(np.array([0, 0, 0, 1, 1, 1]),
