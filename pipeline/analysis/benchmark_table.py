@@ -3,9 +3,11 @@
 For every backbone and task it runs the cross-validation, or finds the finished one with the same settings (the
 resume of `pipeline.runs.cross_validation.run_cv`), then reads the pooled test-video metrics from its parent run:
 accuracy and balanced accuracy at each fold's validation threshold (argmax for five classes) and the mean
-within-subject AUROC, each with its 95 % subject-bootstrap interval. Published rows come from a committed file
-(configs/literature/) and are written in a table of their own, marked as published: they are never mixed into this
-project's rows.
+within-subject AUROC, each with its 95 % subject-bootstrap interval, beside the argmax accuracy (and macro-F1 for
+five classes), and what was tested (subjects, videos, unusable subjects, skipped folds, training subjects per fold).
+Published rows come from a committed file (configs/literature/, one cited result a row) and are written apart, in
+two groups: comparable with the run (same task, protocol and subject count, video only, decided per video) and other
+protocols; they are never mixed into this project's rows.
 
     python -m pipeline table [key=value ...] --models="vit_b16 cvt_13" [--tasks="bl1_vs_pa4 five_class"]
 """

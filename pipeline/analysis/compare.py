@@ -3,9 +3,12 @@
 Backbones are only comparable when their cross-validations used the very same fold file, so runs whose
 `fold_file_sha256` tags differ are refused rather than compared. Folds are described (mean and sd over folds, the
 paired differences) but not tested: they share training subjects, and five of them cannot reach p < 0.05 in an
-exact signed-rank test. The tests pair subjects instead (`pipeline.evaluation.statistics`): every subject is tested
-exactly once, so each backbone has one score per subject from its pooled test videos; intervals are subject bootstraps,
-p-values come from a within-subject permutation test, Holm-adjusted over every pair and metric.
+exact signed-rank test. The tests pair subjects instead (`pipeline.evaluation.statistics`): every tested subject is
+tested once, so each backbone has one score per subject from its pooled test videos; intervals are subject bootstraps
+(over subjects and seeds for the paired differences of CVs with `cv.seeds`), p-values come from a within-subject
+permutation test, Holm-adjusted over every pair and metric (the family is printed; the primary metric is
+`accuracy_at_threshold`). CVs that differ in how they decide, aggregate or sample, or that are incomplete, are
+refused (`check_comparable`).
 """
 
 from __future__ import annotations
