@@ -38,8 +38,16 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.tasks import get_task
-from pipeline.evaluation.metrics import Evaluation, plot_confusion, plot_roc, plot_training_curves
-from pipeline.evaluation.thresholds import decide_fold, rule_name
+from pipeline.evaluation.metrics import (
+    Evaluation,
+    calibration_metrics,
+    decided_confusions,
+    decided_per_subject,
+    plot_confusion,
+    plot_roc,
+    plot_training_curves,
+)
+from pipeline.evaluation.thresholds import decide_fold, rule_name, threshold_spread
 from pipeline.models.backbones import PainNet, create_model, model_family, weights_source
 from pipeline.models.callbacks import FreezeBackbone, KeepBestValidation, ResumableEarlyStopping, SeedEachBatch
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
@@ -374,8 +382,9 @@ def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], pre
                          evaluation: Evaluation, history: list[dict], splits: dict) -> None:
     """Plots and tables a person opens in the MLflow UI. Names and predictions only, never faces."""
     out.mkdir(parents=True, exist_ok=True)
-    videos = evaluation.video_predictions
-    plot_confusion(evaluation.confusion_video, class_names, out / "confusion_video.png", f"fold {fold}: videos")
+    videos = evaluation.video_predictions  # with the fold's decisions: the confusion counts the calls as made
+    plot_confusion(decided_confusions(videos, len(class_names))[None], class_names, out / "confusion_video.png",
+                   f"fold {fold}: videos, at the fold's decision")
     plot_confusion(evaluation.confusion_frame, class_names, out / "confusion_frame.png", f"fold {fold}: frames")
     if len(class_names) == 2 and videos["label"].nunique() == 2:
         plot_roc(videos["label"].to_numpy(), videos[f"prob_{class_names[1]}"].to_numpy(), out / "roc_video.png",
@@ -384,7 +393,7 @@ def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], pre
         plot_training_curves(pd.DataFrame(history), out / "training_curves.png")
     videos.to_csv(out / VIDEO_PREDICTIONS, index=False)
     predictions.drop(columns=["crop_path"], errors="ignore").to_csv(out / FRAME_PREDICTIONS, index=False)
-    evaluation.per_subject.to_csv(out / "accuracy_per_subject.csv", index=False)
+    decided_per_subject(videos).to_csv(out / "accuracy_per_subject.csv", index=False)
     (out / "splits.json").write_text(json.dumps(splits, indent=2, default=str))
 
 
@@ -397,6 +406,15 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
                       class_names=list(module.class_names), task=cfg.task.name,
                       loader=OmegaConf.to_container(cfg.loader), weights=weights, **extra)
     return save_model_file(module.model, meta, path)
+
+
+def log_threshold_fallback(fold: int, fallback: str) -> None:
+    """A fold whose validation videos could not choose a threshold says so: a warning and the tag
+    `threshold_fallback` with the reason (the metric `test/threshold_fallback` is 1 for it, 0 otherwise)."""
+    if fallback:
+        log.warning("fold %d: the threshold rule could not choose (%s); its test videos are called at 0.5",
+                    fold, fallback)
+        mlflow.set_tag("threshold_fallback", fallback)
 
 
 def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path,
@@ -422,13 +440,19 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     with times("test"):
         predictions, evaluation = test_fold(fitted, module, datamodule)
     with times("threshold"):  # the threshold sees the validation subjects only; the test videos get it as it is
-        threshold, evaluation.video_predictions, decided = decide_fold(
+        threshold, evaluation.video_predictions, decided, fallback = decide_fold(
             validation.video_predictions, evaluation.video_predictions, module.class_names, cfg.eval.threshold)
     metrics = {**evaluation.metrics(prefix="test/"), **{f"test/{k}": v for k, v in decided.items()},
                "best_epoch": fitted.best_epoch, "epochs_trained": len(fitted.history),
                "best_val_score": fitted.best_score}
     if np.isfinite(threshold):
         metrics["test/threshold"] = threshold
+        # how much each rule's threshold moves over a bootstrap of the validation subjects (test/threshold_ci95_*)
+        metrics.update({f"test/{k}": v for k, v in threshold_spread(
+            validation.video_predictions, f"prob_{module.class_names[1]}").items()})
+    videos = evaluation.video_predictions  # calibration of the video probabilities: test/video_brier, _ece
+    metrics.update({f"test/video_{k}": v for k, v in calibration_metrics(
+        videos["label"].to_numpy(), videos[[f"prob_{c}" for c in module.class_names]].to_numpy()).items()})
     if evaluation.video_predictions["subject_name"].nunique() == 1:  # leave one subject out: AUROC within a person
         metrics["test/within_subject_video_auroc"] = metrics["test/video_auroc"]
     out = work_dir / "artifacts"
@@ -439,6 +463,7 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         validation.video_predictions.to_csv(out / VAL_VIDEO_PREDICTIONS, index=False)
         mlflow.log_params({"threshold_rule": rule})
         mlflow.set_tag("threshold_rule", rule)
+        log_threshold_fallback(fold, fallback)
         mlflow.log_metrics(metrics)
         mlflow.log_artifacts(str(out))
     if keep_model:
