@@ -19,12 +19,12 @@ from pipeline.analysis.compare import (
     check_same_folds,
     compare,
     fold_scores,
-    latest_cvs,
     paired_tests,
     plot_fold_scores,
     summary_table,
 )
 from pipeline.runs import tracking
+from pipeline.runs.cv_runs import latest_finished_cvs
 
 EXPERIMENT = "pain-cv-test"
 N_FOLDS = 5
@@ -41,6 +41,8 @@ def make_cv(
     status: str = "FINISHED",
     sha: str = SHA,
     skip: tuple[tuple[int, str], ...] = (),
+    params: dict[str, str] | None = None,
+    extra_tags: dict[str, str] | None = None,
     **where: str,
 ) -> str:
     """A parent CV run and one child per fold, with the tags and metrics the CV driver writes."""
@@ -57,9 +59,12 @@ def make_cv(
             "git_commit": "deadbeef",
             "weights_source": "random",
             "fold_file_sha256": sha,
+            **(extra_tags or {}),
         },
     )
     parent_id = parent.info.run_id
+    for key, value in (params or {}).items():
+        client.log_param(parent_id, key, value)
     for fold in range(N_FOLDS):
         child = client.create_run(
             experiment_id,
@@ -122,13 +127,14 @@ def store(tmp_path_factory) -> dict:
 
 def test_latest_finished_cv_per_model(store) -> None:
     client, ids = store["client"], store["ids"]
-    runs = latest_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4")
+    runs = latest_finished_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4")
     assert {model: run.info.run_id for model, run in runs.items()} == {
         "cvt": ids["cvt"],
         "mobilevit": ids["mobilevit"],
         "vit": ids["vit"],
     }
-    assert latest_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4", subject_set="67") == {}
+    assert latest_finished_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4",
+                               subject_set="67") == {}
 
 
 def test_fold_scores_read_children(store) -> None:
@@ -197,7 +203,7 @@ def test_compare_writes_tables_plots_and_run(store, tmp_path) -> None:
     assert "comparison_synthetic_loso_bl1_vs_pa4.csv" in logged
     assert plot.name in logged
     # The comparison run is not itself a CV: a second comparison sees the same three backbones.
-    again = latest_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4")
+    again = latest_finished_cvs(client, [store["experiment_id"]], "synthetic", "loso", "bl1_vs_pa4")
     assert sorted(again) == models
 
 
@@ -330,14 +336,14 @@ def test_only_cvs_on_the_same_crops_are_compared(store) -> None:
         runs[name] = make_cv(client, experiment_id, model, random_scores(30), start_time=start, dataset="crops")
         for key, value in params.items():
             client.log_param(runs[name], key, value)
-    latest = latest_cvs(client, [experiment_id], "crops", "loso", "bl1_vs_pa4", params=aligned)
+    latest = latest_finished_cvs(client, [experiment_id], "crops", "loso", "bl1_vs_pa4", params=aligned)
     assert {model: run.info.run_id for model, run in latest.items()} == {"vit": runs["vit"], "cvt": runs["cvt"]}
-    unfiltered = latest_cvs(client, [experiment_id], "crops", "loso", "bl1_vs_pa4")
+    unfiltered = latest_finished_cvs(client, [experiment_id], "crops", "loso", "bl1_vs_pa4")
     assert unfiltered["cvt"].info.run_id == runs["cvt_square"] and "mobilevit" in unfiltered
 
 
 def test_crop_settings_name_the_twin_look_detector_and_alignment() -> None:
-    from pipeline.analysis.compare import crop_settings
+    from pipeline.runs.cv_runs import crop_settings
     from pipeline.utils.config import load_config
 
     settings = crop_settings(load_config(["data.align_faces=false"]))
@@ -353,3 +359,39 @@ def test_crop_settings_name_the_twin_look_detector_and_alignment() -> None:
         expected = crop_settings(load_config([f"data={data}"]))
         for model in models:
             assert crop_settings(load_config([f"data={data}", f"model={model}"])) == expected, (data, model)
+
+
+def test_a_youden_cv_is_not_compared_with_a_fixed_threshold_cv(store, tmp_path) -> None:
+    """Two CVs that decide their test videos differently: refused, naming eval.threshold and both values."""
+    client, experiment_id = store["client"], store["experiment_id"]
+    make_cv(client, experiment_id, "vit", random_scores(30), 5_000, dataset="rules",
+            params={"eval.threshold": "youden"})
+    make_cv(client, experiment_id, "cvt", random_scores(31), 5_000, dataset="rules", params={"eval.threshold": "0.5"})
+    with pytest.raises(ComparisonError, match=r"eval\.threshold differs \(cvt: 0\.5; vit: youden\)"):
+        compare("rules", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT)
+    # named as allowed, it is compared and the difference recorded
+    result = compare("rules", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT,
+                     allow_differences=["eval.threshold"])
+    assert result["differences"] == ["eval.threshold differs (cvt: 0.5; vit: youden)"]
+    assert "eval.threshold" in client.get_run(result["run_id"]).data.tags["compared_despite"]
+
+
+def test_seeds_aggregation_and_incomplete_cvs_are_refused_unless_a_smoke_comparison(store, tmp_path) -> None:
+    client, experiment_id = store["client"], store["experiment_id"]
+    make_cv(client, experiment_id, "vit", random_scores(32), 5_000, dataset="seeds",
+            params={"cv.seeds": "[0, 1]", "trainer.aggregation": "mean"})
+    make_cv(client, experiment_id, "cvt", random_scores(33), 5_000, dataset="seeds",
+            params={"trainer.aggregation": "max"})
+    with pytest.raises(ComparisonError) as refused:
+        compare("seeds", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT)
+    assert "cv.seeds differs (cvt: (not set); vit: [0, 1])" in str(refused.value)
+    assert "trainer.aggregation differs (cvt: max; vit: mean)" in str(refused.value)
+
+    make_cv(client, experiment_id, "vit", random_scores(34), 5_000, dataset="smoke", extra_tags={"complete": "false"})
+    make_cv(client, experiment_id, "cvt", random_scores(35), 5_000, dataset="smoke")
+    with pytest.raises(ComparisonError, match="incomplete CVs .*: vit; .*compare.allow_incomplete=true"):
+        compare("smoke", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT)
+    smoke = compare("smoke", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT,
+                    allow_incomplete=True)
+    assert smoke["complete"] == {"cvt": True, "vit": False}
+    assert client.get_run(smoke["run_id"]).data.tags["complete"] == "false"

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,3 +62,31 @@ def test_isa_caps_below_amx_turn_bf16_off(cap: str, monkeypatch) -> None:
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
     assert not cpu_runs_bf16_natively()
     assert precision_for("auto", "cpu", "vit") == "32-true"
+
+
+def test_auto_precision_is_left_to_the_fold_job_and_resolved_from_its_device(tiny_config) -> None:
+    from pipeline.runs.fold_job import FoldJob, decide, resolve_on_device
+    from pipeline.utils.devices import device_settings
+
+    cfg = tiny_config("model=mobilevit_xxs", "model.img_size=32", "trainer.precision=auto")
+    decisions = decide(cfg, Path(cfg.fold_file))
+    assert decisions.precision == "auto"  # the planning machine decides nothing that depends on the device
+    job = FoldJob({}, 0, "parent", "sqlite:///x.db", "/tmp/fold", decisions)
+    assert FoldJob.read(job.write(Path(cfg.cv.work_dir) / "job.json")).decisions.precision == "auto"
+    # a GPU node with bf16 resolves it to bf16 for every backbone family; one without, and a CPU, to float32
+    gpu = resolve_on_device(cfg, decisions, "cuda")
+    assert gpu.device == "cuda" and gpu.precision == ("bf16-mixed" if torch.cuda.is_available()
+                                                      and torch.cuda.is_bf16_supported() else "32-true")
+    for family in ("mobilevit", "cvt", "vit"):
+        assert device_settings("auto", "auto", family, "cuda", gpu_bf16=True).precision == "bf16-mixed"
+        assert device_settings("auto", "auto", family, "cuda", gpu_bf16=False).precision == "32-true"
+        assert device_settings("auto", "auto", family, "cpu", cpu_bf16=False).precision == "32-true"
+    assert device_settings("auto", "auto", "vit", "cpu", cpu_bf16=True).precision == "bf16-mixed"
+    assert device_settings("auto", "auto", "cvt", "cpu", cpu_bf16=True).precision == "32-true"
+    # channels_last: on a GPU for convolutional families, never on a CPU by default
+    assert device_settings("auto", "auto", "mobilevit", "cuda", gpu_bf16=True).channels_last
+    assert not device_settings("auto", "auto", "mobilevit", "cpu").channels_last
+    # an explicit precision is honoured on any device, and recorded as asked
+    explicit = device_settings("32-true", "auto", "cvt", "cuda", gpu_bf16=True)
+    assert (explicit.precision, explicit.precision_asked) == ("32-true", "32-true")
+    assert explicit.tags() == {"precision": "32-true", "precision_asked": "32-true", "channels_last": "true"}

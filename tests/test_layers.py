@@ -35,3 +35,66 @@ def test_an_upward_import_inside_a_function_breaks_the_contract(tmp_path: Path) 
     assert result.returncode != 0
     assert "pipeline layers BROKEN" in result.stdout
     assert "pipeline.utils.paths -> pipeline.runs.cross_validation" in result.stdout
+
+
+def contract_layers() -> list[list[str]]:
+    import tomllib
+
+    config = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())
+    (contract,) = [c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
+    return [[name.strip() for name in layer.split("|")] for layer in contract["layers"]]
+
+
+def package_modules() -> list[str]:
+    root = PROJECT_ROOT / "pipeline"
+    return sorted(".".join(("pipeline", *path.relative_to(root).with_suffix("").parts))
+                  for path in root.rglob("*.py") if path.name != "__init__.py")
+
+
+def test_every_module_of_the_package_is_in_a_layer() -> None:
+    named = [name for layer in contract_layers() for name in layer]
+    modules = package_modules()
+    assert len(modules) > 50  # the walk found the package
+    outside = [m for m in modules if not any(m == name or m.startswith(name + ".") for name in named)]
+    assert outside == [], f"modules no layer of the contract names: {outside}"
+
+
+def test_deployment_imported_from_runs_breaks_the_contract(tmp_path: Path) -> None:
+    shutil.copytree(PROJECT_ROOT / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(PROJECT_ROOT / "pyproject.toml", tmp_path)
+    registry = tmp_path / "pipeline" / "runs" / "registry.py"
+    registry.write_text(registry.read_text() + "\n\nfrom pipeline.deployment import predict  # noqa: E402,F401\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "pipeline.runs.registry -> pipeline.deployment.predict" in result.stdout
+
+
+def imports_of(path: Path) -> list[tuple[str, list[str], bool]]:
+    """(module, names, inside a function) for every `from pipeline... import ...` of a file."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith("pipeline"):
+                    found.append((inner.module, [a.name for a in inner.names], True))
+    top = [(n.module, [a.name for a in n.names], False) for n in tree.body
+           if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("pipeline")]
+    return found + top
+
+
+def test_no_private_name_crosses_a_subpackage_and_nothing_reaches_into_the_cv_driver() -> None:
+    root = PROJECT_ROOT / "pipeline"
+    private, lazy_driver = [], []
+    for path in root.rglob("*.py"):
+        here = path.relative_to(root).parts[0]
+        for module, names, in_function in imports_of(path):
+            there = module.split(".")[1] if module.count(".") else ""
+            if there != here:
+                private += [f"{path.relative_to(PROJECT_ROOT)}: {module}.{n}" for n in names if n.startswith("_")]
+            if in_function and module == "pipeline.runs.cross_validation" and path.name != "cli.py":
+                lazy_driver.append(f"{path.relative_to(PROJECT_ROOT)}: {module}")
+    assert private == []
+    assert lazy_driver == []

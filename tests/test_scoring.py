@@ -48,3 +48,31 @@ def test_one_person_is_followed_when_another_is_in_view() -> None:
     # (here after 1), and from then on that person, also when the first one is back
     reacquired = [None if face is None else (face[0] + face[2]) / 2 for face in follow_one_face(found, 1.0, 1)]
     assert reacquired[3] is None and all(reacquired[i] > 400 for i in (4, 5, 6, 7))
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "max", "topk"])
+def test_a_video_is_scored_as_the_cross_validation_aggregates_it(aggregation: str) -> None:
+    """The same crops through the CV's path (frame table -> metrics.aggregate_videos) and predict's
+    (FrameScorer.score's class probabilities -> video_score) give the same video score, for every aggregation."""
+    import pandas as pd
+
+    from pipeline.evaluation.metrics import aggregate_videos
+
+    base = scorer(0.05)
+    frame_scorer = FrameScorer(base.net, base.meta, base.settings, aggregation=aggregation, topk=3)
+    rng = np.random.default_rng(0)
+    rows, predicted = [], []
+    for video, n_frames in enumerate((2, 5, 7)):
+        crops = [rng.integers(0, 255, (64, 64, 3), dtype=np.uint8) for _ in range(n_frames)]
+        probs = frame_scorer.class_probabilities(crops)
+        rows += [{"subject_name": "s", "sample_name": f"v{video}", "label": 1, "prob_BL1": p[0], "prob_PA4": p[1]}
+                 for p in probs]
+        # predict's per-frame table for the same crops, with two faceless frames among them (ignored)
+        table = pd.DataFrame({"face_found": [True] * n_frames + [False, False],
+                              "prob_BL1": [*probs[:, 0], np.nan, np.nan], "prob_PA4": [*probs[:, 1], np.nan, np.nan]})
+        predicted.append(frame_scorer.video_score(table))
+    videos = aggregate_videos(pd.DataFrame(rows), aggregation, 3)
+    assert videos.prob_BL1.std() > 0  # the videos differ: the comparison can tell them apart
+    np.testing.assert_allclose(predicted, 1.0 - videos.prob_BL1.to_numpy(), atol=1e-6)
+    assert np.isnan(frame_scorer.video_score(pd.DataFrame({"face_found": [False], "prob_BL1": [np.nan],
+                                                           "prob_PA4": [np.nan]})))

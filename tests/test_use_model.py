@@ -24,6 +24,7 @@ from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.runs.cross_validation import run_cv
 from pipeline.runs.mlflow_model import encode_image
 from pipeline.runs.registry import CANDIDATE, CHAMPION, registered_name, run_promote
+from pipeline.utils.accelerator import training_device
 from pipeline.utils.paths import PROJECT_ROOT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -38,7 +39,8 @@ def chain(tiny_config, tmp_path_factory) -> dict:
     own = tmp_path_factory.mktemp("use_model")
     cfg = tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{own / 'mlflow.db'}",
                       f"mlflow.artifact_root={own / 'mlartifacts'}", f"cv.work_dir={own / 'runs'}",
-                      f"reports_dir={own / 'reports'}", "final.ensemble=true")
+                      f"reports_dir={own / 'reports'}", "final.ensemble=true",
+                      "trainer.precision=auto")  # each fold resolves it on its device (float32 for MobileViT on CPUs)
     run_cv(cfg)
     final = run_final(cfg)
     run_promote(cfg, version=final["version"])
@@ -208,3 +210,33 @@ def test_fold_ensemble_averages_the_fold_models(chain) -> None:
     assert len(alone) == 2 and together.face_found.all()
     np.testing.assert_allclose(together.pain_probability, np.mean([a.pain_probability for a in alone], axis=0),
                                atol=1e-6)
+
+
+def test_run_and_the_fold_model_decide_alike_at_the_folds_own_threshold(chain) -> None:
+    """`make predict RUN=<fold run>` and the fold's MLflow model: the same threshold and the same decisions, and the
+    fold resolved `trainer.precision=auto` on the device it trained on."""
+    import mlflow
+
+    from pipeline.deployment.predict import load_scorer
+    from pipeline.models.backbones import model_family
+    from pipeline.runs.mlflow_model import encode_image, logged_model_uri
+    from pipeline.utils.devices import precision_for
+
+    cfg, client = chain["cfg"], chain["client"]
+    parent_id = client.get_run(chain["final"]["run_id"]).data.tags["painvit.source_cv_run"]
+    assert client.get_run(parent_id).data.tags["precision_asked"] == "auto"
+    fold_run = client.search_runs([client.get_run(parent_id).info.experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{parent_id}'")[0]
+    resolved = precision_for("auto", training_device(cfg.trainer.accelerator).kind,
+                             model_family(cfg.model.name, cfg.model.img_size))
+    assert fold_run.data.tags["precision"] == resolved == client.get_run(parent_id).data.tags["precision"]
+    threshold = fold_run.data.metrics["test/threshold"]
+    assert threshold != 0.5
+    scorer, _ = load_scorer(cfg, run=fold_run.info.run_id)
+    assert scorer.threshold == pytest.approx(threshold)
+    _, _, frames = next(sampled_frames(twin_video(cfg), 5))
+    ours = scorer.score(frames[:6])
+    served = mlflow.pyfunc.load_model(logged_model_uri(client, fold_run.info.run_id)).predict(
+        pd.DataFrame({"image": [encode_image(f) for f in frames[:6]]}))
+    assert list(served.pain) == list(ours.pain)
+    np.testing.assert_allclose(served.pain_probability, ours.pain_probability, atol=1e-6)

@@ -36,6 +36,7 @@ from pipeline.data.tasks import get_task
 from pipeline.models.backbones import model_family
 from pipeline.models.lightning_module import PainLightningModule
 from pipeline.runs.fold_job import build_fold, decide
+from pipeline.utils.accelerator import training_device
 from pipeline.utils.atomic_io import atomic_write_csv, atomic_write_text
 from pipeline.utils.config import CONFIG_DIR, load_config
 from pipeline.utils.cpus import available_cpus
@@ -105,8 +106,9 @@ def build(cfg: DictConfig, dataset: Mapping[str, Any]) -> tuple[PainLightningMod
 
 
 def precision(cfg: DictConfig) -> str:
-    """The precision `make cv` would train `cfg` at (decided the way the cross-validation's plan decides it)."""
-    return precision_for(cfg.trainer.precision, cfg.trainer.accelerator,
+    """The precision a fold of `make cv` would train `cfg` at on this machine's device (resolved the way the fold
+    job resolves it)."""
+    return precision_for(cfg.trainer.precision, training_device(cfg.trainer.accelerator).kind,
                          model_family(cfg.model.name, cfg.model.img_size))
 
 

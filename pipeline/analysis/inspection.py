@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Run
+from mlflow.entities import Metric
 from omegaconf import DictConfig
 
 from pipeline.analysis.attention import (
@@ -51,7 +51,8 @@ from pipeline.evaluation.metrics import aggregate_videos, summarize_folds
 from pipeline.models.backbones import PainNet, create_model
 from pipeline.models.introspection import vit_of
 from pipeline.models.model_file import load_model_file
-from pipeline.runs import tracking
+from pipeline.runs import cv_runs, tracking
+from pipeline.runs.cv_runs import CvNotFound
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import resolve_path
 
@@ -353,32 +354,6 @@ def write_fold_outputs(inspection: FoldInspection, net: PainNet, out: Path, titl
 # --- the cross-validation ------------------------------------------------------------------------------------------
 
 
-def find_cv_run(client: MlflowClient, cfg: DictConfig, run_id: str | None = None) -> Run:
-    """The parent run to inspect: RUN=<id>, else the newest finished CV of the config's model on its data,
-    protocol, task and subject set, on the current fold file."""
-    from pipeline.analysis.compare import crop_settings, latest_cvs
-
-    if run_id:
-        run = client.get_run(run_id)
-        if run.data.tags.get(tracking.RUN_KIND_TAG) != tracking.CV_RUN:
-            raise InspectionError(f"run {run_id} is not a cross-validation's parent run")
-        return run
-    experiment = client.get_experiment_by_name(cfg.mlflow.experiment)
-    if experiment is None:
-        raise InspectionError(f"no MLflow experiment {cfg.mlflow.experiment!r}: run `make cv` first")
-    fold_file = resolve_path(cfg.fold_file)
-    sha = fold_file_sha256(fold_file) if fold_file.is_file() else None
-    # Only a CV trained on crops made as the current ones: its test videos are inspected on those crops.
-    runs = latest_cvs(client, [experiment.experiment_id], cfg.data.name, cfg.protocol.name, cfg.task.name,
-                      cfg.data.subject_set, sha, crop_settings(cfg))
-    if cfg.model.name not in runs:
-        raise InspectionError(f"no finished cross-validation of {cfg.model.name} on {cfg.data.name} / "
-                              f"{cfg.protocol.name} / {cfg.task.name} with the current fold file and crop settings "
-                              f"(preprocess.*, data.synthetic.*): run `make cv "
-                              f"MODEL={cfg.model.name}` first, or name one with RUN=<parent run id>")
-    return runs[cfg.model.name]
-
-
 def untrained_like(meta: dict, seed: int) -> PainNet:
     """A randomly initialised network of the kept model's backbone, size and classes: the baseline."""
     torch.manual_seed(seed)
@@ -416,7 +391,10 @@ def inspect_cv(cfg: DictConfig, run_id: str | None = None, untrained: bool = Fal
     """Inspect every fold of a cross-validation (see the module docstring); returns the parent's summary and paths."""
     uri = tracking.store_uri(cfg.mlflow.tracking_uri)
     client = MlflowClient(uri)
-    parent = find_cv_run(client, cfg, run_id)
+    try:
+        parent = cv_runs.source_cv(client, cfg, run_id)
+    except CvNotFound as error:
+        raise InspectionError(str(error)) from None
     parent_id = parent.info.run_id
     tags, params = parent.data.tags, parent.data.params
     dataset = tags.get("dataset", cfg.data.name)

@@ -15,11 +15,11 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
-from pipeline.data.tasks import Task
+from pipeline.data.tasks import NO_PAIN, Task
 
 log = logging.getLogger(__name__)
 
-BASELINE = "BL1"
+BASELINE = NO_PAIN
 MAX_GAP = 0.02  # lost-pain share against lost-baseline share: more than two points apart is reported
 COLUMNS = ["videos", "videos_lost", "share_lost", "sampled_frames", "detected_frames", "detection_rate"]
 

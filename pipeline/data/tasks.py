@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CLASS_NAMES: tuple[str, ...] = ("BL1", "PA1", "PA2", "PA3", "PA4")
+NO_PAIN = CLASS_NAMES[0]  # baseline, no heat: a video's pain probability is 1 - P(NO_PAIN)
+
+
+def no_pain_index(class_names) -> int:
+    """The position of NO_PAIN among a model's classes (0 where it has none, e.g. a PA1-vs-PA4 model)."""
+    names = list(class_names)
+    return names.index(NO_PAIN) if NO_PAIN in names else 0
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.datamodule import PainDataModule
 from pipeline.data.fold_files import read_folds, stratified_sample, subject_strata
+from pipeline.data.tasks import no_pain_index
 from pipeline.evaluation.thresholds import binary_metrics_at, choose_threshold
-from pipeline.runs import tracking
+from pipeline.runs import cv_runs, tracking
+from pipeline.runs.cv_runs import CvNotFound
 from pipeline.runs.registry import (
     describe_run,
     register,
@@ -117,14 +119,12 @@ def final_key(source_run_id: str, val_fraction: float, seed: int) -> str:
 
 def run_final(cfg: DictConfig, run: str | None = None) -> dict:
     """`make final [RUN=<CV parent run>]`; returns the final run's id, metrics, threshold and registered version."""
-    from pipeline.analysis.inspection import InspectionError, find_cv_run
-
     announce_device(cfg.trainer.accelerator)  # said first; a GPU asked for and not usable stops here
     tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
     client = MlflowClient(tracking_uri)
     try:
-        source = find_cv_run(client, cfg, run)
-    except InspectionError as error:
+        source = cv_runs.source_cv(client, cfg, run)
+    except CvNotFound as error:
         raise SystemExit(f"final: {error}") from None
     source_id = source.info.run_id
     train_cfg = training_config(cfg, client, source_id)
@@ -156,8 +156,9 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
 
     tags = {k: source.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed",
                                                        "fold_file_sha256", "weights_source")}
-    tags.update({"painvit.run_kind": "final", "painvit.final_key": key, "painvit.source_cv_run": source_id,
-                 "painvit.attempt": str(len(previous) + 1), **standard_tags("make final")})
+    tags.update({tracking.RUN_KIND_TAG: tracking.FINAL_RUN, "painvit.final_key": key,
+                 "painvit.source_cv_run": source_id, "painvit.attempt": str(len(previous) + 1),
+                 **standard_tags("make final")})
     model_name, task = train_cfg.model.name, train_cfg.task.name
     mlflow.set_tracking_uri(tracking_uri)
     active = mlflow.start_run(experiment_id=source.info.experiment_id, run_name=f"final {model_name} "
@@ -183,22 +184,24 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
 def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, run_id: str, source, split_path: Path,
                 work_dir: Path) -> dict:
     """Train, choose the threshold, keep and log the model, register it; inside the active final run."""
-    from pipeline.runs.cross_validation import _chunks, flat_params, identity_config
-    from pipeline.runs.fold_job import build_fold, decide, fit_fold, keep_fold_model, test_fold
+    from pipeline.runs.fold_job import build_fold, decide, fit_fold, keep_fold_model, resolve_here, test_fold
     from pipeline.runs.mlflow_model import log_mlflow_model, model_config
 
-    for chunk in _chunks(list(flat_params(identity_config(train_cfg)).items()), 100):
+    for chunk in cv_runs.chunks(list(cv_runs.identity_params(train_cfg).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
     mlflow.log_text(OmegaConf.to_yaml(train_cfg), "config.yaml")
     mlflow.log_artifact(str(split_path))
-    decisions = decide(train_cfg, split_path)  # the weights, backbone family and precision, decided once here too
-    module, datamodule, weights = build_fold(train_cfg, 0, decisions, datamodule_class=FinalDataModule)
+    decisions = decide(train_cfg, split_path)  # the weights and backbone family, decided once here too
+    settings = resolve_here(train_cfg, decisions)  # precision and channels_last: this machine's device decides
+    print(settings.line)
+    mlflow.set_tags(settings.tags())
+    module, datamodule, weights = build_fold(train_cfg, 0, decisions, settings, datamodule_class=FinalDataModule)
     used = split_videos(datamodule, ("train", "val"))
     mlflow.log_input(subjects_dataset(used, f"{train_cfg.data.name}-{train_cfg.task.name}-final"), context="training")
-    fitted = fit_fold(train_cfg, module, datamodule, work_dir, decisions.precision)
+    fitted = fit_fold(train_cfg, module, datamodule, work_dir, settings.precision)
     _, evaluation = test_fold(fitted, module, datamodule)
     class_names = list(module.class_names)
-    no_pain = class_names.index("BL1") if "BL1" in class_names else 0
+    no_pain = no_pain_index(class_names)
     videos = evaluation.video_predictions
     labels = (videos["label"].to_numpy() != no_pain).astype(int)
     scores = 1.0 - videos[f"prob_{class_names[no_pain]}"].to_numpy()

@@ -72,3 +72,28 @@ class ResumableEarlyStopping(EarlyStopping):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.stopping_reason != EarlyStoppingReason.NOT_STOPPED:
             trainer.should_stop = True
+
+
+class KeepBestValidation(pl.Callback):
+    """Keeps the validation evaluation of the epoch the best checkpoint comes from, as it is computed, so the fold's
+    threshold is chosen on it without a second validation pass over the best checkpoint.
+
+    "Best" is decided as Lightning's ModelCheckpoint decides it (strictly better on `monitor` in `mode`). Only this
+    process's epochs are seen: a fold resumed after its best epoch has `epoch` -1 or another epoch, and the caller
+    validates the best checkpoint again instead (`pipeline.runs.fold_job.train_fold`).
+    """
+
+    def __init__(self, monitor: str, mode: str = "max") -> None:
+        self.monitor, self.mode = monitor, mode
+        self.best: float | None = None
+        self.epoch = -1
+        self.evaluation: object | None = None  # pipeline.evaluation.metrics.Evaluation
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: PainLightningModule) -> None:
+        if trainer.sanity_checking or self.monitor not in trainer.callback_metrics:
+            return
+        score = float(trainer.callback_metrics[self.monitor])
+        if score != score:  # NaN never becomes the best
+            return
+        if self.best is None or (score > self.best if self.mode == "max" else score < self.best):
+            self.best, self.epoch, self.evaluation = score, trainer.current_epoch, pl_module.val_evaluation

@@ -23,10 +23,12 @@ import pandas as pd
 import torch
 
 from pipeline.data.augment import build_eval_transform
+from pipeline.data.faces import plausibility, retry_rotated
+from pipeline.data.tasks import no_pain_index
+from pipeline.evaluation.aggregation import aggregate_class_probabilities, check_aggregation
 from pipeline.models.backbones import PainNet
 from pipeline.models.model_file import data_config_of
 
-NO_PAIN_CLASS = "BL1"
 OUTPUT_COLUMNS = ("frame", "face_found", "pain_probability", "pain")
 
 
@@ -43,10 +45,15 @@ class CropSettings:
     max_side: int = 720  # frames are halved until their longer side is at most this before detection
     max_jump: float = 1.0  # a detection further than this many face sides from the followed face is someone else
     reacquire_after: int = 10  # after this many frames without the followed face, follow the most plausible one
+    # a frame where MTCNN finds no face is detected again rotated by these angles in turn (scripts/bench_detectors.py:
+    # on real photographs rolled 35-50 degrees, or grey, MTCNN alone finds 47-78 %, with these retries all)
+    retry_rolls: tuple[float, ...] = (25.0, -25.0)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> CropSettings:
         known = {k: values[k] for k in cls.__dataclass_fields__ if k in values and values[k] is not None}
+        if "retry_rolls" in known:
+            known["retry_rolls"] = tuple(float(angle) for angle in known["retry_rolls"])
         return cls(**known)
 
 
@@ -62,13 +69,6 @@ class Timings:
     def per_frame(self) -> dict[str, float]:
         n = max(1, self.frames)
         return {"detect_s": self.detect / n, "align_s": self.align / n, "network_s": self.network / n}
-
-
-def plausibility(found: np.ndarray) -> np.ndarray:
-    """MTCNN's rows (x1, y1, x2, y2, score, ...) ranked as preprocessing ranks them: the largest among those about as
-    confident as the most confident (a torso can pass as a big face with a low score)."""
-    area = (found[:, 2] - found[:, 0]) * (found[:, 3] - found[:, 1])
-    return np.where(found[:, 4] >= found[:, 4].max() - 0.02, area, -1.0)
 
 
 class FaceFollower:
@@ -123,6 +123,7 @@ class FrameScorer:
         self.meta = meta
         self.settings = settings
         self.threshold = float(threshold)
+        check_aggregation(aggregation, int(topk))
         self.aggregation, self.topk = aggregation, int(topk)
         self.device = device
         self.batch_size = batch_size
@@ -134,7 +135,7 @@ class FrameScorer:
 
     @property
     def no_pain_index(self) -> int:
-        return self.class_names.index(NO_PAIN_CLASS) if NO_PAIN_CLASS in self.class_names else 0
+        return no_pain_index(self.class_names)
 
     def detector(self):
         """Built on first use: MTCNN (every face of a frame, with landmarks), or Haar's cascade (box only)."""
@@ -164,7 +165,7 @@ class FrameScorer:
                 end += 1
             batch = list(frames_bgr[start:end])
             if self.settings.detector == "mtcnn":
-                found += detector.detect(batch)
+                found += retry_rotated(detector.detect, batch, detector.detect(batch), self.settings.retry_rolls)
             else:
                 for frame in batch:
                     box = detector.detect(frame)
@@ -191,26 +192,30 @@ class FrameScorer:
         return cv2.cvtColor(cv2.imdecode(encoded, cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
 
     @torch.inference_mode()
-    def probabilities(self, crops_rgb: Sequence[np.ndarray]) -> np.ndarray:
-        """Pain probability (1 - P(no pain)) of each crop."""
+    def class_probabilities(self, crops_rgb: Sequence[np.ndarray]) -> np.ndarray:
+        """Each crop's class probabilities (shape (N, C)), averaged over the ensemble's networks."""
         if not crops_rgb:
-            return np.empty(0)
+            return np.empty((0, len(self.class_names)))
         out = []
         for start in range(0, len(crops_rgb), self.batch_size):
             batch = torch.stack([self.transform(image=c)["image"] for c in crops_rgb[start:start + self.batch_size]])
             batch = batch.to(self.device)
             probs = [n(batch).float().softmax(dim=1).cpu().numpy() for n in (self.net, *self.ensemble)]
             out.append(np.mean(probs, axis=0))
-        probs = np.concatenate(out)
-        return 1.0 - probs[:, self.no_pain_index]
+        return np.concatenate(out)
+
+    def probabilities(self, crops_rgb: Sequence[np.ndarray]) -> np.ndarray:
+        """Pain probability (1 - P(no pain)) of each crop."""
+        return 1.0 - self.class_probabilities(crops_rgb)[:, self.no_pain_index]
 
     def follower(self) -> FaceFollower:
         return FaceFollower(self.settings.max_jump, self.settings.reacquire_after)
 
     def score(self, frames_bgr: Sequence[np.ndarray], follower: FaceFollower | None = None) -> pd.DataFrame:
-        """One row per frame, in order: frame (position), face_found, pain_probability (NaN without a face) and
-        pain (probability >= threshold; None without a face). Pass one `follower` to successive calls to follow
-        the same person through a video scored in chunks."""
+        """One row per frame, in order: frame (position), face_found, pain_probability (NaN without a face),
+        pain (probability >= threshold; None without a face) and prob_<class> for each class (what `video_score`
+        aggregates). Pass one `follower` to successive calls to follow the same person through a video scored in
+        chunks."""
         started = time.perf_counter()
         follower = follower or self.follower()
         faces = [follower.step(found) for found in self.find_faces(frames_bgr)]
@@ -218,29 +223,34 @@ class FrameScorer:
         with_face = [i for i, face in enumerate(faces) if face is not None]
         crops = [self.crop(frames_bgr[i], faces[i]) for i in with_face]
         cropped = time.perf_counter()
-        probs = self.probabilities(crops)
+        class_probs = self.class_probabilities(crops)
         finished = time.perf_counter()
         self.timings.detect += detected - started
         self.timings.align += cropped - detected
         self.timings.network += finished - cropped
         self.timings.frames += len(frames_bgr)
-        probability = np.full(len(frames_bgr), np.nan)
-        probability[with_face] = probs
+        per_class = np.full((len(frames_bgr), len(self.class_names)), np.nan)
+        per_class[with_face] = class_probs
+        probability = 1.0 - per_class[:, self.no_pain_index]
         found = np.zeros(len(frames_bgr), dtype=bool)
         found[with_face] = True
         pain = [bool(p >= self.threshold) if f else None for p, f in zip(probability, found, strict=True)]
-        return pd.DataFrame({"frame": np.arange(len(frames_bgr)), "face_found": found,
-                             "pain_probability": probability, "pain": pain})
+        table = pd.DataFrame({"frame": np.arange(len(frames_bgr)), "face_found": found,
+                              "pain_probability": probability, "pain": pain})
+        for column, name in enumerate(self.class_names):
+            table[f"prob_{name}"] = per_class[:, column]
+        return table
 
-    def video_score(self, probabilities: np.ndarray) -> float:
-        """The video's pain score from its frames' probabilities, aggregated as in training (`trainer.aggregation`);
-        NaN without any face."""
-        values = np.asarray(probabilities, dtype=float)
-        values = values[np.isfinite(values)]
-        if not len(values):
+    def video_score(self, frames: pd.DataFrame) -> float:
+        """The video's pain score from the class probabilities of its frames with a face (`score`'s prob_<class>
+        columns), aggregated by the rule the cross-validation uses (`trainer.aggregation`,
+        `pipeline.evaluation.aggregation`), then 1 - P(no pain); NaN without any face."""
+        columns = [f"prob_{name}" for name in self.class_names]
+        missing = [column for column in columns if column not in frames.columns]
+        if missing:
+            raise ValueError(f"video_score needs the frames' class probabilities; missing columns {missing}")
+        probs = frames.loc[frames["face_found"].astype(bool), columns].to_numpy(dtype=float)
+        if not len(probs):
             return float("nan")
-        if self.aggregation == "max":
-            return float(values.max())
-        if self.aggregation == "topk":
-            return float(np.sort(values)[::-1][: self.topk].mean())
-        return float(values.mean())
+        video = aggregate_class_probabilities(probs, self.aggregation, self.topk)
+        return float(1.0 - video[self.no_pain_index])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -36,24 +35,25 @@ from pipeline.data.exclusions import (
     lost_share_warning,
     unusable_for_task,
 )
-from pipeline.data.fold_files import fold_file_sha256
 from pipeline.data.prepare import prepare_data, read_fold_file, subject_set_tags
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import (
+    calibration_metrics,
     classification_metrics,
-    evaluate_predictions,
+    decided_confusions,
+    decided_per_subject,
     plot_confusion,
+    plot_reliability,
     plot_roc,
     summarize_folds,
 )
 from pipeline.evaluation.statistics import subject_intervals, subject_scores
 from pipeline.evaluation.thresholds import parse_rule
-from pipeline.models.backbones import weights_source
 from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource
-from pipeline.runs import launchers, registry, tracking
+from pipeline.runs import cv_runs, fold_lease, launchers, registry, tracking
 from pipeline.runs.environment import library_versions, log_environment
-from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, decide, finetune_tags, result_from_run
+from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, decide, result_from_run
 from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
 from pipeline.utils.paths import PROJECT_ROOT, git_commit, resolve_path
@@ -66,11 +66,6 @@ AT_THRESHOLD = ("accuracy_at_threshold", "balanced_accuracy_at_threshold", "sens
 HEADLINE = "pooled/video_accuracy_at_threshold"  # the number to set beside the BioVid literature
 # A fold failure whose reason holds one of these is a property of the data: a retry fails the same way.
 DATA_ERRORS = ("has no frames of task", "have no frames in", "have no usable videos")
-# Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
-NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
-                "data.synthetic.workers", "final", "predict", "cache.batch_size")
-IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256",
-                 "finetune", "initial_weights")
 
 
 def warn_from_scratch(model_name: str, source: WeightsSource) -> None:
@@ -82,30 +77,6 @@ def warn_from_scratch(model_name: str, source: WeightsSource) -> None:
                f"cope better with little data. Scores are not comparable with fine-tuned runs; provide weights "
                f"with WEIGHTS=/path or pretrained=true to fine-tune.")
     log.warning(message)
-
-
-def identity_config(cfg: DictConfig) -> dict:
-    """The resolved config without the settings in NOT_IDENTITY."""
-    config = OmegaConf.to_container(cfg, resolve=True)
-    seeds = config.get("cv", {}).get("seeds")
-    for key in NOT_IDENTITY:
-        *parents, leaf = key.split(".")
-        node = config
-        for parent in parents:
-            node = node.get(parent, {})
-        node.pop(leaf, None)
-    if seeds is not None:  # several training seeds change what is computed; none keeps older CVs' identity
-        config["cv"] = {"seeds": list(seeds)}
-    return config
-
-
-def config_sha256(cfg: DictConfig) -> str:
-    return hashlib.sha256(json.dumps(identity_config(cfg), sort_keys=True, default=str).encode()).hexdigest()
-
-
-def flat_params(config: dict) -> dict[str, str]:
-    flat = pd.json_normalize(config, sep=".").iloc[0].to_dict()
-    return {k: str(v)[:500] for k, v in flat.items()}
 
 
 @dataclass
@@ -138,33 +109,6 @@ class Plan:
                        tracking_uri or self.tracking_uri, str(self.work_dir / folder), self.decisions, seed)
 
 
-def _differences(old: dict[str, str], new: dict[str, str]) -> list[str]:
-    keys = sorted(set(old) | set(new))
-    return [f"{k}: {old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in keys if old.get(k) != new.get(k)]
-
-
-def find_parent(client: MlflowClient, experiment_id: str, tags: dict[str, str], cfg: DictConfig):
-    """The newest parent run with these identity tags; if there is none, say why an older CV is not resumed."""
-    query = " and ".join([f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'"]
-                         + [f"tags.`{key}` = '{tags[key]}'" for key in IDENTITY_TAGS])
-    runs = client.search_runs([experiment_id], query, order_by=["attribute.start_time DESC"], max_results=1)
-    if runs:
-        return runs[0]
-    similar = " and ".join([f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'"]
-                           + [f"tags.`{key}` = '{tags[key]}'" for key in ("model", "dataset", "protocol", "task")])
-    older = client.search_runs([experiment_id], similar, order_by=["attribute.start_time DESC"], max_results=1)
-    if older:
-        previous = older[0]
-        changes = [f"{key}: {previous.data.tags.get(key)} -> {tags[key]}" for key in IDENTITY_TAGS
-                   if key != "config_sha256" and previous.data.tags.get(key) != tags[key]]
-        changes += _differences({k: v for k, v in previous.data.params.items()},
-                                flat_params(identity_config(cfg)))
-        print(f"not resuming {previous.info.run_name!r} ({previous.info.run_id}): its settings differ "
-              f"({'; '.join(changes[:8]) or 'config hash'}{' ...' if len(changes) > 8 else ''}); "
-              f"starting a new cross-validation")
-    return None
-
-
 @contextlib.contextmanager
 def identity_lock(work_dir: Path, identity: str) -> Iterator[None]:
     """One driver per cross-validation identity on this machine: a second one refuses instead of training the
@@ -189,17 +133,6 @@ def identity_lock(work_dir: Path, identity: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def identity_tags(cfg: DictConfig, fold_file: Path) -> dict[str, str]:
-    """The tags that identify a cross-validation (IDENTITY_TAGS): what resume and `make table` look for."""
-    return {"model": cfg.model.name, "dataset": cfg.data.name, "protocol": cfg.protocol.name, "task": cfg.task.name,
-            "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
-            "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg),
-            # what trains (full, frozen, top_blocks2, lora_r8) and the SHA-256 of the weights it starts from
-            "finetune": finetune_tags(cfg)["finetune"],
-            "initial_weights": (weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights).sha256
-                                or "random")}
-
-
 def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     parse_rule(cfg.eval.threshold)  # a wrong setting fails before any data or training
     frames_result, fold_file = prepare_data(cfg)
@@ -222,17 +155,21 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
         PROJECT_ROOT)
     experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
-    tags = identity_tags(cfg, fold_file)
+    tags = cv_runs.identity_tags(cfg, fold_file)
     plan = Plan(cfg, decisions, fold_ids, task.classes, tracking_uri, experiment_id, "", Path())
-    parent = find_parent(client, experiment_id, tags, cfg) if cfg.cv.resume == "auto" else None
+    parent = cv_runs.newest_cv(client, experiment_id, tags) if cfg.cv.resume == "auto" else None
+    if parent is None and cfg.cv.resume == "auto":
+        why = cv_runs.why_not_resumed(client, experiment_id, tags, cfg)
+        if why:
+            print(why)
     if parent is None:
         run_tags = {**tags, tracking.RUN_KIND_TAG: tracking.CV_RUN, "git_commit": git_commit(),
                     "fold_file": str(fold_file), "n_folds": str(len(fold_ids)),
                     # a smoke run (some folds, limited batches) is marked so nobody mistakes it for a full CV
-                    "complete": str(len(fold_ids) + len(skipped) == folds.fold.nunique()
+                    tracking.COMPLETE_TAG: str(len(fold_ids) + len(skipped) == folds.fold.nunique()
                                     and cfg.trainer.limit_train_batches is None
                                     and cfg.trainer.limit_val_batches is None).lower(),
-                    "precision": decisions.precision, "model_family": decisions.model_family,
+                    tracking.PRECISION_ASKED_TAG: decisions.precision, "model_family": decisions.model_family,
                     "cpu": cpu_description(), **device_tags(cfg), **library_versions(), **weights.as_tags(),
                     **subject_set_tags(fold_file),
                     "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped)),
@@ -240,7 +177,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
         parent = client.create_run(experiment_id, run_name=run_name, tags=run_tags)
         run_id = parent.info.run_id
-        for chunk in _chunks(list(flat_params(identity_config(cfg)).items()), 100):
+        for chunk in cv_runs.chunks(list(cv_runs.identity_params(cfg).items()), 100):
             client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
         client.log_text(run_id, OmegaConf.to_yaml(cfg), "config.yaml")
         log_environment(client, run_id)
@@ -251,6 +188,10 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         log_exclusions(client, run_id, frames_result, cfg.preprocess.frames_per_video)
         registry.log_subjects(client, run_id, registry.cv_subjects(fold_file, frames_result.frames, task.classes),
                               f"{cfg.data.name}-{task.name}-{fold_file.stem}")
+        # another machine's `make cv` of the same CV may have created its parent meanwhile: one of the two goes on
+        if cfg.cv.resume == "auto":
+            parent = fold_lease.first_of_twins(client, experiment_id,
+                                               {tracking.RUN_KIND_TAG: tracking.CV_RUN, **tags}, parent)
     else:
         plan.finished = parent.info.status == tracking.FINISHED
         if not plan.finished:
@@ -284,11 +225,6 @@ def log_exclusions(client: MlflowClient, run_id: str, frames_result, frames_per_
         per_class.to_csv(Path(tmp) / "exclusions_per_class.csv", index=False)
         per_subject.to_csv(Path(tmp) / "exclusions_per_subject.csv", index=False)
         client.log_artifacts(run_id, tmp, "data")
-
-
-def _chunks(items: list, size: int) -> Iterator[list]:
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
 
 
 def fold_line(result: FoldResult) -> str:
@@ -398,8 +334,9 @@ def run_cv(cfg: DictConfig) -> dict:
             return dict(client.get_run(plan.parent_run_id).data.metrics)
         resumed = f", resuming: {len(plan.done)} fold(s) already done" if plan.done else ""
         seeds = f", {len(plan.seeds)} training seeds each ({', '.join(map(str, plan.seeds))})" if cfg.cv.seeds else ""
+        auto = " (each fold resolves it on its device)" if plan.decisions.precision == "auto" else ""
         print(f"cross-validation: {name}, {len(plan.fold_ids)} folds{seeds}{resumed}, launcher {cfg.launcher.name}, "
-              f"precision {plan.decisions.precision}")
+              f"precision {plan.decisions.precision}{auto}")
         print(f"MLflow: {tracking_uri} (experiment {cfg.mlflow.experiment}, parent run {plan.parent_run_id}); "
               f"`make ui` to review")
         try:
@@ -438,17 +375,34 @@ def data_error_message(failed: dict[int, str]) -> str | None:
 
 def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
     """Mean and std across folds, and pooled metrics over all test videos/frames, onto the parent run."""
-    results = []
+    results, runs = [], []
     for seed in plan.seeds:
         finished = tracking.finished_fold_runs(client, plan.parent_run_id, seed)
-        results += [result_from_run(client, finished[fold]) for fold in plan.fold_ids]
+        runs += [finished[fold] for fold in plan.fold_ids]
+    results = [result_from_run(client, run) for run in runs]
+    record_precisions(client, plan.parent_run_id, runs)
     summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, plan.cfg)
-    client.set_tag(plan.parent_run_id, "headline_metric", HEADLINE)  # the number to quote beside the literature
+    client.set_tag(plan.parent_run_id, tracking.HEADLINE_TAG, HEADLINE)  # the number to quote beside the literature
     client.set_terminated(plan.parent_run_id, tracking.FINISHED)
     table = print_table(results, summary)
     registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.cfg.model.name}: video-level test "
                           f"scores per fold", table.rename_axis("").reset_index())
     return summary
+
+
+def record_precisions(client: MlflowClient, run_id: str, fold_runs: list) -> str:
+    """Tag the parent with the precision(s) its folds trained in (each fold resolved `auto` on its own device);
+    say so when they differ, since the folds' numbers then come from different arithmetic."""
+    used = sorted({run.data.tags.get(tracking.PRECISION_TAG) or "unrecorded" for run in fold_runs})
+    value = ",".join(used)
+    client.set_tag(run_id, tracking.PRECISION_TAG, value)
+    if len(used) > 1:
+        per_fold = ", ".join(f"fold {run.data.tags.get(tracking.FOLD_TAG)}: "
+                             f"{run.data.tags.get(tracking.PRECISION_TAG) or 'unrecorded'}" for run in fold_runs)
+        message = f"the folds trained in different precisions ({per_fold}): their devices differed"
+        log.warning(message)
+        print(f"warning: {message}")
+    return value
 
 
 def spread_over_folds_and_seeds(results: list[FoldResult]) -> dict[str, float]:
@@ -478,9 +432,13 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     summary.update({f"pooled/video_{k}": v for k, v in pooled_video.items()})
     summary.update({f"pooled/frame_{k}": v for k, v in pooled_frame.items()})
     summary.update(pooled_at_threshold(videos, class_names))
+    summary.update(pooled_argmax(videos, class_names))
+    summary.update({f"pooled/video_{k}": v for k, v in calibration_metrics(
+        videos["label"].to_numpy(), videos[prob_columns].to_numpy()).items()})
+    summary.update(tested_counts(videos, resolve_path(cfg.fold_file), sorted({r.fold for r in results})))
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
-    for chunk in _chunks(metrics, 500):
+    for chunk in cv_runs.chunks(metrics, 500):
         client.log_batch(run_id, metrics=chunk)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -489,12 +447,21 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
                               for r in results])
         table.to_csv(out / "folds_summary.csv", index=False)
         videos.to_csv(out / "predictions_videos_all_folds.csv", index=False)
-        pooled = evaluate_predictions(frames, class_names, cfg.trainer.aggregation, cfg.trainer.topk)
-        plot_confusion(pooled.confusion_video, class_names, out / "confusion_video_pooled.png", "all test videos")
+        # every call as it was made (the fold's threshold), one seed at a time: no ensemble over seeds
+        counts = []
+        for seed, matrix in decided_confusions(videos, len(class_names)).items():
+            suffix, what = ("", "") if seed is None else (f"_seed_{seed}", f", seed {seed}")
+            plot_confusion(matrix, class_names, out / f"confusion_video_pooled{suffix}.png",
+                           f"all test videos{what}, at each fold's decision")
+            counts += [{"seed": seed, "true": class_names[t], "called": class_names[c], "videos": int(matrix[t, c])}
+                       for t in range(len(class_names)) for c in range(len(class_names))]
+        pd.DataFrame(counts).to_csv(out / "confusion_video_pooled.csv", index=False)
         if len(class_names) == 2 and videos["label"].nunique() == 2:
             plot_roc(videos["label"].to_numpy(), videos[prob_columns[1]].to_numpy(), out / "roc_video_pooled.png",
                      "all test videos")
-        pooled.per_subject.to_csv(out / "accuracy_per_subject.csv", index=False)
+        plot_reliability({"all test videos": (videos["label"].to_numpy(), videos[prob_columns].to_numpy())},
+                         out / "reliability_video_pooled.png")
+        decided_per_subject(videos).to_csv(out / "accuracy_per_subject.csv", index=False)
         subject_scores(videos, class_names).to_csv(out / "scores_per_subject.csv", index=False)
         client.log_artifacts(run_id, str(out))
     return summary
@@ -505,12 +472,48 @@ def pooled_at_threshold(videos: pd.DataFrame, class_names) -> dict[str, float]:
     subject-bootstrap 95 % intervals, and the mean within-subject AUROC (one model's scores on one person)."""
     names = {"accuracy_at_threshold": "pooled/video_accuracy_at_threshold",
              "balanced_accuracy_at_threshold": "pooled/video_balanced_accuracy_at_threshold",
-             "within_subject_auroc": "pooled/within_subject_video_auroc"}
+             "within_subject_auroc": "pooled/within_subject_video_auroc",
+             "sensitivity_at_threshold": "pooled/video_sensitivity_at_threshold",
+             "specificity_at_threshold": "pooled/video_specificity_at_threshold"}
     result = {}
     for key, value in subject_intervals(videos, class_names).items():
         stem = next(k for k in sorted(names, key=len, reverse=True) if key.startswith(k))
         result[names[stem] + key.removeprefix(stem)] = value
     return result
+
+
+def fallback_line(results: list[FoldResult]) -> str:
+    """How many folds (and seeds) fell back to a threshold of 0.5 because their validation videos could not choose
+    one (`pipeline.evaluation.thresholds`); the reason is each fold run's `threshold_fallback` tag."""
+    fell_back = [f"fold {r.fold}" + (f" seed {r.seed}" if r.seed is not None else "") for r in results
+                 if r.metrics.get("test/threshold_fallback", 0.0) == 1.0]
+    if not fell_back:
+        return f"threshold fallbacks: 0 of {len(results)} folds"
+    return (f"threshold fallbacks: {len(fell_back)} of {len(results)} folds called their test videos at 0.5 because "
+            f"the validation scores could not choose a threshold ({', '.join(fell_back)}; the reason is each fold "
+            f"run's threshold_fallback tag)")
+
+
+def pooled_argmax(videos: pd.DataFrame, class_names) -> dict[str, float]:
+    """Accuracy of the argmax calls (`pred`) over all test videos with its subject-bootstrap interval: what papers
+    that decide by argmax report, beside the accuracy at the validation threshold."""
+    values = subject_intervals(videos.drop(columns=["decision"], errors="ignore"), class_names)
+    return {f"pooled/video_accuracy_argmax{suffix}": values[f"accuracy_at_threshold{suffix}"]
+            for suffix in ("", "_ci95_low", "_ci95_high")}
+
+
+def tested_counts(videos: pd.DataFrame, fold_file: Path, folds: list[int]) -> dict[str, float]:
+    """How many subjects and videos were tested (each video once, whatever the seeds), and the fewest and most
+    training subjects of a fold (the fold file's `train` role; validation subjects are not trained on)."""
+    counts = {"data/subjects_tested": float(videos["subject_name"].nunique()),
+              "data/videos_tested": float(videos["sample_name"].nunique())}
+    if fold_file.is_file():
+        table = pd.read_csv(fold_file)
+        train = table[(table["role"] == "train") & table["fold"].isin(folds)].groupby("fold")["subject_name"].nunique()
+        if len(train):
+            counts.update({"data/train_subjects_min": float(train.min()),
+                           "data/train_subjects_max": float(train.max())})
+    return counts
 
 
 def print_table(results: list[FoldResult], summary: dict[str, float]) -> pd.DataFrame:
@@ -531,6 +534,8 @@ def print_table(results: list[FoldResult], summary: dict[str, float]) -> pd.Data
     table.columns = [c.removeprefix("video_").replace("_at_threshold", "@thr").replace("_at_0.5", "@0.5")
                      for c in columns]
     print(table.to_string(float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    if any("test/threshold" in r.metrics for r in results):
+        print(fallback_line(results))
     if HEADLINE in summary:
         low, high = summary.get(f"{HEADLINE}_ci95_low", np.nan), summary.get(f"{HEADLINE}_ci95_high", np.nan)
         print(f"headline: video accuracy at the validation threshold, pooled over all test videos "

@@ -12,6 +12,7 @@ validation subjects, epoch checkpoints), `test_fold` (the best checkpoint, score
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,15 +39,25 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.embeddings import EmbeddingDataModule
 from pipeline.data.tasks import get_task
-from pipeline.evaluation.metrics import Evaluation, plot_confusion, plot_roc, plot_training_curves
-from pipeline.evaluation.thresholds import decide_fold, rule_name
+from pipeline.evaluation.metrics import (
+    Evaluation,
+    calibration_metrics,
+    decided_confusions,
+    decided_per_subject,
+    plot_confusion,
+    plot_roc,
+    plot_training_curves,
+)
+from pipeline.evaluation.thresholds import decide_fold, rule_name, threshold_spread
 from pipeline.models.backbones import PainNet, create_model, model_family, weights_source
-from pipeline.models.callbacks import FreezeBackbone, ResumableEarlyStopping, SeedEachBatch
+from pipeline.models.callbacks import FreezeBackbone, KeepBestValidation, ResumableEarlyStopping, SeedEachBatch
 from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings
 from pipeline.models.finetune import FinetuneConfig, parameter_counts, strategy_for
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import MODEL_ARTIFACT, model_meta, save_model_file
 from pipeline.models.weights import WeightsSource
+from pipeline.runs import fold_lease
+from pipeline.runs.mlflow_model import log_fold_model
 from pipeline.runs.registry import split_videos, subjects_dataset
 from pipeline.runs.tracking import (
     ATTEMPT_TAG,
@@ -61,9 +73,9 @@ from pipeline.runs.tracking import (
     SLURM_JOB_TAG,
     fold_runs,
 )
-from pipeline.utils.accelerator import training_device
+from pipeline.utils.accelerator import TrainingDevice, training_device
 from pipeline.utils.atomic_io import atomic_path
-from pipeline.utils.devices import precision_for, use_channels_last
+from pipeline.utils.devices import DeviceSettings, device_settings
 from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
@@ -75,10 +87,12 @@ VAL_VIDEO_PREDICTIONS = "predictions_videos_val.csv"  # the best checkpoint on t
 @dataclass(frozen=True)
 class FoldDecisions:
     """What the plan decides once for every fold of a cross-validation. A fold job uses it as given: on a SLURM node
-    it only checks that it can honour it (the same weights file, the same backbone family) and fails loudly if not."""
+    it only checks that it can honour it (the same weights file, the same backbone family) and fails loudly if not.
+    What depends on the device (precision, channels_last) is not decided here but by the fold job on the device it
+    trains on (`resolve_on_device`), within what the plan allows."""
 
     fold_file: str  # the checked fold file, absolute
-    precision: str  # Lightning's precision, from trainer.precision and the backbone family on the planning machine
+    precision: str  # trainer.precision as asked: `auto` (each fold resolves it on its device) or an explicit value
     model_family: str  # the backbone adapter's family (pipeline.models.backbones.FAMILIES)
     weights: dict[str, str | None]  # where the initial weights come from: WeightsSource's kind, ref, sha256
 
@@ -88,14 +102,29 @@ class FoldDecisions:
 
 
 def decide(cfg: DictConfig, fold_file: Path) -> FoldDecisions:
-    """Resolve the fold file, the backbone family, the precision and the weights source of `cfg`, once.
+    """Resolve the fold file, the backbone family and the weights source of `cfg`, once; carry the precision as
+    asked (the fold job resolves `auto` on its device).
 
     A missing weights file or hub cache entry fails here, in seconds, not in the first fold.
     """
     family = model_family(cfg.model.name, cfg.model.img_size)
     weights = weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
-    return FoldDecisions(str(resolve_path(fold_file)), precision_for(cfg.trainer.precision, cfg.trainer.accelerator,
-                                                                      family), family, asdict(weights))
+    return FoldDecisions(str(resolve_path(fold_file)), str(cfg.trainer.precision), family, asdict(weights))
+
+
+def resolve_on_device(cfg: DictConfig, decisions: FoldDecisions, device_kind: str) -> DeviceSettings:
+    """Precision and channels_last for a fold training on a `device_kind` device: `auto` resolved from that
+    device's facts, an explicit value honoured; an error if the result is not one the plan allows."""
+    try:
+        return device_settings(decisions.precision, cfg.trainer.channels_last, decisions.model_family, device_kind)
+    except ValueError as error:
+        raise DecisionNotHonoured(str(error)) from error
+
+
+def resolve_here(cfg: DictConfig, decisions: FoldDecisions, device: TrainingDevice | None = None) -> DeviceSettings:
+    """`resolve_on_device` for the device this process trains on (trainer.accelerator)."""
+    device = device or training_device(cfg.trainer.accelerator)
+    return resolve_on_device(cfg, decisions, device.kind)
 
 
 class DecisionNotHonoured(RuntimeError):
@@ -224,13 +253,13 @@ def build_network(cfg: DictConfig, n_classes: int, decisions: FoldDecisions) -> 
     return net
 
 
-def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions,
+def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: DeviceSettings | None = None,
                datamodule_class: type[PainDataModule] = PainDataModule,
                ) -> tuple[PainLightningModule, PainDataModule, dict]:
     """A fresh model, the fold's data and the LightningModule; also the weights' provenance as tags.
 
-    `datamodule_class` lets the final model (`pipeline.deployment.final_model`) read its train / validation split the
-    same way."""
+    `settings`: the device-dependent settings (`resolve_here` when None). `datamodule_class` lets the final model
+    (`pipeline.deployment.final_model`) read its train / validation split the same way."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = get_task(cfg.task.name)
     net = build_network(cfg, task.n_classes, decisions)
@@ -239,7 +268,7 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions,
     cached = uses_embedding_cache(cfg) and datamodule_class is PainDataModule
     strategy = strategy_for(finetune, embeddings=cached)
     strategy.prepare(net)
-    channels_last = not cached and use_channels_last(cfg.trainer.channels_last, decisions.model_family)
+    channels_last = not cached and (settings or resolve_here(cfg, decisions)).channels_last
     if channels_last:
         net = net.to(memory_format=torch.channels_last)
     fold_file = Path(decisions.fold_file)
@@ -286,16 +315,40 @@ class Fitted:
     best_epoch: int
     best_score: float
     history: list[dict]
+    best_validation: Evaluation | None = None  # the best epoch's validation, kept as it ran (None: not seen here)
+
+
+class StepTimes:
+    """Wall time of each step of a fold (`with times("fit"): ...`), logged as `time/<step>_s` and printed once:
+    what a fold costs besides training."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, step: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - started
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{step}_s": round(seconds, 3) for step, seconds in self.seconds.items()}
+
+    def line(self) -> str:
+        return ", ".join(f"{step} {seconds:.1f} s" for step, seconds in self.seconds.items())
 
 
 def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
-             precision: str) -> Fitted:
+             precision: str, extra_callbacks: Sequence[pl.Callback] = ()) -> Fitted:
     """Train with early stopping; select the best epoch on the inner validation subjects.
 
     Every epoch writes `last.ckpt` into work_dir; a fold that finds one there continues from it, exactly: the
     checkpoint holds the weights, optimizer, LR schedule, early-stopping counter, best-checkpoint record and epoch
     history, and every random draw of the remaining epochs is keyed by (seed, fold, epoch[, batch])
     (`EpochSampler`, `SeedEachBatch`), so it does not depend on the epochs before having run in this process.
+    `extra_callbacks` join the fit (a tuning trial's pruning callback, `pipeline.runs.tuning`).
     """
     if cfg.trainer.devices != 1:
         raise ValueError("trainer.devices must be 1: video-level metrics are computed from one process's predictions")
@@ -307,7 +360,9 @@ def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataM
                                         enable_version_counter=False)
     early_stopping = ResumableEarlyStopping(monitor=cfg.trainer.monitor, mode=cfg.trainer.monitor_mode,
                                            patience=cfg.trainer.patience)
-    callbacks = [epoch_logger, best, last, early_stopping, SeedEachBatch(cfg.seed, datamodule.fold)]
+    keeper = KeepBestValidation(cfg.trainer.monitor, cfg.trainer.monitor_mode)
+    callbacks = [epoch_logger, best, last, early_stopping, SeedEachBatch(cfg.seed, datamodule.fold), keeper,
+                 *extra_callbacks]
     if cfg.model.optim.freeze_backbone_epochs > 0:
         callbacks.append(FreezeBackbone(cfg.model.optim.freeze_backbone_epochs))
     plugins = [AtomicCheckpointIO()]
@@ -332,7 +387,8 @@ def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataM
     best_score = float(best.best_model_score) if best.best_model_score is not None else float("nan")
     best_epoch = next((h["epoch"] for h in epoch_logger.history
                        if np.isclose(h.get(cfg.trainer.monitor, np.nan), best_score)), -1)
-    return Fitted(trainer, best.best_model_path, best_epoch, best_score, epoch_logger.history)
+    kept = keeper.evaluation if keeper.epoch == best_epoch >= 0 else None
+    return Fitted(trainer, best.best_model_path, best_epoch, best_score, epoch_logger.history, kept)
 
 
 def test_fold(fitted: Fitted, module: PainLightningModule,
@@ -343,8 +399,11 @@ def test_fold(fitted: Fitted, module: PainLightningModule,
 
 
 def validate_fold(fitted: Fitted, module: PainLightningModule, datamodule: PainDataModule) -> Evaluation:
-    """Score the best checkpoint on the fold's validation subjects (the last epoch's scores may be another
-    epoch's): the predictions the decision threshold is chosen on."""
+    """The best checkpoint's scores on the fold's validation subjects (the last epoch's may be another epoch's): the
+    predictions the decision threshold is chosen on. Kept from training when the best epoch ran in this process;
+    otherwise (a fold resumed after its best epoch) the best checkpoint is validated again."""
+    if fitted.best_validation is not None:
+        return fitted.best_validation
     fitted.trainer.validate(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
     return module.val_evaluation
 
@@ -353,8 +412,9 @@ def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], pre
                          evaluation: Evaluation, history: list[dict], splits: dict) -> None:
     """Plots and tables a person opens in the MLflow UI. Names and predictions only, never faces."""
     out.mkdir(parents=True, exist_ok=True)
-    videos = evaluation.video_predictions
-    plot_confusion(evaluation.confusion_video, class_names, out / "confusion_video.png", f"fold {fold}: videos")
+    videos = evaluation.video_predictions  # with the fold's decisions: the confusion counts the calls as made
+    plot_confusion(decided_confusions(videos, len(class_names))[None], class_names, out / "confusion_video.png",
+                   f"fold {fold}: videos, at the fold's decision")
     plot_confusion(evaluation.confusion_frame, class_names, out / "confusion_frame.png", f"fold {fold}: frames")
     if len(class_names) == 2 and videos["label"].nunique() == 2:
         plot_roc(videos["label"].to_numpy(), videos[f"prob_{class_names[1]}"].to_numpy(), out / "roc_video.png",
@@ -363,7 +423,7 @@ def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], pre
         plot_training_curves(pd.DataFrame(history), out / "training_curves.png")
     videos.to_csv(out / VIDEO_PREDICTIONS, index=False)
     predictions.drop(columns=["crop_path"], errors="ignore").to_csv(out / FRAME_PREDICTIONS, index=False)
-    evaluation.per_subject.to_csv(out / "accuracy_per_subject.csv", index=False)
+    decided_per_subject(videos).to_csv(out / "accuracy_per_subject.csv", index=False)
     (out / "splits.json").write_text(json.dumps(splits, indent=2, default=str))
 
 
@@ -380,52 +440,78 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
     return save_model_file(net, meta, path)
 
 
+def log_threshold_fallback(fold: int, fallback: str) -> None:
+    """A fold whose validation videos could not choose a threshold says so: a warning and the tag
+    `threshold_fallback` with the reason (the metric `test/threshold_fallback` is 1 for it, 0 otherwise)."""
+    if fallback:
+        log.warning("fold %d: the threshold rule could not choose (%s); its test videos are called at 0.5",
+                    fold, fallback)
+        mlflow.set_tag("threshold_fallback", fallback)
+
+
 def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path,
-               keep_model: bool = False) -> FoldResult:
+               keep_model: bool = False, settings: DeviceSettings | None = None) -> FoldResult:
     """Train on the fold's training subjects, select on its validation subjects, test once on its test subjects.
 
-    Logs epoch curves, test metrics and artifacts to the active MLflow run.
+    `settings`: precision and channels_last as resolved on this device (`resolve_here` when None), tagged on the
+    run. Logs epoch curves, test metrics and artifacts to the active MLflow run.
     """
     started = time.time()
+    times = StepTimes()
     work_dir.mkdir(parents=True, exist_ok=True)
-    module, datamodule, weights = build_fold(cfg, fold, decisions)
-    counts = parameter_counts(module.model)
-    log.info("fold %d: %s, %d of %d parameters trainable (backbone %d of %d)", fold, module.finetune.name,
-             counts["parameters_trainable"], counts["parameters_total"], counts["backbone_parameters_trainable"],
-             counts["backbone_parameters"])
-    mlflow.log_params(counts)
-    mlflow.set_tags(finetune_tags(cfg))
-    mlflow.log_input(subjects_dataset(split_videos(datamodule), f"{cfg.data.name}-{cfg.task.name}-fold{fold}"),
-                     context="training")
-    fitted = fit_fold(cfg, module, datamodule, work_dir, decisions.precision)
-    validation = validate_fold(fitted, module, datamodule)
-    predictions, evaluation = test_fold(fitted, module, datamodule)
-    # the threshold sees the validation subjects only; the test videos get it as it is
-    threshold, evaluation.video_predictions, decided = decide_fold(
-        validation.video_predictions, evaluation.video_predictions, module.class_names, cfg.eval.threshold)
+    with times("setup"):
+        settings = settings or resolve_here(cfg, decisions)
+        mlflow.set_tags(settings.tags())
+        module, datamodule, weights = build_fold(cfg, fold, decisions, settings)
+        counts = parameter_counts(module.model)
+        log.info("fold %d: %s, %d of %d parameters trainable (backbone %d of %d)", fold, module.finetune.name,
+                 counts["parameters_trainable"], counts["parameters_total"], counts["backbone_parameters_trainable"],
+                 counts["backbone_parameters"])
+        mlflow.log_params(counts)
+        mlflow.set_tags(finetune_tags(cfg))
+        mlflow.log_input(subjects_dataset(split_videos(datamodule), f"{cfg.data.name}-{cfg.task.name}-fold{fold}"),
+                         context="training")
+    with times("fit"):
+        fitted = fit_fold(cfg, module, datamodule, work_dir, settings.precision)
+    with times("validation_repass"):
+        validation = validate_fold(fitted, module, datamodule)
+    with times("test"):
+        predictions, evaluation = test_fold(fitted, module, datamodule)
+    with times("threshold"):  # the threshold sees the validation subjects only; the test videos get it as it is
+        threshold, evaluation.video_predictions, decided, fallback = decide_fold(
+            validation.video_predictions, evaluation.video_predictions, module.class_names, cfg.eval.threshold)
     metrics = {**evaluation.metrics(prefix="test/"), **{f"test/{k}": v for k, v in decided.items()},
                "best_epoch": fitted.best_epoch, "epochs_trained": len(fitted.history),
                "best_val_score": fitted.best_score}
     if np.isfinite(threshold):
         metrics["test/threshold"] = threshold
+        # how much each rule's threshold moves over a bootstrap of the validation subjects (test/threshold_ci95_*)
+        metrics.update({f"test/{k}": v for k, v in threshold_spread(
+            validation.video_predictions, f"prob_{module.class_names[1]}").items()})
+    videos = evaluation.video_predictions  # calibration of the video probabilities: test/video_brier, _ece
+    metrics.update({f"test/video_{k}": v for k, v in calibration_metrics(
+        videos["label"].to_numpy(), videos[[f"prob_{c}" for c in module.class_names]].to_numpy()).items()})
     if evaluation.video_predictions["subject_name"].nunique() == 1:  # leave one subject out: AUROC within a person
         metrics["test/within_subject_video_auroc"] = metrics["test/video_auroc"]
     out = work_dir / "artifacts"
-    write_fold_artifacts(out, fold, module.class_names, predictions, evaluation, fitted.history,
-                         datamodule.split_summary())
-    validation.video_predictions.to_csv(out / VAL_VIDEO_PREDICTIONS, index=False)
     rule = rule_name(cfg.eval.threshold, len(module.class_names))
-    mlflow.log_params({"threshold_rule": rule})
-    mlflow.set_tag("threshold_rule", rule)
-    mlflow.log_metrics(metrics)
-    mlflow.log_artifacts(str(out))
+    with times("artifacts"):
+        write_fold_artifacts(out, fold, module.class_names, predictions, evaluation, fitted.history,
+                             datamodule.split_summary())
+        validation.video_predictions.to_csv(out / VAL_VIDEO_PREDICTIONS, index=False)
+        mlflow.log_params({"threshold_rule": rule})
+        mlflow.set_tag("threshold_rule", rule)
+        log_threshold_fallback(fold, fallback)
+        mlflow.log_metrics(metrics)
+        mlflow.log_artifacts(str(out))
     if keep_model:
-        path = keep_fold_model(cfg, module, fitted.best_path, weights, work_dir / Path(MODEL_ARTIFACT).name,
-                               fold=fold, best_epoch=fitted.best_epoch)
-        mlflow.log_artifact(str(path), str(Path(MODEL_ARTIFACT).parent))
-        from pipeline.runs.mlflow_model import log_fold_model
-
-        log_fold_model(cfg, path, fold, list(module.class_names), weights, threshold, rule)
+        with times("model_logging"):
+            path = keep_fold_model(cfg, module, fitted.best_path, weights, work_dir / Path(MODEL_ARTIFACT).name,
+                                   fold=fold, best_epoch=fitted.best_epoch)
+            mlflow.log_artifact(str(path), str(Path(MODEL_ARTIFACT).parent))
+            log_fold_model(cfg, path, fold, list(module.class_names), weights, threshold, rule)
+    mlflow.log_metrics(times.metrics())
+    log.info("fold %d steps: %s", fold, times.line())
     return FoldResult(fold, metrics, predictions, evaluation.video_predictions, time.time() - started)
 
 
@@ -446,49 +532,51 @@ def result_from_run(client: MlflowClient, run) -> FoldResult:
 def job_owner_tags() -> dict[str, str]:
     """Where a fold attempt runs: lets a later driver tell a live attempt from a dead one."""
     tags = {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
-    if "SLURM_JOB_ID" in os.environ:
-        array = os.environ.get("SLURM_ARRAY_JOB_ID")
-        task = os.environ.get("SLURM_ARRAY_TASK_ID")
-        tags[SLURM_JOB_TAG] = f"{array}_{task}" if array and task else os.environ["SLURM_JOB_ID"]
+    slurm_job = fold_lease.own_slurm_job()
+    if slurm_job:
+        tags[SLURM_JOB_TAG] = slurm_job
     return tags
 
 
 def run_fold_job(job: FoldJob) -> FoldResult:
     """Run one fold under its own child run of `job.parent_run_id`; see the module docstring for the rules."""
     client = MlflowClient(job.tracking_uri)
-    previous = fold_runs(client, job.parent_run_id, job.fold, job.seed)
-    finished = [run for run in previous if run.info.status == FINISHED]
-    if finished:
-        log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished[0].info.run_id)
-        return result_from_run(client, finished[0])
-    for run in previous:
-        if run.info.status == "RUNNING":  # a killed attempt: this one replaces it
-            client.set_terminated(run.info.run_id, "KILLED")
     cfg = OmegaConf.create(job.config)
+    # a lease in the store: a fold another machine trains now is waited for, a dead attempt replaced (fold_lease)
+    lease_s = float(OmegaConf.select(cfg, "cv.lease_s", default=300))
+    owner = fold_lease.new_owner()
+    attempt, finished = fold_lease.acquire(client, job.parent_run_id, job.fold, job.seed, owner, lease_s,
+                                           lambda: fold_runs(client, job.parent_run_id, job.fold, job.seed))
+    if finished is not None:
+        log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished.info.run_id)
+        return result_from_run(client, finished)
     parent = client.get_run(job.parent_run_id)
     tags = {k: parent.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed")}
     if job.seed is not None:  # one of several training seeds: the fold is trained with it, and tagged so
         cfg.seed = job.seed
         tags["seed"] = str(job.seed)
     work_dir = Path(job.work_dir)
-    attempt = len(previous) + 1
     mlflow.set_tracking_uri(job.tracking_uri)
     name = f"fold {job.fold}" + (f" seed {job.seed}" if job.seed is not None else "")
     run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=name,
                            tags={**tags, PARENT_TAG: job.parent_run_id, RUN_KIND_TAG: FOLD_RUN,
                                  FOLD_TAG: str(job.fold), ATTEMPT_TAG: str(attempt),
-                                 JOB_TRACKING_URI_TAG: job.tracking_uri, **job_owner_tags()})
-    try:
-        mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
-        device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
-        log.info(device.line)
-        mlflow.set_tags(device.tags)
-        result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models)
-    except BaseException as error:
-        mlflow.log_text(traceback.format_exc(), "traceback.txt")
-        interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
-        mlflow.end_run("KILLED" if interrupted else "FAILED")
-        raise
+                                 JOB_TRACKING_URI_TAG: job.tracking_uri, **job_owner_tags(),
+                                 **fold_lease.lease_tags(owner)})
+    with fold_lease.Heartbeat(client, run.info.run_id, lease_s / 5):  # renewed while the fold trains
+        try:
+            mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
+            device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
+            settings = resolve_on_device(cfg, job.decisions, device.kind)  # decided where the device is known
+            log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
+            mlflow.set_tags(device.tags)
+            result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models,
+                                settings=settings)
+        except BaseException as error:
+            mlflow.log_text(traceback.format_exc(), "traceback.txt")
+            interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
+            mlflow.end_run("KILLED" if interrupted else "FAILED")
+            raise
     mlflow.end_run(FINISHED)
     shutil.rmtree(work_dir, ignore_errors=True)  # the model and the tables now live in the tracking store
     result.run_id, result.seed = run.info.run_id, job.seed

@@ -129,11 +129,10 @@ def run_promote(cfg, version: str | None = None) -> None:
     from mlflow.exceptions import MlflowException
 
     from pipeline.runs import tracking
-    from pipeline.utils.paths import PROJECT_ROOT
 
     if not version:
         raise SystemExit("promote: say which version, e.g. make promote MODEL=... VERSION=1")
-    client = MlflowClient(cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT))
+    client = MlflowClient(tracking.store_uri(cfg.mlflow.tracking_uri))
     name = registered_name(cfg.model.name, cfg.task.name)
     try:
         previous = promote(client, name, version)

@@ -1,0 +1,38 @@
+"""From frames to a video: one rule, used by the cross-validation (`metrics.aggregate_videos`, over a table of many
+videos) and by scoring new video (`pipeline.models.scoring.FrameScorer.video_score`, one video at a time).
+
+`mean` averages each class's probability over the frames; `max` takes each class's highest frame probability and
+`topk` the mean of each class's `k` highest (all frames when a video has fewer); both are renormalised to sum to 1,
+since per-class maxima come from different frames. Light on purpose (NumPy only): `make predict` imports it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+AGGREGATIONS = ("mean", "max", "topk")
+
+
+def check_aggregation(method: str, k: int = 3) -> None:
+    if method not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {method!r}; choose one of {AGGREGATIONS}")
+    if method == "topk" and k < 1:
+        raise ValueError(f"topk aggregation needs k >= 1, got {k}")
+
+
+def aggregate_class_probabilities(probabilities: np.ndarray, method: str = "mean", k: int = 3) -> np.ndarray:
+    """One video's class probabilities (shape (C,)) from its frames' (shape (N, C), N >= 1)."""
+    check_aggregation(method, k)
+    probs = np.asarray(probabilities, dtype=float)
+    if probs.ndim != 2 or len(probs) == 0:
+        raise ValueError(f"need frame probabilities of shape (N >= 1, C), got {probs.shape}")
+    if method == "mean":
+        return probs.mean(axis=0)
+    if method == "max":
+        video = probs.max(axis=0)
+    else:
+        video = -np.sort(-probs, axis=0)[:k].mean(axis=0)
+    total = video.sum()
+    if total <= 0:
+        raise ValueError("cannot renormalise aggregated probabilities that sum to 0")
+    return video / total

@@ -1,0 +1,249 @@
+"""The run store's questions about cross-validations, answered once: what identifies a CV, and which run is meant.
+
+Identity: a cross-validation is its resolved config without the settings that only change where or how fast it runs
+(`NOT_IDENTITY`), summarised by the identity tags (`tracking.IDENTITY_TAGS`: model, dataset, protocol, task, subject
+set, seed, the fold file's and the config's SHA-256) and logged in full as flat parameters.
+
+Queries (every "find the run" of the project):
+- `newest_cv`: resume's question, the newest parent with these identity tags, finished or not;
+- `finished_cv`: `make table`'s, the newest FINISHED parent with the identity a config describes;
+- `latest_finished_cvs`: `make compare`'s, the newest FINISHED parent per backbone on one dataset, protocol and task
+  (and, when given, subject set, fold file and crop settings);
+- `source_cv`: `make inspect`'s and `make final`'s, a named parent run, or the newest finished CV of the config's
+  backbone on its current fold file and crop settings.
+Tag names come from `pipeline.runs.tracking` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pandas as pd
+from mlflow import MlflowClient
+from mlflow.entities import Run
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.data.fold_files import fold_file_sha256
+from pipeline.models.backbones import weights_source
+from pipeline.runs import tracking
+from pipeline.runs.fold_job import finetune_tags
+from pipeline.utils.paths import resolve_path
+
+log = logging.getLogger(__name__)
+# Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
+NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
+                "data.synthetic.workers", "final", "predict", "serve", "compare", "cache.batch_size")
+CROP_PREFIXES = ("preprocess.", "data.synthetic.")  # how the crops were made (twin look and size, detector, align)
+CV_QUERY = f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'"
+FINISHED_QUERY = f"attributes.status = '{tracking.FINISHED}'"
+
+
+class CvNotFound(LookupError):
+    """No cross-validation run answers the question; the message says what was looked for and what to run."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Identity
+
+
+def identity_config(cfg: DictConfig) -> dict:
+    """The resolved config without the settings in NOT_IDENTITY."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    seeds = config.get("cv", {}).get("seeds")
+    for key in NOT_IDENTITY:
+        *parents, leaf = key.split(".")
+        node = config
+        for parent in parents:
+            node = node.get(parent, {})
+        node.pop(leaf, None)
+    if seeds is not None:  # several training seeds change what is computed; none keeps older CVs' identity
+        config["cv"] = {"seeds": list(seeds)}
+    return config
+
+
+def config_sha256(cfg: DictConfig) -> str:
+    return hashlib.sha256(json.dumps(identity_config(cfg), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def flat_params(config: dict) -> dict[str, str]:
+    """A nested config as MLflow parameters: dotted keys, values cut to MLflow's 500 characters."""
+    flat = pd.json_normalize(config, sep=".").iloc[0].to_dict()
+    return {k: str(v)[:500] for k, v in flat.items()}
+
+
+def identity_params(cfg: DictConfig) -> dict[str, str]:
+    """The identity config as the flat parameters a CV (and a final model) logs."""
+    return flat_params(identity_config(cfg))
+
+
+def chunks(items: list, size: int) -> Iterator[list]:
+    """`items` in lists of at most `size` (MLflow's log_batch takes 100 params or 1000 metrics at a time)."""
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def identity_tags(cfg: DictConfig, fold_file: Path) -> dict[str, str]:
+    """The tags that identify a cross-validation (tracking.IDENTITY_TAGS): what resume and `make table` look for."""
+    return {"model": cfg.model.name, "dataset": cfg.data.name, "protocol": cfg.protocol.name, "task": cfg.task.name,
+            "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
+            "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg),
+            # what trains (full, frozen, top_blocks2, lora_r8) and the SHA-256 of the weights it starts from
+            "finetune": finetune_tags(cfg)["finetune"],
+            "initial_weights": (weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights).sha256
+                                or "random")}
+
+
+def cv_label(tags: Mapping[str, str]) -> str:
+    """How a comparison names a CV: the backbone, then what trained when it is not every weight (`frozen`,
+    `top_blocks2`, `lora_r8`) and the weights file it started from when there was one (`weights 1a2b3c4d`), so that
+    strategies and starting points of one backbone are compared with each other."""
+    label = tags["model"]
+    if tags.get("finetune", "full") not in ("", "full"):
+        label += f" {tags['finetune']}"
+    if tags.get("weights_source") == "file" and tags.get("weights_sha256"):
+        label += f" weights {tags['weights_sha256'][:8]}"
+    return label
+
+
+def config_label(cfg: DictConfig) -> str:
+    """`cv_label` of the CV a config describes (what `source_cv` looks for)."""
+    source = weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
+    return cv_label({"model": cfg.model.name, "finetune": finetune_tags(cfg)["finetune"],
+                     "weights_source": source.kind, "weights_sha256": source.sha256 or ""})
+
+
+def crop_settings(cfg: DictConfig) -> dict[str, str]:
+    """The config's crop settings as the CV's parent run logs them (parameter name -> value)."""
+    return {key: value for key, value in identity_params(cfg).items() if key.startswith(CROP_PREFIXES)}
+
+
+def current_fold_file_sha256(cfg: DictConfig) -> str | None:
+    """The SHA-256 of the config's fold file, or None where there is none yet."""
+    fold_file = resolve_path(cfg.fold_file)
+    return fold_file_sha256(fold_file) if fold_file.is_file() else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Queries
+
+
+def quoted(value: str, what: str) -> str:
+    """A value for an MLflow filter string; quotes would break the filter, so they are refused."""
+    if "'" in value or '"' in value or "`" in value:
+        raise ValueError(f"{what} {value!r} contains a quote character, which MLflow run filters cannot hold")
+    return f"'{value}'"
+
+
+def search_all(client: MlflowClient, experiment_ids: Sequence[str], filter_string: str) -> list[Run]:
+    """Every run matching `filter_string`, newest first, over as many pages as the store gives."""
+    runs: list[Run] = []
+    page_token = None
+    while True:
+        page = client.search_runs(list(experiment_ids), filter_string=filter_string, max_results=1000,
+                                  order_by=["attributes.start_time DESC"], page_token=page_token)
+        runs.extend(page)
+        page_token = page.token
+        if not page_token:
+            return runs
+
+
+def _identity_query(tags: Mapping[str, str], keys: Sequence[str] = tracking.IDENTITY_TAGS) -> list[str]:
+    return [CV_QUERY] + [f"tags.`{key}` = {quoted(str(tags[key]), key)}" for key in keys]
+
+
+def newest_cv(client: MlflowClient, experiment_id: str, tags: Mapping[str, str]) -> Run | None:
+    """The newest parent run with these identity tags, finished or not (what `make cv` resumes), or None."""
+    runs = client.search_runs([experiment_id], " and ".join(_identity_query(tags)),
+                              order_by=["attribute.start_time DESC"], max_results=1)
+    return runs[0] if runs else None
+
+
+def why_not_resumed(client: MlflowClient, experiment_id: str, tags: Mapping[str, str], cfg: DictConfig) -> str | None:
+    """Where no CV has these identity tags but one of the same backbone, data, protocol and task does: which of its
+    settings differ (what a person wonders when a CV starts afresh); None where there is no such older CV."""
+    similar = " and ".join(_identity_query(tags, ("model", "dataset", "protocol", "task")))
+    older = client.search_runs([experiment_id], similar, order_by=["attribute.start_time DESC"], max_results=1)
+    if not older:
+        return None
+    previous = older[0]
+    changes = [f"{key}: {previous.data.tags.get(key)} -> {tags[key]}" for key in tracking.IDENTITY_TAGS
+               if key != "config_sha256" and previous.data.tags.get(key) != tags[key]]
+    old, new = dict(previous.data.params), identity_params(cfg)
+    changes += [f"{k}: {old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in sorted(set(old) | set(new))
+                if old.get(k) != new.get(k)]
+    return (f"not resuming {previous.info.run_name!r} ({previous.info.run_id}): its settings differ "
+            f"({'; '.join(changes[:8]) or 'config hash'}{' ...' if len(changes) > 8 else ''}); "
+            f"starting a new cross-validation")
+
+
+def finished_cv(client: MlflowClient, cfg: DictConfig) -> Run | None:
+    """The newest FINISHED parent run of the cross-validation `cfg` describes (its identity tags), or None."""
+    experiment = client.get_experiment_by_name(cfg.mlflow.experiment)
+    if experiment is None:
+        return None
+    tags = identity_tags(cfg, resolve_path(cfg.fold_file))
+    query = " and ".join([*_identity_query(tags), FINISHED_QUERY])
+    runs = client.search_runs([experiment.experiment_id], query, order_by=["attribute.start_time DESC"],
+                              max_results=1)
+    return runs[0] if runs else None
+
+
+def latest_finished_cvs(client: MlflowClient, experiment_ids: Sequence[str], dataset: str, protocol: str, task: str,
+                        subject_set: str | None = None, fold_file_sha256: str | None = None,
+                        params: Mapping[str, str] | None = None,
+                        tuned: Mapping[str, str] | str | None = None) -> dict[str, Run]:
+    """The most recently started FINISHED parent CV run per backbone and fine-tuning (`cv_label`: the `model` tag,
+    with the strategy and weights file where they are not the default) for this dataset, protocol and task
+    (and, when given, subject set, fold file and logged parameter values, e.g. the crop settings).
+
+    Untuned CVs only, unless `tuned` names a search budget (`tracking.tune_budget`): then only tuned CVs of exactly
+    that budget; `"latest"`: the budget of the newest such tuned CV."""
+    conditions = [CV_QUERY, FINISHED_QUERY, f"tags.dataset = {quoted(dataset, 'dataset')}",
+                  f"tags.protocol = {quoted(protocol, 'protocol')}", f"tags.task = {quoted(task, 'task')}"]
+    if subject_set is not None:
+        conditions.append(f"tags.subject_set = {quoted(subject_set, 'subject_set')}")
+    if fold_file_sha256 is not None:
+        conditions.append(f"tags.fold_file_sha256 = {quoted(fold_file_sha256, 'fold_file_sha256')}")
+    for key, value in (params or {}).items():
+        conditions.append(f"params.`{key}` = {quoted(value, key)}")
+    runs = search_all(client, experiment_ids, " and ".join(conditions))
+    if tuned == "latest":
+        newest = max((r for r in runs if tracking.tune_budget(r)), key=lambda r: r.info.start_time or 0, default=None)
+        tuned = tracking.tune_budget(newest) if newest is not None else {"trials": "none"}
+    runs = [r for r in runs if tracking.tune_budget(r) == dict(tuned or {})]
+    latest: dict[str, Run] = {}
+    for run in sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.end_time or 0), reverse=True):
+        model = run.data.tags.get("model")
+        if not model:
+            log.warning("CV run %s has no 'model' tag; ignored", run.info.run_id)
+            continue
+        latest.setdefault(cv_label(run.data.tags), run)
+    return dict(sorted(latest.items()))
+
+
+def source_cv(client: MlflowClient, cfg: DictConfig, run_id: str | None = None) -> Run:
+    """The cross-validation a command works from (`make inspect`, `make final`): RUN=<parent run id>, else the
+    newest finished CV of the config's backbone on its data, protocol, task and subject set, on the current fold
+    file and crop settings. Raises CvNotFound saying what is missing."""
+    if run_id:
+        run = client.get_run(run_id)
+        if run.data.tags.get(tracking.RUN_KIND_TAG) != tracking.CV_RUN:
+            raise CvNotFound(f"run {run_id} is not a cross-validation's parent run")
+        return run
+    experiment = client.get_experiment_by_name(cfg.mlflow.experiment)
+    if experiment is None:
+        raise CvNotFound(f"no MLflow experiment {cfg.mlflow.experiment!r}: run `make cv` first")
+    # Only a CV trained on crops made as the current ones: its test videos are read from those crops.
+    runs = latest_finished_cvs(client, [experiment.experiment_id], cfg.data.name, cfg.protocol.name, cfg.task.name,
+                               cfg.data.subject_set, current_fold_file_sha256(cfg), crop_settings(cfg))
+    label = config_label(cfg)
+    if label not in runs:
+        raise CvNotFound(f"no finished cross-validation of {label} on {cfg.data.name} / {cfg.protocol.name} "
+                         f"/ {cfg.task.name} with the current fold file and crop settings (preprocess.*, "
+                         f"data.synthetic.*): run `make cv MODEL={cfg.model.name}` first, or name one with "
+                         f"RUN=<parent run id>")
+    return runs[label]
