@@ -33,11 +33,23 @@ FPS ?=
 OUT ?=
 FORMAT ?= onnx
 SERVE_PORT ?= 5001
+SERVE_PATH_ROOT ?=
 # `make server`: a tracking server for fold jobs on other nodes (LAUNCHER=slurm); see the README.
 SERVER_HOST ?= 127.0.0.1
 SERVER_PORT ?= 5000
 SERVER_STORE ?= sqlite:///$(CURDIR)/mlflow.db
 SERVER_ARTIFACTS ?= $(CURDIR)/mlartifacts
+# Authentication (on by default where SERVER_HOST is not loopback): MLflow's basic-auth app, its users in SERVER_AUTH_DB;
+# the first admin's password from $$MLFLOW_AUTH_ADMIN_PASSWORD or SERVER_ADMIN_PASSWORD_FILE (owner-only), never here.
+SERVER_AUTH ?= auto
+SERVER_AUTH_DB ?= sqlite:///$(CURDIR)/mlflow-auth.db
+SERVER_AUTH_CONFIG ?= $(CURDIR)/mlflow-auth.ini
+SERVER_DEFAULT_PERMISSION ?= READ
+SERVER_ADMIN_PASSWORD_FILE ?=
+SERVER_ALLOWED_HOSTS ?=
+SERVER_CORS_ORIGINS ?=
+SERVER_WORKERS ?=
+SERVER_INSECURE ?=
 export VERBOSE
 
 # A backbone without its own file in configs/model/ is any timm model name.
@@ -49,9 +61,11 @@ OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) task=$(TASK) $(MODEL_OVERRIDE) \
 TASKS ?=
 TABLE_OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) $(if $(BIOVID_ROOT),data.root=$(abspath $(BIOVID_ROOT))) \
 	launcher=$(LAUNCHER) $(if $(JOBS),launcher.jobs=$(JOBS)) $(if $(RESUME),cv.resume=$(RESUME)) $(ARGS)
+# A value as one shell word in single quotes (paths with spaces, quotes or non-ASCII characters).
+quote = '$(subst ','\'',$(1))'
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 
-.PHONY: help install lock data aug-preview cv embed compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data \
+.PHONY: help install lock data aug-preview cv embed tune compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data \
 	final promote predict serve export
 
 help: ## list the targets
@@ -89,11 +103,19 @@ cv: install ## cross-validate MODEL on DATA/PROTOCOL/TASK, tracked in MLflow
 embed: install ## the embedding cache of MODEL frozen (WEIGHTS=): what make cv ARGS="model.finetune=frozen" reads
 	$(PY) -m pipeline embed $(OVERRIDES)
 
-compare: install ## compare the backbones' latest cross-validations on DATA/PROTOCOL/TASK (reports/ and MLflow)
-	$(PY) -m pipeline compare $(OVERRIDES)
+# `make tune`: TRIALS= per study (default configs/tune/default.yaml), SCOPE=per_fold | shared (optimistic)
+TRIALS ?=
+SCOPE ?=
+TUNED ?=
+tune: install ## search MODEL's settings per fold with Optuna (TRIALS=20, SCOPE=per_fold), then its tuned CV
+	$(PY) -m pipeline tune $(OVERRIDES) $(if $(TRIALS),tune.trials=$(TRIALS)) $(if $(SCOPE),tune.scope=$(SCOPE))
+
+compare: install ## compare the backbones' latest CVs on DATA/PROTOCOL/TASK (TUNED=latest: tuned CVs of one budget)
+	$(PY) -m pipeline compare $(OVERRIDES) $(if $(TUNED),--tuned=$(TUNED))
 
 table: install ## BioVid benchmark table: MODEL="vit_b16 cvt_13" on BL1 vs PA1..PA4 and five classes, beside published rows
-	$(PY) -m pipeline table $(TABLE_OVERRIDES) --models="$(MODEL)" $(if $(TASKS),--tasks="$(TASKS)")
+	$(PY) -m pipeline table $(TABLE_OVERRIDES) --models="$(MODEL)" $(if $(TASKS),--tasks="$(TASKS)") \
+		$(if $(TUNED),--tuned=$(TUNED) $(if $(TRIALS),--trials=$(TRIALS)) $(if $(SCOPE),--scope=$(SCOPE)))
 
 inspect: install ## where MODEL's newest finished CV looks on each fold's test videos: rollout, Grad-CAM, region score
 	$(PY) -m pipeline inspect $(OVERRIDES) $(if $(RUN),--run=$(RUN)) $(if $(UNTRAINED),--untrained=$(UNTRAINED))
@@ -108,12 +130,13 @@ promote: install ## make VERSION of pain-MODEL-TASK the champion (what predict a
 	$(PY) -m pipeline promote $(OVERRIDES) --version=$(VERSION)
 
 predict: install ## pain timeline (CSV + PNG) of VIDEO (a file or a folder) with the champion, MODEL_URI= or RUN=
-	$(PY) -m pipeline predict $(OVERRIDES) --video=$(VIDEO) $(if $(MODEL_URI),--model_uri=$(MODEL_URI)) \
-		$(if $(RUN),--run=$(RUN)) $(if $(FPS),predict.fps=$(FPS)) $(if $(OUT),--out=$(OUT))
+	$(PY) -m pipeline predict $(OVERRIDES) --video=$(call quote,$(VIDEO)) \
+		$(if $(MODEL_URI),--model_uri=$(call quote,$(MODEL_URI))) $(if $(RUN),--run=$(call quote,$(RUN))) \
+		$(if $(FPS),predict.fps=$(FPS)) $(if $(OUT),--out=$(call quote,$(OUT)))
 
 serve: install ## REST scoring server for the champion (or MODEL_URI=) on http://127.0.0.1:$(SERVE_PORT)/invocations
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" MLFLOW_TRACKING_URI=$(TRACKING_URI) $(VENV)/bin/mlflow models serve --env-manager local --host 127.0.0.1 \
-		--port $(SERVE_PORT) -m $(or $(MODEL_URI),models:/pain-$(MODEL)-$(TASK)@champion)
+	$(PY) -m pipeline serve $(OVERRIDES) serve.port=$(SERVE_PORT) $(if $(MODEL_URI),--model_uri=$(call quote,$(MODEL_URI))) \
+		$(if $(SERVE_PATH_ROOT),--path_root=$(call quote,$(SERVE_PATH_ROOT)))
 
 export: install ## the network of MODEL_URI (default: the champion) as ONNX (FORMAT=onnx) into reports/export/
 	$(PY) -m pipeline export $(OVERRIDES) $(if $(MODEL_URI),--model_uri=$(MODEL_URI)) --format=$(FORMAT) \
@@ -124,9 +147,15 @@ ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri $(TRACKING_URI) \
 		--default-artifact-root $(CURDIR)/mlartifacts --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1
 
-server: install ## MLflow tracking server for fold jobs on other nodes (SERVER_HOST, SERVER_PORT, SERVER_STORE)
-	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server --backend-store-uri $(SERVER_STORE) \
-		--serve-artifacts --artifacts-destination $(SERVER_ARTIFACTS) --host $(SERVER_HOST) --port $(SERVER_PORT)
+server: install ## MLflow tracking server for fold jobs on other nodes; basic auth unless SERVER_HOST is loopback
+	$(PY) -m pipeline server --host $(call quote,$(SERVER_HOST)) --port $(SERVER_PORT) \
+		--store $(call quote,$(SERVER_STORE)) --artifacts $(call quote,$(SERVER_ARTIFACTS)) --auth $(SERVER_AUTH) \
+		--auth-db $(call quote,$(SERVER_AUTH_DB)) --auth-config $(call quote,$(SERVER_AUTH_CONFIG)) \
+		--default-permission $(SERVER_DEFAULT_PERMISSION) $(if $(SERVER_WORKERS),--workers $(SERVER_WORKERS)) \
+		$(if $(SERVER_ADMIN_PASSWORD_FILE),--admin-password-file $(call quote,$(SERVER_ADMIN_PASSWORD_FILE))) \
+		$(if $(SERVER_ALLOWED_HOSTS),--allowed-hosts $(call quote,$(SERVER_ALLOWED_HOSTS))) \
+		$(if $(SERVER_CORS_ORIGINS),--cors-origins $(call quote,$(SERVER_CORS_ORIGINS))) \
+		$(if $(filter 1,$(SERVER_INSECURE)),--insecure)
 
 test: install ## run the test suite (the layers contract first: a wrong import fails in a second)
 	$(VENV)/bin/lint-imports --no-logo

@@ -6,7 +6,9 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline aug-preview [key=value ...]   PNG grid of augmented crops
     python -m pipeline cv          [key=value ...]   participant-grouped cross-validation, tracked in MLflow
     python -m pipeline embed       [key=value ...]   the embedding cache of a frozen backbone (model.finetune=frozen)
-    python -m pipeline compare     [key=value ...]   compare the backbones' latest cross-validations
+    python -m pipeline compare     [key=value ...] [--tuned=latest|<trials>,<scope>,<space hash>]
+                                       compare the backbones' latest cross-validations (untuned ones unless --tuned)
+    python -m pipeline tune        [key=value ...]   per-fold hyper-parameter search, then the tuned CV (tune.*)
     python -m pipeline inspect     [key=value ...] [--run=<parent run id>] [--untrained=1]
                                        attention rollout, Grad-CAM and region score on each fold's test videos
     python -m pipeline calc        [key=value ...]   a backbone's shapes, parameters, MACs and training memory
@@ -17,10 +19,13 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline promote     [key=value ...] --version=<n>   move the registered model's champion alias
     python -m pipeline predict     [key=value ...] --video=<file or folder> [--model_uri=...] [--run=<run>]
                                        pain timeline (CSV + PNG) of any video
+    python -m pipeline serve       [key=value ...] [--model_uri=...]   the scoring server, with limits per request
     python -m pipeline export      [key=value ...] --model_uri=... [--format=onnx] [--out=...]   the network as ONNX
     python -m pipeline config      [key=value ...]   print the resolved config
     python -m pipeline fold-job    JOB.json          run one fold job (what the parallel launcher starts per fold)
+    python -m pipeline tune-worker WORKER.json       run one search worker (what `make tune LAUNCHER=parallel` starts)
     python -m pipeline fold-files  write-biovid | check PATH...   regenerate or check committed fold files
+    python -m pipeline server      --store URI --artifacts DIR [--host H --port P ...]   the tracking server
     python -m pipeline ui-url      [--port 5000]     the MLflow UI address of the cross-validation runs page
 
 The Makefile is the front door (`make help`); it turns MODEL=, DATA=, PROTOCOL=, TASK= into these overrides.
@@ -61,6 +66,12 @@ def _embed(cfg: DictConfig, **options) -> None:
     from pipeline.runs.embed import run_embed
 
     run_embed(cfg)
+
+
+def _tune(cfg: DictConfig, **options) -> None:
+    from pipeline.runs.tuning import run_tune
+
+    run_tune(cfg, **options)
 
 
 def _compare(cfg: DictConfig, **options) -> None:
@@ -105,6 +116,12 @@ def _predict(cfg: DictConfig, **options) -> None:
     run_predict(cfg, **options)
 
 
+def _serve(cfg: DictConfig, **options) -> None:
+    from pipeline.deployment.serving import run_serve
+
+    run_serve(cfg, **options)
+
+
 def _export(cfg: DictConfig, **options) -> None:
     from pipeline.deployment.export import run_export
 
@@ -121,8 +138,20 @@ def _fold_job(argv: list[str]) -> int:
     return main(argv)
 
 
+def _tune_worker(argv: list[str]) -> int:
+    from pipeline.runs.tuning import worker_main
+
+    return worker_main(argv)
+
+
 def _fold_files(argv: list[str]) -> int:
     from pipeline.data.fold_files import main
+
+    return main(argv)
+
+
+def _server(argv: list[str]) -> int:
+    from pipeline.runs.tracking_server import main
 
     return main(argv)
 
@@ -136,12 +165,17 @@ def _ui_url(argv: list[str]) -> int:
 
 # commands over the composed config (key=value overrides, --name=value options)
 COMMANDS: dict[str, Callable[..., None]] = {
-    "data": _data, "aug-preview": _aug_preview, "cv": _cv, "embed": _embed, "compare": _compare, "inspect": _inspect,
-    "calc": _calc, "table": _table, "final": _final, "promote": _promote, "predict": _predict, "export": _export,
+    "data": _data, "aug-preview": _aug_preview, "cv": _cv, "embed": _embed, "tune": _tune, "compare": _compare,
+    "inspect": _inspect, "calc": _calc, "table": _table, "final": _final, "promote": _promote, "predict": _predict,
+    "serve": _serve,
+    "export": _export,
     "config": _print_config,
 }
 # tools with arguments of their own
-TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "fold-files": _fold_files, "ui-url": _ui_url}
+TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "tune-worker": _tune_worker,
+                                                "fold-files": _fold_files, "ui-url": _ui_url, "server": _server}
+# config groups a command adds to the defaults list: only `make tune` has a `tune` section
+COMMAND_GROUPS: dict[str, tuple[str, ...]] = {"tune": ("tune=default",)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "table":  # each (backbone, task) composes its own config from the same overrides
         options["overrides"] = overrides
     setup_logging()
-    cfg = load_config(overrides)
+    cfg = load_config(overrides, groups=COMMAND_GROUPS.get(command, ()))
     from pipeline.utils.accelerator import GpuUnavailable  # here, not on top: `ui-url` must not import torch
 
     try:

@@ -8,7 +8,16 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.analysis.benchmark_table import TASKS, describe_subject_set, read_literature, run_table
+from pipeline.analysis.benchmark_table import (
+    LABELS,
+    LITERATURE_COLUMNS,
+    TASKS,
+    build_report,
+    describe_subject_set,
+    project_row,
+    read_literature,
+    run_table,
+)
 from tests.conftest import tiny_overrides
 from tests.test_cv import FAST
 
@@ -25,10 +34,15 @@ def test_table_has_five_task_rows_and_the_published_ones_apart(tiny_base: Path, 
     assert "used subject set all: every participant of the synthetic twin" in out
 
     table = result["table"]
-    assert table["task"].tolist() == list(TASKS)
-    assert list(table.columns[1:]) == [f"mobilevit_xxs: {m}" for m in
-                                       ("accuracy", "balanced accuracy", "AUROC within subject")]
-    assert all("[" in text and "(incomplete)" in text for text in table["mobilevit_xxs: accuracy"])  # one fold only
+    assert table["task"].tolist() == ["BL1 vs PA1", "BL1 vs PA2", "BL1 vs PA3", "BL1 vs PA4", "five classes"]
+    assert list(table.columns[1:]) == [f"mobilevit_xxs: {m}" for m in LABELS.values()]
+    for column in ("accuracy at threshold", "argmax accuracy"):  # one fold only
+        assert all("[" in text and "(incomplete)" in text for text in table[f"mobilevit_xxs: {column}"])
+    # the default kfold5 twin: nothing published is comparable, and what was tested is stated
+    assert "no published result is comparable with this run (5-fold (subject-grouped), 87 subjects" in out
+    assert result["comparable"].empty
+    assert (result["facts"]["subjects tested"].astype(int) > 0).all()
+    assert (result["facts"]["training subjects per fold"] != "-").all()
 
     long = pd.read_csv(result["paths"]["csv"], keep_default_na=False)
     ours, published = long[long.source == "this project"], long[long.source == "published"]
@@ -55,7 +69,55 @@ def test_the_67_set_says_where_it_comes_from() -> None:
 
 def test_a_literature_row_of_another_width_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "literature.csv"
-    path.write_text("task,method,protocol,subjects,input,accuracy,source,source_kind\n"
-                    "bl1_vs_pa4,m,LOSO,87,video,70,a paper,secondary, unchecked\n")
-    with pytest.raises(ValueError, match="line 2: 9 fields where the header has 8"):
+    path.write_text(",".join(LITERATURE_COLUMNS) + "\n"
+                    "bl1_vs_pa4,m,A,2020,V,loso,87,video,video,70,secondary, unchecked,extra\n")
+    with pytest.raises(ValueError, match="line 2: 13 fields where the header has 12"):
+        read_literature(path)
+
+
+def report_for(store: dict, protocol: str) -> dict:
+    """`make table`'s tables from the finished CVs of one protocol in the conftest store (no training)."""
+    client = store["client"]
+    tasks = ["bl1_vs_pa4", "five_class"]
+    rows = pd.DataFrame([project_row("mobilevit_xxs", task, client.get_run(store["runs"][(protocol, task)]))
+                         for task in tasks])
+    return build_report(rows, ["mobilevit_xxs"], tasks, "synthetic", protocol, "all")
+
+
+def test_kfold5_has_no_comparable_published_row_and_loso_has_the_loso87_ones(finished_cv_store) -> None:
+    kfold = report_for(finished_cv_store, "kfold5")
+    assert kfold["comparable"].empty
+    assert any(note.startswith("no published result is comparable with this run (5-fold (subject-grouped), 87 "
+                               "subjects") for note in kfold["notes"])
+    assert len(kfold["other"]) == len(read_literature())  # every row shown, apart
+
+    loso = report_for(finished_cv_store, "loso")
+    comparable = loso["comparable"]
+    assert len(comparable) and (comparable.protocol == "loso").all() and (comparable.subjects == "87").all()
+    assert set(comparable.authors) == {"Werner et al.", "Gkikas & Tsiknakis", "Gkikas et al.", "Zhi & Wan"}
+    # video + physiology, an unconfirmed protocol and a participant-mixed split stay apart
+    assert (comparable.modality == "video").all() and "video+ECG" in set(loso["other"].modality)
+    assert {"unknown", "participant-mixed"} <= set(loso["other"].protocol)
+    assert "papers that train a LOSO fold on all 86" in loso["notes"][0]
+
+    ours, facts = loso["ours"], loso["facts"]
+    assert ours["task"].tolist() == ["BL1 vs PA4", "five classes"]
+    assert ours["mobilevit_xxs: accuracy at threshold"][0] == "80.0 [70.0, 88.0]"
+    assert ours["mobilevit_xxs: argmax accuracy"][0] == "75.0 [65.0, 85.0]"
+    assert ours["mobilevit_xxs: macro-F1"].tolist() == ["", "40.0"]
+    assert facts[["subjects tested", "videos tested", "training subjects per fold"]].iloc[0].tolist() == [
+        "20", "240", "16"]
+    assert facts["unusable subjects"].tolist() == ["0", "1: 020101_m_30"]
+    assert kfold["facts"]["skipped folds"].tolist() == ["none", "4"]
+    assert kfold["facts"]["training subjects per fold"][0] == "12-13"
+
+
+def test_a_literature_row_without_citation_or_with_a_range_is_an_error(tmp_path: Path) -> None:
+    header = ",".join(LITERATURE_COLUMNS)
+    path = tmp_path / "literature.csv"
+    path.write_text(header + "\nbl1_vs_pa4,CNN,,,,holdout,87,video,frame,71,primary,\n")
+    with pytest.raises(ValueError, match="line 2: no authors, year, venue"):
+        read_literature(path)
+    path.write_text(header + "\nfive_class,works,Someone,2020,a venue,loso,87,video,video,30-39,secondary,\n")
+    with pytest.raises(ValueError, match="line 2: accuracy '30-39' is not one number"):
         read_literature(path)

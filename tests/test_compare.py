@@ -41,6 +41,8 @@ def make_cv(
     status: str = "FINISHED",
     sha: str = SHA,
     skip: tuple[tuple[int, str], ...] = (),
+    params: dict[str, str] | None = None,
+    extra_tags: dict[str, str] | None = None,
     **where: str,
 ) -> str:
     """A parent CV run and one child per fold, with the tags and metrics the CV driver writes."""
@@ -57,9 +59,12 @@ def make_cv(
             "git_commit": "deadbeef",
             "weights_source": "random",
             "fold_file_sha256": sha,
+            **(extra_tags or {}),
         },
     )
     parent_id = parent.info.run_id
+    for key, value in (params or {}).items():
+        client.log_param(parent_id, key, value)
     for fold in range(N_FOLDS):
         child = client.create_run(
             experiment_id,
@@ -354,3 +359,39 @@ def test_crop_settings_name_the_twin_look_detector_and_alignment() -> None:
         expected = crop_settings(load_config([f"data={data}"]))
         for model in models:
             assert crop_settings(load_config([f"data={data}", f"model={model}"])) == expected, (data, model)
+
+
+def test_a_youden_cv_is_not_compared_with_a_fixed_threshold_cv(store, tmp_path) -> None:
+    """Two CVs that decide their test videos differently: refused, naming eval.threshold and both values."""
+    client, experiment_id = store["client"], store["experiment_id"]
+    make_cv(client, experiment_id, "vit", random_scores(30), 5_000, dataset="rules",
+            params={"eval.threshold": "youden"})
+    make_cv(client, experiment_id, "cvt", random_scores(31), 5_000, dataset="rules", params={"eval.threshold": "0.5"})
+    with pytest.raises(ComparisonError, match=r"eval\.threshold differs \(cvt: 0\.5; vit: youden\)"):
+        compare("rules", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT)
+    # named as allowed, it is compared and the difference recorded
+    result = compare("rules", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT,
+                     allow_differences=["eval.threshold"])
+    assert result["differences"] == ["eval.threshold differs (cvt: 0.5; vit: youden)"]
+    assert "eval.threshold" in client.get_run(result["run_id"]).data.tags["compared_despite"]
+
+
+def test_seeds_aggregation_and_incomplete_cvs_are_refused_unless_a_smoke_comparison(store, tmp_path) -> None:
+    client, experiment_id = store["client"], store["experiment_id"]
+    make_cv(client, experiment_id, "vit", random_scores(32), 5_000, dataset="seeds",
+            params={"cv.seeds": "[0, 1]", "trainer.aggregation": "mean"})
+    make_cv(client, experiment_id, "cvt", random_scores(33), 5_000, dataset="seeds",
+            params={"trainer.aggregation": "max"})
+    with pytest.raises(ComparisonError) as refused:
+        compare("seeds", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT)
+    assert "cv.seeds differs (cvt: (not set); vit: [0, 1])" in str(refused.value)
+    assert "trainer.aggregation differs (cvt: max; vit: mean)" in str(refused.value)
+
+    make_cv(client, experiment_id, "vit", random_scores(34), 5_000, dataset="smoke", extra_tags={"complete": "false"})
+    make_cv(client, experiment_id, "cvt", random_scores(35), 5_000, dataset="smoke")
+    with pytest.raises(ComparisonError, match="incomplete CVs .*: vit; .*compare.allow_incomplete=true"):
+        compare("smoke", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT)
+    smoke = compare("smoke", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT,
+                    allow_incomplete=True)
+    assert smoke["complete"] == {"cvt": True, "vit": False}
+    assert client.get_run(smoke["run_id"]).data.tags["complete"] == "false"

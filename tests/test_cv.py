@@ -77,7 +77,13 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
     assert (tags["precision_asked"], tags["precision"]) == ("32-true", "32-true")  # asked, and what the folds used
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"config.yaml", "folds", "folds_summary.csv", "predictions_videos_all_folds.csv", "data",
-            "scores_per_subject.csv"} <= artifacts
+            "scores_per_subject.csv", "reliability_video_pooled.png"} <= artifacts
+    pooled = pd.read_csv(client.download_artifacts(parent.info.run_id, "predictions_videos_all_folds.csv"))
+    assert parent.data.metrics["pooled/video_brier"] == pytest.approx(((pooled.prob_PA4 - pooled.label) ** 2).mean())
+    assert 0 <= parent.data.metrics["pooled/video_ece"] <= 1
+    assert parent.data.metrics["data/subjects_tested"] == pooled.subject_name.nunique()
+    assert parent.data.metrics["data/videos_tested"] == len(pooled)
+    assert parent.data.metrics["pooled/video_accuracy_argmax"] == pytest.approx((pooled.pred == pooled.label).mean())
     lost = pd.read_csv(client.download_artifacts(parent.info.run_id, "data/exclusions_per_class.csv"))
     assert set(lost.class_name) == {"BL1", "PA1", "PA2", "PA3", "PA4"} and (lost.sampled_frames > 0).all()
     assert parent.data.metrics["data/share_lost_BL1"] == pytest.approx(lost.set_index("class_name").share_lost["BL1"])
@@ -167,9 +173,10 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
     np.testing.assert_allclose(result.frame_predictions["prob_PA4"].to_numpy(), probs[:, 1].numpy(), atol=1e-5)
 
 
-def test_compare_writes_table_and_plot(cv_runs, tiny_config) -> None:
-    cfg = tiny_config(*FAST)
+def test_compare_writes_table_and_plot(cv_runs, tiny_config, capsys) -> None:
+    cfg = tiny_config(*FAST, "compare.allow_incomplete=true")  # two folds of five: a smoke comparison
     result = run_compare(cfg)
+    assert "SMOKE COMPARISON (compare.allow_incomplete=true)" in capsys.readouterr().out
     summary = pd.read_csv(result["paths"]["summary"])
     assert set(summary.model) == {"mobilevit_xxs", "resnet10t"}
     assert all(path.stat().st_size > 0 for path in result["paths"]["plots"].values())
@@ -193,7 +200,7 @@ def test_compare_refuses_mismatched_folds(cv_runs, tiny_config, tmp_path: Path) 
     with pytest.raises(ComparisonError, match="different fold files"):
         compare("synthetic", "kfold5", "bl1_vs_pa4", tmp_path, tracking_uri=cfg.mlflow.tracking_uri)
     # ... and `make compare` only considers CVs on the current fold file, so it pairs the two on identical folds.
-    result = run_compare(cfg)
+    result = run_compare(tiny_config(*FAST, "compare.allow_incomplete=true"))
     client = MlflowClient(cfg.mlflow.tracking_uri)
     hashes = {client.get_run(run_id).data.tags["fold_file_sha256"] for run_id in result["parent_run_ids"].values()}
     assert len(hashes) == 1
@@ -308,7 +315,10 @@ def test_slurm_launcher_refuses_what_cannot_work(tiny_config, tmp_path: Path, mo
     (tmp_path / "sbatch").chmod(0o755)
     with pytest.raises(SystemExit, match="tracking server that the compute nodes reach"):
         check_launcher(cfg.launcher, cfg.mlflow.tracking_uri)  # sqlite
-    check_launcher(cfg.launcher, "http://login-node:5000")
+    with pytest.raises(SystemExit, match="does not answer"):  # asked once before anything is submitted
+        check_launcher(cfg.launcher, "http://login-node.invalid:5000")
+    with pytest.raises(SystemExit, match="MLFLOW_TRACKING_USERNAME"):  # credentials in the URI: into job files
+        check_launcher(cfg.launcher, "http://user:secret@login-node.invalid:5000")
 
 
 def test_several_seeds_give_one_child_per_fold_and_seed_and_resume_exactly(tiny_config, tmp_path: Path,
@@ -324,6 +334,20 @@ def test_several_seeds_give_one_child_per_fold_and_seed_and_resume_exactly(tiny_
     values = sorted(c.data.metrics["test/frame_accuracy"] for c in children)
     assert summary["seeds/frame_accuracy_std"] == pytest.approx(np.std(values, ddof=1))
     assert summary["cv/frame_accuracy_mean"] == pytest.approx(np.mean(values))
+    # the confusion counts are the calls as made (each fold's decision), one seed at a time, fold by fold
+    counts = pd.read_csv(client.download_artifacts(plan.parent_run_id, "confusion_video_pooled.csv"))
+    assert sorted(counts.seed.unique()) == [0, 1]
+    for child in children:
+        seed = int(child.data.tags["seed"])
+        videos = pd.read_csv(client.download_artifacts(child.info.run_id, "predictions_videos.csv"))
+        classes = ["BL1", "PA4"]
+        expected = {(classes[t], classes[c]): int(((videos.label == t) & (videos.decision == c)).sum())
+                    for t in (0, 1) for c in (0, 1)}
+        got = {(r.true, r.called): r.videos for r in counts[counts.seed == seed].itertuples()}
+        assert got == expected and sum(got.values()) == len(videos)
+        per_subject = pd.read_csv(client.download_artifacts(child.info.run_id, "accuracy_per_subject.csv"))
+        by_hand = (videos.decision == videos.label).groupby(videos.subject_name).mean()
+        assert per_subject.set_index("subject_name").accuracy.to_dict() == pytest.approx(by_hand.to_dict())
     # seed 1's child lost: the plan resumes exactly that (fold, seed), never seed 0's again
     lost = next(c for c in children if c.data.tags["seed"] == "1")
     client.set_terminated(lost.info.run_id, "FAILED")

@@ -286,3 +286,30 @@ def test_plot_confusion_checks_shape(tmp_path) -> None:
     with pytest.raises(ValueError, match="3 class names"):
         plot_confusion(np.eye(2), ("a", "b", "c"), tmp_path / "bad.png")
     assert not (tmp_path / "bad.png").exists()
+
+
+def test_brier_and_ece_against_values_worked_by_hand(tmp_path) -> None:
+    """Pain probabilities 0.1, 0.4, 0.8, 0.9 for labels 0, 1, 1, 0.
+    Brier: (0.1^2 + 0.6^2 + 0.2^2 + 0.9^2) / 4 = (0.01 + 0.36 + 0.04 + 0.81) / 4 = 0.305.
+    ECE, ten bins: each video alone in its bin, |frequency - probability| = 0.1, 0.6, 0.2, 0.9, each weighing 1/4:
+    1.8 / 4 = 0.45."""
+    from pipeline.evaluation.metrics import calibration_metrics, plot_reliability, reliability_bins
+
+    pain = np.array([0.1, 0.4, 0.8, 0.9])
+    labels = np.array([0, 1, 1, 0])
+    probs = np.column_stack([1 - pain, pain])
+    result = calibration_metrics(labels, probs)
+    assert result["brier"] == pytest.approx(0.305) and result["ece"] == pytest.approx(0.45)
+    # calibrated: four videos at 0.25, one of them pain -> ECE 0; Brier (3 * 0.25^2 + 0.75^2) / 4 = 0.1875
+    quarter = np.full(4, 0.25)
+    calibrated = calibration_metrics(np.array([0, 0, 0, 1]), np.column_stack([1 - quarter, quarter]))
+    assert calibrated == pytest.approx({"brier": 0.1875, "ece": 0.0})
+    counts, mean_probability, frequency = reliability_bins(np.array([0, 0, 0, 1]), np.column_stack([1 - quarter,
+                                                                                                      quarter]))
+    assert counts[2] == 4 and counts.sum() == 4 and mean_probability[2] == 0.25 == frequency[2]
+    # three classes: Brier sums over classes, ((0.3^2 + 0.2^2 + 0.1^2) + (0.2^2 + 0.5^2 + 0.7^2)) / 2 = 0.46;
+    # ECE on the top class: 0.7 right (|1 - 0.7| = 0.3) and 0.5 wrong (|0 - 0.5| = 0.5): 0.4
+    three = calibration_metrics(np.array([0, 2]), np.array([[0.7, 0.2, 0.1], [0.2, 0.5, 0.3]]))
+    assert three == pytest.approx({"brier": 0.46, "ece": 0.4})
+    plot_reliability({"a": (labels, probs), "b": (labels, probs[:, ::-1])}, tmp_path / "reliability.png")
+    assert (tmp_path / "reliability.png").read_bytes()[:4] == b"\x89PNG"

@@ -9,6 +9,7 @@ import pytest
 from pipeline.evaluation.statistics import (
     holm,
     paired_permutation_test,
+    seed_aware_difference_interval,
     smallest_signed_rank_p,
     subject_bootstrap,
     subject_intervals,
@@ -26,7 +27,18 @@ def test_permutation_test_on_four_subjects_matches_the_enumeration() -> None:
     assert p_value == pytest.approx(4 / 16)
     # all four the same way: only (+,+,+,+) and (-,-,-,-) are as extreme, p = 2 / 16, the floor of four subjects
     assert paired_permutation_test(b + 1, b)[1] == pytest.approx(2 / 16) == smallest_signed_rank_p(4)
-    assert np.isnan(paired_permutation_test(b, b)[1])
+    assert paired_permutation_test(b, b) == (0.0, 1.0)
+
+
+def test_identical_scores_give_p_one_and_keep_holms_family() -> None:
+    """Two backbones with the same per-subject scores: p = 1, never NaN, so Holm still counts three tests
+    (0.01 * 3 = 0.03, not 0.01 * 2 as a dropped NaN would give)."""
+    same = np.array([0.5, 0.75, 1.0, 0.25])
+    difference, p_same = paired_permutation_test(same, same.copy())
+    assert (difference, p_same) == (0.0, 1.0)
+    assert paired_permutation_test(np.array([0.9]), np.array([0.1]))[1] == 1.0  # one subject: both flips as extreme
+    assert np.isnan(paired_permutation_test(np.array([np.nan]), np.array([0.1]))[1])  # nothing paired
+    np.testing.assert_allclose(holm([0.01, 0.04, p_same]), [0.03, 0.08, 1.0])
 
 
 def test_five_folds_cannot_reach_significance() -> None:
@@ -73,4 +85,24 @@ def test_subject_scores_and_intervals() -> None:
     result = subject_intervals(videos, ("BL1", "PA4"))
     assert result["accuracy_at_threshold"] == 0.75 == result["balanced_accuracy_at_threshold"]
     assert result["within_subject_auroc"] == 0.875
+    # pain videos called pain: a 2 of 2, b 1 of 2 -> 3 / 4; baseline called baseline: a 1 of 2, b 2 of 2 -> 3 / 4
+    assert result["sensitivity_at_threshold"] == 0.75 == result["specificity_at_threshold"]
     assert (result["within_subject_auroc_ci95_low"], result["within_subject_auroc_ci95_high"]) == (0.75, 1.0)
+
+
+def test_a_difference_smaller_than_the_seed_spread_is_not_significant_with_seeds() -> None:
+    """Twenty subjects, three training seeds each. Backbone a is 0.02 better on every subject, but its seeds move
+    every subject by +0.08, -0.08 or 0 together. Taking the models as fixed, the seed-mean differences sit near 0.02
+    and the interval excludes 0; resampling the seeds as well, a draw of (+0.08, +0.08, ...) or (-0.08, ...) makes
+    the difference range over about -0.06..0.10, and the interval holds 0."""
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.5, 0.9, 20)
+    b = np.column_stack([base] * 3)
+    a = b + 0.02 + np.array([0.08, -0.08, 0.0]) + rng.normal(0, 0.003, (20, 3))
+    fixed = seed_aware_difference_interval(a, b, resample_seeds=False)
+    with_seeds = seed_aware_difference_interval(a, b)
+    assert 0 < fixed[0] < fixed[1] < 0.03
+    assert with_seeds[0] < 0 < with_seeds[1]
+    # one seed each: the seed resampling changes nothing
+    assert seed_aware_difference_interval(a[:, :1], b[:, :1]) == seed_aware_difference_interval(
+        a[:, :1], b[:, :1], resample_seeds=False)

@@ -6,7 +6,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.evaluation.thresholds import binary_metrics_at, choose_threshold, decide_fold, parse_rule, rule_name
+from pipeline.evaluation.thresholds import (
+    ALL_EQUAL,
+    NO_BETTER_THAN_CHANCE,
+    ONE_CLASS,
+    binary_metrics_at,
+    choose_threshold,
+    decide_fold,
+    parse_rule,
+    rule_name,
+    threshold_choice,
+)
 
 CLASSES = ("BL1", "PA4")
 
@@ -21,7 +31,8 @@ def test_well_ranked_scores_above_one_half_are_separated() -> None:
     """A model that ranks perfectly but calls everything pain at 0.5: the validation threshold separates."""
     val = videos([0, 0, 0, 1, 1, 1], [0.62, 0.66, 0.70, 0.81, 0.85, 0.90], "val-subject")
     test = videos([0, 0, 0, 0, 1, 1, 1, 1], [0.60, 0.64, 0.69, 0.71, 0.83, 0.86, 0.88, 0.93], "test-subject")
-    threshold, decided, metrics = decide_fold(val, test, CLASSES, "youden")
+    threshold, decided, metrics, fallback = decide_fold(val, test, CLASSES, "youden")
+    assert fallback == "" and metrics["threshold_fallback"] == 0.0
     assert 0.70 < threshold <= 0.81
     assert (decided["decision"] == decided["label"]).all()
     assert metrics["video_accuracy_at_threshold"] == 1.0 > metrics["video_accuracy_at_0.5"] == 0.5
@@ -36,27 +47,94 @@ def test_the_threshold_is_the_validation_one_not_the_test_one() -> None:
     best_on_val = choose_threshold(val["label"], val["prob_PA4"], "youden")
     best_on_test = choose_threshold(test["label"], test["prob_PA4"], "youden")
     assert best_on_val != best_on_test
-    threshold, _, metrics = decide_fold(val, test, CLASSES, "youden")
+    threshold, _, metrics, _ = decide_fold(val, test, CLASSES, "youden")
     assert threshold == best_on_val
     # the test labels do not move it: flipping them changes the metrics, never the threshold
     flipped = test.assign(label=1 - test["label"])
     assert decide_fold(val, flipped, CLASSES, "youden")[0] == threshold
     assert metrics == {f"video_{k}_at_threshold": v for k, v in binary_metrics_at(
-        test["label"], test["prob_PA4"], threshold).items()} | {"video_accuracy_at_0.5": 0.5}
+        test["label"], test["prob_PA4"], threshold).items()} | {"video_accuracy_at_0.5": 0.5, "threshold_fallback": 0.0}
 
 
 def test_fixed_threshold_and_five_classes() -> None:
     val = videos([0, 1], [0.1, 0.9], "v")
     test = videos([0, 1, 1], [0.2, 0.45, 0.8], "t")
-    threshold, decided, metrics = decide_fold(val, test, CLASSES, 0.4)
+    threshold, decided, metrics, _ = decide_fold(val, test, CLASSES, 0.4)
     assert threshold == 0.4 and decided["decision"].tolist() == [0, 1, 1]
     assert metrics["video_accuracy_at_threshold"] == 1.0
     five = pd.DataFrame({"subject_name": "s", "sample_name": ["a", "b"], "label": [0, 3],
                          **{f"prob_{c}": [0.2, 0.2] for c in ("BL1", "PA1", "PA2")},
                          "prob_PA3": [0.1, 0.3], "prob_PA4": [0.3, 0.1]})
     names = ("BL1", "PA1", "PA2", "PA3", "PA4")
-    threshold, decided, metrics = decide_fold(five, five, names, "youden")
+    threshold, decided, metrics, _ = decide_fold(five, five, names, "youden")
     assert np.isnan(threshold) and metrics == {} and decided["decision"].tolist() == [4, 3]
     assert rule_name("youden", 5) == "argmax" and rule_name(0.5, 2) == "fixed" and rule_name("youden", 2) == "youden"
     with pytest.raises(ValueError, match="eval.threshold"):
         parse_rule("median")
+
+
+def test_validation_scores_that_cannot_choose_fall_back_to_one_half_and_say_why(tmp_path, capsys,
+                                                                               monkeypatch) -> None:
+    """Inverted validation scores (every pain video scored below every baseline one): the best J is 0, at a cut below
+    every score that would call every test video pain. The fold falls back to 0.5, tags why, and the CV counts it."""
+    import mlflow
+
+    from pipeline.runs.cross_validation import print_table
+    from pipeline.runs.fold_job import FoldResult, log_threshold_fallback
+
+    inverted = videos([0, 0, 0, 1, 1, 1], [0.9, 0.8, 0.7, 0.3, 0.2, 0.1], "val-subject")
+    test = videos([0, 0, 1, 1], [0.2, 0.6, 0.4, 0.9], "test-subject")
+    threshold, decided, metrics, fallback = decide_fold(inverted, test, CLASSES, "youden")
+    assert threshold == 0.5 and fallback == NO_BETTER_THAN_CHANCE and metrics["threshold_fallback"] == 1.0
+    assert decided["decision"].tolist() == [0, 1, 0, 1]  # at 0.5, not "all pain"
+    assert threshold_choice([0, 0, 1], [0.1, 0.2, 0.9], "youden") == (0.9, "")  # J = 1 there: it chose
+    assert threshold_choice([1, 1, 1], [0.1, 0.2, 0.9], "youden") == (0.5, ONE_CLASS)
+    assert threshold_choice([0, 1, 0, 1], [0.3] * 4, "balanced_accuracy") == (0.5, ALL_EQUAL)
+    assert threshold_choice([0, 1], [0.2, 0.7], 0.6) == (0.6, "")  # a fixed threshold never falls back
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a real file store: no database to migrate for one run
+    mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
+    with mlflow.start_run() as run:
+        log_threshold_fallback(3, fallback)
+        mlflow.log_metrics({f"test/{k}": v for k, v in metrics.items()})
+    logged = mlflow.get_run(run.info.run_id).data
+    assert logged.tags["threshold_fallback"] == NO_BETTER_THAN_CHANCE
+    assert logged.metrics["test/threshold_fallback"] == 1.0
+
+    chose = decide_fold(videos([0, 0, 1, 1], [0.1, 0.2, 0.8, 0.9], "v"), test, CLASSES, "youden")
+    results = [FoldResult(fold, {"test/threshold": d.threshold, **{f"test/{k}": v for k, v in d.metrics.items()}},
+                          pd.DataFrame(), d.videos, 1.0) for fold, d in enumerate([chose, chose, decide_fold(
+                              inverted, test, CLASSES, "youden")])]
+    print_table(results, {})
+    out = capsys.readouterr().out
+    assert "threshold fallbacks: 1 of 3 folds" in out and "(fold 2;" in out
+
+
+def test_threshold_spread_shrinks_with_more_validation_subjects() -> None:
+    """The same kind of scores from 2 and from 20 validation subjects: every rule's bootstrap interval is wider with
+    2; the shrinkage rule stays nearer 0.5 with 2 subjects; the midpoint of class medians worked by hand."""
+    from pipeline.evaluation.thresholds import median_midpoint_threshold, threshold_spread
+
+    rng = np.random.default_rng(1)
+
+    def validation(n_subjects: int) -> pd.DataFrame:
+        parts = []
+        for s in range(n_subjects):
+            labels = [0] * 6 + [1] * 6
+            scores = np.clip(np.r_[rng.normal(0.35, 0.12, 6), rng.normal(0.6, 0.12, 6)], 0, 1)
+            parts.append(videos(labels, list(scores), f"s{s}"))
+        return pd.concat(parts, ignore_index=True)
+
+    few, many = threshold_spread(validation(2), "prob_PA4"), threshold_spread(validation(20), "prob_PA4")
+    def width(spread: dict, rule: str) -> float:
+        return spread[f"threshold_ci95_high_{rule}"] - spread[f"threshold_ci95_low_{rule}"]
+
+    for rule in ("youden", "equal_error", "median_midpoint"):
+        assert width(few, rule) > width(many, rule) > 0, rule
+        assert few[f"threshold_ci95_low_{rule}"] <= few[f"threshold_{rule}"] <= few[f"threshold_ci95_high_{rule}"]
+    # shrinkage keeps 2 / 12 of Youden's move with two subjects: it moves far less than Youden's threshold there
+    assert width(few, "shrinkage") == pytest.approx(width(few, "youden") / 6, rel=0.05)
+    assert abs(few["threshold_shrinkage"] - 0.5) < abs(few["threshold_youden"] - 0.5)
+    # medians 0.2 (of 0.1, 0.2, 0.3) and 0.7 (of 0.6, 0.7, 0.9): midpoint 0.45
+    assert median_midpoint_threshold(np.array([0, 0, 0, 1, 1, 1]),
+                                     np.array([0.1, 0.2, 0.3, 0.6, 0.7, 0.9])) == pytest.approx(0.45)

@@ -3,9 +3,12 @@
 Backbones are only comparable when their cross-validations used the very same fold file, so runs whose
 `fold_file_sha256` tags differ are refused rather than compared. Folds are described (mean and sd over folds, the
 paired differences) but not tested: they share training subjects, and five of them cannot reach p < 0.05 in an
-exact signed-rank test. The tests pair subjects instead (`pipeline.evaluation.statistics`): every subject is tested
-exactly once, so each backbone has one score per subject from its pooled test videos; intervals are subject bootstraps,
-p-values come from a within-subject permutation test, Holm-adjusted over every pair and metric.
+exact signed-rank test. The tests pair subjects instead (`pipeline.evaluation.statistics`): every tested subject is
+tested once, so each backbone has one score per subject from its pooled test videos; intervals are subject bootstraps
+(over subjects and seeds for the paired differences of CVs with `cv.seeds`), p-values come from a within-subject
+permutation test, Holm-adjusted over every pair and metric (the family is printed; the primary metric is
+`accuracy_at_threshold`). CVs that differ in how they decide, aggregate or sample, or that are incomplete, are
+refused (`check_comparable`).
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ from matplotlib.ticker import EngFormatter, LogLocator, MaxNLocator, NullFormatt
 from mlflow import MlflowClient
 from mlflow.entities import Run, RunStatus
 
+from pipeline.evaluation.metrics import calibration_metrics, plot_reliability
 from pipeline.evaluation.statistics import (
     SUBJECT_METRICS,
+    decided_by,
     holm,
     paired_permutation_test,
+    seed_aware_difference_interval,
     smallest_signed_rank_p,
     subject_intervals,
     subject_scores,
@@ -52,8 +58,10 @@ DEFAULT_METRICS: tuple[str, ...] = (
 )
 SUMMARY_COLUMNS = ["model", "metric", "mean", "std", "n_folds"]
 PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_folds", "mean_diff", "std_diff", "note"]
-SUBJECT_COLUMNS = ["model", "metric", "value", "ci95_low", "ci95_high", "n_subjects"]
-SUBJECT_PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_subjects", "mean_diff", "p_value", "p_holm"]
+SUBJECT_COLUMNS = ["model", "metric", "value", "ci95_low", "ci95_high", "n_subjects", "decided_by"]
+SUBJECT_PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_subjects", "mean_diff", "diff_ci95_low",
+                          "diff_ci95_high", "interval", "p_value", "p_holm", "primary"]
+PRIMARY_METRIC = "accuracy_at_threshold"  # pooled/video_accuracy_at_threshold: the one number set beside papers
 POOLED_VIDEOS = "predictions_videos_all_folds.csv"  # a CV parent's pooled test videos (pipeline.runs.cross_validation)
 
 
@@ -100,6 +108,43 @@ def check_same_folds(runs: Mapping[str, Run]) -> None:
     if any(value is None for value in hashes.values()) or len(set(hashes.values())) > 1:
         listing = "; ".join(f"{model}: {value or '<not recorded>'}" for model, value in sorted(hashes.items()))
         raise ComparisonError(f"refusing to compare CVs run on different fold files ({FOLD_FILE_TAG}): {listing}")
+
+
+# What must be equal for two CVs to be compared: identity tags of the parent run, and logged parameters (how the
+# test videos are decided, aggregated and sampled; which training seeds). A parameter that a run does not hold is
+# "(not set)": `cv.seeds` is only logged where several seeds were asked for.
+SAME_TAGS = ("dataset", "task", "protocol", "subject_set", FOLD_FILE_TAG)
+SAME_PARAMS = ("eval.threshold", "cv.seeds", "trainer.aggregation", "trainer.topk", "loader.frames_per_video",
+               "loader.from_s")
+NOT_SET = "(not set)"
+
+
+def comparability_problems(runs: Mapping[str, Run], allow_incomplete: bool = False,
+                           allowed: Sequence[str] = ()) -> list[str]:
+    """Every setting in which these CVs differ (SAME_TAGS, SAME_PARAMS), each with every run's value, and the
+    incomplete CVs unless `allow_incomplete`. Settings in `allowed` are not problems (a reader's explicit choice)."""
+    problems = []
+    for source, keys in (("tags", SAME_TAGS), ("params", SAME_PARAMS)):
+        for key in keys:
+            if key in allowed:
+                continue
+            values = {model: getattr(run.data, source).get(key, NOT_SET) for model, run in runs.items()}
+            if len(set(values.values())) > 1:
+                listing = "; ".join(f"{model}: {value}" for model, value in sorted(values.items()))
+                problems.append(f"{key} differs ({listing})")
+    incomplete = sorted(model for model, run in runs.items() if run.data.tags.get("complete", "true") != "true")
+    if incomplete and not allow_incomplete:
+        problems.append("incomplete CVs (some folds or limited batches: complete=false): " + ", ".join(incomplete)
+                        + "; ARGS=\"compare.allow_incomplete=true\" compares them as a smoke test, marked as one")
+    return problems
+
+
+def check_comparable(runs: Mapping[str, Run], allow_incomplete: bool = False, allowed: Sequence[str] = ()) -> None:
+    """Refuse CVs that differ in a setting that changes what is measured, naming the setting and the values."""
+    check_same_folds(runs)
+    problems = comparability_problems(runs, allow_incomplete, allowed)
+    if problems:
+        raise ComparisonError("refusing to compare CVs that are not comparable: " + " | ".join(problems))
 
 
 def summary_table(scores: pd.DataFrame, metrics: Sequence[str]) -> pd.DataFrame:
@@ -152,21 +197,50 @@ def subject_tables(videos: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd
         class_names = [column.removeprefix("prob_") for column in table.columns if column.startswith("prob_")]
         result = subject_intervals(table, class_names)
         n_subjects = table["subject_name"].nunique()
+        # a run that logged no decisions was called by argmax: its "at threshold" rows say so
         intervals += [{"model": model, "metric": metric, "value": result[metric], "n_subjects": n_subjects,
+                       "decided_by": decided_by(table),
                        "ci95_low": result[f"{metric}_ci95_low"], "ci95_high": result[f"{metric}_ci95_high"]}
                       for metric in SUBJECT_METRICS]
         per_subject.append(subject_scores(table, class_names).assign(model=model))
     scores = pd.concat(per_subject, ignore_index=True) if per_subject else pd.DataFrame()
+    by_seed = {model: seed_scores(table) for model, table in videos.items()}
+    several_seeds = any(table["seed"].nunique() > 1 for table in by_seed.values())
     paired = []
     for model_a, model_b in combinations(sorted(videos), 2):
         for metric in SUBJECT_METRICS:
             wide = scores.pivot(index="subject_name", columns="model", values=metric)[[model_a, model_b]].dropna()
             mean_diff, p_value = paired_permutation_test(wide[model_a].to_numpy(), wide[model_b].to_numpy())
+            a, b = (by_seed[m].pivot(index="subject_name", columns="seed", values=metric) for m in (model_a, model_b))
+            both = a.dropna().index.intersection(b.dropna().index)
+            low, high = seed_aware_difference_interval(a.loc[both].to_numpy(), b.loc[both].to_numpy())
             paired.append({"metric": metric, "model_a": model_a, "model_b": model_b, "n_subjects": len(wide),
-                           "mean_diff": mean_diff, "p_value": p_value})
+                           "mean_diff": mean_diff, "diff_ci95_low": low, "diff_ci95_high": high,
+                           "interval": "bootstrap over subjects and seeds" if several_seeds else
+                           "bootstrap over subjects (trained models fixed)",
+                           "p_value": p_value, "primary": metric == PRIMARY_METRIC})
     paired_table = pd.DataFrame(paired, columns=SUBJECT_PAIRED_COLUMNS)
     paired_table["p_holm"] = holm(paired_table["p_value"].to_numpy(dtype=float)) if len(paired_table) else []
     return pd.DataFrame(intervals, columns=SUBJECT_COLUMNS), scores, paired_table
+
+
+def seed_scores(videos: pd.DataFrame) -> pd.DataFrame:
+    """The subject metrics per subject and training seed (one seed, 0, for a CV without `cv.seeds`)."""
+    class_names = [column.removeprefix("prob_") for column in videos.columns if column.startswith("prob_")]
+    if "seed" not in videos.columns:
+        videos = videos.assign(seed=0)
+    return pd.concat([subject_scores(part.drop(columns="seed"), class_names).assign(seed=seed)
+                      for seed, part in videos.groupby("seed", sort=True)], ignore_index=True)
+
+
+def correction_family(paired: pd.DataFrame) -> str:
+    """The family Holm's correction runs over, in words."""
+    pairs = paired[["model_a", "model_b"]].drop_duplicates()
+    metrics = list(dict.fromkeys(paired["metric"]))
+    return (f"Holm over {len(paired)} tests: {len(pairs)} pair(s) of backbones ("
+            + ", ".join(f"{r.model_a} - {r.model_b}" for r in pairs.itertuples()) + f") x {len(metrics)} metrics ("
+            + ", ".join(metrics) + f"); primary metric: {PRIMARY_METRIC} (pooled/video_accuracy_at_threshold), "
+            "the others secondary")
 
 
 def plot_subject_intervals(table: pd.DataFrame, path: str | Path) -> None:
@@ -307,11 +381,17 @@ def compare(
     subject_set: str | None = None,
     fold_file_sha256: str | None = None,
     crop_params: Mapping[str, str] | None = None,
+    tuned: Mapping[str, str] | str | None = None,
+    allow_incomplete: bool = False,
+    allow_differences: Sequence[str] = (),
 ) -> dict:
     """Compare the latest finished CV of every backbone for one dataset/protocol/task, write tables and plots.
 
     With `crop_params` (logged parameter -> value, see `crop_settings`), only CVs trained on crops made that way
-    count: a backbone last run on another twin look, detector or alignment is not compared with the others.
+    count: a backbone last run on another twin look, detector or alignment is not compared with the others. CVs
+    that differ in a setting of SAME_TAGS or SAME_PARAMS, or are incomplete, are refused (`check_comparable`);
+    `allow_incomplete` makes a smoke comparison of incomplete CVs (marked: tag `complete=false`), and settings in
+    `allow_differences` may differ (each is listed in the result's `differences` and the run's tag).
 
     Writes `comparison_<dataset>_<protocol>_<task>[_<subject_set>]` `.csv` (summary), `_paired.csv`, `_folds.csv`
     and `_<metric>.png` into `out_dir`, and logs them as an MLflow run tagged `painvit.run_kind=comparison`.
@@ -326,10 +406,12 @@ def compare(
     experiment_id = found.experiment_id
     try:
         runs = cv_runs.latest_finished_cvs(client, [experiment_id], dataset, protocol, task, subject_set,
-                                           fold_file_sha256, crop_params)
+                                           fold_file_sha256, crop_params, tuned)
     except ValueError as error:  # a value MLflow's filter cannot hold
         raise ComparisonError(str(error)) from None
-    where = f"dataset={dataset}, protocol={protocol}, task={task}" + (
+    budget = tracking.tune_budget(next(iter(runs.values()))) if runs else tuned
+    which = f"tuned CVs of the search budget {budget}" if tuned else "untuned CVs"
+    where = f"{which}, dataset={dataset}, protocol={protocol}, task={task}" + (
         f", subject_set={subject_set}" if subject_set else ""
     ) + (" and these crops (" + ", ".join(f"{k}={v}" for k, v in crop_params.items()) + ")" if crop_params else "")
     if len(runs) < 2:
@@ -337,7 +419,10 @@ def compare(
         raise ComparisonError(
             f"need finished CVs of at least 2 backbones for {where} in experiment {experiment!r}; found: {found_models}"
         )
-    check_same_folds(runs)
+    check_comparable(runs, allow_incomplete, allow_differences)
+    differences = comparability_problems(runs, True, [key for key in (*SAME_TAGS, *SAME_PARAMS)
+                                                      if key not in allow_differences])
+    complete = {model: run.data.tags.get("complete", "true") == "true" for model, run in runs.items()}
 
     scores = pd.concat([fold_scores(client, run, metrics) for run in runs.values()], ignore_index=True)
     empty = [model for model in runs if not (scores["model"] == model).any()]
@@ -366,7 +451,15 @@ def compare(
             atomic_write_csv(paths[name], table)
         paths["subjects_plot"] = out_dir / f"{stem}_subjects.png"
         plot_subject_intervals(subjects, paths["subjects_plot"])
-    elif videos:
+    if videos:  # calibration of each backbone's pooled video probabilities, and its reliability diagram
+        curves = {model: (table["label"].to_numpy(), table[[c for c in table.columns if c.startswith("prob_")]]
+                          .to_numpy()) for model, table in videos.items()}
+        calibration = pd.DataFrame([{"model": model, **calibration_metrics(*curve)} for model, curve in curves.items()])
+        paths["calibration"] = out_dir / f"{stem}_calibration.csv"
+        atomic_write_csv(paths["calibration"], calibration)
+        paths["reliability"] = out_dir / f"{stem}_reliability.png"
+        plot_reliability(curves, paths["reliability"], "pooled test videos: reliability of the probabilities")
+    if len(videos) == 1:
         logger.warning("only %s has pooled test videos (%s): no subject-level intervals or tests", next(iter(videos)),
                        POOLED_VIDEOS)
     plots = {metric: out_dir / f"{stem}_{_safe_name(metric.replace('/', '_'))}.png" for metric in metrics}
@@ -394,6 +487,15 @@ def compare(
     }
     if subject_set:
         tags["subject_set"] = subject_set
+    budget = tracking.tune_budget(next(iter(runs.values())))  # tuned CVs: the one budget they share
+    tags.update({f"painvit.tune_{k}": v for k, v in budget.items()})
+    if budget.get("scope") == "shared":
+        tags["painvit.tune_note"] = "OPTIMISTIC: settings chosen by a study shared over folds"
+    if subject_paired is not None and len(subject_paired):
+        tags["correction_family"] = correction_family(subject_paired)[:5000]
+    tags["complete"] = str(all(complete.values())).lower()  # false: a smoke comparison of incomplete CVs
+    if differences:
+        tags["compared_despite"] = " | ".join(differences)[:5000]
     comparison_run = client.create_run(experiment_id, tags=tags, run_name=stem)
     run_id = comparison_run.info.run_id
     try:
@@ -424,7 +526,8 @@ def compare(
         "paths": {**paths, "plots": plots},
         "run_id": run_id,
         "parent_run_ids": {model: run.info.run_id for model, run in runs.items()},
-        "complete": {model: run.data.tags.get("complete", "true") == "true" for model, run in runs.items()},
+        "complete": complete,
+        "differences": differences,
         "cost": costs,
     }
 
@@ -450,17 +553,28 @@ def cost_lines(costs: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def run_compare(cfg) -> dict:
+def run_compare(cfg, tuned: str | None = None) -> dict:
     """`make compare`: the latest finished cross-validation of each backbone on the config's data/protocol/task,
-    fold file and crop settings."""
+    fold file and crop settings; `tuned` (`--tuned=latest` or a budget, `tracking.parse_tune_budget`): tuned CVs of
+    that one search budget instead of untuned ones."""
     # Only CVs on the current fold file: runs on older or other folds never enter the comparison.
     sha = cv_runs.current_fold_file_sha256(cfg)
+    options = cfg.get("compare") or {}
     try:
         result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, resolve_path(cfg.reports_dir),
                          tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
-                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=cv_runs.crop_settings(cfg))
+                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=cv_runs.crop_settings(cfg),
+                         tuned=tuned if tuned in (None, "latest") else tracking.parse_tune_budget(tuned),
+                         allow_incomplete=bool(options.get("allow_incomplete", False)),
+                         allow_differences=list(options.get("allow_differences") or []))
     except ComparisonError as error:
         raise SystemExit(f"compare: {error}") from None
+    if not all(result["complete"].values()):
+        print("SMOKE COMPARISON (compare.allow_incomplete=true): incomplete CVs "
+              + ", ".join(model for model, done in result["complete"].items() if not done)
+              + "; not numbers to publish")
+    for difference in result["differences"]:
+        print(f"compared although (compare.allow_differences): {difference}")
     summary = result["summary"]
     wide = summary.pivot_table(index="model", columns="metric", values="mean")
     print("mean over folds (each fold's test subjects; at_threshold: the fold's validation threshold):")
@@ -470,8 +584,11 @@ def run_compare(cfg) -> dict:
     if result["subjects"] is not None:
         print("pooled test videos, 95 % subject-bootstrap intervals:")
         print(result["subjects"].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-        print("paired over subjects (within-subject permutation test; p_holm: Holm over every pair and metric):")
-        print(result["subjects_paired"].to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+        paired = result["subjects_paired"]
+        print("paired over subjects: mean difference a - b with its 95 % interval ("
+              + ", ".join(sorted(set(paired["interval"]))) + "), within-subject permutation p and p_holm:")
+        print(paired.drop(columns="interval").to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+        print(correction_family(paired))
     else:
         print(f"no subject-level intervals or tests: fewer than two of these CVs logged {POOLED_VIDEOS}")
     print(cost_lines(result["cost"]))

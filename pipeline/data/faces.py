@@ -441,3 +441,44 @@ def detection_rate(
         "per_video": per_video,
         "failed": failed,
     }
+
+
+def rotated(frame: np.ndarray, angle_deg: float) -> tuple[np.ndarray, np.ndarray]:
+    """`frame` rotated by `angle_deg` (counter-clockwise on screen) about its centre, at its own size (the corners
+    that leave the frame are lost, the ones that enter repeat the border: a face is rarely in a corner, and the
+    detector keeps its resolution), and the 2 x 3 matrix that maps the rotated frame's points back to the frame's."""
+    height, width = frame.shape[:2]
+    matrix = cv2.getRotationMatrix2D((width / 2, height / 2), angle_deg, 1.0)
+    turned = cv2.warpAffine(frame, matrix, (width, height), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+    return turned, cv2.invertAffineTransform(matrix)
+
+
+def map_faces(rows: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    """MTCNN rows (x1, y1, x2, y2, score, 5 landmark x, 5 landmark y) moved by a 2 x 3 affine `matrix`: the landmarks
+    exactly, the box as the upright box around its four moved corners."""
+    out = rows.copy()
+    for row, face in zip(out, rows, strict=True):
+        x1, y1, x2, y2 = face[:4]
+        corners = apply_transform(matrix, np.array([[x1, y1], [x2, y1], [x2, y2], [x1, y2]], np.float64))
+        row[:2], row[2:4] = corners.min(axis=0), corners.max(axis=0)
+        if np.isfinite(face[5:15]).all():
+            points = apply_transform(matrix, np.stack([face[5:10], face[10:15]], axis=1))
+            row[5:10], row[10:15] = points[:, 0], points[:, 1]
+    return out
+
+
+def retry_rotated(detect: Callable[[list[np.ndarray]], list[np.ndarray]], frames_bgr: Sequence[np.ndarray],
+                  found: list[np.ndarray], rolls_deg: Sequence[float] = (25.0, -25.0, 50.0, -50.0)) -> list[np.ndarray]:
+    """Frames where `detect` (MTCNN's: frames -> rows per frame) found no face, detected again rotated by each roll in
+    turn until a face is found; its rows are mapped back to the frame. MTCNN's networks saw faces rolled up to about
+    +-30 degrees: a head rolled further, or rolled and small, is found upright."""
+    found = list(found)
+    for angle in rolls_deg:
+        missed = [index for index, rows in enumerate(found) if not len(rows)]
+        if not missed:
+            break
+        turned = [rotated(frames_bgr[index], angle) for index in missed]
+        for index, (_, back), rows in zip(missed, turned, detect([frame for frame, _ in turned]), strict=True):
+            if len(rows):
+                found[index] = map_faces(rows, back)
+    return found

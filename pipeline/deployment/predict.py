@@ -8,14 +8,20 @@ as the cross-validation did (`trainer.aggregation`). Per video: a CSV (time_s, f
 pain) and a PNG timeline (probability over time, the threshold, the video's decision, spans without a face shaded).
 `VIDEO=` a folder scores every video in it and writes one summary row per video besides. A video without any face
 gets a message and an empty timeline, never a score.
+`VIDEO=` a folder's summary gives each video's status (scored / no face / failed); a damaged video says how many
+frames were lost.
+
+Exit status: 0 when at least one video was scored; 1 when none was and a video (the only one, or every one of the
+folder that had no face) could not be read; 3 when every video was read but none showed a face.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import cv2
@@ -40,6 +46,29 @@ class PredictError(RuntimeError):
     """No model to use, or no video to score: the message says what to do."""
 
 
+class PredictFailed(SystemExit):
+    """Predict ran but scored no video: exit status 1 (every video, or the only one, could not be read) or 3 (read,
+    but no face in any). `summary` is the table it wrote (one row per video)."""
+
+    def __init__(self, status: int, summary: pd.DataFrame) -> None:
+        super().__init__(status)
+        self.summary = summary
+
+
+@dataclass
+class DecodeReport:
+    """How much of a video could be read: frames the container announces, frames decoded, sampled frames lost."""
+
+    announced: int = 0  # the container's frame count (0: it does not say)
+    decoded: int = 0  # frames read from the stream, sampled or not
+    sampled_lost: int = 0  # sampled frames whose picture could not be decoded
+
+    @property
+    def lost(self) -> int:
+        """Frames the container announces that could not be decoded (a truncated or damaged file)."""
+        return max(self.announced - self.decoded, 0) + self.sampled_lost
+
+
 @dataclass
 class VideoResult:
     video: Path
@@ -47,6 +76,7 @@ class VideoResult:
     score: float  # NaN without a face
     threshold: float
     seconds: float
+    decoding: DecodeReport = field(default_factory=DecodeReport)
 
     @property
     def decision(self) -> str:
@@ -55,17 +85,22 @@ class VideoResult:
         return "pain" if self.score >= self.threshold else "no pain"
 
 
-def sampled_frames(path: Path, fps: float, chunk: int = CHUNK) -> Iterator[tuple[list[int], list[float], list]]:
-    """The video's frames at `fps` per second (0: all), decoded in order, in chunks of (indices, times, frames)."""
+def sampled_frames(path: Path, fps: float, chunk: int = CHUNK,
+                   report: DecodeReport | None = None) -> Iterator[tuple[list[int], list[float], list]]:
+    """The video's frames at `fps` per second (0: all), decoded in order, in chunks of (indices, times, frames).
+    `report`, if given, is filled with how many frames were announced, decoded and lost."""
+    report = report if report is not None else DecodeReport()
     capture = cv2.VideoCapture(str(path))
     if not capture.isOpened():
-        raise PredictError(f"cannot open video {path}")
+        capture.release()
+        raise PredictError(f"cannot open video {path} (empty, truncated or not a video)")
     native = capture.get(cv2.CAP_PROP_FPS) or DEFAULT_FPS
+    report.announced = max(int(capture.get(cv2.CAP_PROP_FRAME_COUNT) or 0), 0)
     step = native / fps if fps and fps > 0 else 1.0
     indices: list[int] = []
     times: list[float] = []
     frames: list = []
-    index, taken = 0, 0
+    index, taken, kept = 0, 0, 0
     try:
         while capture.grab():
             if index >= round(taken * step):
@@ -74,6 +109,9 @@ def sampled_frames(path: Path, fps: float, chunk: int = CHUNK) -> Iterator[tuple
                     indices.append(index)
                     times.append(round(index / native, 4))
                     frames.append(frame)
+                    kept += 1
+                else:
+                    report.sampled_lost += 1
                 while round(taken * step) <= index:
                     taken += 1
                 if len(frames) == chunk:
@@ -81,10 +119,11 @@ def sampled_frames(path: Path, fps: float, chunk: int = CHUNK) -> Iterator[tuple
                     indices, times, frames = [], [], []
             index += 1
     finally:
+        report.decoded = index
         capture.release()
     if frames:
         yield indices, times, frames
-    if index == 0:
+    if kept == 0:
         raise PredictError(f"{path}: no frame could be decoded")
 
 
@@ -92,14 +131,15 @@ def score_video(scorer: FrameScorer, path: Path, fps: float) -> VideoResult:
     started = time.perf_counter()
     follower = scorer.follower()
     parts = []
-    for indices, times, frames in sampled_frames(path, fps):
+    decoding = DecodeReport()
+    for indices, times, frames in sampled_frames(path, fps, report=decoding):
         table = scorer.score(frames, follower)
         table["frame"] = indices
         table.insert(0, "time_s", times)
         parts.append(table)
     frames = pd.concat(parts, ignore_index=True)
     score = scorer.video_score(frames)
-    return VideoResult(path, frames, score, scorer.threshold, time.perf_counter() - started)
+    return VideoResult(path, frames, score, scorer.threshold, time.perf_counter() - started, decoding)
 
 
 def plot_timeline(result: VideoResult, path: Path, title: str) -> None:
@@ -195,9 +235,13 @@ def videos_in(path: Path) -> list[Path]:
     raise PredictError(f"VIDEO={path}: no such file or folder")
 
 
+SCORED, NO_FACE, FAILED = "scored", "no face", "failed"  # a video's status in the summary
+
+
 def predict(scorer: FrameScorer, video: Path, out_dir: Path, fps: float, model_name: str = "") -> pd.DataFrame:
     """Score one video or every video of a folder; CSV + PNG per video, and for a folder a summary CSV (one row per
-    video). Returns the summary."""
+    video, its status scored / no face / failed). Returns the summary; a video that cannot be read is a row with status
+    failed and its reason, never an exception."""
     videos = videos_in(video)
     rows = []
     folder = video if video.is_dir() else None
@@ -206,27 +250,47 @@ def predict(scorer: FrameScorer, video: Path, out_dir: Path, fps: float, model_n
         try:
             result = score_video(scorer, path, fps)
         except PredictError as error:
-            print(f"{path}: skipped ({error})")
-            rows.append({"video": str(path), "frames_scored": 0, "frames_with_face": 0, "pain_score": np.nan,
-                         "decision": f"error: {error}", "csv": "", "png": ""})
+            print(f"{path}: failed ({error})", file=sys.stderr)
+            rows.append({"video": str(path), "status": FAILED, "frames_scored": 0, "frames_with_face": 0,
+                         "frames_lost": 0, "pain_score": np.nan, "decision": "", "error": str(error), "csv": "",
+                         "png": ""})
             continue
         csv_path, png_path = write_outputs(result, stem)
         n_face = int(result.frames["face_found"].sum())
+        lost = result.decoding.lost
+        if lost:
+            print(f"{path}: {lost} of {result.decoding.announced} frames could not be decoded (damaged or truncated "
+                  f"file); scored what was read", file=sys.stderr)
         if n_face == 0:
             print(f"{path}: no face found in any of the {len(result.frames)} sampled frames: no score "
                   f"(timeline {png_path})")
         else:
             print(f"{path}: {result.decision} (score {result.score:.3f}, threshold {result.threshold:.3f}; face in "
                   f"{n_face} of {len(result.frames)} frames; {result.seconds:.1f} s) -> {csv_path}, {png_path}")
-        rows.append({"video": str(path), "frames_scored": len(result.frames), "frames_with_face": n_face,
-                     "pain_score": result.score, "decision": result.decision, "csv": str(csv_path),
-                     "png": str(png_path)})
+        rows.append({"video": str(path), "status": SCORED if n_face else NO_FACE, "frames_scored": len(result.frames),
+                     "frames_with_face": n_face, "frames_lost": lost, "pain_score": result.score,
+                     "decision": result.decision, "error": "", "csv": str(csv_path), "png": str(png_path)})
     summary = pd.DataFrame(rows)
     if folder is not None:
         summary_path = out_dir / "videos.csv"
         atomic_write_csv(summary_path, summary)
-        print(f"{len(summary)} videos scored with {model_name}: {summary_path}")
+        print(f"{count_line(summary)} with {model_name}: {summary_path}")
     return summary
+
+
+def count_line(summary: pd.DataFrame) -> str:
+    """"3 videos: 1 scored, 1 without a face, 1 failed"."""
+    counts = summary["status"].value_counts()
+    return (f"{len(summary)} video{'s' if len(summary) != 1 else ''}: {counts.get(SCORED, 0)} scored, "
+            f"{counts.get(NO_FACE, 0)} without a face, {counts.get(FAILED, 0)} failed")
+
+
+def exit_status(summary: pd.DataFrame) -> int:
+    """0: at least one video scored; 1: no video scored and at least one could not be read; 3: every video read,
+    none with a face."""
+    if (summary["status"] == SCORED).any():
+        return 0
+    return 1 if (summary["status"] == FAILED).any() else 3
 
 
 def run_predict(cfg: DictConfig, video: str | None = None, model_uri: str | None = None, run: str | None = None,
@@ -251,4 +315,8 @@ def run_predict(cfg: DictConfig, video: str | None = None, model_uri: str | None
     per_frame = scorer.timings.per_frame()
     print(f"per frame: detection {per_frame['detect_s'] * 1000:.0f} ms, alignment {per_frame['align_s'] * 1000:.0f}"
           f" ms, network {per_frame['network_s'] * 1000:.0f} ms; total {time.perf_counter() - started:.1f} s")
+    status = exit_status(summary)
+    if status:  # nothing scored: a script must see it (a folder's other videos keep their timelines)
+        print(f"predict: no video scored ({count_line(summary)})", file=sys.stderr)
+        raise PredictFailed(status, summary)
     return summary

@@ -308,3 +308,96 @@ def plot_training_curves(history: pd.DataFrame, path: str | os.PathLike) -> None
     loss_axes.set_title("loss")
     metric_axes.set_title("validation metrics")
     save_png(figure, path)
+
+
+CALIBRATION_BINS = 10
+
+
+def reliability_bins(labels: np.ndarray, probs: np.ndarray,
+                     n_bins: int = CALIBRATION_BINS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per equal-width probability bin: (count, mean predicted probability, observed frequency).
+
+    Two classes: the pain (class 1) probability against how often the video is pain. More classes: the top class's
+    probability (the confidence) against how often the top class is right. Bin b holds [b / n, (b + 1) / n), the last
+    one also 1.0; empty bins have NaN means.
+    """
+    labels = np.asarray(labels).astype(int)
+    probs = np.asarray(probs, dtype=float)
+    if probs.shape[1] == 2:
+        confidence, outcome = probs[:, 1], (labels == 1).astype(float)
+    else:
+        confidence, outcome = probs.max(axis=1), (probs.argmax(axis=1) == labels).astype(float)
+    index = np.minimum(np.floor(confidence * n_bins).astype(int), n_bins - 1)
+    counts = np.bincount(index, minlength=n_bins)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_probability = np.bincount(index, weights=confidence, minlength=n_bins) / counts
+        frequency = np.bincount(index, weights=outcome, minlength=n_bins) / counts
+    return counts, mean_probability, frequency
+
+
+def calibration_metrics(labels: np.ndarray, probs: np.ndarray, n_bins: int = CALIBRATION_BINS) -> dict[str, float]:
+    """Brier score and expected calibration error (ECE) of video probabilities.
+
+    Brier: two classes, the mean of (pain probability - is pain)^2; more classes, the mean over videos of the sum
+    over classes of (probability - one-hot)^2. ECE: over `n_bins` equal-width bins (`reliability_bins`), the mean
+    of |observed frequency - mean probability| weighted by each bin's share of the videos. Both 0 when perfect.
+    """
+    labels = np.asarray(labels).astype(int)
+    probs = np.asarray(probs, dtype=float)
+    if len(labels) == 0:
+        return {"brier": float("nan"), "ece": float("nan")}
+    if probs.shape[1] == 2:
+        brier = float(np.mean((probs[:, 1] - (labels == 1)) ** 2))
+    else:
+        brier = float(np.mean(np.sum((probs - np.eye(probs.shape[1])[labels]) ** 2, axis=1)))
+    counts, mean_probability, frequency = reliability_bins(labels, probs, n_bins)
+    filled = counts > 0
+    ece = float(np.sum(counts[filled] * np.abs(frequency[filled] - mean_probability[filled])) / counts.sum())
+    return {"brier": brier, "ece": ece}
+
+
+def plot_reliability(curves: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str | os.PathLike,
+                     title: str = "", n_bins: int = CALIBRATION_BINS) -> None:
+    """Reliability diagram: per named (labels, probs), observed frequency against mean probability per bin (marker
+    size ~ videos in the bin), the diagonal of perfect calibration, Brier and ECE in the legend."""
+    figure = Figure(figsize=(5.5, 5))
+    axes = figure.add_subplot()
+    axes.plot([0, 1], [0, 1], linestyle="--", color="grey", linewidth=1, label="perfectly calibrated")
+    binary = True
+    for name, (labels, probs) in curves.items():
+        probs = np.asarray(probs, dtype=float)
+        binary = binary and probs.shape[1] == 2
+        counts, mean_probability, frequency = reliability_bins(labels, probs, n_bins)
+        filled = counts > 0
+        scores = calibration_metrics(labels, probs, n_bins)
+        axes.plot(mean_probability[filled], frequency[filled], marker="o", markersize=3,
+                  label=f"{name}: Brier {scores['brier']:.3f}, ECE {scores['ece']:.3f}")
+        axes.scatter(mean_probability[filled], frequency[filled], s=200 * counts[filled] / counts.sum(), alpha=0.3)
+    axes.set_xlim(0, 1)
+    axes.set_ylim(0, 1)
+    axes.set_xlabel("mean predicted pain probability" if binary else "mean confidence (top class)")
+    axes.set_ylabel("share of videos that are pain" if binary else "share of top-class calls that are right")
+    axes.set_title(title or f"reliability of video probabilities ({n_bins} bins)", fontsize=9)
+    axes.legend(fontsize=7, loc="upper left")
+    axes.grid(alpha=0.3)
+    save_png(figure, path)
+
+
+def decided_confusions(videos: pd.DataFrame, n_classes: int) -> dict[int | None, np.ndarray]:
+    """Video confusion matrices from the calls as they were made (the `decision` column: the fold's threshold;
+    argmax `pred` where there is none), one per training seed (`seed` column) and never over seeds averaged
+    together; key None for a CV without seeds."""
+    column = "decision" if "decision" in videos.columns else "pred"
+    if "seed" not in videos.columns:
+        return {None: confusion(videos["label"].to_numpy(), videos[column].to_numpy(), n_classes)}
+    return {int(seed): confusion(part["label"].to_numpy(), part[column].to_numpy(), n_classes)
+            for seed, part in videos.groupby("seed", sort=True)}
+
+
+def decided_per_subject(videos: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy per subject (and per seed, with a `seed` column) of the calls as they were made (`decision`)."""
+    table = videos.assign(pred=videos["decision"]) if "decision" in videos.columns else videos
+    if "seed" not in table.columns:
+        return per_subject_accuracy(table)
+    return pd.concat([per_subject_accuracy(part).assign(seed=seed) for seed, part in table.groupby("seed")],
+                     ignore_index=True)

@@ -1,7 +1,8 @@
 """Statistics over subjects: per-subject scores, subject-level bootstrap intervals, paired tests between backbones.
 
-Every protocol tests every subject exactly once, so the pooled test videos of a cross-validation hold one score per
-subject, and two backbones run on the same fold file are paired subject by subject. Subjects, not folds, are the
+K-fold and leave-one-subject-out test every subject exactly once; a hold-out tests its test subjects only, once
+each. Either way the pooled test videos of a cross-validation hold one score per tested subject, and two backbones
+run on the same fold file are paired subject by subject. Subjects, not folds, are the
 independent units: folds share training subjects, and five folds can never make a signed-rank test significant
 (its smallest exact two-sided p-value is 2 / 2**5 = 0.0625). The numbers come from scipy:
 `scipy.stats.bootstrap` resamples subjects (each with all of its videos) and `scipy.stats.permutation_test` with
@@ -27,9 +28,16 @@ SUBJECT_METRICS = ("accuracy_at_threshold", "balanced_accuracy_at_threshold", "w
 
 
 def decisions(videos: pd.DataFrame) -> np.ndarray:
-    """The class each video was called: the fold's `decision` column (validation threshold), else argmax `pred`."""
+    """The class each video was called: the fold's `decision` column (validation threshold), else argmax `pred`
+    (`decided_by` names which, so a run without decisions is never labelled "at threshold")."""
     column = "decision" if "decision" in videos.columns else "pred"
     return videos[column].to_numpy(dtype=int)
+
+
+def decided_by(videos: pd.DataFrame) -> str:
+    """How the videos' calls were made: 'threshold' (each fold's validation threshold; argmax for more than two
+    classes) or 'argmax' (a run that logged no `decision` column)."""
+    return "threshold" if "decision" in videos.columns else "argmax"
 
 
 def within_subject_auroc(labels: np.ndarray, probs: np.ndarray) -> float:
@@ -90,6 +98,11 @@ def subject_bootstrap(groups: Sequence[tuple[np.ndarray, ...]], statistic: Calla
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
+def _recall(labels: np.ndarray, called: np.ndarray, cls: int) -> float:
+    mask = labels == cls
+    return float((called[mask] == cls).mean()) if mask.any() else float("nan")
+
+
 def _balanced(labels: np.ndarray, called: np.ndarray) -> float:
     return float(balanced_accuracy_score(labels, called))
 
@@ -106,12 +119,18 @@ def subject_intervals(videos: pd.DataFrame, class_names: Sequence[str], **option
               for _, group in videos.reset_index(drop=True).groupby("subject_name", sort=True)]
     aurocs = [(np.array([value]),) for value in per_subject["within_subject_auroc"]]
     labels = videos["label"].to_numpy(dtype=int)
+    binary = len(class_names) == 2
     estimates = {
         "accuracy_at_threshold": (float((called == labels).mean()), arrays, lambda y, c: float((y == c).mean())),
         "balanced_accuracy_at_threshold": (_balanced(labels, called), arrays, _balanced),
         "within_subject_auroc": (float(np.nanmean(per_subject["within_subject_auroc"]))
                                  if per_subject["within_subject_auroc"].notna().any() else float("nan"),
                                  aurocs, lambda a: float(np.nanmean(a)) if np.isfinite(a).any() else float("nan")),
+        # two classes: recall of pain (sensitivity) and of baseline (specificity), pooled over the videos
+        "sensitivity_at_threshold": (_recall(labels, called, 1) if binary else float("nan"), arrays,
+                                     lambda y, c: _recall(y, c, 1)),
+        "specificity_at_threshold": (_recall(labels, called, 0) if binary else float("nan"), arrays,
+                                     lambda y, c: _recall(y, c, 0)),
     }
     result = {}
     for name, (value, groups, statistic) in estimates.items():
@@ -124,13 +143,18 @@ def paired_permutation_test(a: np.ndarray, b: np.ndarray, n_resamples: int = N_P
                             random_state: int = RANDOM_STATE) -> tuple[float, float]:
     """Mean of (a - b) over subjects and its two-sided p-value from swapping a and b within subjects.
 
-    With 2**n <= n_resamples the 2**n swaps are enumerated exactly, so small cases can be checked by hand.
+    With 2**n <= n_resamples the 2**n swaps are enumerated exactly, so small cases can be checked by hand. Identical
+    scores (every difference 0) and a single subject give p = 1, which is what every swap says (each is as extreme
+    as the observed one): never NaN, which would drop the test from Holm's family and shrink it. NaN only without
+    any subject both have.
     """
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     keep = np.isfinite(a) & np.isfinite(b)
     a, b = a[keep], b[keep]
+    if len(a) == 0:
+        return float("nan"), float("nan")
     if len(a) < 2 or np.all(a == b):
-        return (float(np.mean(a - b)) if len(a) else float("nan")), float("nan")
+        return float(np.mean(a - b)), 1.0
 
     def mean_difference(x: np.ndarray, y: np.ndarray, axis: int) -> np.ndarray:
         return np.mean(x - y, axis=axis)
@@ -158,3 +182,40 @@ def holm(p_values: Sequence[float]) -> np.ndarray:
 def smallest_signed_rank_p(n: int) -> float:
     """The smallest two-sided p-value an exact signed-rank (or sign-flip) test over n pairs can reach: 2 / 2**n."""
     return 2.0 / 2**n if n > 0 else 1.0
+
+
+def seed_aware_difference_interval(a: np.ndarray, b: np.ndarray, resample_seeds: bool = True,
+                                   n_resamples: int = N_BOOTSTRAP, random_state: int = RANDOM_STATE,
+                                   confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Percentile interval of the mean over subjects of (a - b), with `a` and `b` one row per subject (paired) and
+    one column per training seed of each backbone.
+
+    Each resample draws subjects with replacement and, with `resample_seeds`, each backbone's seeds with
+    replacement too, once for the resample (a seed trained the models that scored every subject, so its effect is
+    shared by all of them): the interval then holds the variation a new set of training seeds would bring, and a
+    difference smaller than the seed spread does not look significant. Without it (or with one seed each), the
+    trained models are taken as fixed: a subject bootstrap of the seed-mean differences. NaN with fewer than two
+    subjects.
+    """
+    a, b = np.atleast_2d(np.asarray(a, dtype=float)), np.atleast_2d(np.asarray(b, dtype=float))
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"a and b must hold the same subjects (rows), got {a.shape[0]} and {b.shape[0]}")
+    n = a.shape[0]
+    if n < 2:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(random_state)
+    subjects = rng.integers(0, n, (n_resamples, n))
+
+    def seed_means(values: np.ndarray) -> np.ndarray:  # (resamples, subjects): each subject's mean over seeds
+        k = values.shape[1]
+        if resample_seeds and k > 1:
+            drawn = rng.integers(0, k, (n_resamples, k))
+            weights = np.stack([np.bincount(row, minlength=k) for row in drawn]) / k
+        else:
+            weights = np.full((n_resamples, k), 1.0 / k)
+        return np.einsum("rsk,rk->rs", values[subjects], weights)
+
+    differences = (seed_means(a) - seed_means(b)).mean(axis=1)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(differences, [tail, 100 - tail])
+    return float(low), float(high)

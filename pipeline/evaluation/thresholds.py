@@ -10,17 +10,43 @@ decision of its own, made on the validation subjects of the fold (never its test
 - a number in [0, 1]: that fixed threshold (0.5 reproduces argmax on two classes).
 
 A video is called positive when its score is >= the threshold.
+
+A named rule cannot choose when the validation videos hold one class only, when all their scores are equal, or when
+no cut point does better than chance (best J <= 0: uninformative or inverted scores, where the optimum is a cut below
+every score that calls every test video pain). Then the fold falls back to 0.5 (argmax), and says why
+(`ThresholdChoice.fallback`, logged by the fold as the metric `test/threshold_fallback` and the tag of that name).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 from sklearn.metrics import roc_curve
 
 RULES = ("youden", "balanced_accuracy")
+FALLBACK_THRESHOLD = 0.5
+# why a named rule could not choose (ThresholdChoice.fallback); "" when it chose
+ONE_CLASS = "one class only among the validation videos"
+ALL_EQUAL = "all validation scores are equal"
+NO_BETTER_THAN_CHANCE = "no cut point beats chance on validation (best Youden J <= 0)"
+
+
+class ThresholdChoice(NamedTuple):
+    threshold: float
+    fallback: str = ""  # the reason the rule fell back to FALLBACK_THRESHOLD, "" when it chose
+
+
+class FoldDecision(NamedTuple):
+    """What `decide_fold` returns: the threshold, the test videos with their decisions, the test metrics and the
+    reason the threshold fell back to 0.5 ("" when the rule chose it)."""
+
+    threshold: float
+    videos: pd.DataFrame
+    metrics: dict[str, float]
+    fallback: str = ""
 
 
 def parse_rule(rule: str | float) -> str | float:
@@ -37,13 +63,17 @@ def parse_rule(rule: str | float) -> str | float:
 
 
 def choose_threshold(labels: np.ndarray, scores: np.ndarray, rule: str | float = "youden") -> float:
-    """The threshold on `scores` (positive-class probability per video) that `rule` picks on these labels.
+    """The threshold on `scores` (positive-class probability per video) that `rule` picks on these labels; 0.5 where
+    a named rule cannot choose (see `threshold_choice` for the reason)."""
+    return threshold_choice(labels, scores, rule).threshold
 
-    With one class only among `labels` no rule can choose, so the result is 0.5 (argmax) for the named rules.
-    """
+
+def threshold_choice(labels: np.ndarray, scores: np.ndarray, rule: str | float = "youden") -> ThresholdChoice:
+    """The threshold `rule` picks and, where a named rule cannot choose (one class, all scores equal, best J <= 0),
+    0.5 with the reason."""
     rule = parse_rule(rule)
     if not isinstance(rule, str):
-        return float(rule)
+        return ThresholdChoice(float(rule))
     labels = np.asarray(labels).astype(int)
     scores = np.asarray(scores, dtype=float)
     if labels.shape != scores.shape or labels.ndim != 1:
@@ -51,17 +81,19 @@ def choose_threshold(labels: np.ndarray, scores: np.ndarray, rule: str | float =
     if not np.isfinite(scores).all():
         raise ValueError("scores contain NaN or infinite values")
     if len(np.unique(labels)) < 2:
-        return 0.5
+        return ThresholdChoice(FALLBACK_THRESHOLD, ONE_CLASS)
+    if np.all(scores == scores[0]):
+        return ThresholdChoice(FALLBACK_THRESHOLD, ALL_EQUAL)
     fpr, tpr, candidates = roc_curve(labels, scores, drop_intermediate=False)
-    # roc_curve's first candidate is +inf (nothing positive); it is never the best for two classes present
     j = tpr - fpr
+    if j.max() <= 1e-12:  # the all-positive and all-negative cuts have J = 0: nothing better exists
+        return ThresholdChoice(FALLBACK_THRESHOLD, NO_BETTER_THAN_CHANCE)
+    # roc_curve's first candidate is +inf (nothing positive), J = 0: never the best once some J > 0
     best = np.flatnonzero(np.isclose(j, j.max()))
     finite = [i for i in best if np.isfinite(candidates[i])]
-    if not finite:
-        return 1.0
     # among equally good cut points, the one nearest 0.5: it moves the decision no further than the data asks
     chosen = min(finite, key=lambda i: (abs(candidates[i] - 0.5), i))
-    return float(candidates[chosen])
+    return ThresholdChoice(float(candidates[chosen]))
 
 
 def binary_metrics_at(labels: np.ndarray, scores: np.ndarray, threshold: float) -> dict[str, float]:
@@ -81,29 +113,31 @@ def binary_metrics_at(labels: np.ndarray, scores: np.ndarray, threshold: float) 
 
 
 def decide_fold(val_videos: pd.DataFrame, test_videos: pd.DataFrame, class_names: Sequence[str],
-                rule: str | float = "youden") -> tuple[float, pd.DataFrame, dict[str, float]]:
+                rule: str | float = "youden") -> FoldDecision:
     """The fold's threshold chosen on its validation videos, applied to its test videos.
 
     Returns the threshold (NaN for a multiclass task, which decides by argmax), the test videos with the columns
-    `threshold` and `decision` (the class each video is called) added, and the test metrics at that decision:
+    `threshold` and `decision` (the class each video is called) added, the test metrics at that decision:
     `video_accuracy_at_threshold`, `video_balanced_accuracy_at_threshold`, `video_sensitivity_at_threshold`,
-    `video_specificity_at_threshold` and, beside them, `video_accuracy_at_0.5`. Only `val_videos` reach the rule.
+    `video_specificity_at_threshold`, beside them `video_accuracy_at_0.5`, and `threshold_fallback` (1 where the
+    rule could not choose and 0.5 was used), and the reason for a fallback. Only `val_videos` reach the rule.
     """
     rule = parse_rule(rule)
     test_videos = test_videos.copy()
     if len(class_names) != 2:
         test_videos["threshold"] = float("nan")
         test_videos["decision"] = test_videos[[f"prob_{name}" for name in class_names]].to_numpy().argmax(axis=1)
-        return float("nan"), test_videos, {}
+        return FoldDecision(float("nan"), test_videos, {})
     positive = f"prob_{class_names[1]}"
-    threshold = choose_threshold(val_videos["label"].to_numpy(), val_videos[positive].to_numpy(), rule)
+    threshold, fallback = threshold_choice(val_videos["label"].to_numpy(), val_videos[positive].to_numpy(), rule)
     labels, scores = test_videos["label"].to_numpy(), test_videos[positive].to_numpy()
     test_videos["threshold"] = threshold
     test_videos["decision"] = (scores >= threshold).astype(int)
     metrics = {f"video_{name}_at_threshold": value for name, value in binary_metrics_at(labels, scores,
                                                                                        threshold).items()}
     metrics["video_accuracy_at_0.5"] = binary_metrics_at(labels, scores, 0.5)["accuracy"]
-    return threshold, test_videos, metrics
+    metrics["threshold_fallback"] = float(bool(fallback))
+    return FoldDecision(threshold, test_videos, metrics, fallback)
 
 
 def rule_name(rule: str | float, n_classes: int) -> str:
@@ -112,3 +146,64 @@ def rule_name(rule: str | float, n_classes: int) -> str:
         return "argmax"
     rule = parse_rule(rule)
     return rule if isinstance(rule, str) else "fixed"
+
+
+# Rules measured by `threshold_spread` (not selectable through eval.threshold yet): how much each one's threshold
+# moves when the fold's validation subjects are resampled.
+SHRINKAGE_SUBJECTS = 10  # the shrinkage rule weighs Youden's threshold by n / (n + 10) validation subjects
+SPREAD_RESAMPLES = 200
+
+
+def equal_error_threshold(labels: np.ndarray, scores: np.ndarray) -> float:
+    """The cut point where the false positive rate is nearest the false negative rate (0.5 with one class)."""
+    if len(np.unique(labels)) < 2:
+        return FALLBACK_THRESHOLD
+    fpr, tpr, candidates = roc_curve(labels, scores, drop_intermediate=False)
+    finite = np.isfinite(candidates)
+    gap = np.abs(fpr - (1 - tpr))[finite]
+    return float(candidates[finite][int(np.argmin(gap))])
+
+
+def median_midpoint_threshold(labels: np.ndarray, scores: np.ndarray) -> float:
+    """Halfway between the median score of baseline videos and that of pain videos (0.5 with one class)."""
+    if len(np.unique(labels)) < 2:
+        return FALLBACK_THRESHOLD
+    return float((np.median(scores[labels == 0]) + np.median(scores[labels == 1])) / 2)
+
+
+def shrunk_threshold(labels: np.ndarray, scores: np.ndarray, n_subjects: int) -> float:
+    """Youden's threshold pulled toward 0.5 by the number of validation subjects: w * t + (1 - w) * 0.5 with
+    w = n / (n + SHRINKAGE_SUBJECTS); two subjects keep a sixth of Youden's move, a BioVid fold's 12 over half."""
+    weight = n_subjects / (n_subjects + SHRINKAGE_SUBJECTS)
+    return weight * choose_threshold(labels, scores, "youden") + (1 - weight) * FALLBACK_THRESHOLD
+
+
+def rule_thresholds(labels: np.ndarray, scores: np.ndarray, n_subjects: int) -> dict[str, float]:
+    """Each measured rule's threshold on these validation videos (balanced accuracy's equals Youden's)."""
+    return {"youden": choose_threshold(labels, scores, "youden"),
+            "equal_error": equal_error_threshold(labels, scores),
+            "median_midpoint": median_midpoint_threshold(labels, scores),
+            "shrinkage": shrunk_threshold(labels, scores, n_subjects)}
+
+
+def threshold_spread(val_videos: pd.DataFrame, positive: str, n_resamples: int = SPREAD_RESAMPLES,
+                     random_state: int = 0) -> dict[str, float]:
+    """How much each rule's threshold varies over a bootstrap of the fold's validation subjects (each resampled
+    with all its videos): `threshold_<rule>` on the videos as they are, `threshold_ci95_low_<rule>` and
+    `threshold_ci95_high_<rule>` the 2.5 and 97.5 percentiles. Validation videos only: nothing of the test."""
+    groups = [(g["label"].to_numpy(dtype=int), g[positive].to_numpy(dtype=float))
+              for _, g in val_videos.groupby("subject_name", sort=True)]
+    labels, scores = val_videos["label"].to_numpy(dtype=int), val_videos[positive].to_numpy(dtype=float)
+    result = {f"threshold_{rule}": value for rule, value in rule_thresholds(labels, scores, len(groups)).items()}
+    rng = np.random.default_rng(random_state)
+    drawn: dict[str, list[float]] = {rule: [] for rule in ("youden", "equal_error", "median_midpoint", "shrinkage")}
+    for _ in range(n_resamples):
+        chosen = [groups[i] for i in rng.integers(0, len(groups), len(groups))]
+        values = rule_thresholds(np.concatenate([c[0] for c in chosen]), np.concatenate([c[1] for c in chosen]),
+                                 len(groups))
+        for rule, value in values.items():
+            drawn[rule].append(value)
+    for rule, draws in drawn.items():
+        low, high = np.percentile(draws, [2.5, 97.5])
+        result.update({f"threshold_ci95_low_{rule}": float(low), f"threshold_ci95_high_{rule}": float(high)})
+    return result

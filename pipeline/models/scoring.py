@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from pipeline.data.augment import build_eval_transform
-from pipeline.data.faces import plausibility
+from pipeline.data.faces import plausibility, retry_rotated
 from pipeline.data.tasks import no_pain_index
 from pipeline.evaluation.aggregation import aggregate_class_probabilities, check_aggregation
 from pipeline.models.backbones import PainNet
@@ -48,10 +48,15 @@ class CropSettings:
     max_side: int = 720  # frames are halved until their longer side is at most this before detection
     max_jump: float = 1.0  # a detection further than this many face sides from the followed face is someone else
     reacquire_after: int = 10  # after this many frames without the followed face, follow the most plausible one
+    # a frame where MTCNN finds no face is detected again rotated by these angles in turn (scripts/bench_detectors.py:
+    # on real photographs rolled 35-50 degrees, or grey, MTCNN alone finds 47-78 %, with these retries all)
+    retry_rolls: tuple[float, ...] = (25.0, -25.0)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> CropSettings:
         known = {k: values[k] for k in cls.__dataclass_fields__ if k in values and values[k] is not None}
+        if "retry_rolls" in known:
+            known["retry_rolls"] = tuple(float(angle) for angle in known["retry_rolls"])
         return cls(**known)
 
 
@@ -173,7 +178,7 @@ class FrameScorer:
                 end += 1
             batch = list(frames_bgr[start:end])
             if self.settings.detector == "mtcnn":
-                found += detector.detect(batch)
+                found += retry_rotated(detector.detect, batch, detector.detect(batch), self.settings.retry_rolls)
             else:
                 for frame in batch:
                     box = detector.detect(frame)

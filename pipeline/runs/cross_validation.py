@@ -38,9 +38,12 @@ from pipeline.data.exclusions import (
 from pipeline.data.prepare import prepare_data, read_fold_file, subject_set_tags
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import (
+    calibration_metrics,
     classification_metrics,
-    evaluate_predictions,
+    decided_confusions,
+    decided_per_subject,
     plot_confusion,
+    plot_reliability,
     plot_roc,
     summarize_folds,
 )
@@ -48,7 +51,7 @@ from pipeline.evaluation.statistics import subject_intervals, subject_scores
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource
-from pipeline.runs import cv_runs, launchers, registry, tracking
+from pipeline.runs import cv_runs, fold_lease, launchers, registry, tracking
 from pipeline.runs.environment import library_versions, log_environment
 from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, decide, result_from_run
 from pipeline.utils.accelerator import announce_device, training_device
@@ -185,6 +188,10 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         log_exclusions(client, run_id, frames_result, cfg.preprocess.frames_per_video)
         registry.log_subjects(client, run_id, registry.cv_subjects(fold_file, frames_result.frames, task.classes),
                               f"{cfg.data.name}-{task.name}-{fold_file.stem}")
+        # another machine's `make cv` of the same CV may have created its parent meanwhile: one of the two goes on
+        if cfg.cv.resume == "auto":
+            parent = fold_lease.first_of_twins(client, experiment_id,
+                                               {tracking.RUN_KIND_TAG: tracking.CV_RUN, **tags}, parent)
     else:
         plan.finished = parent.info.status == tracking.FINISHED
         if not plan.finished:
@@ -425,6 +432,10 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     summary.update({f"pooled/video_{k}": v for k, v in pooled_video.items()})
     summary.update({f"pooled/frame_{k}": v for k, v in pooled_frame.items()})
     summary.update(pooled_at_threshold(videos, class_names))
+    summary.update(pooled_argmax(videos, class_names))
+    summary.update({f"pooled/video_{k}": v for k, v in calibration_metrics(
+        videos["label"].to_numpy(), videos[prob_columns].to_numpy()).items()})
+    summary.update(tested_counts(videos, resolve_path(cfg.fold_file), sorted({r.fold for r in results})))
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
     for chunk in cv_runs.chunks(metrics, 500):
@@ -436,12 +447,21 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
                               for r in results])
         table.to_csv(out / "folds_summary.csv", index=False)
         videos.to_csv(out / "predictions_videos_all_folds.csv", index=False)
-        pooled = evaluate_predictions(frames, class_names, cfg.trainer.aggregation, cfg.trainer.topk)
-        plot_confusion(pooled.confusion_video, class_names, out / "confusion_video_pooled.png", "all test videos")
+        # every call as it was made (the fold's threshold), one seed at a time: no ensemble over seeds
+        counts = []
+        for seed, matrix in decided_confusions(videos, len(class_names)).items():
+            suffix, what = ("", "") if seed is None else (f"_seed_{seed}", f", seed {seed}")
+            plot_confusion(matrix, class_names, out / f"confusion_video_pooled{suffix}.png",
+                           f"all test videos{what}, at each fold's decision")
+            counts += [{"seed": seed, "true": class_names[t], "called": class_names[c], "videos": int(matrix[t, c])}
+                       for t in range(len(class_names)) for c in range(len(class_names))]
+        pd.DataFrame(counts).to_csv(out / "confusion_video_pooled.csv", index=False)
         if len(class_names) == 2 and videos["label"].nunique() == 2:
             plot_roc(videos["label"].to_numpy(), videos[prob_columns[1]].to_numpy(), out / "roc_video_pooled.png",
                      "all test videos")
-        pooled.per_subject.to_csv(out / "accuracy_per_subject.csv", index=False)
+        plot_reliability({"all test videos": (videos["label"].to_numpy(), videos[prob_columns].to_numpy())},
+                         out / "reliability_video_pooled.png")
+        decided_per_subject(videos).to_csv(out / "accuracy_per_subject.csv", index=False)
         subject_scores(videos, class_names).to_csv(out / "scores_per_subject.csv", index=False)
         client.log_artifacts(run_id, str(out))
     return summary
@@ -452,12 +472,48 @@ def pooled_at_threshold(videos: pd.DataFrame, class_names) -> dict[str, float]:
     subject-bootstrap 95 % intervals, and the mean within-subject AUROC (one model's scores on one person)."""
     names = {"accuracy_at_threshold": "pooled/video_accuracy_at_threshold",
              "balanced_accuracy_at_threshold": "pooled/video_balanced_accuracy_at_threshold",
-             "within_subject_auroc": "pooled/within_subject_video_auroc"}
+             "within_subject_auroc": "pooled/within_subject_video_auroc",
+             "sensitivity_at_threshold": "pooled/video_sensitivity_at_threshold",
+             "specificity_at_threshold": "pooled/video_specificity_at_threshold"}
     result = {}
     for key, value in subject_intervals(videos, class_names).items():
         stem = next(k for k in sorted(names, key=len, reverse=True) if key.startswith(k))
         result[names[stem] + key.removeprefix(stem)] = value
     return result
+
+
+def fallback_line(results: list[FoldResult]) -> str:
+    """How many folds (and seeds) fell back to a threshold of 0.5 because their validation videos could not choose
+    one (`pipeline.evaluation.thresholds`); the reason is each fold run's `threshold_fallback` tag."""
+    fell_back = [f"fold {r.fold}" + (f" seed {r.seed}" if r.seed is not None else "") for r in results
+                 if r.metrics.get("test/threshold_fallback", 0.0) == 1.0]
+    if not fell_back:
+        return f"threshold fallbacks: 0 of {len(results)} folds"
+    return (f"threshold fallbacks: {len(fell_back)} of {len(results)} folds called their test videos at 0.5 because "
+            f"the validation scores could not choose a threshold ({', '.join(fell_back)}; the reason is each fold "
+            f"run's threshold_fallback tag)")
+
+
+def pooled_argmax(videos: pd.DataFrame, class_names) -> dict[str, float]:
+    """Accuracy of the argmax calls (`pred`) over all test videos with its subject-bootstrap interval: what papers
+    that decide by argmax report, beside the accuracy at the validation threshold."""
+    values = subject_intervals(videos.drop(columns=["decision"], errors="ignore"), class_names)
+    return {f"pooled/video_accuracy_argmax{suffix}": values[f"accuracy_at_threshold{suffix}"]
+            for suffix in ("", "_ci95_low", "_ci95_high")}
+
+
+def tested_counts(videos: pd.DataFrame, fold_file: Path, folds: list[int]) -> dict[str, float]:
+    """How many subjects and videos were tested (each video once, whatever the seeds), and the fewest and most
+    training subjects of a fold (the fold file's `train` role; validation subjects are not trained on)."""
+    counts = {"data/subjects_tested": float(videos["subject_name"].nunique()),
+              "data/videos_tested": float(videos["sample_name"].nunique())}
+    if fold_file.is_file():
+        table = pd.read_csv(fold_file)
+        train = table[(table["role"] == "train") & table["fold"].isin(folds)].groupby("fold")["subject_name"].nunique()
+        if len(train):
+            counts.update({"data/train_subjects_min": float(train.min()),
+                           "data/train_subjects_max": float(train.max())})
+    return counts
 
 
 def print_table(results: list[FoldResult], summary: dict[str, float]) -> pd.DataFrame:
@@ -478,6 +534,8 @@ def print_table(results: list[FoldResult], summary: dict[str, float]) -> pd.Data
     table.columns = [c.removeprefix("video_").replace("_at_threshold", "@thr").replace("_at_0.5", "@0.5")
                      for c in columns]
     print(table.to_string(float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    if any("test/threshold" in r.metrics for r in results):
+        print(fallback_line(results))
     if HEADLINE in summary:
         low, high = summary.get(f"{HEADLINE}_ci95_low", np.nan), summary.get(f"{HEADLINE}_ci95_high", np.nan)
         print(f"headline: video accuracy at the validation threshold, pooled over all test videos "

@@ -29,15 +29,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.fold_files import fold_file_sha256
 from pipeline.models.backbones import weights_source
-from pipeline.models.finetune import FinetuneConfig
 from pipeline.models.temporal_heads import HeadConfig
 from pipeline.runs import tracking
+from pipeline.runs.fold_job import finetune_tags
 from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
 # Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
 NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
-                "data.synthetic.workers", "final", "predict", "cache.batch_size")
+                "data.synthetic.workers", "final", "predict", "serve", "compare", "cache.batch_size")
 CROP_PREFIXES = ("preprocess.", "data.synthetic.")  # how the crops were made (twin look and size, detector, align)
 CV_QUERY = f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'"
 FINISHED_QUERY = f"attributes.status = '{tracking.FINISHED}'"
@@ -97,10 +97,33 @@ def identity_tags(cfg: DictConfig, fold_file: Path) -> dict[str, str]:
             "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
             "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg),
             # what trains (full, frozen, top_blocks2, lora_r8) and the SHA-256 of the weights it starts from
-            "finetune": FinetuneConfig.from_model_config(cfg.model).label,
+            "finetune": finetune_tags(cfg)["finetune"],
             "initial_weights": (weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights).sha256
                                 or "random"),
             "head": HeadConfig.from_config(cfg.model.head).label}  # linear, or a temporal head and its mode
+
+
+def cv_label(tags: Mapping[str, str]) -> str:
+    """How a comparison names a CV: the backbone, then what trained when it is not every weight (`frozen`,
+    `top_blocks2`, `lora_r8`), the weights file it started from when there was one (`weights 1a2b3c4d`) and a
+    temporal head when there is one (`gru_h64x1_two_stage`), so that strategies, starting points and heads of one
+    backbone are compared with each other."""
+    label = tags["model"]
+    if tags.get("finetune", "full") not in ("", "full"):
+        label += f" {tags['finetune']}"
+    if tags.get("weights_source") == "file" and tags.get("weights_sha256"):
+        label += f" weights {tags['weights_sha256'][:8]}"
+    if tags.get("head", "linear") not in ("", "linear"):
+        label += f" {tags['head']}"
+    return label
+
+
+def config_label(cfg: DictConfig) -> str:
+    """`cv_label` of the CV a config describes (what `source_cv` looks for)."""
+    source = weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
+    return cv_label({"model": cfg.model.name, "finetune": finetune_tags(cfg)["finetune"],
+                     "weights_source": source.kind, "weights_sha256": source.sha256 or "",
+                     "head": HeadConfig.from_config(cfg.model.head).label})
 
 
 def crop_settings(cfg: DictConfig) -> dict[str, str]:
@@ -181,10 +204,15 @@ def finished_cv(client: MlflowClient, cfg: DictConfig) -> Run | None:
 
 def latest_finished_cvs(client: MlflowClient, experiment_ids: Sequence[str], dataset: str, protocol: str, task: str,
                         subject_set: str | None = None, fold_file_sha256: str | None = None,
-                        params: Mapping[str, str] | None = None) -> dict[str, Run]:
-    """The most recently started FINISHED parent CV run per backbone, fine-tuning and head (`cv_label`) for this
-    dataset, protocol and task (and, when given, subject set, fold file and logged parameter values, e.g. the crop
-    settings)."""
+                        params: Mapping[str, str] | None = None,
+                        tuned: Mapping[str, str] | str | None = None) -> dict[str, Run]:
+    """The most recently started FINISHED parent CV run per backbone, fine-tuning and head (`cv_label`: the `model`
+    tag, with the strategy, weights file and temporal head where they are not the default) for this dataset, protocol
+    and task
+    (and, when given, subject set, fold file and logged parameter values, e.g. the crop settings).
+
+    Untuned CVs only, unless `tuned` names a search budget (`tracking.tune_budget`): then only tuned CVs of exactly
+    that budget; `"latest"`: the budget of the newest such tuned CV."""
     conditions = [CV_QUERY, FINISHED_QUERY, f"tags.dataset = {quoted(dataset, 'dataset')}",
                   f"tags.protocol = {quoted(protocol, 'protocol')}", f"tags.task = {quoted(task, 'task')}"]
     if subject_set is not None:
@@ -194,6 +222,10 @@ def latest_finished_cvs(client: MlflowClient, experiment_ids: Sequence[str], dat
     for key, value in (params or {}).items():
         conditions.append(f"params.`{key}` = {quoted(value, key)}")
     runs = search_all(client, experiment_ids, " and ".join(conditions))
+    if tuned == "latest":
+        newest = max((r for r in runs if tracking.tune_budget(r)), key=lambda r: r.info.start_time or 0, default=None)
+        tuned = tracking.tune_budget(newest) if newest is not None else {"trials": "none"}
+    runs = [r for r in runs if tracking.tune_budget(r) == dict(tuned or {})]
     latest: dict[str, Run] = {}
     for run in sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.end_time or 0), reverse=True):
         model = run.data.tags.get("model")
@@ -202,21 +234,6 @@ def latest_finished_cvs(client: MlflowClient, experiment_ids: Sequence[str], dat
             continue
         latest.setdefault(cv_label(run.data.tags), run)
     return dict(sorted(latest.items()))
-
-
-def cv_label(tags: Mapping[str, str]) -> str:
-    """How a comparison names a CV: the backbone, then what trained when it is not every weight (`frozen`,
-    `top_blocks2`, `lora_r8`), the weights file it started from when there was one (`weights 1a2b3c4d`) and a
-    temporal head when there is one (`gru_h64x1_two_stage`), so that strategies, starting points and heads of one
-    backbone are compared with each other."""
-    label = tags["model"]
-    if tags.get("finetune", "full") not in ("", "full"):
-        label += f" {tags['finetune']}"
-    if tags.get("weights_source") == "file" and tags.get("weights_sha256"):
-        label += f" weights {tags['weights_sha256'][:8]}"
-    if tags.get("head", "linear") not in ("", "linear"):
-        label += f" {tags['head']}"
-    return label
 
 
 def source_cv(client: MlflowClient, cfg: DictConfig, run_id: str | None = None) -> Run:
@@ -234,9 +251,10 @@ def source_cv(client: MlflowClient, cfg: DictConfig, run_id: str | None = None) 
     # Only a CV trained on crops made as the current ones: its test videos are read from those crops.
     runs = latest_finished_cvs(client, [experiment.experiment_id], cfg.data.name, cfg.protocol.name, cfg.task.name,
                                cfg.data.subject_set, current_fold_file_sha256(cfg), crop_settings(cfg))
-    if cfg.model.name not in runs:
-        raise CvNotFound(f"no finished cross-validation of {cfg.model.name} on {cfg.data.name} / {cfg.protocol.name} "
+    label = config_label(cfg)
+    if label not in runs:
+        raise CvNotFound(f"no finished cross-validation of {label} on {cfg.data.name} / {cfg.protocol.name} "
                          f"/ {cfg.task.name} with the current fold file and crop settings (preprocess.*, "
                          f"data.synthetic.*): run `make cv MODEL={cfg.model.name}` first, or name one with "
                          f"RUN=<parent run id>")
-    return runs[cfg.model.name]
+    return runs[label]

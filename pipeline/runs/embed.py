@@ -28,8 +28,7 @@ def run_embed(cfg: DictConfig) -> None:
     entry = ensure_embeddings(net.backbone, processed_dir, crop_fraction=loader.crop_fraction,
                               from_s=loader.from_s, frames_per_video=loader.frames_per_video,
                               augment=OmegaConf.to_container(cfg.augment),
-                              settings=CacheSettings.from_config(cfg.cache),
-                              progress=True, workers=loader.num_workers)
+                              settings=CacheSettings.from_config(cfg.cache), progress=True, workers=loader.num_workers)
     table = entry.table
     what = "built" if entry.built else "already there, checked"
     print(f"embeddings of {cfg.model.name}: {len(table.rows)} crops x {table.plain.shape[1]} features, "

@@ -22,7 +22,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,8 +39,16 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.embeddings import EmbeddingDataModule
 from pipeline.data.tasks import get_task
-from pipeline.evaluation.metrics import Evaluation, plot_confusion, plot_roc, plot_training_curves
-from pipeline.evaluation.thresholds import decide_fold, rule_name
+from pipeline.evaluation.metrics import (
+    Evaluation,
+    calibration_metrics,
+    decided_confusions,
+    decided_per_subject,
+    plot_confusion,
+    plot_roc,
+    plot_training_curves,
+)
+from pipeline.evaluation.thresholds import decide_fold, rule_name, threshold_spread
 from pipeline.models.backbones import PainNet, create_model, model_family, weights_source
 from pipeline.models.callbacks import FreezeBackbone, KeepBestValidation, ResumableEarlyStopping, SeedEachBatch
 from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings
@@ -49,6 +57,7 @@ from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import MODEL_ARTIFACT, model_meta, save_model_file
 from pipeline.models.temporal_heads import HeadConfig
 from pipeline.models.weights import WeightsSource
+from pipeline.runs import fold_lease
 from pipeline.runs.mlflow_model import log_fold_model
 from pipeline.runs.registry import split_videos, subjects_dataset
 from pipeline.runs.tracking import (
@@ -335,13 +344,14 @@ class StepTimes:
 
 
 def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
-             precision: str) -> Fitted:
+             precision: str, extra_callbacks: Sequence[pl.Callback] = ()) -> Fitted:
     """Train with early stopping; select the best epoch on the inner validation subjects.
 
     Every epoch writes `last.ckpt` into work_dir; a fold that finds one there continues from it, exactly: the
     checkpoint holds the weights, optimizer, LR schedule, early-stopping counter, best-checkpoint record and epoch
     history, and every random draw of the remaining epochs is keyed by (seed, fold, epoch[, batch])
     (`EpochSampler`, `SeedEachBatch`), so it does not depend on the epochs before having run in this process.
+    `extra_callbacks` join the fit (a tuning trial's pruning callback, `pipeline.runs.tuning`).
     """
     if cfg.trainer.devices != 1:
         raise ValueError("trainer.devices must be 1: video-level metrics are computed from one process's predictions")
@@ -354,7 +364,8 @@ def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataM
     early_stopping = ResumableEarlyStopping(monitor=cfg.trainer.monitor, mode=cfg.trainer.monitor_mode,
                                            patience=cfg.trainer.patience)
     keeper = KeepBestValidation(cfg.trainer.monitor, cfg.trainer.monitor_mode)
-    callbacks = [epoch_logger, best, last, early_stopping, SeedEachBatch(cfg.seed, datamodule.fold), keeper]
+    callbacks = [epoch_logger, best, last, early_stopping, SeedEachBatch(cfg.seed, datamodule.fold), keeper,
+                 *extra_callbacks]
     if cfg.model.optim.freeze_backbone_epochs > 0:
         callbacks.append(FreezeBackbone(cfg.model.optim.freeze_backbone_epochs))
     plugins = [AtomicCheckpointIO()]
@@ -404,8 +415,9 @@ def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], pre
                          evaluation: Evaluation, history: list[dict], splits: dict) -> None:
     """Plots and tables a person opens in the MLflow UI. Names and predictions only, never faces."""
     out.mkdir(parents=True, exist_ok=True)
-    videos = evaluation.video_predictions
-    plot_confusion(evaluation.confusion_video, class_names, out / "confusion_video.png", f"fold {fold}: videos")
+    videos = evaluation.video_predictions  # with the fold's decisions: the confusion counts the calls as made
+    plot_confusion(decided_confusions(videos, len(class_names))[None], class_names, out / "confusion_video.png",
+                   f"fold {fold}: videos, at the fold's decision")
     plot_confusion(evaluation.confusion_frame, class_names, out / "confusion_frame.png", f"fold {fold}: frames")
     if len(class_names) == 2 and videos["label"].nunique() == 2:
         plot_roc(videos["label"].to_numpy(), videos[f"prob_{class_names[1]}"].to_numpy(), out / "roc_video.png",
@@ -414,7 +426,7 @@ def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], pre
         plot_training_curves(pd.DataFrame(history), out / "training_curves.png")
     videos.to_csv(out / VIDEO_PREDICTIONS, index=False)
     predictions.drop(columns=["crop_path"], errors="ignore").to_csv(out / FRAME_PREDICTIONS, index=False)
-    evaluation.per_subject.to_csv(out / "accuracy_per_subject.csv", index=False)
+    decided_per_subject(videos).to_csv(out / "accuracy_per_subject.csv", index=False)
     (out / "splits.json").write_text(json.dumps(splits, indent=2, default=str))
 
 
@@ -442,6 +454,15 @@ def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondS
     return save_model_file(stage.net, meta, path)
 
 
+def log_threshold_fallback(fold: int, fallback: str) -> None:
+    """A fold whose validation videos could not choose a threshold says so: a warning and the tag
+    `threshold_fallback` with the reason (the metric `test/threshold_fallback` is 1 for it, 0 otherwise)."""
+    if fallback:
+        log.warning("fold %d: the threshold rule could not choose (%s); its test videos are called at 0.5",
+                    fold, fallback)
+        mlflow.set_tag("threshold_fallback", fallback)
+
+
 def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path,
                keep_model: bool = False, settings: DeviceSettings | None = None) -> FoldResult:
     """Train on the fold's training subjects, select on its validation subjects, test once on its test subjects.
@@ -458,8 +479,8 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         module, datamodule, weights = build_fold(cfg, fold, decisions, settings)
         counts = parameter_counts(module.model)
         log.info("fold %d: %s, %d of %d parameters trainable (backbone %d of %d)", fold, module.finetune.name,
-                 counts["parameters_trainable"], counts["parameters_total"],
-                 counts["backbone_parameters_trainable"], counts["backbone_parameters"])
+                 counts["parameters_trainable"], counts["parameters_total"], counts["backbone_parameters_trainable"],
+                 counts["backbone_parameters"])
         mlflow.log_params(counts)
         mlflow.set_tags(finetune_tags(cfg))
         mlflow.log_input(subjects_dataset(split_videos(datamodule), f"{cfg.data.name}-{cfg.task.name}-fold{fold}"),
@@ -491,12 +512,18 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     head_size = stage.record["head_parameters"] if stage else sum(p.numel() for p in module.model.head.parameters())
     mlflow.log_params({"head": head.label, "head_parameters": head_size})
     with times("threshold"):  # the threshold sees the validation subjects only; the test videos get it as it is
-        threshold, evaluation.video_predictions, decided = decide_fold(
+        threshold, evaluation.video_predictions, decided, fallback = decide_fold(
             validation.video_predictions, evaluation.video_predictions, module.class_names, cfg.eval.threshold)
     metrics = {**evaluation.metrics(prefix="test/"), **{f"test/{k}": v for k, v in decided.items()},
                **selected, **frame_model_metrics}
     if np.isfinite(threshold):
         metrics["test/threshold"] = threshold
+        # how much each rule's threshold moves over a bootstrap of the validation subjects (test/threshold_ci95_*)
+        metrics.update({f"test/{k}": v for k, v in threshold_spread(
+            validation.video_predictions, f"prob_{module.class_names[1]}").items()})
+    videos = evaluation.video_predictions  # calibration of the video probabilities: test/video_brier, _ece
+    metrics.update({f"test/video_{k}": v for k, v in calibration_metrics(
+        videos["label"].to_numpy(), videos[[f"prob_{c}" for c in module.class_names]].to_numpy()).items()})
     if evaluation.video_predictions["subject_name"].nunique() == 1:  # leave one subject out: AUROC within a person
         metrics["test/within_subject_video_auroc"] = metrics["test/video_auroc"]
     out = work_dir / "artifacts"
@@ -510,6 +537,7 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         validation.video_predictions.to_csv(out / VAL_VIDEO_PREDICTIONS, index=False)
         mlflow.log_params({"threshold_rule": rule})
         mlflow.set_tag("threshold_rule", rule)
+        log_threshold_fallback(fold, fallback)
         mlflow.log_metrics(metrics)
         mlflow.log_artifacts(str(out))
     if keep_model:
@@ -545,50 +573,51 @@ def result_from_run(client: MlflowClient, run) -> FoldResult:
 def job_owner_tags() -> dict[str, str]:
     """Where a fold attempt runs: lets a later driver tell a live attempt from a dead one."""
     tags = {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
-    if "SLURM_JOB_ID" in os.environ:
-        array = os.environ.get("SLURM_ARRAY_JOB_ID")
-        task = os.environ.get("SLURM_ARRAY_TASK_ID")
-        tags[SLURM_JOB_TAG] = f"{array}_{task}" if array and task else os.environ["SLURM_JOB_ID"]
+    slurm_job = fold_lease.own_slurm_job()
+    if slurm_job:
+        tags[SLURM_JOB_TAG] = slurm_job
     return tags
 
 
 def run_fold_job(job: FoldJob) -> FoldResult:
     """Run one fold under its own child run of `job.parent_run_id`; see the module docstring for the rules."""
     client = MlflowClient(job.tracking_uri)
-    previous = fold_runs(client, job.parent_run_id, job.fold, job.seed)
-    finished = [run for run in previous if run.info.status == FINISHED]
-    if finished:
-        log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished[0].info.run_id)
-        return result_from_run(client, finished[0])
-    for run in previous:
-        if run.info.status == "RUNNING":  # a killed attempt: this one replaces it
-            client.set_terminated(run.info.run_id, "KILLED")
     cfg = OmegaConf.create(job.config)
+    # a lease in the store: a fold another machine trains now is waited for, a dead attempt replaced (fold_lease)
+    lease_s = float(OmegaConf.select(cfg, "cv.lease_s", default=300))
+    owner = fold_lease.new_owner()
+    attempt, finished = fold_lease.acquire(client, job.parent_run_id, job.fold, job.seed, owner, lease_s,
+                                           lambda: fold_runs(client, job.parent_run_id, job.fold, job.seed))
+    if finished is not None:
+        log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished.info.run_id)
+        return result_from_run(client, finished)
     parent = client.get_run(job.parent_run_id)
     tags = {k: parent.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed")}
     if job.seed is not None:  # one of several training seeds: the fold is trained with it, and tagged so
         cfg.seed = job.seed
         tags["seed"] = str(job.seed)
     work_dir = Path(job.work_dir)
-    attempt = len(previous) + 1
     mlflow.set_tracking_uri(job.tracking_uri)
     name = f"fold {job.fold}" + (f" seed {job.seed}" if job.seed is not None else "")
     run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=name,
                            tags={**tags, PARENT_TAG: job.parent_run_id, RUN_KIND_TAG: FOLD_RUN,
                                  FOLD_TAG: str(job.fold), ATTEMPT_TAG: str(attempt),
-                                 JOB_TRACKING_URI_TAG: job.tracking_uri, **job_owner_tags()})
-    try:
-        mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
-        device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
-        settings = resolve_on_device(cfg, job.decisions, device.kind)  # decided here, where the device is known
-        log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
-        mlflow.set_tags(device.tags)
-        result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models, settings=settings)
-    except BaseException as error:
-        mlflow.log_text(traceback.format_exc(), "traceback.txt")
-        interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
-        mlflow.end_run("KILLED" if interrupted else "FAILED")
-        raise
+                                 JOB_TRACKING_URI_TAG: job.tracking_uri, **job_owner_tags(),
+                                 **fold_lease.lease_tags(owner)})
+    with fold_lease.Heartbeat(client, run.info.run_id, lease_s / 5):  # renewed while the fold trains
+        try:
+            mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
+            device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
+            settings = resolve_on_device(cfg, job.decisions, device.kind)  # decided where the device is known
+            log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
+            mlflow.set_tags(device.tags)
+            result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models,
+                                settings=settings)
+        except BaseException as error:
+            mlflow.log_text(traceback.format_exc(), "traceback.txt")
+            interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
+            mlflow.end_run("KILLED" if interrupted else "FAILED")
+            raise
     mlflow.end_run(FINISHED)
     shutil.rmtree(work_dir, ignore_errors=True)  # the model and the tables now live in the tracking store
     result.run_id, result.seed = run.info.run_id, job.seed

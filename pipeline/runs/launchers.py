@@ -27,6 +27,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from pipeline.runs.fold_job import FoldJob, FoldResult, run_fold_job
+from pipeline.runs.tracking_server import PASSWORD_ENV, USERNAME_ENV, tracking_access_problem, uri_has_credentials
 from pipeline.utils.cpus import available_cpus
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ def check_launcher(launcher: DictConfig, tracking_uri: str) -> None:
     """Refuse, before any work, a launcher that cannot run here."""
     if launcher.name not in LAUNCHERS:
         raise LauncherError(f"unknown launcher {launcher.name!r}; known: {', '.join(LAUNCHERS)}")
+    if uri_has_credentials(tracking_uri):  # the URI goes into job files and run tags
+        raise LauncherError(f"the tracking URI carries a user or password; it is written into job files and run tags. "
+                            f"Use {USERNAME_ENV} and {PASSWORD_ENV} (MLflow reads them) and a URI without them")
     if launcher.name != "slurm":
         return
     if shutil.which("sbatch") is None:
@@ -66,6 +70,9 @@ def check_launcher(launcher: DictConfig, tracking_uri: str) -> None:
             f"{tracking_uri!r}: a sqlite file must not be written by several nodes (and is unsafe on NFS). Start "
             f"one on the login node, e.g. `make server SERVER_HOST=0.0.0.0 SERVER_STORE=postgresql://...` (see the "
             f"README), then `export MLFLOW_TRACKING_URI=http://<login-node>:5000` and run `make cv` again.")
+    problem = tracking_access_problem(tracking_uri)
+    if problem:
+        raise LauncherError(f"LAUNCHER=slurm: {problem}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,9 +11,15 @@ the model; it only instantiates `PainMlflowModel`). What MLflow stores besides:
 - `metadata`: where the weights come from (source CV run, final or fold run, git commit), shown in the MLmodel file.
 
 Input: a DataFrame, one row per frame in time order, with column `image` (the frame as a base64-encoded PNG or JPEG)
-or column `path` (an image file the scoring process can read). Output: a DataFrame with `frame` (the row's position),
+or column `path` (an image file under the folder the scoring process allows, `ServingLimits.path_root`; off unless
+set). Output: a DataFrame with `frame` (the row's position),
 `face_found`, `pain_probability` (1 - P(no pain); NaN without a face) and `pain` (probability >= threshold; null
 without a face). The rows of one request are one sequence: the same person is followed through them.
+
+What one request may ask is bounded (`ServingLimits`, read from the environment when the model is loaded): frames per
+request, the folder `path` inputs may read, the seconds it may take. A request over a limit, or with an unreadable
+frame, gets a one-line `MlflowException` (HTTP 400, 504 for the time limit) that names the row or the limit, never a
+stack trace.
 
 Every way of scoring with a trained model (`make predict` with MODEL_URI=, RUN= or the champion, `make export`, the
 served model) builds its `FrameScorer` through `build_scorer`, called by `PainMlflowModel.load_context`.
@@ -23,7 +29,10 @@ from __future__ import annotations
 
 import base64
 import math
+import os
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +40,8 @@ import cv2
 import mlflow
 import numpy as np
 import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED, INVALID_PARAMETER_VALUE
 from omegaconf import OmegaConf
 
 from pipeline.models.model_file import load_model_file
@@ -44,10 +55,67 @@ REQUIREMENTS = ("torch", "torchvision", "timm", "transformers", "albumentations"
                 "numpy", "mtcnn", "joblib", "mlflow", "omegaconf")
 
 
+MAX_SIDE = 4096  # pixels: a frame larger than this on either side is refused (a camera frame is far smaller)
+SCORE_CHUNK = 8  # frames scored between two looks at the request's deadline
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """What one scoring request may ask. Read from the environment when the model is loaded (`make serve` sets the
+    variables from its `serve` settings); the defaults are what a model loaded anywhere else gets."""
+
+    path_root: Path | None = None  # the folder `path` inputs may read (resolved); None: `path` inputs are refused
+    max_frames: int = 64  # frames (rows) per request
+    max_body_mb: float = 32.0  # request body, enforced by the HTTP server in front (pipeline.deployment.serving)
+    timeout_s: float = 30.0  # seconds one request may take
+
+    ENV = {"path_root": "PAIN_SERVE_PATH_ROOT", "max_frames": "PAIN_SERVE_MAX_FRAMES",
+           "max_body_mb": "PAIN_SERVE_MAX_BODY_MB", "timeout_s": "PAIN_SERVE_TIMEOUT_S"}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ServingLimits:
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for key, name in cls.ENV.items():
+            raw = env.get(name, "").strip()
+            if not raw:
+                continue
+            if key == "path_root":
+                root = Path(raw).expanduser().resolve()
+                if not root.is_dir():
+                    raise ValueError(f"{name}={raw}: no such folder")
+                values[key] = root
+                continue
+            try:
+                number = int(raw) if key == "max_frames" else float(raw)
+            except ValueError:
+                raise ValueError(f"{name}={raw}: not a number") from None
+            if not number > 0:
+                raise ValueError(f"{name}={raw}: must be above 0")
+            values[key] = number
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that give a scoring process these limits."""
+        return {name: "" if getattr(self, key) is None else str(getattr(self, key)) for key, name in self.ENV.items()}
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)
+
+
+def rejected(message: str) -> MlflowException:
+    """A request the model refuses: one line, HTTP 400, no stack trace."""
+    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
+
+
 def decode_image(value: str | bytes) -> np.ndarray:
     """A base64-encoded PNG/JPEG (str or bytes) -> BGR frame; an undecodable one is an error."""
-    data = base64.b64decode(value) if isinstance(value, str) else bytes(value)
-    frame = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    try:
+        data = base64.b64decode(value, validate=isinstance(value, str)) if isinstance(value, str) else bytes(value)
+    except ValueError:
+        raise ValueError("an 'image' value is not base64 text") from None
+    frame = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR) if data else None
     if frame is None:
         raise ValueError("an 'image' value is not a base64-encoded PNG or JPEG")
     return frame
@@ -61,24 +129,50 @@ def encode_image(frame_bgr: np.ndarray, fmt: str = ".png") -> str:
     return base64.b64encode(encoded.tobytes()).decode("ascii")
 
 
-def frames_from_input(model_input: pd.DataFrame | list | dict) -> list[np.ndarray]:
-    """The request's frames in row order, from column `image` (base64) or `path` (readable image files)."""
+def allowed_path(value: str, root: Path | None) -> Path:
+    """`value` as a file under `root`, resolved (symlinks followed, `..` collapsed) before the check, so no name
+    reaches outside it; relative names are taken from `root`. The refusal reads the same whether the file exists."""
+    if root is None:
+        raise ValueError(f"'path' inputs are off on this server (send the frame as 'image'; "
+                         f"{ServingLimits.ENV['path_root']}=<folder> allows one folder)")
+    resolved = (root / value).resolve()
+    if not resolved.is_relative_to(root):
+        raise ValueError(f"path {value!r} is outside the folder this server reads from")
+    return resolved
+
+
+def read_allowed(value: str, root: Path | None) -> np.ndarray:
+    file = allowed_path(value, root)
+    frame = cv2.imread(str(file), cv2.IMREAD_COLOR) if file.is_file() else None
+    if frame is None:
+        raise ValueError(f"no readable image file {value!r} in the folder this server reads from")
+    return frame
+
+
+def frames_from_input(model_input: pd.DataFrame | list | dict, limits: ServingLimits | None = None) -> list[np.ndarray]:
+    """The request's frames in row order, from column `image` (base64) or `path` (a file under `limits.path_root`);
+    at most `limits.max_frames`. Errors are `MlflowException`s of one line naming the row."""
+    limits = limits or ServingLimits()
     table = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
+    if len(table) > limits.max_frames:
+        raise rejected(f"{len(table)} frames in one request; the limit is {limits.max_frames} "
+                       f"({ServingLimits.ENV['max_frames']}): send the sequence in parts")
     frames = []
     for row, record in enumerate(table.to_dict("records")):
         image, path = record.get("image"), record.get("path")
-        if isinstance(image, str | bytes) and len(image):
-            try:
-                frames.append(decode_image(image))
-            except ValueError as error:
-                raise ValueError(f"row {row}: {error}") from None
-        elif isinstance(path, str) and path:
-            frame = cv2.imread(path, cv2.IMREAD_COLOR)
-            if frame is None:
-                raise ValueError(f"row {row}: cannot read image file {path!r}")
-            frames.append(frame)
-        else:
-            raise ValueError(f"row {row}: needs an 'image' (base64 PNG/JPEG) or a 'path' value")
+        try:
+            if isinstance(image, str | bytes) and len(image):
+                frame = decode_image(image)
+            elif isinstance(path, str) and path:
+                frame = read_allowed(path, limits.path_root)
+            else:
+                raise ValueError("needs an 'image' (base64 PNG/JPEG) or a 'path' value")
+        except ValueError as error:
+            raise rejected(f"row {row}: {error}") from None
+        if max(frame.shape[:2]) > MAX_SIDE:
+            raise rejected(f"row {row}: a frame of {frame.shape[1]} x {frame.shape[0]} pixels; the limit is "
+                           f"{MAX_SIDE} on either side")
+        frames.append(frame)
     return frames
 
 
@@ -86,6 +180,24 @@ def member_order(name: str) -> int:
     """Ensemble members are artifacts `weights_1`, `weights_2`, ...: their order, -1 for anything else."""
     tail = name.rsplit("_", 1)[-1]
     return int(tail) if name.startswith(f"{WEIGHTS_ARTIFACT}_") and tail.isdigit() else -1
+
+
+def score_within(scorer: FrameScorer, frames: Sequence[np.ndarray], deadline: float, limit_s: float) -> pd.DataFrame:
+    """`scorer.score(frames)` in chunks, one person followed through them, stopped with a one-line error (HTTP 504)
+    once `deadline` (time.monotonic) has passed: a slow request frees the server instead of holding it."""
+    follower = scorer.follower()
+    parts = []
+    for start in range(0, max(len(frames), 1), SCORE_CHUNK):
+        if time.monotonic() > deadline:
+            raise MlflowException(f"the request ran over its time limit of {limit_s:g} s "
+                                  f"({ServingLimits.ENV['timeout_s']}); send fewer frames",
+                                  error_code=DEADLINE_EXCEEDED)
+        parts.append(scorer.score(frames[start:start + SCORE_CHUNK], follower))
+    table = pd.concat(parts, ignore_index=True)
+    table["frame"] = np.arange(len(table))
+    return table
+
+
 
 
 def build_scorer(artifacts: Mapping[str, str | Path], config: Mapping[str, Any]) -> FrameScorer:
@@ -110,9 +222,16 @@ class PainMlflowModel(mlflow.pyfunc.PythonModel):
         self.config = dict(context.model_config or {})
         self.artifacts = dict(context.artifacts)
         self.scorer = build_scorer(self.artifacts, self.config)
+        self.limits = ServingLimits.from_env()
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        return self.scorer.score(frames_from_input(model_input))[list(OUTPUT_COLUMNS)]
+        """The frames' table; `params={"timeout_s": s}` shortens (never lengthens) this request's time limit."""
+        started = time.monotonic()
+        limits = getattr(self, "limits", None) or ServingLimits()
+        asked = float((params or {}).get("timeout_s") or 0.0)
+        limit_s = min(limits.timeout_s, asked) if asked > 0 else limits.timeout_s
+        frames = frames_from_input(model_input, limits)
+        return score_within(self.scorer, frames, started + limit_s, limit_s)[list(OUTPUT_COLUMNS)]
 
 
 def load_scorer(model_uri: str, device: str = "cpu", min_face_fraction: float | None = None) -> FrameScorer:
@@ -170,15 +289,17 @@ def log_fold_model(cfg, weights_path: Path, fold: int, class_names: list[str], w
 
 
 def signature():
-    """Input: `image` (base64 PNG/JPEG) or `path`; output: the per-frame table."""
+    """Input: `image` (base64 PNG/JPEG) or `path`; param `timeout_s` (a shorter time limit); output: the per-frame
+    table."""
     from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, Schema
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
     inputs = Schema([ColSpec("string", "image", required=False), ColSpec("string", "path", required=False)])
     outputs = Schema([ColSpec("long", "frame"), ColSpec("boolean", "face_found"),
                       ColSpec("double", "pain_probability", required=False), ColSpec("boolean", "pain",
                                                                                     required=False)])
-    return ModelSignature(inputs=inputs, outputs=outputs)
+    params = ParamSchema([ParamSpec("timeout_s", "double", 0.0)])  # 0: the server's limit
+    return ModelSignature(inputs=inputs, outputs=outputs, params=params)
 
 
 def synthetic_frames(n: int = 2, start: int = 60) -> list[np.ndarray]:

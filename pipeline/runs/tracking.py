@@ -37,6 +37,14 @@ UI_WORKFLOW = "machine_learning"
 # attempts is FINISHED, and the newest such attempt is the one that counts.
 RUN_KIND_TAG = "painvit.run_kind"
 CV_RUN, FOLD_RUN, FINAL_RUN, COMPARISON_RUN = "cv", "fold", "final", "comparison"
+# A hyper-parameter search (`make tune`, pipeline.runs.tuning) is a parent run tagged TUNING_RUN with one child per
+# (fold, trial) tagged TRIAL_RUN: never a CV_RUN or FOLD_RUN, so no CV view or comparison takes a trial for a fold.
+# The tuned cross-validation it leads to is a CV_RUN with TUNED_TAG=true and its budget tags (TUNE_BUDGET_TAGS).
+TUNING_RUN, TRIAL_RUN = "tuning", "trial"
+TRIAL_TAG = "painvit.trial"  # the Optuna trial number of a trial run
+TUNED_TAG = "painvit.tuned"  # "true" on a tuned CV's parent; absent on a CV of the hand-picked settings
+TUNE_BUDGET_TAGS = ("painvit.tune_trials", "painvit.tune_scope", "painvit.tune_space_sha256")
+TUNING_RUN_TAG = "painvit.tuning_run_id"  # on a tuned CV's parent: its search
 PARENT_TAG = "mlflow.parentRunId"
 FOLD_TAG = "fold"
 SEED_TAG = "seed"  # the training seed a fold run used (the config's, or one of cv.seeds)
@@ -93,6 +101,24 @@ def finished_fold_runs(client: MlflowClient, parent_run_id: str, seed: int | Non
         if run.info.status == FINISHED:
             finished.setdefault(int(run.data.tags[FOLD_TAG]), run)
     return finished
+
+
+def tune_budget(run: Run) -> dict[str, str]:
+    """A tuned CV's search budget (trials, scope, search-space hash) from its parent's tags; {} for an untuned CV.
+    Two CVs are compared only when their budgets are equal (`make compare`)."""
+    if run.data.tags.get(TUNED_TAG) != "true":
+        return {}
+    return {tag.removeprefix("painvit.tune_"): run.data.tags.get(tag, "") for tag in TUNE_BUDGET_TAGS}
+
+
+def parse_tune_budget(text: str) -> dict[str, str]:
+    """`trials=20,scope=per_fold,space_sha256=<16 hex>` (as `make compare TUNED=...` takes it) as a budget."""
+    budget = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+    expected = {tag.removeprefix("painvit.tune_") for tag in TUNE_BUDGET_TAGS}
+    if set(budget) != expected:
+        raise ValueError(f"a tuning budget names {', '.join(sorted(expected))} (key=value, comma-separated), "
+                         f"not {text!r}; or say `latest`")
+    return budget
 
 
 def artifact_root(project_root: Path) -> str:

@@ -1,4 +1,7 @@
-"""Atomic file writes: a killed run leaves either the old file or the complete new one, never half of one."""
+"""Atomic file writes: a killed run leaves either the old file or the complete new one, never half of one.
+
+The new file's data is flushed to disk (fsync) before the rename, and the folder after it, so a node that loses power
+also keeps the old file or the complete new one (`durable=False` skips both, for scratch files)."""
 
 from __future__ import annotations
 
@@ -40,7 +43,8 @@ def _file_mode(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, suffix: str | None = None, mode: int | None = None) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, suffix: str | None = None, mode: int | None = None,
+                durable: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success it is renamed onto `path`, on error it is removed.
 
     The temporary file keeps `path`'s suffix by default because some writers (OpenCV's VideoWriter, cv2.imwrite)
@@ -56,10 +60,31 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None, mode: int | 
         yield tmp
         with contextlib.suppress(OSError):  # some network filesystems refuse chmod; the file is still written
             os.chmod(tmp, mode if mode is not None else _file_mode(path))  # readable like the user's other files
+        if durable:
+            fsync_file(tmp)
         os.replace(tmp, path)
+        if durable:
+            fsync_folder(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a written file's data and size to the disk."""
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def fsync_folder(folder: Path) -> None:
+    """Flush a folder's entries (a rename into it) to the disk; a filesystem that cannot (some network ones) is
+    skipped."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

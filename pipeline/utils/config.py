@@ -15,17 +15,19 @@ from pipeline.utils.paths import PROJECT_ROOT
 CONFIG_DIR = PROJECT_ROOT / "configs"
 
 
-def load_config(overrides: Sequence[str] = (), config_dir: Path = CONFIG_DIR) -> DictConfig:
+def load_config(overrides: Sequence[str] = (), config_dir: Path = CONFIG_DIR, groups: Sequence[str] = ()) -> DictConfig:
     """Compose configs/config.yaml with overrides; unknown keys are errors (no `+key=` additions).
 
     As under @hydra.main, ${hydra:runtime.choices.<group>} is the option chosen for a group (the protocol and task
-    files take their name from it); the hydra node itself is left out of the result.
+    files take their name from it); the hydra node itself is left out of the result. `groups` ("tune=default") are
+    groups a command adds to the defaults list (`make tune`'s `tune` section), so other commands' configs lack them.
     """
     added = [o for o in overrides if o.lstrip().startswith("+")]
     if added:
         raise ValueError(f"adding keys is not allowed ({', '.join(added)}): every key must exist in configs/")
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+        cfg = compose(config_name="config", overrides=[f"+{group}" for group in groups] + list(overrides),
+                      return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
     with open_dict(cfg):
         del cfg["hydra"]

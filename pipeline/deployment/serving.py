@@ -1,0 +1,170 @@
+"""`make serve`: MLflow's scoring server for a pain model, behind a guard that bounds what a request may ask.
+
+The app that answers is MLflow's own (`mlflow.pyfunc.scoring_server`: `/invocations`, `/ping`, `/health`,
+`/version`, the same JSON formats as `mlflow models serve`), served by uvicorn in this process. In front of it,
+`RequestGuard`:
+
+- refuses a body over `serve.max_body_mb` with 413 before the model sees it (the declared length, or the bytes
+  received so far: a body without a length cannot go round the limit);
+- turns every error answer into one line of JSON, `{"error_code": ..., "message": ...}`: no stack trace, no echo of
+  the request's data;
+- names the time limit in the 504 of a request that ran over it.
+
+The model itself (`pipeline.runs.mlflow_model`) refuses more than `serve.max_frames` frames, `path` inputs unless
+`serve.path_root` names a folder (then only files under it, resolved), and stops scoring at `serve.timeout_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from pipeline.runs import tracking
+from pipeline.runs.mlflow_model import ServingLimits
+from pipeline.runs.registry import champion_uri
+from pipeline.utils.paths import PROJECT_ROOT
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+MAX_MESSAGE = 300  # characters of an error message sent back
+
+
+def one_line(message: str) -> str:
+    """The part of an error message a client needs: MLflow's "Failed to predict data '<the request>'. Error: ..."
+    loses the echo of the request, then the first line, at most `MAX_MESSAGE` characters."""
+    if "\nError: " in message:
+        message = message.rsplit("\nError: ", 1)[1]
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    first = lines[0] if lines else "error"
+    return first if len(first) <= MAX_MESSAGE else first[: MAX_MESSAGE - 3] + "..."
+
+
+class RequestGuard:
+    """ASGI middleware: a body limit and one-line error answers around an ASGI app (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, limits: ServingLimits) -> None:
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limits.max_body_bytes
+        too_large = (413, "REQUEST_TOO_LARGE", f"request body over the limit of {self.limits.max_body_mb:g} MB "
+                                               f"({ServingLimits.ENV['max_body_mb']}): send fewer or smaller frames")
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self.answer(send, *too_large)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > limit:
+                await self.answer(send, *too_large)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        start: Message = {}
+        held = bytearray()
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                if message["status"] < 400:
+                    await send(message)
+                return
+            if message["type"] != "http.response.body" or start.get("status", 200) < 400:
+                await send(message)
+                return
+            held.extend(message.get("body", b""))
+            if not message.get("more_body", False):
+                await self.answer(send, start["status"], *self.error_of(start["status"], bytes(held)))
+
+        await self.app(scope, replay, guarded_send)
+
+    def error_of(self, status: int, body: bytes) -> tuple[str, str]:
+        """(error_code, one-line message) of an error answer from the app."""
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and "message" in parsed:
+            code, message = str(parsed.get("error_code") or "BAD_REQUEST"), str(parsed["message"])
+        else:
+            code, message = "BAD_REQUEST", body.decode("utf-8", "replace")
+        if status == 504 and "time limit" not in message:  # MLflow's own timeout, a little above the model's
+            code, message = "DEADLINE_EXCEEDED", (f"the request ran over its time limit of {self.limits.timeout_s:g} s"
+                                                  f" ({ServingLimits.ENV['timeout_s']})")
+        return code, one_line(message)
+
+    @staticmethod
+    async def answer(send: Send, status: int, code: str, message: str) -> None:
+        content = json.dumps({"error_code": code, "message": message}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(content)).encode())]})
+        await send({"type": "http.response.body", "body": content, "more_body": False})
+
+
+def limits_of(cfg: DictConfig, path_root: str | None = None) -> ServingLimits:
+    """The `serve` settings as limits; `path_root` (`make serve SERVE_PATH_ROOT=`) before `serve.path_root`, a relative
+    one taken from the current folder."""
+    root = path_root or cfg.serve.path_root
+    env = {ServingLimits.ENV["path_root"]: str(Path(str(root)).expanduser().resolve()) if root else "",
+           ServingLimits.ENV["max_frames"]: str(cfg.serve.max_frames),
+           ServingLimits.ENV["max_body_mb"]: str(cfg.serve.max_body_mb),
+           ServingLimits.ENV["timeout_s"]: str(cfg.serve.timeout_s)}
+    return ServingLimits.from_env(env)
+
+
+def guarded_app(model_path: str, limits: ServingLimits) -> ASGIApp:
+    """MLflow's scoring app for the model at `model_path` (a local folder), its model loaded with `limits`."""
+    from mlflow.pyfunc import scoring_server
+
+    os.environ.update(limits.to_env())  # what the model reads when it is loaded
+    # MLflow's own per-request timeout, kept above the model's so the model's one-line 504 answers first
+    os.environ["MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"] = str(int(limits.timeout_s) + 5)
+    model = scoring_server.load_model_with_mlflow_config(model_path)
+    return RequestGuard(scoring_server.init(model), limits)
+
+
+def run_serve(cfg: DictConfig, model_uri: str | None = None, path_root: str | None = None) -> None:
+    """`make serve [MODEL_URI=...] [SERVE_PATH_ROOT=...]`: the champion (or `model_uri`) on
+    http://<serve.host>:<serve.port>."""
+    import mlflow
+    import uvicorn
+    from mlflow.exceptions import MlflowException
+
+    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT))
+    uri = model_uri or champion_uri(cfg.model.name, cfg.task.name)
+    try:
+        limits = limits_of(cfg, path_root)
+        local = mlflow.artifacts.download_artifacts(uri)
+    except (ValueError, MlflowException) as error:
+        raise SystemExit(f"serve: {getattr(error, 'message', error)}") from None
+    app = guarded_app(local, limits)
+    paths = f"path inputs under {limits.path_root}" if limits.path_root else "path inputs off"
+    print(f"serving {uri} on http://{cfg.serve.host}:{cfg.serve.port}/invocations ({paths}; at most "
+          f"{limits.max_frames} frames, {limits.max_body_mb:g} MB, {limits.timeout_s:g} s per request)", flush=True)
+    uvicorn.run(app, host=str(cfg.serve.host), port=int(cfg.serve.port), log_level="warning")

@@ -1,0 +1,132 @@
+"""One fold trained once across machines: the lease in a real MLflow store (sqlite, as a tracking server keeps it),
+claimed by racing threads, waited for while its heartbeat lives, taken over once it stops."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from mlflow import MlflowClient
+
+from pipeline.runs import fold_lease
+from pipeline.runs.tracking import (
+    FOLD_RUN,
+    FOLD_TAG,
+    HOST_TAG,
+    PARENT_TAG,
+    PID_TAG,
+    RUN_KIND_TAG,
+    SLURM_JOB_TAG,
+    fold_runs,
+)
+
+
+@pytest.fixture(scope="module")
+def lease_store(tmp_path_factory) -> tuple[str, str]:
+    """One sqlite store for the module (creating one costs a second or two); each test has a parent run of its own."""
+    own = tmp_path_factory.mktemp("lease")
+    uri = f"sqlite:///{own / 'lease.db'}"
+    return uri, MlflowClient(uri).create_experiment("lease", artifact_location=str(own / "art"))
+
+
+def store(lease_store: tuple[str, str]) -> tuple[str, str, str]:
+    uri, experiment = lease_store
+    parent = MlflowClient(uri).create_run(experiment, tags={RUN_KIND_TAG: "cv"})
+    return uri, experiment, parent.info.run_id
+
+
+def fold_run(client: MlflowClient, experiment: str, parent: str, fold: int, tags: dict[str, str]):
+    return client.create_run(experiment, tags={PARENT_TAG: parent, RUN_KIND_TAG: FOLD_RUN, FOLD_TAG: str(fold),
+                                               **tags})
+
+
+def test_racing_claims_give_each_attempt_to_one_owner(lease_store) -> None:
+    uri, _, parent = store(lease_store)
+    won: dict[int, list[str]] = {fold: [] for fold in range(4)}
+    start = threading.Barrier(3)
+
+    def contender(owner: str) -> None:
+        client = MlflowClient(uri)  # one client (and connection pool) per contender, as on separate machines
+        start.wait()
+        for fold in won:
+            if fold_lease.claim(client, parent, fold, None, 1, owner, lease_s=60) == 1:
+                won[fold].append(owner)
+
+    threads = [threading.Thread(target=contender, args=(f"node{i}",)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(len(owners) == 1 for owners in won.values()), won
+    params = MlflowClient(uri).get_run(parent).data.params
+    for fold, owners in won.items():
+        assert params[fold_lease.claim_key(fold, None, 1)].split()[0] == owners[0]
+
+
+def test_a_live_lease_is_waited_for_and_a_dead_one_taken_over(lease_store) -> None:
+    uri, experiment, parent = store(lease_store)
+    client = MlflowClient(uri)
+    # fold 0: trained elsewhere right now (another host, a fresh heartbeat); the second job waits, then reuses it
+    other = fold_run(client, experiment, parent, 0, {**fold_lease.lease_tags("login2:77:abcd"), HOST_TAG: "login2"})
+    answer: dict = {}
+    waiter = threading.Thread(target=lambda: answer.update(result=fold_lease.acquire(
+        MlflowClient(uri), parent, 0, None, "login1:1:ef01", 60, lambda: fold_runs(client, parent, 0), poll_s=0.2)))
+    waiter.start()
+    time.sleep(1.0)
+    assert waiter.is_alive()  # still waiting: the fold is not trained twice
+    client.set_terminated(other.info.run_id, "FINISHED")
+    waiter.join(timeout=30)
+    attempt, finished = answer["result"]
+    assert attempt == 0 and finished.info.run_id == other.info.run_id
+
+    # fold 1: its node went silent (heartbeat older than the lease): taken over at once, the old attempt KILLED
+    silent = fold_run(client, experiment, parent, 1, {**fold_lease.lease_tags("login2:78:abcd"), HOST_TAG: "login2"})
+    client.set_tag(silent.info.run_id, fold_lease.HEARTBEAT_TAG, f"{time.time() - 600:.3f}")
+    attempt, finished = fold_lease.acquire(client, parent, 1, None, "login1:1:ef01", 60,
+                                           lambda: fold_runs(client, parent, 1))
+    assert attempt == 2 and finished is None
+    assert client.get_run(silent.info.run_id).info.status == "KILLED"
+
+    # fold 2: a job of this machine whose process is gone, heartbeat still fresh: no wait for the lease to run out
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    fold_run(client, experiment, parent, 2, {**fold_lease.lease_tags("me:1:0"), HOST_TAG: socket.gethostname(),
+                                             PID_TAG: str(gone.pid)})
+    started = time.monotonic()
+    attempt, _ = fold_lease.acquire(client, parent, 2, None, "login1:1:ef01", 60, lambda: fold_runs(client, parent, 2))
+    assert attempt == 2 and time.monotonic() - started < 5
+
+
+def test_a_requeued_slurm_task_takes_over_its_own_attempt_at_once(lease_store, monkeypatch) -> None:
+    uri, experiment, parent = store(lease_store)
+    client = MlflowClient(uri)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4240")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    # preempted on another node a moment ago: its heartbeat is fresh, but it is this very task before its requeue
+    before = fold_run(client, experiment, parent, 0, {**fold_lease.lease_tags("node7:9:abcd"), HOST_TAG: "node7",
+                                                      SLURM_JOB_TAG: "4240_0"})
+    started = time.monotonic()
+    attempt, _ = fold_lease.acquire(client, parent, 0, None, "node3:1:ef01", 60, lambda: fold_runs(client, parent, 0))
+    assert attempt == 2 and time.monotonic() - started < 5
+    assert client.get_run(before.info.run_id).info.status == "KILLED"
+
+
+def test_two_parents_created_at_once_become_one(lease_store) -> None:
+    uri, experiment, _ = store(lease_store)
+    client = MlflowClient(uri)
+    identity = {RUN_KIND_TAG: "cv", "model": "m", "config_sha256": "abc"}
+    killed_long_ago = client.create_run(experiment, start_time=int(time.time() * 1000) - 3_600_000, tags=identity)
+    other = client.create_run(experiment, tags={**identity, "config_sha256": "other"})
+    first = client.create_run(experiment, tags=identity)
+    second = client.create_run(experiment, tags=identity)
+    # each driver asks once its own parent is written; both go on with the same one, the other is deleted
+    assert fold_lease.first_of_twins(client, experiment, identity, second).info.run_id == first.info.run_id
+    assert fold_lease.first_of_twins(client, experiment, identity, first).info.run_id == first.info.run_id
+    assert client.get_run(second.info.run_id).info.lifecycle_stage == "deleted"
+    for kept in (killed_long_ago, other, first):  # an old killed CV and another CV are no twins
+        assert client.get_run(kept.info.run_id).info.lifecycle_stage == "active"

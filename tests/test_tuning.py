@@ -1,0 +1,209 @@
+"""`make tune` on the tiny synthetic twin: a real Optuna journal, real Lightning trials, a real sqlite MLflow store.
+
+One search is killed with SIGKILL in its first trial and run again; the resumed search then serves every check of the
+per-fold study (what it logged, where, what it chose) and is repeated on a copy of the data whose test labels are
+flipped, which must change nothing the study saw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import optuna
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+from omegaconf import OmegaConf
+
+from pipeline.data.fold_files import fold_subjects, read_folds
+from pipeline.runs import tracking
+from pipeline.runs.cv_runs import latest_finished_cvs as latest_cvs
+from pipeline.runs.fold_job import decide
+from pipeline.runs.tuning import (
+    CHOSEN_ARTIFACT,
+    TRIAL_STATE_TAG,
+    TuneWorker,
+    load_space,
+    make_pruner,
+    objective,
+    open_storage,
+    prepare_studies,
+    run_tune,
+    run_worker,
+)
+from pipeline.utils.config import load_config
+from pipeline.utils.paths import PROJECT_ROOT
+from tests.conftest import tiny_overrides
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# validation loss: a score that moves with every label, so "unchanged" below means the labels were never read
+FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
+        "loader.batch_size=8", "trainer.max_epochs=1", "trainer.patience=1", "trainer.folds=[0]", "augment=light",
+        "trainer.monitor=val/loss", "trainer.monitor_mode=min", "cv.log_models=false", "tune.trials=2")
+
+
+def tune_config(data: Path, *changes: str):
+    """The search's config over the tiny data in `data`, with `changes` (key=value) replacing what they name."""
+    keys = {change.split("=", 1)[0] for change in changes}
+    kept = [o for o in tiny_overrides(data, *FAST) if o.split("=", 1)[0] not in keys]
+    return load_config([*kept, *changes], groups=("tune=default",))
+
+
+def journal_trials(path: Path) -> list[optuna.trial.FrozenTrial]:
+    if not path.is_file():
+        return []
+    storage = open_storage(path)
+    return [t for study in storage.get_all_studies() for t in storage.get_all_trials(study._study_id)]
+
+
+def flipped_copy(base: Path, fold_file: Path, out: Path, role: str) -> Path:
+    """The processed data of `base` with every video of fold 0's `role` subjects given the other class."""
+    processed = out / "processed"
+    processed.mkdir(parents=True)
+    (processed / "crops").symlink_to(base / "processed" / "crops")
+    frames = pd.read_csv(base / "processed" / "frames.csv", dtype=str, keep_default_na=False)
+    members = fold_subjects(read_folds(fold_file), 0)[role]
+    swap = {"BL1": "PA4", "PA4": "BL1"}
+    chosen = frames["subject_name"].isin(members) & frames["class_name"].isin(swap)
+    frames.loc[chosen, "class_name"] = frames.loc[chosen, "class_name"].map(swap)
+    frames.to_csv(processed / "frames.csv", index=False)
+    return processed
+
+
+def test_a_killed_search_resumes_and_the_study_never_sees_test_subjects(tiny_base: Path, tmp_path: Path) -> None:
+    base = tmp_path / "store"
+    changes = (f"mlflow.tracking_uri=sqlite:///{base / 'mlflow.db'}", f"mlflow.artifact_root={base / 'art'}",
+               f"cv.work_dir={base / 'runs'}")
+    overrides = [o for o in tiny_overrides(tiny_base, *FAST) if o.split("=", 1)[0] not in
+                 {c.split("=", 1)[0] for c in changes}] + list(changes)
+    cfg = tune_config(tiny_base, *changes)
+    journals = base / "runs" / "optuna"
+
+    # 1. `make tune` in a process of its own, killed with SIGKILL while its first trial trains
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "pipeline", "tune", *overrides], cwd=PROJECT_ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        files = list(journals.glob("*.journal")) if journals.is_dir() else []
+        if files and any(t.state == optuna.trial.TrialState.RUNNING for t in journal_trials(files[0])):
+            break
+        time.sleep(0.1)
+    assert process.poll() is None, "the search ended before it could be killed"
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    (journal,) = journals.glob("*.journal")
+    assert [t.state.name for t in journal_trials(journal)] == ["RUNNING"]
+
+    # 2. the same command again: the dead trial is failed and retried, the study ends with exactly 2 finished trials
+    summary = run_tune(cfg)
+    assert "pooled/video_auroc" in summary
+    trials = journal_trials(journal)
+    finished = [t for t in trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+    assert [t.state.name for t in trials][0] == "FAIL" and len(finished) == 2
+    assert len({t.number for t in trials}) == len(trials)
+    assert len({json.dumps(t.params, sort_keys=True) for t in finished}) == 2  # no finished trial twice
+    defaults = load_space(cfg).defaults(cfg)
+    assert trials[0].user_attrs["default"] and trials[0].system_attrs["fixed_params"] == defaults
+    assert finished[0].params == defaults and finished[0].user_attrs["retry_of"] == 0  # today's settings, retried
+
+    # 3. what the store holds: a tuning run with one child per (fold, trial), never taken for a fold of a CV
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    experiment = client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id
+    (tuning,) = client.search_runs([experiment], f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.TUNING_RUN}'")
+    (cv,) = client.search_runs([experiment], f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'")
+    assert cv.info.status == "FINISHED" and tuning.info.status == "FINISHED"
+    assert cv.data.tags[tracking.TUNED_TAG] == "true" and cv.data.tags["painvit.tune_scope"] == "per_fold"
+    assert cv.data.tags[tracking.TUNING_RUN_TAG] == tuning.info.run_id and cv.data.tags["painvit.tune_trials"] == "2"
+    children = client.search_runs([experiment], f"tags.`{tracking.PARENT_TAG}` = '{tuning.info.run_id}'")
+    assert {c.data.tags[tracking.RUN_KIND_TAG] for c in children} == {tracking.TRIAL_RUN}
+    states = dict(sorted((c.data.tags[tracking.TRIAL_TAG], c.info.status) for c in children))
+    # the killed trial's run, if it had started one, is marked KILLED; the finished trials' runs are FINISHED
+    assert states.pop("0", "KILLED") == "KILLED" and states == {"1": "FINISHED", "2": "FINISHED"}
+    assert all(len(client.get_metric_history(c.info.run_id, "val/loss")) == 1 for c in children if c.data.metrics)
+    assert tracking.fold_runs(client, tuning.info.run_id) == []  # no CV view takes a trial for a fold
+    assert len(tracking.finished_fold_runs(client, cv.info.run_id)) == 1
+    chosen = json.loads(Path(client.download_artifacts(tuning.info.run_id, CHOSEN_ARTIFACT)).read_text())
+    best = min(finished, key=lambda t: t.value)
+    assert chosen["folds"]["0"]["params"] == best.params and chosen["folds"]["0"]["trial"] == best.number
+    on_cv = json.loads(Path(client.download_artifacts(cv.info.run_id, CHOSEN_ARTIFACT)).read_text())
+    assert on_cv["0"]["params"] == best.params
+    # make compare: tuned CVs are compared only among themselves, of one budget; untuned views do not see them
+    where = (client, [experiment], "synthetic", cfg.protocol.name, cfg.task.name)
+    assert latest_cvs(*where) == {}
+    assert [r.info.run_id for r in latest_cvs(*where, tuned="latest").values()] == [cv.info.run_id]
+    other = {**tracking.tune_budget(cv), "trials": "3"}
+    assert latest_cvs(*where, tuned=other) == {}
+    plots = {a.path for a in client.list_artifacts(tuning.info.run_id, "plots")}
+    assert any(p.endswith("_history.png") for p in plots)
+
+    # 4. the same study on data whose test labels are flipped: the same trials, values and choice
+    fold_file = Path(cv.data.tags["fold_file"])
+    flipped = flipped_copy(tiny_base, fold_file, tmp_path / "flipped", "test")
+    again = run_study(cfg, client, experiment, flipped, tmp_path / "flipped.journal")
+    assert [(t.params, t.value) for t in again] == [(t.params, t.value) for t in finished]
+    # ... while flipping the validation labels does change what the study sees (the check above can fail)
+    moved = run_study(cfg, client, experiment, flipped_copy(tiny_base, fold_file, tmp_path / "val", "val"),
+                      tmp_path / "val.journal", trials=1)
+    assert moved[0].value != finished[0].value
+
+
+def run_study(cfg, client: MlflowClient, experiment: str, processed: Path, journal: Path, trials: int = 2):
+    """Fold 0's study over `processed` in a journal of its own, trials logged under a tuning run of their own."""
+    changed = tune_config(Path(cfg.data.root).parent, f"data.processed_dir={processed}",
+                          f"mlflow.tracking_uri={cfg.mlflow.tracking_uri}", f"tune.trials={trials}")
+    decisions = decide(changed, Path(changed.fold_file))
+    run = client.create_run(experiment, tags={tracking.RUN_KIND_TAG: tracking.TUNING_RUN})
+    name = [("flipped-fold0", 0)]
+    prepare_studies(changed, journal, name, load_space(changed))
+    worker = TuneWorker(OmegaConf.to_container(changed, resolve=True), name, [0], str(journal), run.info.run_id,
+                        cfg.mlflow.tracking_uri, str(journal.parent / f"{journal.stem}-work"), asdict(decisions))
+    run_worker(worker)
+    return [t for t in journal_trials(journal) if t.state == optuna.trial.TrialState.COMPLETE]
+
+
+def test_pruning_stops_a_trial_below_the_median(tiny_base: Path, tmp_path: Path) -> None:
+    """A study whose earlier trial reached a validation loss of 0 after every epoch: a new trial's first epoch is
+    worse than that median, so it is stopped after it, not trained for its 3 epochs."""
+    cfg = tune_config(tiny_base, "trainer.max_epochs=3", "tune.pruner.n_warmup_steps=0",
+                      "tune.pruner.n_startup_trials=1", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    experiment = tracking.get_or_create_experiment("tune-tests", tmp_path / "art", client=client)
+    run = client.create_run(experiment, tags={tracking.RUN_KIND_TAG: tracking.TUNING_RUN})
+    study = optuna.create_study(direction="minimize", pruner=make_pruner(cfg.tune),
+                                sampler=optuna.samplers.RandomSampler(seed=0))
+    study.add_trial(optuna.trial.create_trial(value=0.0, intermediate_values={0: 0.0, 1: 0.0, 2: 0.0}))
+    worker = TuneWorker(OmegaConf.to_container(cfg, resolve=True), [("s", 0)], [0], "", run.info.run_id,
+                        cfg.mlflow.tracking_uri, str(tmp_path / "work"), asdict(decide(cfg, Path(cfg.fold_file))))
+    trial = study.ask()
+    with pytest.raises(optuna.TrialPruned):
+        objective(worker, load_space(cfg), trial, 0)
+    (child,) = client.search_runs([experiment], f"tags.`{tracking.PARENT_TAG}` = '{run.info.run_id}'")
+    assert child.data.tags[TRIAL_STATE_TAG] == "PRUNED" and child.data.metrics["epochs_trained"] == 1
+    assert len(client.get_metric_history(child.info.run_id, "val/loss")) == 1
+
+
+def test_every_backbone_has_a_search_space_that_starts_at_its_configured_settings() -> None:
+    """Each model config (on the twin, and ViT-B/16 on BioVid) composes with `tune`, finds its space, and today's
+    values lie inside it; a default outside its range is an error naming the file."""
+    from pipeline.runs.tuning import TuneError
+    from pipeline.utils.config import CONFIG_DIR
+
+    models = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml") if p.stem != "timm")
+    for overrides in [[f"model={m}"] for m in models] + [["model=vit_b16", "data=biovid", "data.root=/nowhere"]]:
+        cfg = load_config(overrides, groups=("tune=default",))
+        space = load_space(cfg)
+        assert set(space.defaults(cfg)) == {p.key for p in space.parameters}, overrides
+        assert all(p.log for p in space.parameters if p.key.endswith("_lr")), overrides
+    vit_ref = load_space(load_config(["model=vit_ref"], groups=("tune=default",)))
+    assert "model.optim.layer_decay" not in {p.key for p in vit_ref.parameters}  # removed by its own file
+    with pytest.raises(TuneError, match=r"spaces/default.yaml.*head_lr = 0.5"):
+        cfg = load_config(["model=mobilevit_xxs", "model.optim.head_lr=0.5"], groups=("tune=default",))
+        load_space(cfg).defaults(cfg)
