@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -19,6 +18,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 
 from pipeline.deployment.predict import run_predict, sampled_frames
+from pipeline.runs.launchers import stop_process_group
 from pipeline.runs.mlflow_model import ServingLimits, encode_image, frames_from_input
 from pipeline.utils.paths import PROJECT_ROOT
 
@@ -64,12 +64,7 @@ def server(untrained_model, tmp_path_factory):
             time.sleep(0.5)
         yield {"port": port, "allowed": allowed, "own": own, "log": own / "server.log"}
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+        stop_process_group(process)
         log.close()
 
 

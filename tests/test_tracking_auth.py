@@ -5,10 +5,8 @@ the same client and the same two variables.)"""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import time
@@ -21,6 +19,7 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
+from pipeline.runs.launchers import stop_process_group
 from pipeline.runs.tracking_server import PASSWORD_ENV, USERNAME_ENV, tracking_access_problem
 from pipeline.utils.paths import PROJECT_ROOT
 
@@ -81,13 +80,7 @@ def auth_server(tmp_path_factory):
             time.sleep(0.5)
         yield {"uri": uri, "password": password, "own": own, "env": env, "port": port}
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+        stop_process_group(process)
         log.close()
 
 

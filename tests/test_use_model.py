@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pipeline.deployment.final_model import read_split, run_final
 from pipeline.deployment.predict import run_predict, sampled_frames
 from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.runs.cross_validation import run_cv
+from pipeline.runs.launchers import stop_process_group
 from pipeline.runs.mlflow_model import encode_image
 from pipeline.runs.registry import CANDIDATE, CHAMPION, registered_name, run_promote
 from pipeline.utils.accelerator import training_device
@@ -172,12 +172,7 @@ def test_served_model_answers_as_predict_does(chain) -> None:
         with urllib.request.urlopen(post, timeout=120) as answer:
             served = pd.DataFrame(json.loads(answer.read())["predictions"])
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=10)
+        stop_process_group(server)
     assert list(served.frame) == list(range(6))
     assert list(served.face_found) == list(expected.face_found)
     np.testing.assert_allclose(served.pain_probability.astype(float), expected.pain_probability, atol=1e-6)

@@ -146,13 +146,7 @@ def tracking_server(backend_store_uri: str, artifact_root: str, port: int | None
         log.info("MLflow server %s over %s answered after %.1f s", uri, backend_store_uri, time.time() - started)
         yield uri
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_process_group(server, grace_s=15)
         Path(server_log.name).unlink(missing_ok=True)
 
 
@@ -365,3 +359,16 @@ def wait_slurm(job_ids: dict[int, str], report: Report, fold_status: Callable[[i
 
 def job_ids_tag(job_ids: dict[int, str]) -> str:
     return json.dumps({str(fold): job_id for fold, job_id in job_ids.items()})
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = 30) -> None:
+    """End a process started in its own session (`start_new_session=True`) and everything it started: SIGTERM to
+    the group, SIGKILL after `grace_s` seconds; gone already is fine."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
