@@ -107,8 +107,10 @@ def _balanced(labels: np.ndarray, called: np.ndarray) -> float:
     return float(balanced_accuracy_score(labels, called))
 
 
-def subject_intervals(videos: pd.DataFrame, class_names: Sequence[str], **options) -> dict[str, float]:
-    """Each subject metric with its subject-bootstrap interval: `<metric>`, `<metric>_ci95_low`, `_ci95_high`.
+def subject_intervals(videos: pd.DataFrame, class_names: Sequence[str], metrics: Sequence[str] | None = None,
+                      **options) -> dict[str, float]:
+    """Each subject metric (or only `metrics`) with its subject-bootstrap interval: `<metric>`, `<metric>_ci95_low`,
+    `_ci95_high`. Each metric's bootstrap draws from its own generator, so a subset gives the same values.
 
     Accuracy and balanced accuracy at the threshold are pooled over the videos (as a paper states them); the
     AUROC is the mean of the within-subject AUROCs (subjects without both classes left out).
@@ -134,6 +136,8 @@ def subject_intervals(videos: pd.DataFrame, class_names: Sequence[str], **option
     }
     result = {}
     for name, (value, groups, statistic) in estimates.items():
+        if metrics is not None and name not in metrics:
+            continue
         low, high = subject_bootstrap(groups, statistic, **options) if np.isfinite(value) else (np.nan, np.nan)
         result.update({name: value, f"{name}_ci95_low": low, f"{name}_ci95_high": high})
     return result
