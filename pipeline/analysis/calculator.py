@@ -149,15 +149,3 @@ def run_calc(cfg: DictConfig) -> str:
     text = report(cfg.model.name, cfg.model.img_size, int(cfg.loader.batch_size), get_task(cfg.task.name).n_classes)
     print(text)
     return text
-
-
-def closed_form_matches(model_name: str, img_size: int | None, n_classes: int = 1000) -> tuple[bool, bool]:
-    """Whether the closed-form parameter and MAC counts equal the counted ones (a plain ViT only)."""
-    net = build_on_meta(model_name, img_size, n_classes)
-    shape = vit_shape_of(net)
-    if shape is None:
-        raise ValueError(f"{model_name} is not a plain ViT: no closed form")
-    params = sum(v for *_, v in vit_parameter_parts(shape))
-    macs = sum(v for *_, v in vit_mac_parts(shape))
-    return params == parameter_count(net), macs == count_macs(net, input_size(net)).total
-

@@ -166,9 +166,3 @@ def load_samples(root: str | Path, subject_set: str = "all") -> tuple[pd.DataFra
     for line in report.lines():
         log.warning(line)
     return table.drop(columns="csv_line").reset_index(drop=True), report
-
-
-def subject_summary(samples: pd.DataFrame) -> pd.DataFrame:
-    """Samples per subject and class, for a quick look at the table."""
-    return samples.pivot_table(index="subject_name", columns="class_name", values="sample_name", aggfunc="count",
-                               fill_value=0)
