@@ -155,7 +155,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
         PROJECT_ROOT)
     experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
-    tags = cv_runs.identity_tags(cfg, fold_file)
+    tags = cv_runs.identity_tags(cfg, fold_file, weights)  # the weights file hashed once, by decide()
     plan = Plan(cfg, decisions, fold_ids, task.classes, tracking_uri, experiment_id, "", Path())
     parent = cv_runs.newest_cv(client, experiment_id, tags) if cfg.cv.resume == "auto" else None
     if parent is None and cfg.cv.resume == "auto":

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.data.fold_files import fold_file_sha256
 from pipeline.models.backbones import weights_source
 from pipeline.models.temporal_heads import HeadConfig
+from pipeline.models.weights import WeightsSource
 from pipeline.runs import tracking
 from pipeline.runs.fold_job import finetune_tags
 from pipeline.utils.paths import resolve_path
@@ -91,15 +92,17 @@ def chunks(items: list, size: int) -> Iterator[list]:
         yield items[start:start + size]
 
 
-def identity_tags(cfg: DictConfig, fold_file: Path) -> dict[str, str]:
-    """The tags that identify a cross-validation (tracking.IDENTITY_TAGS): what resume and `make table` look for."""
+def identity_tags(cfg: DictConfig, fold_file: Path, weights: WeightsSource | None = None) -> dict[str, str]:
+    """The tags that identify a cross-validation (tracking.IDENTITY_TAGS): what resume and `make table` look for.
+    `weights`: the initial weights as the plan already resolved them (resolved, and a weights file hashed, here
+    otherwise)."""
+    weights = weights or weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
     return {"model": cfg.model.name, "dataset": cfg.data.name, "protocol": cfg.protocol.name, "task": cfg.task.name,
             "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
             "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg),
             # what trains (full, frozen, top_blocks2, lora_r8) and the SHA-256 of the weights it starts from
             "finetune": finetune_tags(cfg)["finetune"],
-            "initial_weights": (weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights).sha256
-                                or "random"),
+            "initial_weights": weights.sha256 or "random",
             "head": HeadConfig.from_config(cfg.model.head).label}  # linear, or a temporal head and its mode
 
 
