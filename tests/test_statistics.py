@@ -106,3 +106,27 @@ def test_a_difference_smaller_than_the_seed_spread_is_not_significant_with_seeds
     # one seed each: the seed resampling changes nothing
     assert seed_aware_difference_interval(a[:, :1], b[:, :1]) == seed_aware_difference_interval(
         a[:, :1], b[:, :1], resample_seeds=False)
+
+
+def test_the_summed_counts_bootstrap_equals_resampling_the_videos_themselves() -> None:
+    """subject_intervals sums the resampled subjects' confusion counts; resampling their videos and computing each
+    metric from them with sklearn (`subject_bootstrap`, the same generator) gives the very same intervals, for two
+    and five classes, with classes some subjects lack."""
+    from sklearn.metrics import balanced_accuracy_score
+
+    for seed, names in ((0, ("BL1", "PA4")), (1, ("BL1", "PA1", "PA2", "PA3", "PA4"))):
+        rng = np.random.default_rng(seed)
+        k = len(names)
+        rows = [{"subject_name": f"s{s}", "label": int(rng.integers(0, k)), "decision": int(rng.integers(0, k)),
+                 **dict(zip([f"prob_{n}" for n in names], rng.dirichlet(np.ones(k)), strict=True))}
+                for s in range(9) for _ in range(int(rng.integers(1, 7)))]
+        videos = pd.DataFrame(rows)
+        fast = subject_intervals(videos, names, n_resamples=300)
+        arrays = [(g["label"].to_numpy(), g["decision"].to_numpy()) for _, g in videos.groupby("subject_name")]
+        slow = {
+            "accuracy_at_threshold": subject_bootstrap(arrays, lambda y, c: float((y == c).mean()), n_resamples=300),
+            "balanced_accuracy_at_threshold": subject_bootstrap(
+                arrays, lambda y, c: float(balanced_accuracy_score(y, c)), n_resamples=300),
+        }
+        for metric, (low, high) in slow.items():
+            assert (fast[f"{metric}_ci95_low"], fast[f"{metric}_ci95_high"]) == pytest.approx((low, high), abs=1e-12)

@@ -138,3 +138,18 @@ def test_threshold_spread_shrinks_with_more_validation_subjects() -> None:
     # medians 0.2 (of 0.1, 0.2, 0.3) and 0.7 (of 0.6, 0.7, 0.9): midpoint 0.45
     assert median_midpoint_threshold(np.array([0, 0, 0, 1, 1, 1]),
                                      np.array([0.1, 0.2, 0.3, 0.6, 0.7, 0.9])) == pytest.approx(0.45)
+
+
+def test_roc_points_are_sklearns_roc_curve() -> None:
+    """The fast ROC gives sklearn's points and cut points exactly, ties in the scores included."""
+    from sklearn.metrics import roc_curve
+
+    from pipeline.evaluation.thresholds import roc_points
+
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        labels = np.r_[0, 1, rng.integers(0, 2, int(rng.integers(0, 40)))]
+        scores = np.round(rng.random(labels.size), 1 if seed % 2 else 8)  # coarse scores: many ties
+        for ours, theirs in zip(roc_points(labels, scores), roc_curve(labels, scores, drop_intermediate=False),
+                                strict=True):
+            np.testing.assert_array_equal(ours, theirs)

@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
-from sklearn.metrics import roc_curve
 
 RULES = ("youden", "balanced_accuracy")
 FALLBACK_THRESHOLD = 0.5
@@ -47,6 +46,19 @@ class FoldDecision(NamedTuple):
     videos: pd.DataFrame
     metrics: dict[str, float]
     fallback: str = ""
+
+
+def roc_points(labels: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """False and true positive rates at every distinct score used as a cut point (score >= cut is positive), highest
+    cut first, after a first cut of +inf that calls nothing positive: `sklearn.metrics.roc_curve(labels, scores,
+    drop_intermediate=False)`, the same numbers, without its input checks (a fold's threshold spread computes
+    hundreds of these). `labels` are 0/1 with both present."""
+    order = np.argsort(scores, kind="mergesort")[::-1]
+    ranked, hits = scores[order], labels[order]
+    ends = np.r_[np.flatnonzero(np.diff(ranked)), ranked.size - 1]  # the last video of each group of equal scores
+    tps = np.r_[0, np.cumsum(hits)[ends]]
+    fps = np.r_[0, 1 + ends - tps[1:]]
+    return fps / fps[-1], tps / tps[-1], np.r_[np.inf, ranked[ends]]
 
 
 def parse_rule(rule: str | float) -> str | float:
@@ -84,7 +96,7 @@ def threshold_choice(labels: np.ndarray, scores: np.ndarray, rule: str | float =
         return ThresholdChoice(FALLBACK_THRESHOLD, ONE_CLASS)
     if np.all(scores == scores[0]):
         return ThresholdChoice(FALLBACK_THRESHOLD, ALL_EQUAL)
-    fpr, tpr, candidates = roc_curve(labels, scores, drop_intermediate=False)
+    fpr, tpr, candidates = roc_points(labels, scores)
     j = tpr - fpr
     if j.max() <= 1e-12:  # the all-positive and all-negative cuts have J = 0: nothing better exists
         return ThresholdChoice(FALLBACK_THRESHOLD, NO_BETTER_THAN_CHANCE)
@@ -158,7 +170,7 @@ def equal_error_threshold(labels: np.ndarray, scores: np.ndarray) -> float:
     """The cut point where the false positive rate is nearest the false negative rate (0.5 with one class)."""
     if len(np.unique(labels)) < 2:
         return FALLBACK_THRESHOLD
-    fpr, tpr, candidates = roc_curve(labels, scores, drop_intermediate=False)
+    fpr, tpr, candidates = roc_points(np.asarray(labels).astype(int), np.asarray(scores, dtype=float))
     finite = np.isfinite(candidates)
     gap = np.abs(fpr - (1 - tpr))[finite]
     return float(candidates[finite][int(np.argmin(gap))])
