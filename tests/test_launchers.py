@@ -130,14 +130,15 @@ def kill_9(driver: subprocess.Popen) -> None:
     driver.stderr.close()
 
 
-@pytest.mark.parametrize("workers", [0, 2])
 def test_kill_9_at_two_points_then_resume_gives_the_uninterrupted_results(tiny_base: Path, tmp_path: Path,
-                                                                          uninterrupted_folds: dict,
-                                                                          workers: int) -> None:
+                                                                          uninterrupted_folds: dict) -> None:
     """SIGKILL at two defined points of fold 1, each time rerunning the same command: (1) in its first epoch, before
     any epoch checkpoint of it exists, so it starts again from nothing; (2) once its epoch-1 checkpoint is on disk,
     so it continues from there. Every fold then has the per-fold test metrics of the run that was never interrupted
-    (deterministic algorithms, same seed), here with loader workers or without and the reference without."""
+    (deterministic algorithms, same seed). The killed runs load with two worker processes, the reference with none:
+    the resumed folds match it only if the workers' augmentation streams resume exactly too (the harder case; a run
+    without workers takes the same resume path minus the workers)."""
+    workers = 2
     db = tmp_path / "killed.db"
     extra = (*KILL_9, f"loader.num_workers={workers}", f"mlflow.tracking_uri=sqlite:///{db}",
              f"cv.work_dir={tmp_path / 'runs'}")

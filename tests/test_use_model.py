@@ -235,3 +235,22 @@ def test_run_and_the_fold_model_decide_alike_at_the_folds_own_threshold(chain) -
         pd.DataFrame({"image": [encode_image(f) for f in frames[:6]]}))
     assert list(served.pain) == list(ours.pain)
     np.testing.assert_allclose(served.pain_probability, ours.pain_probability, atol=1e-6)
+
+
+def test_requirement_mismatches_name_what_the_environment_lacks(tmp_path: Path) -> None:
+    """The load-time check `load_scorer` makes in place of MLflow's (which costs two seconds of every predict):
+    pins this environment meets pass (a local build label such as +cu130 included), others are named."""
+    from importlib import metadata
+
+    from pipeline.runs.mlflow_model import model_root, requirement_mismatches
+
+    (tmp_path / "MLmodel").write_text("flavors: {}\n")
+    (tmp_path / "artifacts").mkdir()
+    torch_version = metadata.version("torch")  # e.g. 2.14.1+cu130
+    (tmp_path / "requirements.txt").write_text(
+        f"numpy=={metadata.version('numpy')}\ntorch=={torch_version.split('+')[0]}\n# a comment\n-r other.txt\n"
+        "numpy==0.0.1\nno-such-package-anywhere==1.0\n")
+    assert model_root(tmp_path / "artifacts" / "model.pt") == tmp_path
+    assert requirement_mismatches(tmp_path) == [
+        f"numpy==0.0.1 (installed: {metadata.version('numpy')})", "no-such-package-anywhere==1.0 (not installed)"]
+    assert requirement_mismatches(None) == [] and requirement_mismatches(tmp_path / "artifacts") == []

@@ -21,7 +21,6 @@ import timm
 import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
-from transformers import CvtConfig, CvtModel
 
 from pipeline.models.vit_reference import ReferenceViT
 from pipeline.models.weights import (
@@ -193,6 +192,8 @@ class CvtBackbone(Backbone):
     """
 
     def __init__(self, name: str, variant: CvtVariant, img_size: int | None) -> None:
+        from transformers import CvtConfig, CvtModel  # here: a second of import that only a CvT needs
+
         config = CvtConfig(
             depth=list(variant.depth), embed_dim=list(variant.embed_dim), num_heads=list(variant.num_heads)
         )

@@ -6,6 +6,7 @@ can give another score, so every parent run carries the versions it was trained 
 
 from __future__ import annotations
 
+import functools
 import platform
 import subprocess
 import sys
@@ -41,9 +42,11 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
+@functools.lru_cache(maxsize=1)
 def pip_freeze() -> str:
     """`pip freeze` of this interpreter's environment; where pip is missing (a uv-made venv), the installed
-    distributions as `name==version`, which says the same minus the editable installs' locations."""
+    distributions as `name==version`, which says the same minus the editable installs' locations. Asked once per
+    process (half a second): `make table`'s CVs share one answer."""
     try:
         result = subprocess.run([sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True,
                                 timeout=120, check=True)

@@ -31,6 +31,7 @@ import base64
 import math
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,6 +222,7 @@ class PainMlflowModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         self.config = dict(context.model_config or {})
         self.artifacts = dict(context.artifacts)
+        self.model_dir = model_root(Path(self.artifacts[WEIGHTS_ARTIFACT]))
         self.scorer = build_scorer(self.artifacts, self.config)
         self.limits = ServingLimits.from_env()
 
@@ -234,16 +236,61 @@ class PainMlflowModel(mlflow.pyfunc.PythonModel):
         return score_within(self.scorer, frames, started + limit_s, limit_s)[list(OUTPUT_COLUMNS)]
 
 
+def model_root(artifact: Path) -> Path | None:
+    """The folder of the MLflow model (the one holding `MLmodel`) an artifact of it lies in; None if none does."""
+    return next((folder for folder in artifact.parents if (folder / "MLmodel").is_file()), None)
+
+
+def requirement_mismatches(model_dir: Path | None) -> list[str]:
+    """The model's pinned requirements (its requirements.txt) that this environment does not satisfy, one line
+    each: what MLflow's own load-time check reports, read from the installed distributions' versions directly
+    (MLflow's maps every installed package to its modules first: two seconds of every `make predict`)."""
+    from importlib import metadata
+
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.version import InvalidVersion, Version
+
+    path = model_dir / "requirements.txt" if model_dir else None
+    if path is None or not path.is_file():
+        return []
+    found = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line or line.startswith("-"):
+            continue
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            continue
+        try:
+            installed = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            found.append(f"{requirement} (not installed)")
+            continue
+        try:
+            public = Version(installed).public  # 2.14.1+cu130 satisfies torch==2.14.1, as MLflow has it
+        except InvalidVersion:
+            continue
+        if requirement.specifier and not requirement.specifier.contains(public, prereleases=True):
+            found.append(f"{requirement} (installed: {installed})")
+    return found
+
+
 def load_scorer(model_uri: str, device: str = "cpu", min_face_fraction: float | None = None) -> FrameScorer:
     """The scorer of the MLflow pain model at `model_uri` (models:/..., runs:/..., a path), loaded by MLflow's own
-    pyfunc loader (`PainMlflowModel.load_context` -> `build_scorer`), with the device and smallest face overridden."""
+    pyfunc loader (`PainMlflowModel.load_context` -> `build_scorer`), with the device and smallest face overridden.
+    Requirements the environment does not meet are warned about, as MLflow's loader would."""
     overrides: dict[str, Any] = {"device": device}
     if min_face_fraction is not None:
         overrides["min_face_fraction"] = float(min_face_fraction)
-    model = mlflow.pyfunc.load_model(model_uri, model_config=overrides)
+    model = mlflow.pyfunc.load_model(model_uri, model_config=overrides, suppress_warnings=True)
     python_model = model.unwrap_python_model()
     if not isinstance(python_model, PainMlflowModel):
         raise TypeError(f"{model_uri} is not a pain model (its python model is {type(python_model).__name__})")
+    mismatches = requirement_mismatches(getattr(python_model, "model_dir", None))
+    if mismatches:
+        warnings.warn(f"{model_uri} was saved with packages this environment does not have: "
+                      f"{'; '.join(mismatches)}. It may score differently or fail to load.", UserWarning, stacklevel=2)
     if any(python_model.config.get(key) != value for key, value in overrides.items()):
         # logged before `device` and `min_face_fraction` were model_config keys: MLflow ignores overrides of
         # keys a model lacks, so the scorer is made again with them
