@@ -1,19 +1,21 @@
 """`python -m tests.gated_cv FOLD EPOCH WHEN MARKER <pipeline cv overrides...>`: `pipeline cv`, held for good at one
 epoch checkpoint, so that a test can kill it at a defined point instead of at whatever moment a poll notices.
 
-When fold FOLD's `last.ckpt` of epoch EPOCH is about to be written (WHEN=before: none of that fold's epoch checkpoints
-exists yet if EPOCH is 0) or has been written (WHEN=after: that checkpoint is complete on disk), the process writes
-MARKER and sleeps until it is killed. The gate wraps the fold's checkpoint writer from the test side; the product has
-no such hook.
+When fold FOLD's `last.ckpt` of epoch EPOCH is about to be written (WHEN=before: none of that fold's epoch
+checkpoints exists yet if EPOCH is 0) or has been written (WHEN=after: that checkpoint is complete on disk), the
+process writes MARKER and sleeps until it is killed. WHEN=until: MARKER is a folder; about to write that checkpoint,
+the process writes MARKER/arrived_<pid> and waits until MARKER/release exists, then goes on. The gate wraps the
+fold's checkpoint writer from the test side; the product has no such hook.
 
-`install_rendezvous` is the other gate: each listed fold, about to write its first epoch checkpoint, waits until every
-listed fold has got that far, which proves that the folds ran at the same time without guessing how long they take.
-Fold jobs in their own processes (the parallel launcher) get it through a `sitecustomize` on their PYTHONPATH
+`install_rendezvous` is the other gate: each listed fold, about to write its first epoch checkpoint, waits until
+every listed fold has got that far, which proves that the folds ran at the same time without guessing how long they
+take. Fold jobs in their own processes (the parallel launcher) get it through a `sitecustomize` on their PYTHONPATH
 (`rendezvous_sitecustomize`).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,10 +33,18 @@ def install_gate(fold: int, epoch: int, when: str, marker: Path) -> None:
         while True:
             time.sleep(60)
 
+    def wait_for_release() -> None:
+        (marker / f"arrived_{os.getpid()}").write_text("arrived\n")
+        deadline = time.monotonic() + 600  # a bound for a broken test, never a wait of its own
+        while not (marker / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def gated(self, checkpoint, path, storage_options=None) -> None:
         here = Path(path).name == "last.ckpt" and Path(path).parent.name == f"fold_{fold}"
         if here and checkpoint["epoch"] == epoch and when == "before":
             hold()
+        if here and checkpoint["epoch"] == epoch and when == "until":
+            wait_for_release()
         write(self, checkpoint, path, storage_options)
         if here and checkpoint["epoch"] == epoch and when == "after":
             hold()
@@ -71,8 +81,8 @@ def rendezvous_sitecustomize(site_dir: Path, folds: list[int], folder: Path) -> 
 
 if __name__ == "__main__":
     fold, epoch, when, marker, *overrides = sys.argv[1:]
-    if when not in ("before", "after"):
-        raise SystemExit(f"WHEN must be before or after, got {when!r}")
+    if when not in ("before", "after", "until"):
+        raise SystemExit(f"WHEN must be before, after or until, got {when!r}")
     install_gate(int(fold), int(epoch), when, Path(marker))
     from pipeline.cli import main
 

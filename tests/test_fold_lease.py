@@ -130,3 +130,61 @@ def test_two_parents_created_at_once_become_one(lease_store) -> None:
     assert client.get_run(second.info.run_id).info.lifecycle_stage == "deleted"
     for kept in (killed_long_ago, other, first):  # an old killed CV and another CV are no twins
         assert client.get_run(kept.info.run_id).info.lifecycle_stage == "active"
+
+
+def test_two_make_cv_at_once_through_one_server_train_every_fold_once(tiny_base, tmp_path) -> None:
+    """Two drivers of the same CV (`pipeline cv`, as `make cv` runs it), started together through one tracking
+    server, each with its own work and lock folder (two machines). Whichever claims fold 0 is held inside it until
+    the other has said that it waits for that fold: the fold leases, not luck, keep them apart. Both finish, with
+    one parent between them, and every fold is trained by exactly one of them."""
+    from pipeline.runs.launchers import tracking_server
+    from pipeline.utils.paths import PROJECT_ROOT
+    from tests.conftest import tiny_overrides
+    from tests.test_cv import FAST
+    from tests.test_launchers import RUN_ENV, cv_parent, fold_children
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    settings = [o for o in FAST if not o.startswith(("trainer.folds", "trainer.max_epochs", "trainer.patience"))]
+    with tracking_server(f"sqlite:///{tmp_path / 'shared.db'}", str(tmp_path / "shared_artifacts")) as uri:
+        drivers = {}
+        for name in ("a", "b"):
+            command = [sys.executable, "-m", "tests.gated_cv", "0", "0", "until", str(gate),
+                       *tiny_overrides(tiny_base, *settings, "trainer.folds=[0,1]", "trainer.max_epochs=2",
+                                       "trainer.patience=2", f"mlflow.tracking_uri={uri}",
+                                       f"cv.work_dir={tmp_path / name / 'runs'}",
+                                       f"reports_dir={tmp_path / name / 'reports'}", "cv.lease_s=20")]
+            log = (tmp_path / f"{name}.log").open("w")
+            drivers[name] = (subprocess.Popen(command, cwd=PROJECT_ROOT, env=RUN_ENV, stdout=log,
+                                              stderr=subprocess.STDOUT, text=True), log)
+        try:
+            deadline = time.monotonic() + 600  # a bound for a broken run, not a guess at how long they take
+            # one driver holds fold 0 (its gate), the other says it waits for it
+            while not (list(gate.glob("arrived_*")) and any(
+                    "fold 0 is being trained by" in (tmp_path / f"{n}.log").read_text() for n in drivers)):
+                for name, (process, _) in drivers.items():
+                    assert process.poll() is None, (tmp_path / f"{name}.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "the drivers never met at fold 0"
+                time.sleep(0.2)
+            (gate / "release").write_text("go\n")
+            for name, (process, log) in drivers.items():
+                assert process.wait(timeout=600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+                log.close()
+        finally:
+            for process, log in drivers.values():
+                if process.poll() is None:
+                    process.kill()
+                log.close()
+        client = MlflowClient(uri)
+        (parent,) = cv_parent(client)  # the twin parent made at the same moment was folded into this one
+        children = fold_children(client, parent.info.run_id)
+    assert parent.info.status == "FINISHED"
+    assert sorted(c.data.tags[FOLD_TAG] for c in children) == ["0", "1"]  # one run per fold: none trained twice
+    assert all(c.info.status == "FINISHED" for c in children)
+    (holder,) = gate.glob("arrived_*")  # fold 0 reached its first checkpoint in one driver only ...
+    by_fold = {c.data.tags[FOLD_TAG]: c.data.tags[PID_TAG] for c in children}
+    assert by_fold["0"] == holder.name.removeprefix("arrived_")  # ... the one its run names
+    pids = {str(process.pid) for process, _ in drivers.values()}
+    assert set(by_fold.values()) <= pids
+    waiter = next(n for n, (process, _) in drivers.items() if str(process.pid) != by_fold["0"])
+    assert "fold 0 is being trained by" in (tmp_path / f"{waiter}.log").read_text()
