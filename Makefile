@@ -65,7 +65,7 @@ TABLE_OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) $(if $(BIOVID_ROOT),data.roo
 quote = '$(subst ','\'',$(1))'
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 
-.PHONY: help install lock data aug-preview cv embed tune compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data \
+.PHONY: help install lock data aug-preview cv embed pretrain tune compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data \
 	final promote predict serve export
 
 help: ## list the targets
@@ -102,6 +102,11 @@ cv: install ## cross-validate MODEL on DATA/PROTOCOL/TASK, tracked in MLflow
 
 embed: install ## the embedding cache of MODEL frozen (WEIGHTS=): what make cv ARGS="model.finetune=frozen" reads
 	$(PY) -m pipeline embed $(OVERRIDES)
+
+# `make pretrain`: TARGET=au (action units, default) | identity; starts from WEIGHTS= if given, else model.pretrained
+TARGET ?=
+pretrain: install ## a starting point for MODEL trained here on faces outside DATA's people, for WEIGHTS= (TARGET=au|identity)
+	$(PY) -m pipeline pretrain $(OVERRIDES) $(if $(TARGET),pretrain.target=$(TARGET))
 
 # `make tune`: TRIALS= per study (default configs/tune/default.yaml), SCOPE=per_fold | shared (optimistic)
 TRIALS ?=

@@ -6,6 +6,7 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline aug-preview [key=value ...]   PNG grid of augmented crops
     python -m pipeline cv          [key=value ...]   participant-grouped cross-validation, tracked in MLflow
     python -m pipeline embed       [key=value ...]   the embedding cache of a frozen backbone (model.finetune=frozen)
+    python -m pipeline pretrain    [key=value ...]   a starting point: the backbone trained on faces outside the dataset
     python -m pipeline compare     [key=value ...] [--tuned=latest|<trials>,<scope>,<space hash>]
                                        compare the backbones' latest cross-validations (untuned ones unless --tuned)
     python -m pipeline tune        [key=value ...]   per-fold hyper-parameter search, then the tuned CV (tune.*)
@@ -66,6 +67,12 @@ def _embed(cfg: DictConfig, **options) -> None:
     from pipeline.runs.embed import run_embed
 
     run_embed(cfg)
+
+
+def _pretrain(cfg: DictConfig, **options) -> None:
+    from pipeline.runs.pretrain import run_pretrain
+
+    run_pretrain(cfg)
 
 
 def _tune(cfg: DictConfig, **options) -> None:
@@ -165,7 +172,8 @@ def _ui_url(argv: list[str]) -> int:
 
 # commands over the composed config (key=value overrides, --name=value options)
 COMMANDS: dict[str, Callable[..., None]] = {
-    "data": _data, "aug-preview": _aug_preview, "cv": _cv, "embed": _embed, "tune": _tune, "compare": _compare,
+    "data": _data, "aug-preview": _aug_preview, "cv": _cv, "embed": _embed, "pretrain": _pretrain, "tune": _tune,
+    "compare": _compare,
     "inspect": _inspect, "calc": _calc, "table": _table, "final": _final, "promote": _promote, "predict": _predict,
     "serve": _serve,
     "export": _export,
@@ -174,8 +182,8 @@ COMMANDS: dict[str, Callable[..., None]] = {
 # tools with arguments of their own
 TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "tune-worker": _tune_worker,
                                                 "fold-files": _fold_files, "ui-url": _ui_url, "server": _server}
-# config groups a command adds to the defaults list: only `make tune` has a `tune` section
-COMMAND_GROUPS: dict[str, tuple[str, ...]] = {"tune": ("tune=default",)}
+# config groups a command adds to the defaults list: `make tune` has a `tune` section, `make pretrain` a `pretrain` one
+COMMAND_GROUPS: dict[str, tuple[str, ...]] = {"tune": ("tune=default",), "pretrain": ("pretrain=default",)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

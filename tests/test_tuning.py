@@ -207,3 +207,29 @@ def test_every_backbone_has_a_search_space_that_starts_at_its_configured_setting
     with pytest.raises(TuneError, match=r"spaces/default.yaml.*head_lr = 0.5"):
         cfg = load_config(["model=mobilevit_xxs", "model.optim.head_lr=0.5"], groups=("tune=default",))
         load_space(cfg).defaults(cfg)
+
+
+def test_two_parallel_workers_share_one_study_without_a_lost_trial(tiny_base: Path, tmp_path: Path) -> None:
+    """`make tune LAUNCHER=parallel JOBS=2`: two worker processes ask one study (a journal file) for trials through
+    one tracking server. Four trials asked, four finished, each number once, each with one finished trial run, and
+    every trial names the worker process that ran it."""
+    base = tmp_path / "store"
+    cfg = tune_config(tiny_base, f"mlflow.tracking_uri=sqlite:///{base / 'mlflow.db'}",
+                      f"mlflow.artifact_root={base / 'art'}", f"cv.work_dir={base / 'runs'}", "tune.trials=4",
+                      "launcher=parallel", "launcher.jobs=2")
+    summary = run_tune(cfg)
+    assert "pooled/video_auroc" in summary
+    (journal,) = (base / "runs" / "optuna").glob("*.journal")
+    trials = journal_trials(journal)
+    finished = [t for t in trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+    assert len(finished) == len(trials) == 4 and sorted(t.number for t in trials) == [0, 1, 2, 3]
+    pids = {t.user_attrs["pid"] for t in trials}
+    assert 1 <= len(pids) <= 2  # which worker asks first is the OS's choice; no trial is run by a third process
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    experiment = client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id
+    (tuning,) = client.search_runs([experiment], f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.TUNING_RUN}'")
+    children = client.search_runs([experiment], f"tags.`{tracking.PARENT_TAG}` = '{tuning.info.run_id}'")
+    assert sorted(c.data.tags[tracking.TRIAL_TAG] for c in children) == ["0", "1", "2", "3"]
+    assert all(c.info.status == "FINISHED" for c in children)
+    logs = sorted((base / "runs").rglob("worker_*.log"))
+    assert len(logs) == 2, logs  # two workers were started

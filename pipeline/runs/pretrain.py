@@ -1,0 +1,406 @@
+"""`make pretrain MODEL=...`: a starting point made here, on faces of people who are not in the dataset the backbone
+will be fine-tuned on, with a target other than pain.
+
+The mission's recipe starts from pretrained weights, and a machine without a model hub has none. This command trains
+the backbone (from whatever `model.pretrained` / `model.weights` give it: the hub cache, a file, or random weights)
+on a *pool* of faces, then writes the backbone's weights as a file that `WEIGHTS=` reads like any other, with its
+provenance beside it (`<file>.json`: the pool and its identities, the target, epochs, losses, SHA-256).
+
+Pools (`pretrain.pool`):
+
+- `synthetic`: identities drawn by the twin's generator from a seed of their own (`pretrain.synthetic.seed`), so no
+  person of the twin is among them. That is checked, not assumed: a pool whose roster shares a name or a look with
+  the twin's (same seed, or a chance collision) is refused before anything is generated. Videos and crops are made
+  like `make data` makes the twin's (same preprocessing), under `pretrain.pool_dir`.
+- `folder`: face crops a lab holds (`pretrain.folder.crops_dir`) with a labels CSV (`pretrain.folder.labels_csv`:
+  `crop_path` relative to the crops folder, `identity`, and the target columns). Identities that are subjects of the
+  CV dataset are refused by name.
+
+Targets (`pretrain.target`): `au`, the per-frame action-unit intensities (the twin's ground truth under
+`synthetic_regions/`: AU4, AU6/7, AU9/10, AU43; a folder's numeric columns, or `pretrain.folder.target_columns`),
+learnt by mean squared error, or `identity`, who it is, learnt by cross-entropy. Expressions are the pain signal's
+neighbours: the best video-only BioVid results pretrain on faces and expressions before fine-tuning on pain.
+
+A fifth of the pool's identities (at least one) are held out; their loss after each epoch, and the loss of always
+answering the training mean (or the most common identity's share), say whether the backbone learnt anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytorch_lightning as pl
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from pipeline.data.augment import build_eval_transform, build_train_transform
+from pipeline.data.biovid import load_samples
+from pipeline.data.face_crops import preprocess
+from pipeline.data.prepare import preprocess_config
+from pipeline.models.backbones import CvtBackbone, PainNet, TimmBackbone, create_backbone
+from pipeline.models.weights import sha256_of_file
+from pipeline.utils.accelerator import announce_device
+from pipeline.utils.atomic_io import atomic_path, atomic_write_text
+from pipeline.utils.devices import precision_for
+from pipeline.utils.paths import git_commit, resolve_path
+
+log = logging.getLogger(__name__)
+AU_COLUMNS = ("au4", "au6_7", "au9_10", "au43")  # the twin's per-frame action units (synthetic_regions/)
+TARGETS = ("au", "identity")
+POOLS = ("synthetic", "folder")
+# what makes a synthetic person recognisable: every drawn trait but the running number and the pain response
+LOOK_FIELDS = ("skin", "face_aspect", "face_scale", "hair_style", "hair", "hairline", "glasses", "beard", "iris",
+               "eye_spacing", "eye_width", "mouth_width", "brow_thickness")
+
+
+class PretrainError(SystemExit):
+    """A pool that cannot be used (shares people with the CV dataset, lacks files or columns): what to change."""
+
+
+@dataclass
+class Pool:
+    """Face crops and their targets: one row per crop (`path`, `identity`, target columns)."""
+
+    rows: pd.DataFrame
+    targets: list[str]  # the target columns (au), or ["identity"]
+    provenance: dict[str, Any]
+
+
+# --- who is in the pool ------------------------------------------------------------------------------------------
+
+
+def _synthetic_config(options: dict) -> Any:
+    from pipeline.data.synthetic import PRESETS
+
+    preset = options.pop("preset")
+    if preset not in PRESETS:
+        raise PretrainError(f"unknown synthetic preset {preset!r}; known: {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[preset], **{k: v for k, v in options.items() if v is not None})
+
+
+def twin_config(cfg: DictConfig) -> Any:
+    """The synthetic twin's generator config, as `make data` builds it from `data.synthetic`."""
+    options = OmegaConf.to_container(cfg.data.synthetic, resolve=True)
+    options.pop("workers", None)
+    return _synthetic_config(options)
+
+
+def pool_config(cfg: DictConfig) -> Any:
+    """The pool's generator config: `pretrain.synthetic` over the twin's look (difficulty, frame size)."""
+    options = OmegaConf.to_container(cfg.pretrain.synthetic, resolve=True)
+    options.setdefault("difficulty", cfg.data.synthetic.difficulty)
+    return _synthetic_config(options)
+
+
+def look(subject: Any) -> tuple:
+    return tuple(getattr(subject, name) for name in LOOK_FIELDS)
+
+
+def shared_identities(pool_subjects: list, dataset_subjects: list) -> list[str]:
+    """Pool subjects who are also in the dataset: the same name or the same look."""
+    names = {s.subject_name for s in dataset_subjects}
+    looks = {look(s) for s in dataset_subjects}
+    return [s.subject_name for s in pool_subjects if s.subject_name in names or look(s) in looks]
+
+
+def dataset_subject_names(cfg: DictConfig) -> set[str]:
+    """The CV dataset's participants by name: its frame table's, else its samples table's (none before make data)."""
+    frames = resolve_path(cfg.data.processed_dir) / "frames.csv"
+    if frames.is_file():
+        return set(pd.read_csv(frames, usecols=["subject_name"], dtype=str)["subject_name"])
+    root = cfg.data.root
+    samples = resolve_path(root) / "starting_point" / "samples.csv" if root else None
+    if samples is not None and samples.is_file():
+        return set(pd.read_csv(samples, sep="\t", usecols=["subject_name"], dtype=str)["subject_name"])
+    return set()
+
+
+def check_apart(cfg: DictConfig, pool_subjects: list) -> None:
+    """Refuse a synthetic pool that shares a person with the CV dataset (by name, and for the twin by look)."""
+    from pipeline.data.synthetic import make_subjects
+
+    others = make_subjects(twin_config(cfg)) if cfg.data.name == "synthetic" else []
+    shared = shared_identities(pool_subjects, others)
+    named = dataset_subject_names(cfg) & {s.subject_name for s in pool_subjects}
+    shared = sorted(set(shared) | named)
+    if shared:
+        raise PretrainError(
+            f"the pretraining pool shares {len(shared)} identit{'y' if len(shared) == 1 else 'ies'} with the "
+            f"{cfg.data.name} dataset the backbone will be fine-tuned on ({', '.join(shared[:5])}"
+            f"{', ...' if len(shared) > 5 else ''}): a pretrained starting point must not have seen its people. "
+            f"Choose another pretrain.synthetic.seed (the twin's is {cfg.data.synthetic.seed}).")
+
+
+# --- the pools -------------------------------------------------------------------------------------------------------
+
+
+def synthetic_pool(cfg: DictConfig, progress: bool = True) -> Pool:
+    """Generate (resumable) and crop the synthetic pool; targets from its ground truth."""
+    from pipeline.data.synthetic import CONFIG_JSON, REGIONS_DIR, generate, make_subjects
+
+    config = pool_config(cfg)
+    subjects = make_subjects(config)
+    check_apart(cfg, subjects)  # before anything is generated
+    pool_dir = resolve_path(cfg.pretrain.pool_dir) / f"seed{config.seed}_{cfg.pretrain.synthetic.preset}"
+    raw, processed = pool_dir / "raw", pool_dir / "processed"
+    print(f"pretraining pool: {len(subjects)} synthetic identities (seed {config.seed}, none of them in the "
+          f"{cfg.data.name} dataset) -> {pool_dir}", flush=True)
+    generate(raw, config, workers=cfg.data.synthetic.workers, progress=progress)
+    samples, _ = load_samples(raw, subject_set="all")
+    source = "synthetic:" + hashlib.sha256((raw / CONFIG_JSON).read_bytes()).hexdigest()
+    result = preprocess(samples, processed, preprocess_config(cfg), workers=cfg.preprocess.workers,
+                        progress=progress, device=cfg.preprocess.device, source=source)
+    frames = result.frames
+    rows = pd.DataFrame({"path": [str(processed / p) for p in frames["crop_path"]],
+                         "identity": frames["subject_name"].to_numpy(), "sample_name": frames["sample_name"],
+                         "frame_index": frames["frame_index"].astype(int)})
+    targets = ["identity"]
+    if cfg.pretrain.target == "au":
+        units = []
+        for (subject, sample), group in rows.groupby(["identity", "sample_name"], sort=False):
+            truth = pd.read_csv(raw / REGIONS_DIR / subject / f"{sample}.csv", usecols=["frame_index", *AU_COLUMNS])
+            units.append(group[["frame_index"]].reset_index().merge(truth, on="frame_index", how="left")
+                         .set_index("index")[list(AU_COLUMNS)])
+        rows = rows.join(pd.concat(units))
+        targets = list(AU_COLUMNS)
+    provenance = {"kind": "synthetic", "seed": config.seed, "preset": cfg.pretrain.synthetic.preset,
+                  "difficulty": config.difficulty, "folder": str(pool_dir), "generator_sha256": source.split(":")[1],
+                  "checked_apart_from": f"{cfg.data.name} (by name"
+                                        f"{' and look' if cfg.data.name == 'synthetic' else ''})"}
+    return Pool(rows, targets, provenance)
+
+
+def folder_pool(cfg: DictConfig) -> Pool:
+    """Crops and labels a lab holds; identities that are CV subjects are refused by name."""
+    folder = cfg.pretrain.folder
+    if not folder.crops_dir or not folder.labels_csv:
+        raise PretrainError("pretrain.pool=folder needs pretrain.folder.crops_dir (face crops) and "
+                            "pretrain.folder.labels_csv (crop_path, identity, target columns)")
+    crops, labels_csv = resolve_path(folder.crops_dir), resolve_path(folder.labels_csv)
+    if not labels_csv.is_file():
+        raise PretrainError(f"pretrain.folder.labels_csv: {labels_csv} does not exist")
+    labels = pd.read_csv(labels_csv)
+    missing = [c for c in ("crop_path", "identity") if c not in labels.columns]
+    if missing:
+        raise PretrainError(f"{labels_csv}: no column(s) {', '.join(missing)} (needs crop_path, identity, targets)")
+    labels["identity"] = labels["identity"].astype(str)
+    shared = sorted(set(labels["identity"]) & dataset_subject_names(cfg))
+    if shared:
+        raise PretrainError(f"{labels_csv}: identities {', '.join(shared[:5])} are subjects of the {cfg.data.name} "
+                            "dataset the backbone will be fine-tuned on; a pretraining pool must not hold its people")
+    paths = [crops / p for p in labels["crop_path"]]
+    absent = [(i, p) for i, p in enumerate(paths) if not p.is_file()]
+    if absent:
+        row, path = absent[0]
+        raise PretrainError(f"{labels_csv} row {row + 2}: crop {path} does not exist ({len(absent)} missing in all)")
+    rows = pd.DataFrame({"path": [str(p) for p in paths], "identity": labels["identity"]})
+    targets = ["identity"]
+    if cfg.pretrain.target == "au":
+        chosen = list(folder.target_columns or [c for c in labels.columns if c not in ("crop_path", "identity")
+                                                 and pd.api.types.is_numeric_dtype(labels[c])])
+        if not chosen:
+            raise PretrainError(f"{labels_csv}: no numeric target column for pretrain.target=au")
+        bad = labels[chosen].isna().any(axis=1)
+        if bad.any():
+            raise PretrainError(f"{labels_csv} row {int(np.flatnonzero(bad)[0]) + 2}: a target value is missing")
+        rows = rows.join(labels[chosen].astype(float))
+        targets = chosen
+    return Pool(rows, targets, {"kind": "folder", "crops_dir": str(crops), "labels_csv": str(labels_csv),
+                                "labels_sha256": sha256_of_file(labels_csv)})
+
+
+# --- training --------------------------------------------------------------------------------------------------------
+
+
+class PoolDataset(Dataset):
+    def __init__(self, paths: list[str], targets: np.ndarray, transform) -> None:
+        self.paths, self.targets, self.transform = paths, targets, transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, item: int):
+        import cv2
+
+        image = cv2.imread(self.paths[item], cv2.IMREAD_COLOR)
+        if image is None:
+            raise FileNotFoundError(f"cannot read pretraining crop {self.paths[item]} (pool row {item})")
+        image = self.transform(image=cv2.cvtColor(image, cv2.COLOR_BGR2RGB))["image"]
+        return image, torch.as_tensor(self.targets[item])
+
+
+class PretrainModule(pl.LightningModule):
+    """Backbone + Linear(D, outputs): mean squared error on action units, or cross-entropy on identity."""
+
+    def __init__(self, net: PainNet, classify: bool, lr: float, backbone_lr: float, weight_decay: float) -> None:
+        super().__init__()
+        self.net, self.classify = net, classify
+        self.lr, self.backbone_lr, self.weight_decay = lr, backbone_lr, weight_decay
+        self.loss = nn.CrossEntropyLoss() if classify else nn.MSELoss()
+        self.history: list[dict[str, float]] = []
+        self._sums: dict[str, list[float]] = {}
+
+    def _step(self, batch, stage: str) -> torch.Tensor:
+        images, targets = batch
+        loss = self.loss(self.net(images).float(), targets)
+        total = self._sums.setdefault(stage, [0.0, 0.0])
+        total[0] += float(loss.detach()) * len(images)
+        total[1] += len(images)
+        return loss
+
+    def training_step(self, batch, batch_index: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch, batch_index: int) -> None:
+        self._step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        means = {stage: s / max(n, 1) for stage, (s, n) in self._sums.items()}
+        self.history.append({"epoch": self.current_epoch, "train_loss": means.get("train", math.nan),
+                             "val_loss": means.get("val", math.nan)})
+        print(f"pretrain epoch {self.current_epoch}: train loss {means.get('train', math.nan):.4f}, held-out "
+              f"loss {means.get('val', math.nan):.4f}", flush=True)
+        self._sums = {}
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([{"params": self.net.backbone.parameters(), "lr": self.backbone_lr},
+                                  {"params": self.net.head.parameters(), "lr": self.lr}],
+                                 weight_decay=self.weight_decay)
+
+
+def held_out(identities: list[str], share: float) -> set[str]:
+    """The identities kept out of training (the last `share` of them in sorted order, at least one of two+)."""
+    names = sorted(set(identities))
+    if len(names) < 2:
+        return set()
+    return set(names[-max(1, round(len(names) * share)):])
+
+
+def backbone_state(backbone) -> dict[str, torch.Tensor]:
+    """The backbone's weights in the layout `model.weights=` reads for its family: a timm model's own state dict
+    (no classifier), a CvT's `cvt.` / `layernorm.` keys (CvtForImageClassification's, less the classifier)."""
+    if isinstance(backbone, TimmBackbone):
+        state = backbone.model.state_dict()
+    elif isinstance(backbone, CvtBackbone):
+        state = backbone.state_dict()
+    else:
+        raise PretrainError(f"make pretrain writes timm and CvT backbones; {backbone.name} has no file layout for "
+                            "model.weights= here")
+    return {key: value.detach().cpu().contiguous() for key, value in state.items()}
+
+
+def weights_path(cfg: DictConfig, pool: Pool) -> Path:
+    where = pool.provenance.get("seed", "folder")
+    name = f"{cfg.model.name}_{cfg.pretrain.target}_{cfg.pretrain.pool}{where}_{int(cfg.model.img_size or 0)}px.pt"
+    return resolve_path(cfg.pretrain.out_dir) / name
+
+
+def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
+    """Build the pool, train, write the weights and their provenance; returns the weights file."""
+    p = cfg.pretrain
+    if p.target not in TARGETS or p.pool not in POOLS:
+        raise PretrainError(f"pretrain.target must be one of {TARGETS} and pretrain.pool one of {POOLS}; got "
+                            f"{p.target!r}, {p.pool!r}")
+    device = announce_device(cfg.trainer.accelerator)
+    pool = synthetic_pool(cfg, progress) if p.pool == "synthetic" else folder_pool(cfg)
+    rows = pool.rows
+    if rows.empty:
+        raise PretrainError("the pretraining pool has no face crops")
+    outside = held_out(rows["identity"].tolist(), float(p.held_out_share))
+    training, validation = rows[~rows["identity"].isin(outside)], rows[rows["identity"].isin(outside)]
+    classify = p.target == "identity"
+    if classify:
+        # the pool's identities are the classes, so nobody is held out: the last crop of every video is, instead
+        # (the same people, frames the backbone did not train on)
+        classes = sorted(set(rows["identity"]))
+        index = {name: i for i, name in enumerate(classes)}
+        video = rows["path"].map(lambda s: str(Path(s).parent))
+        last = rows.groupby(video)["path"].transform("max") == rows["path"]
+        training, validation = rows[~last], rows[last]
+        outside = set()
+
+        def encode(frame: pd.DataFrame) -> np.ndarray:
+            return frame["identity"].map(index).to_numpy(dtype=np.int64)
+
+        n_outputs = len(classes)
+    else:
+        def encode(frame: pd.DataFrame) -> np.ndarray:
+            return frame[pool.targets].to_numpy(dtype=np.float32)
+
+        n_outputs = len(pool.targets)
+    pl.seed_everything(int(cfg.seed), workers=True)
+    backbone, source = create_backbone(cfg.model.name, pretrained=cfg.model.pretrained, weights=cfg.model.weights,
+                                       img_size=cfg.model.img_size)
+    net = PainNet(backbone, n_outputs)
+    data_config = backbone.data_config
+    train_set = PoolDataset(training["path"].tolist(), encode(training),
+                            build_train_transform(data_config, cfg.augment, cfg.loader.crop_fraction))
+    val_set = PoolDataset(validation["path"].tolist(), encode(validation),
+                          build_eval_transform(data_config, cfg.loader.crop_fraction))
+    batch = int(p.batch_size or cfg.loader.batch_size)
+    workers = int(cfg.loader.num_workers)
+    loaders = {"train_dataloaders": DataLoader(train_set, batch_size=batch, shuffle=True, num_workers=workers,
+                                               drop_last=len(train_set) > batch),
+               "val_dataloaders": DataLoader(val_set, batch_size=batch, num_workers=workers)}
+    if len(val_set) == 0:
+        loaders.pop("val_dataloaders")
+    epochs = int(p.epochs or OmegaConf.select(p, f"presets.{cfg.model.name}.epochs", default=p.default_epochs))
+    module = PretrainModule(net, classify, float(p.lr), float(p.backbone_lr), float(p.weight_decay))
+    precision = precision_for(cfg.trainer.precision, device.kind, getattr(backbone, "family", ""))
+    trainer = pl.Trainer(max_epochs=epochs, accelerator=cfg.trainer.accelerator, devices=1, precision=precision,
+                         logger=False, enable_checkpointing=False, enable_model_summary=False,
+                         enable_progress_bar=progress, num_sanity_val_steps=0,
+                         limit_val_batches=1.0 if len(val_set) else 0)
+    print(f"pretraining {cfg.model.name} ({cfg.model.img_size or data_config.input_size[-1]} px, from "
+          f"{source.kind} weights) on {len(train_set)} crops of {training['identity'].nunique()} identities, "
+          f"target {p.target} ({n_outputs} outputs), {epochs} epoch(s), {precision}", flush=True)
+    started = time.perf_counter()
+    trainer.fit(module, **loaders)
+    seconds = time.perf_counter() - started
+    if len(val_set):
+        targets = encode(validation)
+        if classify:
+            share = pd.Series(encode(training)).value_counts(normalize=True)
+            baseline = float(-np.log(np.clip(share.reindex(targets).fillna(1e-12).to_numpy(), 1e-12, 1)).mean())
+        else:
+            baseline = float(((targets - encode(training).mean(axis=0)) ** 2).mean())
+    else:
+        baseline = math.nan
+
+    path = weights_path(cfg, pool)
+    with atomic_path(path) as tmp:
+        torch.save(backbone_state(backbone), tmp)
+    digest = sha256_of_file(path)
+    last = module.history[-1] if module.history else {}
+    provenance = {
+        "weights": path.name, "sha256": digest, "model": cfg.model.name, "architecture": backbone.architecture,
+        "img_size": int(cfg.model.img_size or data_config.input_size[-1]), "started_from": source.as_tags(),
+        "target": p.target, "target_names": pool.targets if not classify else ["identity"], "outputs": n_outputs,
+        "pool": {**pool.provenance, "identities": sorted(set(rows["identity"])),
+                 "held_out_identities": sorted(outside),
+                 "crops": len(rows), "training_crops": len(train_set), "held_out_crops": len(val_set)},
+        "epochs": epochs, "history": module.history, "held_out_loss": last.get("val_loss", math.nan),
+        "held_out_baseline_loss": baseline, "seconds": round(seconds, 1), "device": device.tags,
+        "precision": precision, "git_commit": git_commit(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "settings": OmegaConf.to_container(p, resolve=True),
+    }
+    atomic_write_text(path.with_suffix(".json"), json.dumps(provenance, indent=2, default=str) + "\n")
+    print(f"held-out loss {provenance['held_out_loss']:.4f} against {baseline:.4f} for always answering the "
+          f"training {'shares' if classify else 'mean'}; {seconds:.1f} s of training")
+    print(f"weights: {path}\n         (provenance: {path.with_suffix('.json')})\n"
+          f"use it:  make cv MODEL={cfg.model.name} WEIGHTS={path}")
+    return path
