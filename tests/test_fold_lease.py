@@ -150,8 +150,8 @@ def test_two_make_cv_at_once_through_one_server_train_every_fold_once(tiny_base,
         drivers = {}
         for name in ("a", "b"):
             command = [sys.executable, "-m", "tests.gated_cv", "0", "0", "until", str(gate),
-                       *tiny_overrides(tiny_base, *settings, "trainer.folds=[0,1]", "trainer.max_epochs=2",
-                                       "trainer.patience=2", f"mlflow.tracking_uri={uri}",
+                       *tiny_overrides(tiny_base, *settings, "trainer.folds=[0,1]", "trainer.max_epochs=1",
+                                       "trainer.patience=1", f"mlflow.tracking_uri={uri}",
                                        f"cv.work_dir={tmp_path / name / 'runs'}",
                                        f"reports_dir={tmp_path / name / 'reports'}", "cv.lease_s=20")]
             log = (tmp_path / f"{name}.log").open("w")
