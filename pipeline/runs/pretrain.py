@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from pipeline.data.augment import build_eval_transform, build_train_transform
 from pipeline.data.biovid import load_samples
+from pipeline.data.datamodule import default_num_workers
 from pipeline.data.face_crops import preprocess
 from pipeline.data.prepare import preprocess_config
 from pipeline.models.backbones import CvtBackbone, PainNet, TimmBackbone, create_backbone
@@ -303,9 +304,10 @@ def backbone_state(backbone) -> dict[str, torch.Tensor]:
     return {key: value.detach().cpu().contiguous() for key, value in state.items()}
 
 
-def weights_path(cfg: DictConfig, pool: Pool) -> Path:
-    where = pool.provenance.get("seed", "folder")
-    name = f"{cfg.model.name}_{cfg.pretrain.target}_{cfg.pretrain.pool}{where}_{int(cfg.model.img_size or 0)}px.pt"
+def weights_path(cfg: DictConfig, pool: Pool, img_size: int) -> Path:
+    """`<out_dir>/<model>_<target>_<pool><seed>_<size>px.pt`: one file per starting point."""
+    where = pool.provenance.get("seed", "")
+    name = f"{cfg.model.name}_{cfg.pretrain.target}_{cfg.pretrain.pool}{where}_{img_size}px.pt"
     return resolve_path(cfg.pretrain.out_dir) / name
 
 
@@ -352,10 +354,11 @@ def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
     val_set = PoolDataset(validation["path"].tolist(), encode(validation),
                           build_eval_transform(data_config, cfg.loader.crop_fraction))
     batch = int(p.batch_size or cfg.loader.batch_size)
-    workers = int(cfg.loader.num_workers)
+    workers = default_num_workers() if cfg.loader.num_workers is None else int(cfg.loader.num_workers)
+    keep = workers > 0  # the workers live through the epochs (each start imports torch again)
     loaders = {"train_dataloaders": DataLoader(train_set, batch_size=batch, shuffle=True, num_workers=workers,
-                                               drop_last=len(train_set) > batch),
-               "val_dataloaders": DataLoader(val_set, batch_size=batch, num_workers=workers)}
+                                               drop_last=len(train_set) > batch, persistent_workers=keep),
+               "val_dataloaders": DataLoader(val_set, batch_size=batch, num_workers=workers, persistent_workers=keep)}
     if len(val_set) == 0:
         loaders.pop("val_dataloaders")
     epochs = int(p.epochs or OmegaConf.select(p, f"presets.{cfg.model.name}.epochs", default=p.default_epochs))
@@ -381,14 +384,15 @@ def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
     else:
         baseline = math.nan
 
-    path = weights_path(cfg, pool)
+    img_size = int(cfg.model.img_size or data_config.input_size[-1])
+    path = weights_path(cfg, pool, img_size)
     with atomic_path(path) as tmp:
         torch.save(backbone_state(backbone), tmp)
     digest = sha256_of_file(path)
     last = module.history[-1] if module.history else {}
     provenance = {
         "weights": path.name, "sha256": digest, "model": cfg.model.name, "architecture": backbone.architecture,
-        "img_size": int(cfg.model.img_size or data_config.input_size[-1]), "started_from": source.as_tags(),
+        "img_size": img_size, "started_from": source.as_tags(),
         "target": p.target, "target_names": pool.targets if not classify else ["identity"], "outputs": n_outputs,
         "pool": {**pool.provenance, "identities": sorted(set(rows["identity"])),
                  "held_out_identities": sorted(outside),
