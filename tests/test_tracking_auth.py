@@ -118,21 +118,25 @@ def test_the_server_refuses_strangers_and_a_cv_with_credentials_works(auth_serve
     assert tracking_access_problem(uri, {USERNAME_ENV: "admin", PASSWORD_ENV: password}) is None
     assert "carries credentials" in tracking_access_problem(f"http://admin:{password}@127.0.0.1:1", {})
 
-    # a tiny CV (one fold, one epoch) with MLflow's own variables: parent and fold runs, metrics and artifacts through
-    # the server's artifact proxy. Without the fold model: every request checks the password hash (scrypt, tens of
-    # ms), and the model's artifacts double the requests and the test's time (39 s against 23 s here)
+    # a tiny CV (one fold, one epoch) with MLflow's own variables: the driver here, the fold in a fold-job process
+    # of its own (the parallel launcher: a job file, and the credentials only in the environment it inherits); parent
+    # and fold runs, metrics and artifacts through the server's artifact proxy. Without the fold model: every request
+    # checks the password hash (scrypt, tens of ms), and the model's artifacts double the requests and the time
     monkeypatch.setenv(USERNAME_ENV, "admin")
     monkeypatch.setenv(PASSWORD_ENV, password)
     settings = [o for o in FAST if not o.startswith(("trainer.folds", "trainer.max_epochs"))]
     cfg = load_config(tiny_overrides(tiny_base, *settings, "trainer.folds=[0]", "trainer.max_epochs=1",
                                      f"mlflow.tracking_uri={uri}", f"cv.work_dir={tmp_path / 'runs'}",
-                                     f"reports_dir={tmp_path / 'reports'}", "cv.log_models=false"))
+                                     f"reports_dir={tmp_path / 'reports'}", "cv.log_models=false",
+                                     "launcher=parallel", "launcher.jobs=1"))
     summary = run_cv(cfg)
     assert "cv/video_auroc_mean" in summary
     client = MlflowClient(uri)
     (parent,) = cv_parent(client)
     (child,) = fold_children(client, parent.info.run_id)
     assert parent.info.status == child.info.status == "FINISHED"
+    assert child.data.tags["painvit.pid"] != str(os.getpid())  # trained by the fold-job process
+    assert list((tmp_path / "runs").rglob("fold_0.json"))  # its job file, searched for the password below
     assert "test/video_auroc" in child.data.metrics
     assert client.list_artifacts(parent.info.run_id)  # artifacts went through the proxy
     monkeypatch.delenv(PASSWORD_ENV)
