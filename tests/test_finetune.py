@@ -154,3 +154,26 @@ def test_compare_names_strategies_and_weights_files_apart() -> None:
     assert cv_label({"model": "vit_b16"}) == "vit_b16"  # a CV from before strategies existed
     assert cv_label({"model": "vit_b16", "finetune": "lora_r8", "weights_source": "file",
                      "weights_sha256": "1a2b3c4d5e"}) == "vit_b16 lora_r8 weights 1a2b3c4d"
+
+
+def test_make_compare_sets_two_strategies_of_one_backbone_against_each_other(tiny_base, tmp_path) -> None:
+    """Full and frozen CVs of the same backbone on the same folds: `make compare` keeps them apart by their label
+    (`cv_label`) in every table, the fold scores included, and pairs them subject by subject."""
+    import pandas as pd
+
+    from pipeline.analysis.compare import run_compare
+    from pipeline.runs.cross_validation import run_cv
+    from tests.conftest import tiny_overrides
+    from tests.test_cv import FAST
+
+    settings = [o for o in FAST if not o.startswith(("trainer.folds", "trainer.max_epochs"))]
+    common = (*settings, "trainer.folds=[0]", "trainer.max_epochs=1", f"mlflow.tracking_uri=sqlite:///{tmp_path}/c.db",
+              f"cv.work_dir={tmp_path}/runs", f"reports_dir={tmp_path}/reports", "compare.allow_incomplete=true")
+    for extra in ((), ("model.finetune=frozen",)):
+        run_cv(load_config(tiny_overrides(tiny_base, *common, *extra)))
+    result = run_compare(load_config(tiny_overrides(tiny_base, *common)))
+    labels = {"mobilevit_xxs", "mobilevit_xxs frozen"}
+    assert set(pd.read_csv(result["paths"]["summary"]).model) == labels
+    folds = pd.read_csv(result["paths"]["folds"])
+    assert set(folds.model) == labels and len(folds) == 2  # one fold each, neither merged into the other
+    assert set(result["paired"].model_a) | set(result["paired"].model_b) == labels

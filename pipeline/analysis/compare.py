@@ -69,14 +69,17 @@ class ComparisonError(RuntimeError):
     """The finished runs cannot be compared (too few backbones, different folds, missing experiment)."""
 
 
-def fold_scores(client: MlflowClient, parent_run: Run, metrics: Sequence[str]) -> pd.DataFrame:
+def fold_scores(client: MlflowClient, parent_run: Run, metrics: Sequence[str],
+                label: str | None = None) -> pd.DataFrame:
     """One row per fold of a CV (its FINISHED child runs): fold, model, then each metric (NaN where not logged).
+    `model` is `label` (the CV's name in the comparison, `cv_runs.cv_label`: backbone, strategy, weights), else the
+    parent's backbone tag.
 
     If a fold was rerun under the same parent, its most recently started finished child counts; a CV over several
     training seeds gives each fold's mean over its seeds.
     """
     parent_id = parent_run.info.run_id
-    model = parent_run.data.tags.get("model", "")
+    model = label or parent_run.data.tags.get("model", "")
     children = tracking.fold_runs(client, parent_id)
     rows: dict[tuple[int, str], dict] = {}
     for child in sorted(children, key=lambda r: r.info.start_time or 0, reverse=True):
@@ -424,7 +427,7 @@ def compare(
                                                       if key not in allow_differences])
     complete = {model: run.data.tags.get("complete", "true") == "true" for model, run in runs.items()}
 
-    scores = pd.concat([fold_scores(client, run, metrics) for run in runs.values()], ignore_index=True)
+    scores = pd.concat([fold_scores(client, run, metrics, label) for label, run in runs.items()], ignore_index=True)
     empty = [model for model in runs if not (scores["model"] == model).any()]
     if empty:
         raise ComparisonError(f"finished CVs without any finished fold runs: {', '.join(empty)}")
