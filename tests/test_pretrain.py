@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -33,6 +34,8 @@ def test_pretrained_weights_load_as_weights_and_say_where_they_come_from(tiny_ba
     provenance = json.loads(path.with_suffix(".json").read_text())
     assert provenance["sha256"] == sha256_of_file(path) and provenance["target"] == "au"
     assert provenance["target_names"] == ["au4", "au6_7", "au9_10", "au43"] and len(provenance["history"]) == 2
+    assert all(math.isfinite(epoch["train_loss"]) and math.isfinite(epoch["val_loss"])
+               for epoch in provenance["history"])  # both losses of every epoch, held-out people included
     pool = provenance["pool"]
     twin = set(pd.read_csv(tiny_base / "processed" / "frames.csv")["subject_name"])
     assert len(pool["identities"]) == 3 and not set(pool["identities"]) & twin  # nobody of the twin
@@ -44,7 +47,7 @@ def test_pretrained_weights_load_as_weights_and_say_where_they_come_from(tiny_ba
     assert (source.kind, source.sha256) == ("file", provenance["sha256"])
     saved = torch.load(path, weights_only=True)
     assert all(torch.equal(saved[k], v) for k, v in backbone_state(loaded).items())
-    torch.manual_seed(0)
+    torch.manual_seed(cfg.seed)  # what make pretrain started from: the same seed, the same random init
     fresh, _ = create_backbone("mobilevit_xxs", pretrained=False, img_size=32)
     assert any(not torch.equal(saved[k], v) for k, v in backbone_state(fresh).items())  # training moved it
 

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import logging
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
@@ -40,27 +41,40 @@ def dataset_root(cfg: DictConfig) -> Path:
     return resolve_path(root)
 
 
-def generate_synthetic(cfg: DictConfig, root: Path) -> None:
-    """Write the synthetic twin into `root` (resumable: finished videos are kept)."""
-    from pipeline.data.synthetic import PRESETS, generate
+def synthetic_config(section: DictConfig, **defaults: Any) -> Any:
+    """The generator's `SyntheticConfig` of a config section shaped like `data.synthetic` (a preset, and fields that
+    replace the preset's where they are not null; `workers` is not part of it). `defaults` fill fields the section
+    lacks (the pretraining pool takes the twin's look)."""
+    from pipeline.data.synthetic import PRESETS
 
-    options = OmegaConf.to_container(cfg.data.synthetic)
-    preset, workers = options.pop("preset"), options.pop("workers")
+    options = {**defaults, **OmegaConf.to_container(section, resolve=True)}
+    preset = options.pop("preset")
+    options.pop("workers", None)
     if preset not in PRESETS:
         raise SystemExit(f"unknown synthetic preset {preset!r}; known: {', '.join(PRESETS)}")
-    config = dataclasses.replace(PRESETS[preset], **{k: v for k, v in options.items() if v is not None})
+    return dataclasses.replace(PRESETS[preset], **{k: v for k, v in options.items() if v is not None})
+
+
+def generate_synthetic(cfg: DictConfig, root: Path) -> None:
+    """Write the synthetic twin into `root` (resumable: finished videos are kept)."""
+    from pipeline.data.synthetic import generate
+
+    config = synthetic_config(cfg.data.synthetic)
     log.info("synthetic twin: %s -> %s", config, root)
-    generate(root, config, workers=workers)
+    generate(root, config, workers=cfg.data.synthetic.workers)
+
+
+def synthetic_fingerprint(root: Path) -> str:
+    """`synthetic:<SHA-256 of the generator config>` of the synthetic videos written into `root`."""
+    from pipeline.data.synthetic import CONFIG_JSON
+
+    return "synthetic:" + hashlib.sha256((root / CONFIG_JSON).read_bytes()).hexdigest()
 
 
 def source_fingerprint(cfg: DictConfig, root: Path) -> str | None:
     """What identifies the videos crops are made from: for the synthetic twin, the SHA-256 of the generator config
     it was written with (crops of another twin in the same processed folder are refused); None for BioVid."""
-    from pipeline.data.synthetic import CONFIG_JSON
-
-    if cfg.data.name != "synthetic":
-        return None
-    return "synthetic:" + hashlib.sha256((root / CONFIG_JSON).read_bytes()).hexdigest()
+    return synthetic_fingerprint(root) if cfg.data.name == "synthetic" else None
 
 
 def preprocess_config(cfg: DictConfig) -> PreprocessConfig:

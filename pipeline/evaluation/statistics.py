@@ -85,35 +85,36 @@ def subject_bootstrap(groups: Sequence[tuple[np.ndarray, ...]], statistic: Calla
     and hands them to `statistic`. Percentiles of resampled values of a share stay inside [0, 1], unlike mean +- sd.
     NaN with fewer than two subjects.
     """
-    if len(groups) < 2:
-        return float("nan"), float("nan")
-    width = len(groups[0])
+    width = len(groups[0]) if groups else 0
 
     def on_subjects(indices: np.ndarray) -> float:
         chosen = [groups[int(i)] for i in indices]
         return statistic(*(np.concatenate([g[k] for g in chosen]) for k in range(width)))
 
-    result = stats.bootstrap((np.arange(len(groups)),), on_subjects, vectorized=False, n_resamples=n_resamples,
-                             confidence_level=confidence, method="percentile", rng=np.random.default_rng(random_state))
+    return _over_subjects(len(groups), on_subjects, False, n_resamples, random_state, confidence)
+
+
+def _over_subjects(n_subjects: int, on_subjects: Callable, vectorized: bool, n_resamples: int, random_state: int,
+                   confidence: float) -> tuple[float, float]:
+    """Percentile interval of `on_subjects(indices)` over subject indices drawn with replacement by
+    `scipy.stats.bootstrap` (`vectorized`: it takes every resample at once, indices of shape (resamples, subjects)).
+    NaN with fewer than two subjects."""
+    if n_subjects < 2:
+        return float("nan"), float("nan")
+    result = stats.bootstrap((np.arange(n_subjects),), lambda indices, axis=-1: on_subjects(indices),
+                             vectorized=vectorized, n_resamples=n_resamples, confidence_level=confidence,
+                             method="percentile", rng=np.random.default_rng(random_state))
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
 def _count_bootstrap(values: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray],
                      n_resamples: int = N_BOOTSTRAP, random_state: int = RANDOM_STATE,
                      confidence: float = CONFIDENCE) -> tuple[float, float]:
-    """`subject_bootstrap` for a statistic of per-subject sums: `values` holds one array per subject (counts, or
-    one value), a resample sums its subjects' arrays (or, for `statistic`, stacks them) and `statistic` maps the
-    resamples' arrays (leading axis: resamples) to one value each. The same draws as `subject_bootstrap`
-    (`scipy.stats.bootstrap` with the same generator), vectorised: milliseconds instead of seconds."""
-    if len(values) < 2:
-        return float("nan"), float("nan")
-
-    def on_subjects(indices: np.ndarray, axis: int = -1) -> np.ndarray:
-        return statistic(values[np.asarray(indices, dtype=int)])
-
-    result = stats.bootstrap((np.arange(len(values)),), on_subjects, vectorized=True, n_resamples=n_resamples,
-                             confidence_level=confidence, method="percentile", rng=np.random.default_rng(random_state))
-    return float(result.confidence_interval.low), float(result.confidence_interval.high)
+    """`subject_bootstrap`, vectorised, for arrays of one entry per subject (`values[i]`: subject i's confusion
+    counts, or its one value): `statistic` gets `values` indexed by all resamples at once (leading axes: resample,
+    subject) and returns one value per resample. The same draws as `subject_bootstrap`; milliseconds, not seconds."""
+    return _over_subjects(len(values), lambda indices: statistic(values[np.asarray(indices, dtype=int)]), True,
+                          n_resamples, random_state, confidence)
 
 
 def _confusions(labels: np.ndarray, called: np.ndarray, subjects: np.ndarray, n_classes: int) -> np.ndarray:

@@ -361,16 +361,16 @@ def measured_step_memory(model_name: str, img_size: int, n_classes: int, batch: 
 # --- what a cross-validation records ---------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=32)
-def _backbone_cost(model_name: str, img_size: int | None, n_classes: int) -> tuple[tuple[str, float], ...]:
+@functools.cache
+def _backbone_cost(model_name: str, img_size: int | None, n_classes: int) -> dict[str, float]:
     net = build_on_meta(model_name, img_size, n_classes)
     size = input_size(net)
-    return (("cost/params", float(parameter_count(net))), ("cost/macs", float(count_macs(net, size).total)),
-            ("cost/img_size", float(size)))
+    return {"cost/params": float(parameter_count(net)), "cost/macs": float(count_macs(net, size).total),
+            "cost/img_size": float(size)}
 
 
 def backbone_cost(model_name: str, img_size: int | None = None, n_classes: int = 2) -> dict[str, float]:
     """Parameters and MACs of one image for the pipeline's network (backbone + Linear head), counted on the meta
     device in well under a second: {'cost/params': ..., 'cost/macs': ..., 'cost/img_size': ...}. Counted once per
     process for each (backbone, size, classes): `make table`'s five CVs of one backbone count it once."""
-    return dict(_backbone_cost(model_name, img_size, n_classes))
+    return dict(_backbone_cost(model_name, img_size, n_classes))  # a copy: the cached one stays as counted

@@ -287,7 +287,7 @@ def load_scorer(model_uri: str, device: str = "cpu", min_face_fraction: float | 
     python_model = model.unwrap_python_model()
     if not isinstance(python_model, PainMlflowModel):
         raise TypeError(f"{model_uri} is not a pain model (its python model is {type(python_model).__name__})")
-    mismatches = requirement_mismatches(getattr(python_model, "model_dir", None))
+    mismatches = requirement_mismatches(python_model.model_dir)
     if mismatches:
         warnings.warn(f"{model_uri} was saved with packages this environment does not have: "
                       f"{'; '.join(mismatches)}. It may score differently or fail to load.", UserWarning, stacklevel=2)

@@ -27,8 +27,6 @@ answering the training mean (or the most common identity's share), say whether t
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -43,13 +41,13 @@ import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from pipeline.data.augment import build_eval_transform, build_train_transform
-from pipeline.data.biovid import load_samples
-from pipeline.data.datamodule import default_num_workers
+from pipeline.data.biovid import SAMPLES_CSV, load_samples
+from pipeline.data.datamodule import FrameDataset, default_num_workers
 from pipeline.data.face_crops import preprocess
-from pipeline.data.prepare import preprocess_config
+from pipeline.data.prepare import preprocess_config, synthetic_config, synthetic_fingerprint
 from pipeline.models.backbones import CvtBackbone, PainNet, TimmBackbone, create_backbone
 from pipeline.models.weights import sha256_of_file
 from pipeline.utils.accelerator import announce_device
@@ -72,9 +70,10 @@ class PretrainError(SystemExit):
 
 @dataclass
 class Pool:
-    """Face crops and their targets: one row per crop (`path`, `identity`, target columns)."""
+    """Face crops and their targets: one row per crop (`crop_path` under `crops_dir`, `identity`, target columns)."""
 
     rows: pd.DataFrame
+    crops_dir: Path
     targets: list[str]  # the target columns (au), or ["identity"]
     provenance: dict[str, Any]
 
@@ -82,27 +81,9 @@ class Pool:
 # --- who is in the pool ------------------------------------------------------------------------------------------
 
 
-def _synthetic_config(options: dict) -> Any:
-    from pipeline.data.synthetic import PRESETS
-
-    preset = options.pop("preset")
-    if preset not in PRESETS:
-        raise PretrainError(f"unknown synthetic preset {preset!r}; known: {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[preset], **{k: v for k, v in options.items() if v is not None})
-
-
-def twin_config(cfg: DictConfig) -> Any:
-    """The synthetic twin's generator config, as `make data` builds it from `data.synthetic`."""
-    options = OmegaConf.to_container(cfg.data.synthetic, resolve=True)
-    options.pop("workers", None)
-    return _synthetic_config(options)
-
-
 def pool_config(cfg: DictConfig) -> Any:
-    """The pool's generator config: `pretrain.synthetic` over the twin's look (difficulty, frame size)."""
-    options = OmegaConf.to_container(cfg.pretrain.synthetic, resolve=True)
-    options.setdefault("difficulty", cfg.data.synthetic.difficulty)
-    return _synthetic_config(options)
+    """The pool's generator config: `pretrain.synthetic` over the twin's look (difficulty)."""
+    return synthetic_config(cfg.pretrain.synthetic, difficulty=cfg.data.synthetic.difficulty)
 
 
 def look(subject: Any) -> tuple:
@@ -122,7 +103,7 @@ def dataset_subject_names(cfg: DictConfig) -> set[str]:
     if frames.is_file():
         return set(pd.read_csv(frames, usecols=["subject_name"], dtype=str)["subject_name"])
     root = cfg.data.root
-    samples = resolve_path(root) / "starting_point" / "samples.csv" if root else None
+    samples = resolve_path(root) / SAMPLES_CSV if root else None
     if samples is not None and samples.is_file():
         return set(pd.read_csv(samples, sep="\t", usecols=["subject_name"], dtype=str)["subject_name"])
     return set()
@@ -132,7 +113,7 @@ def check_apart(cfg: DictConfig, pool_subjects: list) -> None:
     """Refuse a synthetic pool that shares a person with the CV dataset (by name, and for the twin by look)."""
     from pipeline.data.synthetic import make_subjects
 
-    others = make_subjects(twin_config(cfg)) if cfg.data.name == "synthetic" else []
+    others = make_subjects(synthetic_config(cfg.data.synthetic)) if cfg.data.name == "synthetic" else []
     shared = shared_identities(pool_subjects, others)
     named = dataset_subject_names(cfg) & {s.subject_name for s in pool_subjects}
     shared = sorted(set(shared) | named)
@@ -149,7 +130,7 @@ def check_apart(cfg: DictConfig, pool_subjects: list) -> None:
 
 def synthetic_pool(cfg: DictConfig, progress: bool = True) -> Pool:
     """Generate (resumable) and crop the synthetic pool; targets from its ground truth."""
-    from pipeline.data.synthetic import CONFIG_JSON, REGIONS_DIR, generate, make_subjects
+    from pipeline.data.synthetic import generate, make_subjects, regions_path
 
     config = pool_config(cfg)
     subjects = make_subjects(config)
@@ -160,27 +141,29 @@ def synthetic_pool(cfg: DictConfig, progress: bool = True) -> Pool:
           f"{cfg.data.name} dataset) -> {pool_dir}", flush=True)
     generate(raw, config, workers=cfg.data.synthetic.workers, progress=progress)
     samples, _ = load_samples(raw, subject_set="all")
-    source = "synthetic:" + hashlib.sha256((raw / CONFIG_JSON).read_bytes()).hexdigest()
+    source = synthetic_fingerprint(raw)
     result = preprocess(samples, processed, preprocess_config(cfg), workers=cfg.preprocess.workers,
                         progress=progress, device=cfg.preprocess.device, source=source)
-    frames = result.frames
-    rows = pd.DataFrame({"path": [str(processed / p) for p in frames["crop_path"]],
-                         "identity": frames["subject_name"].to_numpy(), "sample_name": frames["sample_name"],
-                         "frame_index": frames["frame_index"].astype(int)})
+    rows = result.frames[["crop_path", "subject_name", "sample_name", "frame_index"]].rename(
+        columns={"subject_name": "identity"})
     targets = ["identity"]
-    if cfg.pretrain.target == "au":
-        units = []
-        for (subject, sample), group in rows.groupby(["identity", "sample_name"], sort=False):
-            truth = pd.read_csv(raw / REGIONS_DIR / subject / f"{sample}.csv", usecols=["frame_index", *AU_COLUMNS])
-            units.append(group[["frame_index"]].reset_index().merge(truth, on="frame_index", how="left")
-                         .set_index("index")[list(AU_COLUMNS)])
-        rows = rows.join(pd.concat(units))
+    if cfg.pretrain.target == "au":  # each crop's frame in its video's ground truth
+        clips = rows[["identity", "sample_name"]].drop_duplicates().itertuples(index=False)
+        truth = pd.concat([pd.read_csv(regions_path(raw, subject, sample), usecols=["frame_index", *AU_COLUMNS])
+                           .assign(identity=subject, sample_name=sample) for subject, sample in clips])
+        rows = rows.merge(truth, on=["identity", "sample_name", "frame_index"], how="left", validate="m:1")
+        unknown = rows[list(AU_COLUMNS)].isna().any(axis=1)
+        if unknown.any():
+            first = rows[unknown].iloc[0]
+            raise PretrainError(f"{regions_path(raw, first.identity, first.sample_name)} has no row for frame "
+                                f"{first.frame_index} ({int(unknown.sum())} crops without action units)")
         targets = list(AU_COLUMNS)
     provenance = {"kind": "synthetic", "seed": config.seed, "preset": cfg.pretrain.synthetic.preset,
-                  "difficulty": config.difficulty, "folder": str(pool_dir), "generator_sha256": source.split(":")[1],
+                  "difficulty": config.difficulty, "folder": str(pool_dir),
+                  "generator_sha256": source.removeprefix("synthetic:"),
                   "checked_apart_from": f"{cfg.data.name} (by name"
                                         f"{' and look' if cfg.data.name == 'synthetic' else ''})"}
-    return Pool(rows, targets, provenance)
+    return Pool(rows, processed, targets, provenance)
 
 
 def folder_pool(cfg: DictConfig) -> Pool:
@@ -206,7 +189,7 @@ def folder_pool(cfg: DictConfig) -> Pool:
     if absent:
         row, path = absent[0]
         raise PretrainError(f"{labels_csv} row {row + 2}: crop {path} does not exist ({len(absent)} missing in all)")
-    rows = pd.DataFrame({"path": [str(p) for p in paths], "identity": labels["identity"]})
+    rows = labels[["crop_path", "identity"]]
     targets = ["identity"]
     if cfg.pretrain.target == "au":
         chosen = list(folder.target_columns or [c for c in labels.columns if c not in ("crop_path", "identity")
@@ -218,47 +201,37 @@ def folder_pool(cfg: DictConfig) -> Pool:
             raise PretrainError(f"{labels_csv} row {int(np.flatnonzero(bad)[0]) + 2}: a target value is missing")
         rows = rows.join(labels[chosen].astype(float))
         targets = chosen
-    return Pool(rows, targets, {"kind": "folder", "crops_dir": str(crops), "labels_csv": str(labels_csv),
+    return Pool(rows, crops, targets, {"kind": "folder", "crops_dir": str(crops), "labels_csv": str(labels_csv),
                                 "labels_sha256": sha256_of_file(labels_csv)})
 
 
 # --- training --------------------------------------------------------------------------------------------------------
 
 
-class PoolDataset(Dataset):
-    def __init__(self, paths: list[str], targets: np.ndarray, transform) -> None:
-        self.paths, self.targets, self.transform = paths, targets, transform
+class PoolDataset(FrameDataset):
+    """The training data's `FrameDataset` over a pool's crops, with the pool's targets as labels: action-unit
+    intensities (float32 rows) or identity indices (int64)."""
 
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, item: int):
-        import cv2
-
-        image = cv2.imread(self.paths[item], cv2.IMREAD_COLOR)
-        if image is None:
-            raise FileNotFoundError(f"cannot read pretraining crop {self.paths[item]} (pool row {item})")
-        image = self.transform(image=cv2.cvtColor(image, cv2.COLOR_BGR2RGB))["image"]
-        return image, torch.as_tensor(self.targets[item])
+    def __init__(self, rows: pd.DataFrame, crops_dir: Path, targets: np.ndarray, transform) -> None:
+        super().__init__(rows.assign(label=0), crops_dir, transform)
+        self.labels = targets
 
 
 class PretrainModule(pl.LightningModule):
-    """Backbone + Linear(D, outputs): mean squared error on action units, or cross-entropy on identity."""
+    """Backbone + Linear(D, outputs): mean squared error on action units, or cross-entropy on identity. Each epoch's
+    mean train and held-out losses (Lightning's epoch reduction) go into `history`."""
 
     def __init__(self, net: PainNet, classify: bool, lr: float, backbone_lr: float, weight_decay: float) -> None:
         super().__init__()
-        self.net, self.classify = net, classify
+        self.net = net
         self.lr, self.backbone_lr, self.weight_decay = lr, backbone_lr, weight_decay
         self.loss = nn.CrossEntropyLoss() if classify else nn.MSELoss()
         self.history: list[dict[str, float]] = []
-        self._sums: dict[str, list[float]] = {}
 
     def _step(self, batch, stage: str) -> torch.Tensor:
-        images, targets = batch
+        images, targets, _ = batch
         loss = self.loss(self.net(images).float(), targets)
-        total = self._sums.setdefault(stage, [0.0, 0.0])
-        total[0] += float(loss.detach()) * len(images)
-        total[1] += len(images)
+        self.log(f"{stage}_loss", loss, on_step=False, on_epoch=True, batch_size=len(images))
         return loss
 
     def training_step(self, batch, batch_index: int) -> torch.Tensor:
@@ -267,15 +240,11 @@ class PretrainModule(pl.LightningModule):
     def validation_step(self, batch, batch_index: int) -> None:
         self._step(batch, "val")
 
-    def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking:
-            return
-        means = {stage: s / max(n, 1) for stage, (s, n) in self._sums.items()}
-        self.history.append({"epoch": self.current_epoch, "train_loss": means.get("train", math.nan),
-                             "val_loss": means.get("val", math.nan)})
-        print(f"pretrain epoch {self.current_epoch}: train loss {means.get('train', math.nan):.4f}, held-out "
-              f"loss {means.get('val', math.nan):.4f}", flush=True)
-        self._sums = {}
+    def on_train_epoch_end(self) -> None:  # after the epoch's validation
+        means = {key: float(self.trainer.callback_metrics.get(f"{key}_loss", math.nan)) for key in ("train", "val")}
+        self.history.append({"epoch": self.current_epoch, "train_loss": means["train"], "val_loss": means["val"]})
+        print(f"pretrain epoch {self.current_epoch}: train loss {means['train']:.4f}, held-out loss "
+              f"{means['val']:.4f}", flush=True)
 
     def configure_optimizers(self):
         return torch.optim.AdamW([{"params": self.net.backbone.parameters(), "lr": self.backbone_lr},
@@ -283,12 +252,30 @@ class PretrainModule(pl.LightningModule):
                                  weight_decay=self.weight_decay)
 
 
-def held_out(identities: list[str], share: float) -> set[str]:
-    """The identities kept out of training (the last `share` of them in sorted order, at least one of two+)."""
-    names = sorted(set(identities))
-    if len(names) < 2:
-        return set()
-    return set(names[-max(1, round(len(names) * share)):])
+def split(pool: Pool, classify: bool, share: float) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """Training rows, held-out rows, held-out identities. Action units: the last `share` of the identities in
+    sorted order (at least one, given two) are held out. Identity: the people are the classes, so nobody can be;
+    the last crop of every clip is held out instead (the same people, frames not trained on)."""
+    rows = pool.rows
+    if classify:
+        clip = rows["crop_path"].map(lambda path: str(Path(path).parent))
+        last = rows.groupby(clip)["crop_path"].transform("max") == rows["crop_path"]
+        return rows[~last], rows[last], []
+    names = sorted(set(rows["identity"]))
+    outside = names[-max(1, round(len(names) * share)):] if len(names) > 1 else []
+    chosen = rows["identity"].isin(outside)
+    return rows[~chosen], rows[chosen], outside
+
+
+def baseline_loss(train_targets: np.ndarray, held_targets: np.ndarray, classify: bool) -> float:
+    """The held-out loss of an answer that ignores the image: the training mean (MSE), or the training identities'
+    shares (cross-entropy)."""
+    if not len(held_targets):
+        return math.nan
+    if classify:
+        share = pd.Series(train_targets).value_counts(normalize=True)
+        return float(-np.log(np.clip(share.reindex(held_targets).fillna(0).to_numpy(), 1e-12, 1)).mean())
+    return float(((held_targets - train_targets.mean(axis=0)) ** 2).mean())
 
 
 def backbone_state(backbone) -> dict[str, torch.Tensor]:
@@ -322,69 +309,48 @@ def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
     rows = pool.rows
     if rows.empty:
         raise PretrainError("the pretraining pool has no face crops")
-    outside = held_out(rows["identity"].tolist(), float(p.held_out_share))
-    training, validation = rows[~rows["identity"].isin(outside)], rows[rows["identity"].isin(outside)]
     classify = p.target == "identity"
+    training, validation, outside = split(pool, classify, float(p.held_out_share))
     if classify:
-        # the pool's identities are the classes, so nobody is held out: the last crop of every video is, instead
-        # (the same people, frames the backbone did not train on)
-        classes = sorted(set(rows["identity"]))
-        index = {name: i for i, name in enumerate(classes)}
-        video = rows["path"].map(lambda s: str(Path(s).parent))
-        last = rows.groupby(video)["path"].transform("max") == rows["path"]
-        training, validation = rows[~last], rows[last]
-        outside = set()
-
-        def encode(frame: pd.DataFrame) -> np.ndarray:
-            return frame["identity"].map(index).to_numpy(dtype=np.int64)
-
-        n_outputs = len(classes)
+        index = {name: i for i, name in enumerate(sorted(set(rows["identity"])))}
+        train_targets, held_targets = (frame["identity"].map(index).to_numpy(dtype=np.int64)
+                                       for frame in (training, validation))
+        n_outputs = len(index)
     else:
-        def encode(frame: pd.DataFrame) -> np.ndarray:
-            return frame[pool.targets].to_numpy(dtype=np.float32)
-
+        train_targets, held_targets = (frame[pool.targets].to_numpy(dtype=np.float32)
+                                       for frame in (training, validation))
         n_outputs = len(pool.targets)
     pl.seed_everything(int(cfg.seed), workers=True)
     backbone, source = create_backbone(cfg.model.name, pretrained=cfg.model.pretrained, weights=cfg.model.weights,
                                        img_size=cfg.model.img_size)
     net = PainNet(backbone, n_outputs)
     data_config = backbone.data_config
-    train_set = PoolDataset(training["path"].tolist(), encode(training),
+    img_size = int(cfg.model.img_size or data_config.input_size[-1])
+    train_set = PoolDataset(training, pool.crops_dir, train_targets,
                             build_train_transform(data_config, cfg.augment, cfg.loader.crop_fraction))
-    val_set = PoolDataset(validation["path"].tolist(), encode(validation),
+    val_set = PoolDataset(validation, pool.crops_dir, held_targets,
                           build_eval_transform(data_config, cfg.loader.crop_fraction))
     batch = int(p.batch_size or cfg.loader.batch_size)
     workers = default_num_workers() if cfg.loader.num_workers is None else int(cfg.loader.num_workers)
     keep = workers > 0  # the workers live through the epochs (each start imports torch again)
-    loaders = {"train_dataloaders": DataLoader(train_set, batch_size=batch, shuffle=True, num_workers=workers,
-                                               drop_last=len(train_set) > batch, persistent_workers=keep),
-               "val_dataloaders": DataLoader(val_set, batch_size=batch, num_workers=workers, persistent_workers=keep)}
-    if len(val_set) == 0:
-        loaders.pop("val_dataloaders")
+    train_loader = DataLoader(train_set, batch_size=batch, shuffle=True, num_workers=workers,
+                              drop_last=len(train_set) > batch, persistent_workers=keep)
+    val_loader = (DataLoader(val_set, batch_size=batch, num_workers=workers, persistent_workers=keep)
+                  if len(val_set) else None)
     epochs = int(p.epochs or OmegaConf.select(p, f"presets.{cfg.model.name}.epochs", default=p.default_epochs))
     module = PretrainModule(net, classify, float(p.lr), float(p.backbone_lr), float(p.weight_decay))
     precision = precision_for(cfg.trainer.precision, device.kind, getattr(backbone, "family", ""))
     trainer = pl.Trainer(max_epochs=epochs, accelerator=cfg.trainer.accelerator, devices=1, precision=precision,
                          logger=False, enable_checkpointing=False, enable_model_summary=False,
-                         enable_progress_bar=progress, num_sanity_val_steps=0,
-                         limit_val_batches=1.0 if len(val_set) else 0)
-    print(f"pretraining {cfg.model.name} ({cfg.model.img_size or data_config.input_size[-1]} px, from "
+                         enable_progress_bar=progress, num_sanity_val_steps=0)
+    print(f"pretraining {cfg.model.name} ({img_size} px, from "
           f"{source.kind} weights) on {len(train_set)} crops of {training['identity'].nunique()} identities, "
           f"target {p.target} ({n_outputs} outputs), {epochs} epoch(s), {precision}", flush=True)
     started = time.perf_counter()
-    trainer.fit(module, **loaders)
+    trainer.fit(module, train_loader, val_loader)
     seconds = time.perf_counter() - started
-    if len(val_set):
-        targets = encode(validation)
-        if classify:
-            share = pd.Series(encode(training)).value_counts(normalize=True)
-            baseline = float(-np.log(np.clip(share.reindex(targets).fillna(1e-12).to_numpy(), 1e-12, 1)).mean())
-        else:
-            baseline = float(((targets - encode(training).mean(axis=0)) ** 2).mean())
-    else:
-        baseline = math.nan
+    baseline = baseline_loss(train_targets, held_targets, classify)
 
-    img_size = int(cfg.model.img_size or data_config.input_size[-1])
     path = weights_path(cfg, pool, img_size)
     with atomic_path(path) as tmp:
         torch.save(backbone_state(backbone), tmp)
@@ -393,9 +359,9 @@ def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
     provenance = {
         "weights": path.name, "sha256": digest, "model": cfg.model.name, "architecture": backbone.architecture,
         "img_size": img_size, "started_from": source.as_tags(),
-        "target": p.target, "target_names": pool.targets if not classify else ["identity"], "outputs": n_outputs,
+        "target": p.target, "target_names": pool.targets, "outputs": n_outputs,
         "pool": {**pool.provenance, "identities": sorted(set(rows["identity"])),
-                 "held_out_identities": sorted(outside),
+                 "held_out_identities": outside,
                  "crops": len(rows), "training_crops": len(train_set), "held_out_crops": len(val_set)},
         "epochs": epochs, "history": module.history, "held_out_loss": last.get("val_loss", math.nan),
         "held_out_baseline_loss": baseline, "seconds": round(seconds, 1), "device": device.tags,
