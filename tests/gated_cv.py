@@ -40,13 +40,14 @@ def install_gate(fold: int, epoch: int, when: str, marker: Path) -> None:
             time.sleep(0.1)
 
     def gated(self, checkpoint, path, storage_options=None) -> None:
-        here = Path(path).name == "last.ckpt" and Path(path).parent.name == f"fold_{fold}"
-        if here and checkpoint["epoch"] == epoch and when == "before":
+        at_gate = (Path(path).name == "last.ckpt" and Path(path).parent.name == f"fold_{fold}"
+                   and checkpoint["epoch"] == epoch)
+        if at_gate and when == "before":
             hold()
-        if here and checkpoint["epoch"] == epoch and when == "until":
+        if at_gate and when == "until":
             wait_for_release()
         write(self, checkpoint, path, storage_options)
-        if here and checkpoint["epoch"] == epoch and when == "after":
+        if at_gate and when == "after":
             hold()
 
     fold_module.AtomicCheckpointIO.save_checkpoint = gated
