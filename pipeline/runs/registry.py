@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import getpass
 import sys
+import time
 from collections.abc import Iterable
 
 import pandas as pd
@@ -66,9 +67,21 @@ def subjects_dataset(subjects: pd.DataFrame, name: str):
 def log_subjects(client, run_id: str, subjects: pd.DataFrame, name: str, context: str = "training") -> None:
     """`mlflow.log_input` for a run that is not the active one (a CV's parent run)."""
     from mlflow.entities import DatasetInput, InputTag
+    from mlflow.exceptions import MlflowException
 
     dataset = subjects_dataset(subjects, name)._to_mlflow_entity()
-    client.log_inputs(run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", context)])])
+    inputs = [DatasetInput(dataset, [InputTag("mlflow.data.context", context)])]
+    for attempt in range(3):
+        try:
+            client.log_inputs(run_id, inputs)
+            return
+        except MlflowException as error:
+            # Two drivers of one CV (`make cv` on two machines) log the same dataset at the same moment: the store
+            # looks the dataset up, finds none, and both insert it; the second insert breaks the store's unique key
+            # (experiment, name, digest). Asked again, the store finds the dataset the other wrote and links it.
+            if ("UNIQUE constraint" not in str(error) and "IntegrityError" not in str(error)) or attempt == 2:
+                raise
+            time.sleep(0.2 * (attempt + 1))
 
 
 def split_videos(datamodule, roles: Iterable[str] = ("train", "val", "test")) -> pd.DataFrame:
