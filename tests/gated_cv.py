@@ -5,7 +5,9 @@ When fold FOLD's `last.ckpt` of epoch EPOCH is about to be written (WHEN=before:
 checkpoints exists yet if EPOCH is 0) or has been written (WHEN=after: that checkpoint is complete on disk), the
 process writes MARKER and sleeps until it is killed. WHEN=until: MARKER is a folder; about to write that checkpoint,
 the process writes MARKER/arrived_<pid> and waits until MARKER/release exists, then goes on. The gate wraps the
-fold's checkpoint writer from the test side; the product has no such hook.
+fold's checkpoint writer from the test side; the product has no such hook. WHEN=second_stage (EPOCH unused): the
+process writes MARKER and sleeps when fold FOLD's temporal head is about to train, its frame model's embeddings
+written to the fold's cache entry (a two-stage fold killed in its second stage).
 
 `install_rendezvous` is the other gate: each listed fold, about to write its first epoch checkpoint, waits until
 every listed fold has got that far, which proves that the folds ran at the same time without guessing how long they
@@ -53,6 +55,21 @@ def install_gate(fold: int, epoch: int, when: str, marker: Path) -> None:
     fold_module.AtomicCheckpointIO.save_checkpoint = gated
 
 
+def install_second_stage_gate(fold: int, marker: Path) -> None:
+    from pipeline.runs import two_stage
+
+    train = two_stage.train_head
+
+    def gated(head, train_clips, val_clips, settings):
+        if settings.stream == fold:  # the head's draws are keyed on its fold
+            marker.write_text("held\n")
+            while True:
+                time.sleep(60)
+        return train(head, train_clips, val_clips, settings)
+
+    two_stage.train_head = gated
+
+
 def install_rendezvous(folds: list[int], folder: Path, timeout_s: float = 600) -> None:
     # Lightning's writer, under the fold's own: the gate then holds whichever checkpoint writer the fold job uses.
     write = TorchCheckpointIO.save_checkpoint
@@ -82,9 +99,12 @@ def rendezvous_sitecustomize(site_dir: Path, folds: list[int], folder: Path) -> 
 
 if __name__ == "__main__":
     fold, epoch, when, marker, *overrides = sys.argv[1:]
-    if when not in ("before", "after", "until"):
-        raise SystemExit(f"WHEN must be before, after or until, got {when!r}")
-    install_gate(int(fold), int(epoch), when, Path(marker))
+    if when not in ("before", "after", "until", "second_stage"):
+        raise SystemExit(f"WHEN must be before, after, until or second_stage, got {when!r}")
+    if when == "second_stage":
+        install_second_stage_gate(int(fold), Path(marker))
+    else:
+        install_gate(int(fold), int(epoch), when, Path(marker))
     from pipeline.cli import main
 
     raise SystemExit(main(["cv", *overrides]))

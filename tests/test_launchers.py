@@ -246,3 +246,44 @@ def test_a_preempted_fold_is_requeued_and_continues_from_its_epoch_checkpoint(sl
     run_cv(tiny_config(*reference))  # follows the straight-through fold to its end
     (straight,) = cv_parent(client, "straight-through")
     assert fold_metrics(client, parent.info.run_id) == fold_metrics(client, straight.info.run_id)
+
+
+TWO_STAGE = ("trainer.folds=[0]", "trainer.deterministic=true", "trainer.max_epochs=2", "trainer.patience=2",
+             "model.head.name=gru", "loader.clip_frames=3", "model.head.hidden=16", "model.head.epochs=5",
+             "model.head.patience=2")
+
+
+def test_a_two_stage_fold_killed_in_its_second_stage_resumes_with_the_uninterrupted_results(tiny_base: Path,
+                                                                                          tmp_path: Path) -> None:
+    """SIGKILL once the fold's frame model has embedded its videos and its temporal head is about to train; the same
+    command again reads the embeddings back from the fold's cache entry (checked against its key) instead of
+    embedding again, and the fold ends with the test metrics of the same command run straight through."""
+    def command(db: Path, *gate: str) -> list[str]:
+        extra = (*TWO_STAGE, f"mlflow.tracking_uri=sqlite:///{db}", f"cv.work_dir={db.parent / 'runs'}")
+        if gate:
+            return gated_cv_command(tiny_base, (0, 0, "second_stage"), Path(gate[0]), *extra)
+        return cv_command(tiny_base, *extra)
+
+    (tmp_path / "whole").mkdir()
+    whole = subprocess.run(command(tmp_path / "whole" / "m.db"), cwd=PROJECT_ROOT, env=RUN_ENV, capture_output=True,
+                           text=True)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    (tmp_path / "killed").mkdir()
+    db = tmp_path / "killed" / "m.db"
+    kill_9(run_until_held(command(db, str(tmp_path / "held")), tmp_path / "held"))
+    (fold_dir,) = (db.parent / "runs").glob("*/fold_0")
+    assert list((fold_dir / "embeddings").glob("*.json")) and (fold_dir / "last.ckpt").is_file()
+
+    rerun = subprocess.run(command(db), cwd=PROJECT_ROOT, env=RUN_ENV, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    killed, whole_store = MlflowClient(f"sqlite:///{db}"), MlflowClient(f"sqlite:///{tmp_path / 'whole' / 'm.db'}")
+    (parent,), (straight,) = cv_parent(killed), cv_parent(whole_store)
+    children = fold_children(killed, parent.info.run_id)
+    assert sorted(c.info.status for c in children) == ["FINISHED", "KILLED"]
+    (finished,) = [c for c in children if c.info.status == "FINISHED"]
+    (reference,) = fold_children(whole_store, straight.info.run_id)
+    records = [json.loads(Path(store.download_artifacts(run.info.run_id, "two_stage.json",
+                                                         str(tmp_path / name))).read_text())
+               for store, run, name in ((killed, finished, "resumed"), (whole_store, reference, "whole"))]
+    assert [r["embeddings_read_back"] for r in records] == [True, False]  # read back, not embedded again
+    assert fold_metrics(killed, parent.info.run_id) == fold_metrics(whole_store, straight.info.run_id)

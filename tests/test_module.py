@@ -8,7 +8,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from pipeline.data.datamodule import FrameDataset, PainDataModule
+from pipeline.data.datamodule import PainDataModule
+from pipeline.data.frame_dataset import FrameDataset
 from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
 from pipeline.models.backbones import create_model

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from pipeline.data.augment import seed_transform
-from pipeline.data.datamodule import FrameDataset
+from pipeline.data.frame_dataset import FrameDataset
 
 VIDEO_KEYS = ["subject_name", "sample_name"]
 

@@ -2,7 +2,9 @@
 
 Splits are by whole subjects, read from a fold file that is leak-checked on every load
 (`pipeline.data.fold_files.read_folds`). Each item carries its frame-table row number so that predictions can be mapped
-back to videos and subjects.
+back to videos and subjects. With `clips=True` (a temporal head trained end to end) an item is a whole video instead:
+its `loader.clip_frames` crops in time order under one augmentation draw (`pipeline.data.clips.ClipDataset`), and
+its number indexes the split's video table (`prediction_rows`).
 
 Training draws are keyed, not streamed: `EpochSampler` makes epoch k's order of crops and each crop's augmentation
 seed from (seed, fold, k) alone (`pipeline.utils.seeds`), so a fold resumed from an epoch checkpoint sees the same
@@ -11,23 +13,23 @@ batches as one that never stopped, with any number of loader workers, persistent
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import albumentations as A
 import cv2
 import numpy as np
 import pandas as pd
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Sampler, get_worker_info
 
 from pipeline.data.augment import DataConfigLike, build_eval_transform, build_train_transform, seed_transform
+from pipeline.data.clips import ClipDataset
 from pipeline.data.exclusions import usable_task_frames
 from pipeline.data.fold_files import ROLES, fold_subjects, read_folds
+from pipeline.data.frame_dataset import FrameDataset
 from pipeline.data.tasks import CLASS_NAMES, Task
 from pipeline.utils.cpus import available_cpus
 from pipeline.utils.seeds import derived_seed
@@ -35,47 +37,6 @@ from pipeline.utils.seeds import derived_seed
 FRAME_TABLE_COLUMNS = ("subject_name", "sample_name", "class_name", "frame_index", "time_s", "crop_path")
 ROW_INDEX_NAME = "frame_row"  # the frames(split) index: the row's 0-based data-row number in frames.csv
 MAX_AUTO_WORKERS = 8
-
-
-class FrameDataset(Dataset):
-    """Frames of one split: (image CHW float tensor, label int64 tensor, frame-table row int64 tensor).
-
-    Paths, labels and rows are kept as numpy arrays rather than a DataFrame: item lookup stays cheap, and forked
-    dataloader workers do not copy the table page by page through Python reference counting.
-    """
-
-    def __init__(self, frames: pd.DataFrame, processed_dir: Path, transform: A.BaseCompose) -> None:
-        missing = [column for column in ("crop_path", "label") if column not in frames.columns]
-        if missing:
-            raise ValueError(f"frame rows lack column(s) {missing}")
-        self.processed_dir = Path(processed_dir)
-        self.transform = transform
-        self.crop_paths = np.array([str(self.processed_dir / path) for path in frames["crop_path"]], dtype=str)
-        self.labels = frames["label"].to_numpy(dtype=np.int64)
-        self.rows = frames.index.to_numpy(dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def read_image(self, item: int) -> np.ndarray:
-        """The crop as HWC uint8 RGB; a missing or unreadable file is an error naming it and its row."""
-        path = self.crop_paths[item]
-        image = cv2.imread(path, cv2.IMREAD_COLOR)
-        if image is None:
-            reason = "missing" if not os.path.exists(path) else "unreadable"
-            raise FileNotFoundError(
-                f"cannot read face crop {path} ({reason}), frame-table row {self.rows[item]} (0-based)"
-            )
-        return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
-
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`key` is an item number, or (item, augmentation seed) as `EpochSampler` yields them: the seed then fixes
-        this crop's random augmentation, whichever worker process draws it."""
-        item, draw_seed = key if isinstance(key, tuple) else (key, None)
-        if draw_seed is not None:
-            seed_transform(self.transform, draw_seed)
-        image = self.transform(image=self.read_image(item))["image"]
-        return image, torch.tensor(self.labels[item]), torch.tensor(self.rows[item])
 
 
 class EpochSampler(Sampler[tuple[int, int]]):
@@ -214,8 +175,9 @@ class PainDataModule(pl.LightningDataModule):
     """Train / val / test frames of fold `fold` in `fold_file` for `task`, over the crops in `processed_dir`."""
 
     def __init__(self, processed_dir: Path, fold_file: Path, fold: int, task: Task, data_config: DataConfigLike,
-                 augment: Mapping[str, Any], loader: LoaderConfig, seed: int = 0) -> None:
+                 augment: Mapping[str, Any], loader: LoaderConfig, seed: int = 0, clips: bool = False) -> None:
         super().__init__()
+        self.clips = clips  # items are whole videos' clips (end-to-end clip training), not single crops
         self.processed_dir = Path(processed_dir)
         self.fold_file = Path(fold_file)
         self.fold = int(fold)
@@ -239,7 +201,7 @@ class PainDataModule(pl.LightningDataModule):
         self.eval_transform = build_eval_transform(data_config, crop_fraction)
         seed_transform(self.train_transform, seed)  # the stream used when loading in the main process
         self._splits: dict[str, pd.DataFrame] | None = None
-        self._datasets: dict[str, FrameDataset] = {}
+        self._datasets: dict[str, FrameDataset | ClipDataset] = {}
         self.first_epoch = 0  # the epoch this fit starts at: 0, or the one after a resumed checkpoint's
 
     def state_dict(self) -> dict[str, Any]:
@@ -287,12 +249,13 @@ class PainDataModule(pl.LightningDataModule):
                 )
             splits[role] = rows
         self._splits = splits
-        self._datasets = {
-            role: FrameDataset(
-                rows, self.processed_dir, self.train_transform if role == "train" else self.eval_transform
-            )
-            for role, rows in splits.items()
-        }
+        self._datasets = {role: self._dataset(rows, self.train_transform if role == "train" else self.eval_transform)
+                          for role, rows in splits.items()}
+
+    def _dataset(self, rows: pd.DataFrame, transform) -> FrameDataset | ClipDataset:
+        if self.clips:
+            return ClipDataset(rows, self.processed_dir, transform, self.loader.clip_frames)
+        return FrameDataset(rows, self.processed_dir, transform)
 
     def subject_roles(self) -> dict[str, list[str]]:
         """Which subjects train, validate and test: fold `fold` of the fold file, read and leak-checked."""
@@ -326,9 +289,18 @@ class PainDataModule(pl.LightningDataModule):
             raise ValueError(f"unknown split {split!r}; expected one of {', '.join(ROLES)}")
         return self._splits[split]
 
-    def dataset(self, split: str) -> FrameDataset:
+    def dataset(self, split: str) -> FrameDataset | ClipDataset:
         self.frames(split)  # same checks
         return self._datasets[split]
+
+    def prediction_rows(self, split: str) -> pd.DataFrame:
+        """What the third element of a batch of `split` indexes: the frame rows (`frames(split)`, index = frame-table
+        row), or for clips the split's videos (index = video number; `frames` = crops in the clip)."""
+        dataset = self.dataset(split)
+        if isinstance(dataset, ClipDataset):
+            videos = dataset.videos
+            return videos.drop(columns=["rows"]).assign(frames=[len(rows) for rows in videos["rows"]])
+        return self.frames(split)
 
     def split_summary(self) -> dict[str, dict[str, Any]]:
         """Per split: who (subject names), and how many subjects, videos, frames and frames per class."""

@@ -6,10 +6,15 @@ OpenCV and MTCNN, not the network); a JSON file beside the ONNX file says how to
 std, interpolation, crop settings) and how to decide (class names, threshold, video aggregation). The export uses
 torch's TorchScript-based exporter: for these backbones it gave ONNX Runtime outputs within 2e-6 of PyTorch's and
 exported several times faster than the dynamo exporter on a 2-core CPU.
+
+A clip model (`ClipNet`: the frame backbone and its temporal head) is exported whole: a clip (N, T, 3, H, W) of a
+face's crops in time order in, logits (N, n_classes) out, with N and T free (the scorer's window holds fewer than T
+crops at the start of a video). Its input contract says T and how the timeline's windows are made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import asdict
@@ -21,6 +26,7 @@ from omegaconf import DictConfig
 
 from pipeline.models.backbones import PainNet
 from pipeline.models.model_file import data_config_of
+from pipeline.models.temporal_heads import ClipNet
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text
 from pipeline.utils.paths import resolve_path
 
@@ -28,35 +34,62 @@ OPSET = 17
 FORMATS = ("onnx",)
 
 
-def export_onnx(net: PainNet, img_size: int, path: Path, opset: int = OPSET) -> Path:
-    """Write `net` (eval mode, CPU) as ONNX with input `image` and output `logits`, batch size dynamic."""
+def input_name(net: PainNet | ClipNet) -> str:
+    """The ONNX input's name: `clip` (N, T, 3, H, W) for a clip model, `image` (N, 3, H, W) for a frame model."""
+    return "clip" if isinstance(net, ClipNet) else "image"
+
+
+def example_input(net: PainNet | ClipNet, img_size: int, batch: int = 1, frames: int = 2,
+                  rng: np.random.Generator | None = None) -> torch.Tensor:
+    """A batch of the network's input shape: zeros, or standard-normal draws of `rng`."""
+    shape = (batch, frames, 3, img_size, img_size) if isinstance(net, ClipNet) else (batch, 3, img_size, img_size)
+    if rng is None:
+        return torch.zeros(shape)
+    return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+
+
+def export_onnx(net: PainNet | ClipNet, img_size: int, path: Path, opset: int = OPSET) -> Path:
+    """Write `net` (eval mode, CPU) as ONNX with input `image` (a clip model: `clip`) and output `logits`; the
+    batch size (and a clip's length) dynamic."""
     net = net.eval().cpu()
-    example = torch.zeros(1, 3, img_size, img_size)
+    name = input_name(net)
+    axes = {0: "batch", 1: "frames"} if isinstance(net, ClipNet) else {0: "batch"}
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path, suffix=".onnx") as tmp, torch.no_grad():
-        torch.onnx.export(net, (example,), str(tmp), input_names=["image"], output_names=["logits"],
-                          dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}}, opset_version=opset,
-                          dynamo=False)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    # the transformer head's fused eval kernel (aten::_transformer_encoder_layer_fwd) has no ONNX form: export the
+    # same layers through their plain operations
+    torch.backends.mha.set_fastpath_enabled(False)
+    with atomic_path(path, suffix=".onnx") as tmp, torch.no_grad(), contextlib.ExitStack() as restore:
+        restore.callback(torch.backends.mha.set_fastpath_enabled, fastpath)
+        torch.onnx.export(net, (example_input(net, img_size),), str(tmp), input_names=[name],
+                          output_names=["logits"], dynamic_axes={name: axes, "logits": {0: "batch"}},
+                          opset_version=opset, dynamo=False)
     return path
 
 
-def onnx_difference(net: PainNet, path: Path, img_size: int, batch: int = 3, seed: int = 0) -> float:
-    """Largest absolute difference between ONNX Runtime's and PyTorch's logits on a random batch."""
+def onnx_difference(net: PainNet | ClipNet, path: Path, img_size: int, batch: int = 3, seed: int = 0,
+                    frames: int = 3) -> float:
+    """Largest absolute difference between ONNX Runtime's and PyTorch's logits on a random batch (of clips of
+    `frames` crops for a clip model)."""
     import onnxruntime
 
-    images = torch.from_numpy(np.random.default_rng(seed).standard_normal((batch, 3, img_size, img_size),
-                                                                           dtype=np.float32))
+    inputs = example_input(net, img_size, batch, frames, np.random.default_rng(seed))
     with torch.no_grad():
-        expected = net.eval().cpu()(images).numpy()
+        expected = net.eval().cpu()(inputs).numpy()
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    got = session.run(["logits"], {"image": images.numpy()})[0]
+    got = session.run(["logits"], {input_name(net): inputs.numpy()})[0]
     return float(np.abs(got - expected).max())
 
 
 def input_contract(scorer, source: str) -> dict:
     """What a runtime needs besides the network: how to make its input, how to read its output."""
     data_config = data_config_of(scorer.meta)
-    return {"source": source, "input": "image", "output": "logits", "layout": "NCHW float32 RGB",
+    clip = {} if scorer.clip_frames is None else {
+        "clip_frames": scorer.clip_frames,
+        "windows": f"each crop with a face is scored with the clip of the last {scorer.clip_frames} crops of the face "
+                   f"up to it, in time order (fewer at the start of a video)"}
+    layout = "NTCHW float32 RGB (a clip: T crops in time order)" if clip else "NCHW float32 RGB"
+    return {"source": source, "input": input_name(scorer.net), "output": "logits", "layout": layout, **clip,
             "input_size": list(data_config.input_size), "mean": list(data_config.mean), "std": list(data_config.std),
             "interpolation": data_config.interpolation,
             "crop_fraction": (scorer.meta.get("loader") or {}).get("crop_fraction") or 1.0,
@@ -80,7 +113,8 @@ def run_export(cfg: DictConfig, model_uri: str | None = None, run: str | None = 
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", name.removeprefix("models:/")).strip("_")
     img_size = int(data_config_of(scorer.meta).input_size[1])
     path = export_onnx(scorer.net, img_size, out_dir / f"{stem}.onnx")
-    difference = onnx_difference(scorer.net, path, img_size)
+    difference = max(onnx_difference(scorer.net, path, img_size, frames=frames)
+                     for frames in ([scorer.clip_frames, 1] if scorer.clip_frames else [1]))
     contract = input_contract(scorer, name) | {"max_abs_difference_to_pytorch": difference}
     atomic_write_text(path.with_suffix(".json"), json.dumps(contract, indent=2) + "\n")
     print(f"{name} -> {path} ({path.stat().st_size / 1e6:.1f} MB) and its input contract {path.with_suffix('.json')}; "

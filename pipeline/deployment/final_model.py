@@ -129,6 +129,11 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
         raise SystemExit(f"final: {error}") from None
     source_id = source.info.run_id
     train_cfg = training_config(cfg, client, source_id)
+    head = HeadConfig.from_config(train_cfg.model.head)
+    if cfg.final.ensemble and head.temporal:  # said before anything trains, not after the final model
+        raise SystemExit(f"final.ensemble=true: CV {source_id} trained clip models ({head.label}), and a fold "
+                         f"ensemble of clip models is not supported (each member would need its own window of its own "
+                         f"embeddings); drop final.ensemble")
     fold_file = resolve_path(train_cfg.fold_file)
     subjects = sorted(set(read_folds(fold_file)["subject_name"]))
     key = final_key(source_id, float(cfg.final.val_fraction), int(cfg.final.seed))
@@ -197,6 +202,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     from pipeline.runs.mlflow_model import log_mlflow_model, model_config
     from pipeline.runs.two_stage import second_stage, skips_first_stage
 
+    head = HeadConfig.from_config(train_cfg.model.head)
     for chunk in cv_runs.chunks(list(cv_runs.identity_params(train_cfg).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
     mlflow.log_text(OmegaConf.to_yaml(train_cfg), "config.yaml")
@@ -208,13 +214,12 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     module, datamodule, weights = build_fold(train_cfg, 0, decisions, settings, datamodule_class=FinalDataModule)
     used = split_videos(datamodule, ("train", "val"))
     mlflow.log_input(subjects_dataset(used, f"{train_cfg.data.name}-{train_cfg.task.name}-final"), context="training")
-    head = HeadConfig.from_config(train_cfg.model.head)
     fitted = None
-    if not (head.temporal and skips_first_stage(train_cfg)):
+    if not (head.two_stage and skips_first_stage(train_cfg)):
         fitted = fit_fold(train_cfg, module, datamodule, work_dir, settings.precision)
         _, evaluation = test_fold(fitted, module, datamodule)
     stage = None
-    if head.temporal:  # the chosen temporal head, trained on the frame model's embeddings as the CV's folds did
+    if head.two_stage:  # the chosen temporal head, trained on the frame model's embeddings as the CV's folds did
         stage = second_stage(train_cfg, 0, module, datamodule, fitted.best_path if fitted else None, work_dir)
         evaluation = stage.validation
     best_epoch = stage.best_epoch if stage else fitted.best_epoch if fitted else -1

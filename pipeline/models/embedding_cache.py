@@ -36,8 +36,9 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from pipeline.data.augment import build_eval_transform, build_train_transform
-from pipeline.data.datamodule import FrameDataset, default_num_workers, evenly_spaced_frames
+from pipeline.data.datamodule import default_num_workers, evenly_spaced_frames
 from pipeline.data.embeddings import EmbeddingTable
+from pipeline.data.frame_dataset import FrameDataset
 from pipeline.models.backbones import Backbone
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text
 from pipeline.utils.seeds import derived_seed

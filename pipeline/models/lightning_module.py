@@ -77,8 +77,10 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
 class PainLightningModule(pl.LightningModule):
     """Cross-entropy classifier over face crops with video-level evaluation.
 
-    Batches are (images, labels, rows) where rows index the split's frame table (`datamodule.frames(split)`), so
-    frame probabilities can be aggregated per video and per subject at the end of each evaluation epoch.
+    Batches are (images, labels, rows) where rows index the split's frame table (`datamodule.prediction_rows(split)`),
+    so frame probabilities can be aggregated per video and per subject at the end of each evaluation epoch. A clip
+    model (`ClipNet`, trained end to end) gets batches of clips (B, T, 3, H, W) whose third element is the video's
+    number: one prediction row per video.
     """
 
     def __init__(self, model: nn.Module, class_names: Sequence[str], optim: OptimConfig,
@@ -109,7 +111,7 @@ class PainLightningModule(pl.LightningModule):
         self._warned_undefined: set[str] = set()
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        if self.channels_last:
+        if self.channels_last and images.ndim == 4:  # a clip model converts its flattened frames itself
             images = images.contiguous(memory_format=torch.channels_last)
         return self.finetune.forward(self.model, images)
 
@@ -164,7 +166,7 @@ class PainLightningModule(pl.LightningModule):
         rows = torch.cat([r for r, _ in self._outputs[stage]]).numpy()
         probs = torch.cat([p for _, p in self._outputs[stage]]).numpy()
         self._outputs[stage] = []
-        frames = self.trainer.datamodule.frames(stage).loc[rows].reset_index(drop=True)
+        frames = self.trainer.datamodule.prediction_rows(stage).loc[rows].reset_index(drop=True)
         for index, name in enumerate(self.class_names):
             frames[f"prob_{name}"] = probs[:, index]
         return frames

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 HEADS = ("linear", "attention", "gru", "transformer")
 MODES = ("two_stage", "end_to_end")
@@ -52,6 +53,16 @@ class HeadConfig:
     def temporal(self) -> bool:
         """Whether the head sees a whole clip (anything but the per-frame linear head)."""
         return self.name != "linear"
+
+    @property
+    def two_stage(self) -> bool:
+        """A temporal head trained on a fixed frame model's embeddings (`pipeline.runs.two_stage`)."""
+        return self.temporal and self.mode == "two_stage"
+
+    @property
+    def end_to_end(self) -> bool:
+        """A temporal head trained with its backbone on clips of images (`ClipNet`)."""
+        return self.temporal and self.mode == "end_to_end"
 
     @property
     def label(self) -> str:
@@ -102,6 +113,33 @@ class GruHead(nn.Module):
         return self.classify(self.dropout(torch.cat([last[-2], last[-1]], dim=1)))
 
 
+class TemporalBlock(nn.Module):
+    """A pre-norm transformer encoder block (self-attention, then a GELU MLP of twice the width, each with a residual)
+    over (B, L, H) tokens. Written out rather than `nn.TransformerEncoderLayer`, whose attention fixes the sequence
+    length when traced for ONNX: every reshape here keeps L free, so an exported clip model takes clips of any
+    length, as the scorer's windows are."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Dropout(dropout),
+                                 nn.Linear(2 * hidden, hidden))
+        self.dropout = nn.Dropout(dropout)
+        self.attention_dropout = dropout
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        batch, _, hidden = tokens.shape
+        qkv = self.qkv(self.norm1(tokens)).reshape(batch, -1, 3, self.heads, hidden // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, L, head width)
+        attended = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attention_dropout if self.training else 0.0)
+        tokens = tokens + self.dropout(self.proj(attended.transpose(1, 2).reshape(batch, -1, hidden)))
+        return tokens + self.dropout(self.mlp(self.norm2(tokens)))
+
+
 class TransformerHead(nn.Module):
     """A class token and the projected frames, plus learned time-position embeddings, through a pre-norm
     transformer encoder; the class token's final state (after a LayerNorm) is classified."""
@@ -113,10 +151,8 @@ class TransformerHead(nn.Module):
         self.time_position = nn.Parameter(torch.zeros(1, config.max_frames + 1, config.hidden))
         nn.init.trunc_normal_(self.class_token, std=0.02)
         nn.init.trunc_normal_(self.time_position, std=0.02)
-        layer = nn.TransformerEncoderLayer(config.hidden, config.attention_heads, dim_feedforward=2 * config.hidden,
-                                           dropout=config.dropout, activation="gelu", batch_first=True,
-                                           norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, config.layers, enable_nested_tensor=False)
+        self.encoder = nn.Sequential(*(TemporalBlock(config.hidden, config.attention_heads, config.dropout)
+                                       for _ in range(config.layers)))
         self.norm = nn.LayerNorm(config.hidden)
         self.classify = nn.Linear(config.hidden, n_classes)
         self.max_frames = config.max_frames
@@ -125,7 +161,7 @@ class TransformerHead(nn.Module):
         frames = embeddings.shape[1]
         if frames > self.max_frames:
             raise ValueError(f"a clip of {frames} frames is longer than model.head.max_frames={self.max_frames}")
-        tokens = torch.cat([self.class_token.expand(len(embeddings), -1, -1), self.project(embeddings)], dim=1)
+        tokens = torch.cat([self.class_token.expand(embeddings.shape[0], -1, -1), self.project(embeddings)], dim=1)
         encoded = self.encoder(tokens + self.time_position[:, : frames + 1])
         return self.classify(self.norm(encoded[:, 0]))
 
@@ -165,14 +201,18 @@ class ClipNet(nn.Module):
     two-stage training and the frozen-backbone probe over time.
     """
 
-    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
+    def __init__(self, backbone: nn.Module, head: nn.Module, channels_last: bool = False) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = head
+        self.channels_last = channels_last  # the backbone runs its (B * T) frames in channels-last memory
 
     def forward(self, clips: torch.Tensor) -> torch.Tensor:
         batch, frames = clips.shape[:2]
-        embeddings = self.backbone(clips.flatten(0, 1)).reshape(batch, frames, -1)
+        images = clips.flatten(0, 1)
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        embeddings = self.backbone(images).reshape(batch, frames, -1)
         return self.head(embeddings)
 
     def forward_embeddings(self, embeddings: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings
 from pipeline.models.finetune import FinetuneConfig, parameter_counts, strategy_for
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import MODEL_ARTIFACT, model_meta, save_model_file
-from pipeline.models.temporal_heads import HeadConfig
+from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
 from pipeline.models.weights import WeightsSource
 from pipeline.runs import fold_lease
 from pipeline.runs.mlflow_model import log_fold_model
@@ -265,8 +265,15 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     (`pipeline.deployment.final_model`) read its train / validation split the same way."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = get_task(cfg.task.name)
-    net = build_network(cfg, task.n_classes, decisions)
+    net: PainNet | ClipNet = build_network(cfg, task.n_classes, decisions)
     finetune = FinetuneConfig.from_model_config(cfg.model)
+    head = HeadConfig.from_config(cfg.model.head)
+    if head.end_to_end:  # the backbone runs on every frame of a clip and trains through the temporal head
+        if finetune.strategy == "frozen":
+            raise ValueError("model.head.mode=end_to_end trains the backbone through the head, but "
+                             "model.finetune=frozen fixes it: a frozen backbone's head over time is "
+                             "model.head.mode=two_stage (it reads cached embeddings and skips the first stage)")
+        net = ClipNet(net.backbone, build_temporal_head(head, net.backbone.num_features, task.n_classes))
     # a frozen backbone's features are the same in every fold: read them from the embedding cache (built if missing)
     cached = uses_embedding_cache(cfg) and datamodule_class is PainDataModule
     strategy = strategy_for(finetune, embeddings=cached)
@@ -274,6 +281,8 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     channels_last = not cached and (settings or resolve_here(cfg, decisions)).channels_last
     if channels_last:
         net = net.to(memory_format=torch.channels_last)
+        if isinstance(net, ClipNet):
+            net.channels_last = True
     fold_file = Path(decisions.fold_file)
     processed_dir = resolve_path(cfg.data.processed_dir)
     loader = LoaderConfig.from_config(cfg.loader)
@@ -288,14 +297,16 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
                                                          source=entry.path)
     else:
         datamodule = datamodule_class(processed_dir, fold_file, fold, task, net.backbone.data_config, augment, loader,
-                                      seed=cfg.seed)
+                                      seed=cfg.seed, clips=head.end_to_end)
     datamodule.setup()
-    train_labels = datamodule.frames("train")["label"].to_numpy()
+    train_labels = datamodule.dataset("train").labels  # per crop, or per video for clips
     module = PainLightningModule(
         net, task.classes, OptimConfig(**OmegaConf.to_container(cfg.model.optim)),
         label_smoothing=cfg.trainer.label_smoothing,
         class_weights=class_weights_for(cfg.trainer.class_weights, train_labels, task.n_classes),
-        aggregation=cfg.trainer.aggregation, topk=cfg.trainer.topk, channels_last=channels_last,
+        # a clip model predicts once per video: nothing is left to aggregate
+        aggregation="mean" if head.end_to_end else cfg.trainer.aggregation, topk=cfg.trainer.topk,
+        channels_last=channels_last,
         monitor=cfg.trainer.monitor, finetune=strategy)
     return module, datamodule, decisions.weights_source.as_tags()
 
@@ -435,7 +446,9 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
     """The best checkpoint's network as a self-describing file (`pipeline.models.model_file`)."""
     state = torch.load(best_path, map_location="cpu", weights_only=True)["state_dict"]
     module.load_state_dict(state, strict=module.strict_loading)  # a fixed backbone is not in the checkpoint
-    net = module.finetune.for_keeping(module.model)  # LoRA: the adapters merged, a plain PainNet
+    net = module.finetune.for_keeping(module.model)  # LoRA: the adapters merged, a plain PainNet (or ClipNet)
+    if isinstance(net, ClipNet):  # an end-to-end clip model: its head's settings travel in its meta
+        extra["head"] = OmegaConf.to_container(cfg.model.head)
     meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
                       loader=OmegaConf.to_container(cfg.loader), weights=weights,
@@ -486,11 +499,10 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         mlflow.log_input(subjects_dataset(split_videos(datamodule), f"{cfg.data.name}-{cfg.task.name}-fold{fold}"),
                          context="training")
     head = HeadConfig.from_config(cfg.model.head)
-    if head.temporal and head.mode != "two_stage":
-        raise ValueError(f"model.head.mode={head.mode} is not built yet; use model.head.mode=two_stage")
     history: list[dict] = []  # the frame model's epochs (none when a frozen backbone skips the first stage)
     best_path, stage = None, None
-    if not (head.temporal and skips_first_stage(cfg)):
+    # a frame model, or an end-to-end clip model, trains here; a two-stage head afterwards, on the frame model
+    if not (head.two_stage and skips_first_stage(cfg)):
         with times("fit"):
             fitted = fit_fold(cfg, module, datamodule, work_dir, settings.precision)
         with times("validation_repass"):
@@ -501,7 +513,7 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         selected = {"best_epoch": fitted.best_epoch, "epochs_trained": len(history),
                     "best_val_score": fitted.best_score}
     frame_model_metrics: dict[str, float] = {}
-    if head.temporal:  # two stages: the frame model, fixed, embeds the fold; the temporal head trains on that
+    if head.two_stage:  # the frame model, fixed, embeds the fold; the temporal head trains on that
         if best_path is not None:
             frame_model_metrics = evaluation.metrics(prefix="frame_model/test/")
         with times("second_stage"):

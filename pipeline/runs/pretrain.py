@@ -45,8 +45,9 @@ from torch.utils.data import DataLoader
 
 from pipeline.data.augment import build_eval_transform, build_train_transform
 from pipeline.data.biovid import SAMPLES_CSV, load_samples
-from pipeline.data.datamodule import FrameDataset, default_num_workers
+from pipeline.data.datamodule import default_num_workers
 from pipeline.data.face_crops import preprocess
+from pipeline.data.frame_dataset import FrameDataset
 from pipeline.data.prepare import preprocess_config, synthetic_config, synthetic_fingerprint
 from pipeline.models.backbones import CvtBackbone, PainNet, TimmBackbone, create_backbone
 from pipeline.models.weights import sha256_of_file

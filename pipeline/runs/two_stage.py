@@ -89,6 +89,7 @@ def fold_embeddings(cfg: DictConfig, fold: int, module: PainLightningModule, dat
     weights_sha256 = state_dict_sha256(backbone)
     trained_on = sorted(datamodule.frames("train")["subject_name"].unique()) if fine_tuned else []
     started = time.time()
+    read_back = None  # fine-tuned: whether an earlier attempt of this fold had embedded (a resume in this stage)
     if fine_tuned:
         rows = pd.concat([datamodule.frames(role) for role in ROLES]).sort_index()
         key = cache_key(backbone, weights_sha256, processed_dir, loader.crop_fraction, loader.from_s,
@@ -96,8 +97,10 @@ def fold_embeddings(cfg: DictConfig, fold: int, module: PainLightningModule, dat
         key.update({"frame_model_fold": fold, "frame_model_trained_on": trained_on,
                     "rows": [int(row) for row in rows.index]})
         arrays, record = entry_paths(work_dir, backbone.name, key)  # <work_dir>/embeddings/
-        if record.is_file():
+        read_back = record.is_file()
+        if read_back:  # a fold resumed in its second stage: the entry its first attempt wrote, checked
             table = read_entry(arrays, record, key)
+            log.info("fold %d: embeddings of its frame model read back from %s", fold, arrays)
         else:
             arrays.parent.mkdir(parents=True, exist_ok=True)
             table = build_entry(backbone, rows, processed_dir, loader.crop_fraction, augment, plain,
@@ -114,7 +117,7 @@ def fold_embeddings(cfg: DictConfig, fold: int, module: PainLightningModule, dat
     log.info("fold %d: embeddings of its frame model in %.1f s (%s)", fold, time.time() - started, source.path)
     facts = {"fold": fold, "frame_model": "fine-tuned in this fold" if fine_tuned else "frozen, as built",
              "frame_model_weights_sha256": weights_sha256, "frame_model_trained_on": trained_on,
-             "cache_record": record.name, "cache_key": cache_identity,
+             "cache_record": record.name, "cache_key": cache_identity, "embeddings_read_back": read_back,
              "embedded": {role: sorted(datamodule.frames(role)["subject_name"].unique()) for role in ROLES}}
     return source, facts
 
