@@ -115,7 +115,7 @@ TUNED ?=
 tune: install ## search MODEL's settings per fold with Optuna (TRIALS=20, SCOPE=per_fold), then its tuned CV
 	$(PY) -m pipeline tune $(OVERRIDES) $(if $(TRIALS),tune.trials=$(TRIALS)) $(if $(SCOPE),tune.scope=$(SCOPE))
 
-compare: install ## compare the backbones' latest CVs on DATA/PROTOCOL/TASK (TUNED=latest: tuned CVs of one budget)
+compare: install ## compare the backbones' latest CVs on DATA/PROTOCOL/TASK (TUNED=latest | versus_untuned | <budget>)
 	$(PY) -m pipeline compare $(OVERRIDES) $(if $(TUNED),--tuned=$(TUNED))
 
 table: install ## BioVid benchmark table: MODEL="vit_b16 cvt_13" on BL1 vs PA1..PA4 and five classes, beside published rows

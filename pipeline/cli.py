@@ -7,7 +7,7 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline cv          [key=value ...]   participant-grouped cross-validation, tracked in MLflow
     python -m pipeline embed       [key=value ...]   the embedding cache of a frozen backbone (model.finetune=frozen)
     python -m pipeline pretrain    [key=value ...]   a starting point: the backbone trained on faces outside the dataset
-    python -m pipeline compare     [key=value ...] [--tuned=latest|<trials>,<scope>,<space hash>]
+    python -m pipeline compare     [key=value ...] [--tuned=latest|versus_untuned|<trials>,<scope>,<space hash>]
                                        compare the backbones' latest cross-validations (untuned ones unless --tuned)
     python -m pipeline tune        [key=value ...]   per-fold hyper-parameter search, then the tuned CV (tune.*)
     python -m pipeline inspect     [key=value ...] [--run=<parent run id>] [--untrained=1]

@@ -23,8 +23,10 @@ import pytest
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
+from pipeline.analysis.compare import VERSUS_UNTUNED, compare
 from pipeline.data.fold_files import fold_subjects, read_folds
 from pipeline.runs import tracking
+from pipeline.runs.cross_validation import run_cv
 from pipeline.runs.cv_runs import latest_finished_cvs as latest_cvs
 from pipeline.runs.fold_job import decide
 from pipeline.runs.tuning import (
@@ -144,6 +146,15 @@ def test_a_killed_search_resumes_and_the_study_never_sees_test_subjects(tiny_bas
     assert latest_cvs(*where, tuned=other) == {}
     plots = {a.path for a in client.list_artifacts(tuning.info.run_id, "plots")}
     assert any(p.endswith("_history.png") for p in plots)
+    # ... and against its untuned twin when asked: the same backbone's plain CV on the same fold, paired over subjects
+    untuned = run_cv(load_config([o for o in overrides if not o.startswith("tune.")]))  # a plain `make cv`
+    assert "pooled/video_auroc" in untuned
+    (plain,) = latest_cvs(*where).values()
+    versus = compare("synthetic", cfg.protocol.name, cfg.task.name, tmp_path / "compare",
+                     tracking_uri=cfg.mlflow.tracking_uri, tuned=VERSUS_UNTUNED, allow_incomplete=True)
+    assert versus["parent_run_ids"] == {"mobilevit_xxs": plain.info.run_id, "mobilevit_xxs tuned": cv.info.run_id}
+    assert set(versus["subjects_paired"][["model_a", "model_b"]].itertuples(index=False, name=None)) == {
+        ("mobilevit_xxs", "mobilevit_xxs tuned")}
 
     # 4. the same study on data whose test labels are flipped: the same trials, values and choice
     fold_file = Path(cv.data.tags["fold_file"])

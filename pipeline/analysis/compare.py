@@ -42,6 +42,7 @@ from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import resolve_path
 
 logger = logging.getLogger(__name__)
+VERSUS_UNTUNED = "versus_untuned"  # `make compare TUNED=versus_untuned`: tuned CVs beside their untuned twins
 
 FOLD_FILE_TAG = "fold_file_sha256"
 DEFAULT_METRICS: tuple[str, ...] = (
@@ -407,13 +408,17 @@ def compare(
     if found is None:
         raise ComparisonError(f"no MLflow experiment {experiment!r} at {uri}")
     experiment_id = found.experiment_id
+    where_cvs = (client, [experiment_id], dataset, protocol, task, subject_set, fold_file_sha256, crop_params)
     try:
-        runs = cv_runs.latest_finished_cvs(client, [experiment_id], dataset, protocol, task, subject_set,
-                                           fold_file_sha256, crop_params, tuned)
+        if tuned == VERSUS_UNTUNED:
+            runs = tuned_against_untuned(*where_cvs)
+        else:
+            runs = cv_runs.latest_finished_cvs(*where_cvs, tuned)
     except ValueError as error:  # a value MLflow's filter cannot hold
         raise ComparisonError(str(error)) from None
-    budget = tracking.tune_budget(next(iter(runs.values()))) if runs else tuned
-    which = f"tuned CVs of the search budget {budget}" if tuned else "untuned CVs"
+    budget = next((tracking.tune_budget(run) for run in runs.values() if tracking.tune_budget(run)), tuned)
+    which = ("the newest tuned CVs against their untuned twins" if tuned == VERSUS_UNTUNED
+             else f"tuned CVs of the search budget {budget}" if tuned else "untuned CVs")
     where = f"{which}, dataset={dataset}, protocol={protocol}, task={task}" + (
         f", subject_set={subject_set}" if subject_set else ""
     ) + (" and these crops (" + ", ".join(f"{k}={v}" for k, v in crop_params.items()) + ")" if crop_params else "")
@@ -556,6 +561,25 @@ def cost_lines(costs: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def tuned_against_untuned(client: MlflowClient, experiment_ids: Sequence[str], dataset: str, protocol: str, task: str,
+                          subject_set: str | None, fold_file_sha256: str | None,
+                          crop_params: Mapping[str, str] | None) -> dict[str, Run]:
+    """Each CV label's newest tuned CV (of the newest search budget) beside the newest untuned CV of the same label
+    (backbone, strategy, weights, head), on the same fold file and crops: `<label>` and `<label> tuned`. A tuned CV
+    without an untuned twin is left out, with a warning."""
+    where = (client, experiment_ids, dataset, protocol, task, subject_set, fold_file_sha256, crop_params)
+    tuned = cv_runs.latest_finished_cvs(*where, tuned="latest")
+    untuned = cv_runs.latest_finished_cvs(*where)
+    runs: dict[str, Run] = {}
+    for label, run in tuned.items():
+        if label not in untuned:
+            logger.warning("tuned CV %s (%s) has no untuned twin: run `make cv` with its settings", run.info.run_id,
+                           label)
+            continue
+        runs[label], runs[f"{label} tuned"] = untuned[label], run
+    return runs
+
+
 def run_compare(cfg, tuned: str | None = None) -> dict:
     """`make compare`: the latest finished cross-validation of each backbone on the config's data/protocol/task,
     fold file and crop settings; `tuned` (`--tuned=latest` or a budget, `tracking.parse_tune_budget`): tuned CVs of
@@ -567,7 +591,8 @@ def run_compare(cfg, tuned: str | None = None) -> dict:
         result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, resolve_path(cfg.reports_dir),
                          tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
                          subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=cv_runs.crop_settings(cfg),
-                         tuned=tuned if tuned in (None, "latest") else tracking.parse_tune_budget(tuned),
+                         tuned=tuned if tuned in (None, "latest", VERSUS_UNTUNED)
+                         else tracking.parse_tune_budget(tuned),
                          allow_incomplete=bool(options.get("allow_incomplete", False)),
                          allow_differences=list(options.get("allow_differences") or []))
     except ComparisonError as error:
