@@ -34,6 +34,8 @@ OUT ?=
 FORMAT ?= onnx
 SERVE_PORT ?= 5001
 SERVE_PATH_ROOT ?=
+# `make bench FINETUNE=full,lora`: fine-tuning strategies side by side (trainable weights, images/s, peak memory)
+FINETUNE ?=
 # `make server`: a tracking server for fold jobs on other nodes (LAUNCHER=slurm); see the README.
 SERVER_HOST ?= 127.0.0.1
 SERVER_PORT ?= 5000
@@ -178,8 +180,8 @@ notebooks: install ## execute the ViT course notebooks (notebooks/vit_course_*.i
 bench-data: install ## data benchmark: preprocessing throughput, detection rate, loader images/s
 	$(PY) scripts/bench_data.py
 
-bench: install ## training throughput: Lightning + DataModule against a bare PyTorch loop, per backbone
-	$(PY) scripts/bench_train.py
+bench: install ## training throughput: Lightning + DataModule against a bare PyTorch loop, per backbone (FINETUNE=full,lora)
+	$(PY) scripts/bench_train.py $(if $(FINETUNE),--finetune=$(FINETUNE))
 
 clean-data: ## delete generated data (data/)
 	rm -rf data

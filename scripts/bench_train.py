@@ -8,7 +8,11 @@ What it measures (numbers for the release notes, not a test), for each backbone:
     batches after the warm-up steps (data loading included, as in training);
 (b) images/s of a bare PyTorch loop on the same model, batch, optimizer groups, precision, gradient clipping and
     schedule, on one pre-made random batch;
-(c) the ratio a / b: the cost of Lightning and the data loader. Target >= 0.9.
+(c) the ratio a / b: the cost of Lightning and the data loader. Target >= 0.9;
+(d) with --finetune, each fine-tuning strategy (`model.finetune`: full, top_blocks, lora, frozen) of each backbone:
+    its trainable parameters and the peak memory of the real path (a GPU's peak allocation; on a CPU the process's
+    peak resident set). A frozen strategy runs the backbone on the images here (`cache.embeddings=false`): the
+    embedding cache's own speed is scripts/bench_finetune.py's.
 
 Settings: composed by `pipeline.utils.config.load_config` from the same key=value overrides as `python -m pipeline cv`,
 and the model and data built by `make cv`'s own `pipeline.runs.fold_job.build_fold`, so the image size, batch, loader,
@@ -27,6 +31,7 @@ Run:
     .venv/bin/python scripts/bench_train.py --models mobilevit_s model.img_size=224 augment=heavy
     .venv/bin/python scripts/bench_train.py data=biovid model=cvt_13 --steps 20
     .venv/bin/python scripts/bench_train.py --quick    # tiny smoke version (seconds)
+    .venv/bin/python scripts/bench_train.py --models vit_b16 --finetune full,lora    # LoRA against full
 
 Prints a results table; writes reports/bench/bench_train.json and bench_train.png (atomic writes).
 """
@@ -34,6 +39,7 @@ Prints a results table; writes reports/bench/bench_train.json and bench_train.pn
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 import warnings
@@ -57,6 +63,7 @@ from pipeline.analysis.benchmarks import (
     load_configs,
     loader_dataset,
     name_list,
+    peak_memory,
     precision,
     prepared_subset,
     print_table,
@@ -65,6 +72,7 @@ from pipeline.analysis.benchmarks import (
     write_report,
 )
 from pipeline.data.datamodule import PainDataModule
+from pipeline.models.finetune import FinetuneConfig, parameter_counts
 from pipeline.models.lightning_module import PainLightningModule
 from pipeline.utils.accelerator import announce_device_or_exit
 from pipeline.utils.cpus import available_cpus
@@ -155,7 +163,10 @@ def bench_model(cfg: DictConfig, source: Path, args: argparse.Namespace) -> dict
     print(f"\n{name}: {settings['img_size']} px, batch {settings['batch_size']}, {settings['precision']}, "
           f"{settings['num_workers']} loader worker(s), {torch.get_num_threads()} torch thread(s); "
           f"Lightning + PainDataModule ...", flush=True)
-    real = lightning_throughput(cfg, module, datamodule, args)
+    counts = parameter_counts(module.model)
+    with peak_memory(compute_device()) as peak:
+        real = lightning_throughput(cfg, module, datamodule, args)
+    peak_mb = peak()
     del module, datamodule
     print(f"{name}: bare PyTorch loop ...", flush=True)
     module, _ = build(cfg, dataset)  # a fresh model and optimizer
@@ -167,6 +178,9 @@ def bench_model(cfg: DictConfig, source: Path, args: argparse.Namespace) -> dict
         "ratio": real / bare["images_per_s"],
         "bare_seconds_per_step": bare["seconds_per_step"],
         "parameters_M": sum(p.numel() for p in module.model.parameters()) / 1e6,
+        "parameters_trainable": counts["parameters_trainable"],
+        "backbone_trainable_share": counts["backbone_parameters_trainable"] / counts["backbone_parameters"],
+        "peak_memory_MB": peak_mb,
         "torch_threads": torch.get_num_threads(),
         "settings": settings,
         "dataset": {k: v for k, v in dataset.items() if k not in ("processed_dir", "fold_file")},
@@ -175,6 +189,8 @@ def bench_model(cfg: DictConfig, source: Path, args: argparse.Namespace) -> dict
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = load_configs(args.overrides, args.models, QUICK_MODELS if args.quick else DEFAULT_MODELS)
+    if args.finetune:  # each backbone under each strategy, keyed "<backbone> <strategy>"
+        configs = [with_finetune(cfg, strategy) for cfg in configs for strategy in args.finetune]
     training = announce_device_or_exit(configs[0].trainer.accelerator)  # an unusable GPU: an error
     device = compute_device()
     report: dict[str, Any] = {
@@ -195,26 +211,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  progress=not args.no_progress)
         kind = f"subset:{args.preset}"
     report["data"] = {"kind": kind, "source": str(source)}
-    report["models"] = {cfg.model.name: bench_model(cfg, source, args) for cfg in configs}
+    report["models"] = {bench_key(cfg, args): bench_model(cfg, source, args) for cfg in configs}
     report["target_ratio"] = TARGET_RATIO
     print_table(
         f"Training throughput on {device.type}, {kind} data, {args.steps} timed steps",
         [
             {
-                "model": name,
+                "model": entry["settings"]["model"],
+                "finetune": entry["settings"]["finetune"],
                 "px": entry["settings"]["img_size"],
                 "batch": entry["settings"]["batch_size"],
                 "precision": entry["settings"]["precision"],
                 "params (M)": entry["parameters_M"],
+                "trainable": entry["parameters_trainable"],
+                "backbone trainable": f"{100 * entry['backbone_trainable_share']:.2f} %",
+                "peak MB": entry["peak_memory_MB"],
                 "Lightning+DataModule img/s": entry["lightning_images_per_s"],
                 "bare PyTorch img/s": entry["bare_images_per_s"],
                 "ratio": entry["ratio"],
                 "target": f">= {TARGET_RATIO:g}: {'ok' if entry['ratio'] >= TARGET_RATIO else 'LOW'}",
             }
-            for name, entry in report["models"].items()
+            for entry in report["models"].values()
         ],
     )
     return report
+
+
+def with_finetune(cfg: DictConfig, strategy: str) -> DictConfig:
+    """`cfg` under fine-tuning strategy `strategy`; a frozen backbone runs on the images (no embedding cache)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.model.finetune = strategy
+    if strategy == "frozen":
+        cfg.cache.embeddings = False
+    FinetuneConfig.from_model_config(cfg.model)  # an unknown strategy fails here, before any data is made
+    return cfg
+
+
+def bench_key(cfg: DictConfig, args: argparse.Namespace) -> str:
+    """The report's key: the backbone, and its strategy's label when strategies were asked for."""
+    return f"{cfg.model.name} {FinetuneConfig.from_model_config(cfg.model).label}" if args.finetune else cfg.model.name
 
 
 def plot(report: Mapping[str, Any], path: Path) -> Path:
@@ -269,6 +304,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--models", type=name_list, help=f"backbones, comma-separated (default: {','.join(DEFAULT_MODELS)})"
     )
+    parser.add_argument("--finetune", type=name_list,
+                        help="fine-tuning strategies to set side by side, comma-separated (full,top_blocks,lora,"
+                             "frozen; default: the config's model.finetune alone)")
     parser.add_argument("--steps", type=int, help="timed steps per path (default: 50 on a GPU, 8 on a CPU)")
     parser.add_argument("--warmup-steps", type=int, help="untimed steps first (default: 10 on a GPU, 2 on a CPU)")
     parser.add_argument("--threads", type=int, help="torch threads, both paths (default: CPUs - loader workers, >= 1)")

@@ -155,17 +155,18 @@ def test_bench_data_quick(tmp_path: Path) -> None:
 
 def test_bench_train_quick(tmp_path: Path) -> None:
     result = run_script("bench_train.py", tmp_path, "--quick", "--data", "subset", "loader.batch_size=4",
-                        "preprocess.workers=1")  # the subset made in this process: no pool to start
+                        "preprocess.workers=1", "--finetune", "full,lora")  # preprocess: no pool to start here
     assert_ran(result)
     report = json.loads((tmp_path / "out" / "bench_train.json").read_text())
     assert (tmp_path / "out" / "bench_train.png").stat().st_size > 0
-    assert list(report["models"]) == ["mobilevit_xxs"]
-    entry = report["models"]["mobilevit_xxs"]
-    assert_positive(
-        entry,
-        ("lightning_images_per_s", "bare_images_per_s", "ratio", "bare_seconds_per_step", "parameters_M"),
-        "models.mobilevit_xxs",
-    )
+    assert list(report["models"]) == ["mobilevit_xxs full", "mobilevit_xxs lora_r8"]  # the finetune column's rows
+    entry, lora = report["models"]["mobilevit_xxs full"], report["models"]["mobilevit_xxs lora_r8"]
+    for name, row in report["models"].items():
+        assert_positive(row, ("lightning_images_per_s", "bare_images_per_s", "ratio", "bare_seconds_per_step",
+                              "parameters_M", "parameters_trainable", "peak_memory_MB"), f"models.{name}")
+    assert entry["backbone_trainable_share"] == 1.0 and 0 < lora["backbone_trainable_share"] < 0.1
+    assert (entry["settings"]["finetune"], lora["settings"]["finetune"]) == ("full", "lora_r8")
+    assert lora["parameters_trainable"] < entry["parameters_trainable"]
     assert entry["ratio"] == pytest.approx(entry["lightning_images_per_s"] / entry["bare_images_per_s"])
     settings = entry["settings"]
     cfg = load_config(["model=mobilevit_xxs", "model.img_size=32", "loader.batch_size=4"])  # the command line wins

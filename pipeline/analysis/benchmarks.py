@@ -34,6 +34,7 @@ from pipeline.data.face_crops import PreprocessConfig
 from pipeline.data.fold_files import MIN_SUBJECTS, make_folds, write_folds
 from pipeline.data.tasks import get_task
 from pipeline.models.backbones import model_family
+from pipeline.models.finetune import FinetuneConfig
 from pipeline.models.lightning_module import PainLightningModule
 from pipeline.runs.fold_job import build_fold, decide
 from pipeline.utils.accelerator import training_device
@@ -129,6 +130,7 @@ def training_settings(cfg: DictConfig, module: PainLightningModule, datamodule: 
         "frames_per_video": datamodule.frames_per_video,
         "from_s": datamodule.from_s,
         "precision": precision(cfg),
+        "finetune": FinetuneConfig.from_model_config(cfg.model).label,
         "channels_last": module.channels_last,
         "gradient_clip_val": cfg.trainer.gradient_clip_val,
         "seed": datamodule.seed,
@@ -153,6 +155,32 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so a wall-clock reading covers it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device) -> Iterator[Callable[[], float]]:
+    """`with peak_memory(device) as peak: ...` then peak() is the block's peak memory in MB: on a GPU the most the
+    device held allocated by torch; on a CPU this process's peak resident set (Linux's VmHWM, reset on entry through
+    /proc/self/clear_refs; loader worker processes not included). NaN where neither can be read."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        yield lambda: torch.cuda.max_memory_allocated(device) / 2**20
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set size to the current one
+        readable = True
+    except OSError:
+        readable = False
+
+    def peak() -> float:
+        if not readable:
+            return math.nan
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+        return math.nan
+
+    yield peak
 
 
 @contextlib.contextmanager
