@@ -169,10 +169,18 @@ def test_make_compare_sets_two_strategies_of_one_backbone_against_each_other(tin
     settings = [o for o in FAST if not o.startswith(("trainer.folds", "trainer.max_epochs"))]
     common = (*settings, "trainer.folds=[0]", "trainer.max_epochs=1", f"mlflow.tracking_uri=sqlite:///{tmp_path}/c.db",
               f"cv.work_dir={tmp_path}/runs", f"reports_dir={tmp_path}/reports", "compare.allow_incomplete=true")
-    for extra in ((), ("model.finetune=frozen",)):
+    for extra in ((), ("model.finetune=frozen",), ("model.finetune=top_blocks",)):
         run_cv(load_config(tiny_overrides(tiny_base, *common, *extra)))
-    result = run_compare(load_config(tiny_overrides(tiny_base, *common)))
+    everything = run_compare(load_config(tiny_overrides(tiny_base, *common)))
+    assert set(everything["parent_run_ids"]) == {"mobilevit_xxs", "mobilevit_xxs frozen", "mobilevit_xxs top_blocks2"}
+    # compare.only: the pairs asked about and no others (the correction's family shrinks with them)
+    only = 'compare.only=["mobilevit_xxs","mobilevit_xxs frozen"]'
+    result = run_compare(load_config(tiny_overrides(tiny_base, *common, only)))
     labels = {"mobilevit_xxs", "mobilevit_xxs frozen"}
+    assert set(result["parent_run_ids"]) == labels
+    assert len(result["subjects_paired"]) < len(everything["subjects_paired"])
+    with pytest.raises(SystemExit, match=r"compare.only names 'mobilevit_xxs lora_r8'.*'mobilevit_xxs top_blocks2'"):
+        run_compare(load_config(tiny_overrides(tiny_base, *common, 'compare.only=["mobilevit_xxs lora_r8"]')))
     assert set(pd.read_csv(result["paths"]["summary"]).model) == labels
     folds = pd.read_csv(result["paths"]["folds"])
     assert set(folds.model) == labels and len(folds) == 2  # one fold each, neither merged into the other

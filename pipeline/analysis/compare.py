@@ -388,14 +388,17 @@ def compare(
     tuned: Mapping[str, str] | str | None = None,
     allow_incomplete: bool = False,
     allow_differences: Sequence[str] = (),
+    only: Sequence[str] = (),
 ) -> dict:
     """Compare the latest finished CV of every backbone for one dataset/protocol/task, write tables and plots.
 
     With `crop_params` (logged parameter -> value, see `crop_settings`), only CVs trained on crops made that way
     count: a backbone last run on another twin look, detector or alignment is not compared with the others. CVs
     that differ in a setting of SAME_TAGS or SAME_PARAMS, or are incomplete, are refused (`check_comparable`);
-    `allow_incomplete` makes a smoke comparison of incomplete CVs (marked: tag `complete=false`), and settings in
-    `allow_differences` may differ (each is listed in the result's `differences` and the run's tag).
+    `only` keeps the CVs of those labels (`cv_runs.cv_label`) and no others; a label with no CV is an error listing
+    the labels there are. `allow_incomplete` makes a smoke comparison of incomplete CVs (marked: tag
+    `complete=false`), and settings in `allow_differences` may differ (each is listed in the result's `differences`
+    and the run's tag).
 
     Writes `comparison_<dataset>_<protocol>_<task>[_<subject_set>]` `.csv` (summary), `_paired.csv`, `_folds.csv`
     and `_<metric>.png` into `out_dir`, and logs them as an MLflow run tagged `painvit.run_kind=comparison`.
@@ -416,6 +419,12 @@ def compare(
             runs = cv_runs.latest_finished_cvs(*where_cvs, tuned)
     except ValueError as error:  # a value MLflow's filter cannot hold
         raise ComparisonError(str(error)) from None
+    if only:
+        missing = [label for label in only if label not in runs]
+        if missing:
+            raise ComparisonError(f"compare.only names {', '.join(map(repr, missing))}, which has no finished CV here; "
+                                  f"the labels there are: {', '.join(map(repr, runs)) or 'none'}")
+        runs = {label: runs[label] for label in only}
     budget = next((tracking.tune_budget(run) for run in runs.values() if tracking.tune_budget(run)), tuned)
     which = ("the newest tuned CVs against their untuned twins" if tuned == VERSUS_UNTUNED
              else f"tuned CVs of the search budget {budget}" if tuned else "untuned CVs")
@@ -594,7 +603,8 @@ def run_compare(cfg, tuned: str | None = None) -> dict:
                          tuned=tuned if tuned in (None, "latest", VERSUS_UNTUNED)
                          else tracking.parse_tune_budget(tuned),
                          allow_incomplete=bool(options.get("allow_incomplete", False)),
-                         allow_differences=list(options.get("allow_differences") or []))
+                         allow_differences=list(options.get("allow_differences") or []),
+                         only=[str(label) for label in options.get("only") or []])
     except ComparisonError as error:
         raise SystemExit(f"compare: {error}") from None
     if not all(result["complete"].values()):
