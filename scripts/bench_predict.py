@@ -11,6 +11,7 @@ For each backbone (default vit_b16, cvt_13, mobilevit_s; random weights at the i
 Run:
     .venv/bin/python scripts/bench_predict.py                    # all three backbones, this machine's threads
     .venv/bin/python scripts/bench_predict.py --models mobilevit_s --threads 2
+    .venv/bin/python scripts/bench_predict.py --models cvt_13 --head transformer   # a clip model's windows
 Writes reports/bench/bench_predict.json. Timings on a shared machine are polluted by the other load: the load
 average is recorded with them.
 """
@@ -47,19 +48,27 @@ def render_clip(folder: Path) -> Path:
     return path
 
 
-def save_model(name: str, folder: Path) -> tuple[Path, int]:
-    """A random-weight model of backbone `name`, saved as the MLflow model `make final` would log."""
+def save_model(name: str, folder: Path, head: str = "linear") -> tuple[Path, int]:
+    """A random-weight model of backbone `name`, saved as the MLflow model `make final` would log; with a temporal
+    `head`, the clip model (`ClipNet`) of that head at the config's sizes and clip length."""
     import mlflow
+    from omegaconf import OmegaConf
 
     from pipeline.models.backbones import create_model
     from pipeline.models.model_file import model_meta, save_model_file
+    from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
     from pipeline.runs.mlflow_model import CODE_FILE, WEIGHTS_ARTIFACT, model_config, signature
 
-    cfg = load_config([f"model={name}"])
+    cfg = load_config([f"model={name}", f"model.head.name={head}"])
     torch.manual_seed(0)
     net, source = create_model(name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
+    extra = {}
+    if head != "linear":
+        config = HeadConfig.from_config(cfg.model.head)
+        net = ClipNet(net.backbone, build_temporal_head(config, net.backbone.num_features, 2))
+        extra["head"] = OmegaConf.to_container(cfg.model.head)
     meta = model_meta(net, model_name=name, img_size=cfg.model.img_size, class_names=["BL1", "PA4"],
-                      task="bl1_vs_pa4", loader=dict(cfg.loader), weights=source.as_tags())
+                      task="bl1_vs_pa4", loader=dict(cfg.loader), weights=source.as_tags(), **extra)
     weights = save_model_file(net, meta, folder / f"{name}.pt")
     path = folder / f"model_{name}"
     mlflow.pyfunc.save_model(str(path), python_model=str(CODE_FILE), artifacts={WEIGHTS_ARTIFACT: str(weights)},
@@ -90,6 +99,9 @@ def end_to_end(model_dir: Path, clip: Path, fps: float, out: Path) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="vit_b16,cvt_13,mobilevit_s")
+    parser.add_argument("--head", default="linear",
+                        help="model.head.name: linear (a frame model) or a temporal head (a clip model, scored in "
+                             "sliding windows of loader.clip_frames crops)")
     parser.add_argument("--fps", type=float, default=5.0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--out", default=str(resolve_path("reports/bench")))
@@ -98,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     results = {"cpu_threads": torch.get_num_threads(), "load_average": os.getloadavg(), "fps": args.fps,
+               "head": args.head,
                "cpu_capability": torch.backends.cpu.get_cpu_capability(), "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         clip = render_clip(folder)
         for name in args.models.split(","):
-            model_dir, img_size = save_model(name, folder)
+            model_dir, img_size = save_model(name, folder, args.head)
             timing = per_frame(model_dir, clip, args.fps)
             timing["end_to_end_s"] = round(end_to_end(model_dir, clip, args.fps, folder / "out"), 2)
             timing["img_size"] = img_size
