@@ -28,7 +28,7 @@ from pipeline.data.fold_files import fold_subjects, read_folds
 from pipeline.runs import tracking
 from pipeline.runs.cross_validation import run_cv
 from pipeline.runs.cv_runs import latest_finished_cvs as latest_cvs
-from pipeline.runs.fold_job import decide
+from pipeline.runs.fold_job import decide, resolve_here
 from pipeline.runs.tuning import (
     CHOSEN_ARTIFACT,
     TRIAL_STATE_TAG,
@@ -183,8 +183,9 @@ def run_study(cfg, client: MlflowClient, experiment: str, processed: Path, journ
 
 def test_pruning_stops_a_trial_below_the_median(tiny_base: Path, tmp_path: Path) -> None:
     """A study whose earlier trial reached a validation loss of 0 after every epoch: a new trial's first epoch is
-    worse than that median, so it is stopped after it, not trained for its 3 epochs."""
-    cfg = tune_config(tiny_base, "trainer.max_epochs=3", "tune.pruner.n_warmup_steps=0",
+    worse than that median, so it is stopped after it, not trained for its 3 epochs. The trial trains at
+    `trainer.precision=auto` (the default), resolved on the worker's device as a fold job resolves it."""
+    cfg = tune_config(tiny_base, "trainer.max_epochs=3", "tune.pruner.n_warmup_steps=0", "trainer.precision=auto",
                       "tune.pruner.n_startup_trials=1", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}")
     client = MlflowClient(cfg.mlflow.tracking_uri)
     experiment = tracking.get_or_create_experiment("tune-tests", tmp_path / "art", client=client)
@@ -200,6 +201,8 @@ def test_pruning_stops_a_trial_below_the_median(tiny_base: Path, tmp_path: Path)
     (child,) = client.search_runs([experiment], f"tags.`{tracking.PARENT_TAG}` = '{run.info.run_id}'")
     assert child.data.tags[TRIAL_STATE_TAG] == "PRUNED" and child.data.metrics["epochs_trained"] == 1
     assert len(client.get_metric_history(child.info.run_id, "val/loss")) == 1
+    here = resolve_here(cfg, decide(cfg, Path(cfg.fold_file)))
+    assert (child.data.tags["precision_asked"], child.data.tags["precision"]) == ("auto", here.precision)
 
 
 def test_every_backbone_has_a_search_space_that_starts_at_its_configured_settings() -> None:
