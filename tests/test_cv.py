@@ -118,8 +118,10 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
         val = pd.read_csv(client.download_artifacts(child.info.run_id, "predictions_videos_val.csv"))
         assert not set(val.subject_name) & set(videos.subject_name)
         threshold = child.data.metrics["test/threshold"]
-        assert threshold == pytest.approx(choose_threshold(val.label.to_numpy(), val.prob_PA4.to_numpy(), "youden"))
-        assert child.data.params["threshold_rule"] == "youden"
+        rule = cfg.eval.threshold  # the configured rule, on the validation videos alone
+        assert threshold == pytest.approx(choose_threshold(val.label.to_numpy(), val.prob_PA4.to_numpy(), rule,
+                                                           n_subjects=val.subject_name.nunique()))
+        assert child.data.params["threshold_rule"] == rule
         assert (videos.decision == (videos.prob_PA4 >= threshold)).all()
         assert child.data.metrics["test/video_accuracy_at_threshold"] == pytest.approx(
             (videos.decision == videos.label).mean())

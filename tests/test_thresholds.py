@@ -153,3 +153,30 @@ def test_roc_points_are_sklearns_roc_curve() -> None:
         for ours, theirs in zip(roc_points(labels, scores), roc_curve(labels, scores, drop_intermediate=False),
                                 strict=True):
             np.testing.assert_array_equal(ours, theirs)
+
+
+def test_every_measured_rule_is_selectable_and_decides_at_its_own_threshold() -> None:
+    """eval.threshold takes each rule the spread measures; a fold decides at the value that rule computes on its
+    validation videos (shrinkage weighs Youden's by the fold's validation subjects), and falls back as Youden does."""
+    from pipeline.evaluation.thresholds import equal_error_threshold, median_midpoint_threshold, shrink
+
+    val = pd.concat([videos([0, 0, 1, 1, 1], [0.55, 0.70, 0.66, 0.82, 0.90], "a"),
+                     videos([0, 1, 0, 1], [0.60, 0.75, 0.64, 0.95], "b")])
+    test = videos([0, 0, 1, 1], [0.58, 0.67, 0.72, 0.91], "t")
+    labels, scores = val["label"].to_numpy(), val["prob_PA4"].to_numpy()
+    youden = choose_threshold(labels, scores, "youden")
+    expected = {"equal_error": equal_error_threshold(labels, scores),
+                "median_midpoint": median_midpoint_threshold(labels, scores),
+                "shrinkage": shrink(youden, 2)}
+    assert expected["shrinkage"] == pytest.approx(2 / 12 * youden + 10 / 12 * 0.5)
+    assert expected["median_midpoint"] == pytest.approx((np.median([0.55, 0.70, 0.60, 0.64])
+                                                         + np.median([0.66, 0.82, 0.90, 0.75, 0.95])) / 2)
+    for rule, value in expected.items():
+        threshold, decided, _, fallback = decide_fold(val, test, CLASSES, rule)
+        assert threshold == pytest.approx(value) and fallback == "" and rule_name(rule, 2) == rule
+        assert (decided["decision"] == (decided["prob_PA4"] >= value)).all()
+        # inverted validation scores: every rule falls back to 0.5 and says why
+        inverted = val.assign(prob_PA4=1 - val["prob_PA4"], prob_BL1=val["prob_PA4"])
+        assert decide_fold(inverted, test, CLASSES, rule)[3] == NO_BETTER_THAN_CHANCE
+    with pytest.raises(ValueError, match="number of validation subjects"):
+        threshold_choice(labels, scores, "shrinkage")

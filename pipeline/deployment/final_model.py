@@ -231,7 +231,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     labels = (videos["label"].to_numpy() != no_pain).astype(int)
     scores = 1.0 - videos[f"prob_{class_names[no_pain]}"].to_numpy()
     rule = threshold_rule(train_cfg, cfg)
-    threshold = choose_threshold(labels, scores, rule)
+    threshold = choose_threshold(labels, scores, rule, n_subjects=videos["subject_name"].nunique())
     at = binary_metrics_at(labels, scores, threshold)
     metrics = {**evaluation.metrics(prefix="val/"), **{f"val/video_{k}_at_threshold": v for k, v in at.items()},
                "threshold": threshold, "best_epoch": best_epoch, "epochs_trained": epochs_trained,

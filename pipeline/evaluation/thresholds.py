@@ -2,12 +2,18 @@
 
 A checkpoint selected by AUROC ranks videos well but says nothing about where its probabilities sit: a model whose
 scores all lie above 0.5 has a good AUROC and an accuracy at 0.5 of one class's share. The threshold is therefore a
-decision of its own, made on the validation subjects of the fold (never its test subjects) by one of three rules:
+decision of its own, made on the validation subjects of the fold (never its test subjects) by one of these rules:
 
 - `youden`: the ROC point that maximises Youden's J = sensitivity + specificity - 1;
 - `balanced_accuracy`: the same optimum stated as balanced accuracy (J = 2 * balanced accuracy - 1), kept as its own
   name because that is what a reader looks for; ties go to the threshold nearest 0.5;
+- `equal_error`: the cut point where the false positive rate is nearest the false negative rate;
+- `median_midpoint`: halfway between the class medians of the validation scores;
+- `shrinkage`: Youden's threshold pulled toward 0.5 by the number n of validation subjects, w = n / (n + 10);
 - a number in [0, 1]: that fixed threshold (0.5 reproduces argmax on two classes).
+
+Which to use with few validation subjects: scripts/threshold_simulation.py compares them on simulated folds (README,
+"How a video is called pain").
 
 A video is called positive when its score is >= the threshold.
 
@@ -25,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-RULES = ("youden", "balanced_accuracy")
+RULES = ("youden", "balanced_accuracy", "equal_error", "median_midpoint", "shrinkage")
 FALLBACK_THRESHOLD = 0.5
 # why a named rule could not choose (ThresholdChoice.fallback); "" when it chose
 ONE_CLASS = "one class only among the validation videos"
@@ -74,16 +80,21 @@ def parse_rule(rule: str | float) -> str | float:
     return value
 
 
-def choose_threshold(labels: np.ndarray, scores: np.ndarray, rule: str | float = "youden") -> float:
+def choose_threshold(labels: np.ndarray, scores: np.ndarray, rule: str | float = "youden",
+                     n_subjects: int | None = None) -> float:
     """The threshold on `scores` (positive-class probability per video) that `rule` picks on these labels; 0.5 where
     a named rule cannot choose (see `threshold_choice` for the reason)."""
-    return threshold_choice(labels, scores, rule).threshold
+    return threshold_choice(labels, scores, rule, n_subjects).threshold
 
 
-def threshold_choice(labels: np.ndarray, scores: np.ndarray, rule: str | float = "youden") -> ThresholdChoice:
+def threshold_choice(labels: np.ndarray, scores: np.ndarray, rule: str | float = "youden",
+                     n_subjects: int | None = None) -> ThresholdChoice:
     """The threshold `rule` picks and, where a named rule cannot choose (one class, all scores equal, best J <= 0),
-    0.5 with the reason."""
+    0.5 with the reason. `n_subjects`: how many validation subjects the videos come from (the `shrinkage` rule
+    needs it)."""
     rule = parse_rule(rule)
+    if rule == "shrinkage" and not n_subjects:
+        raise ValueError("the shrinkage rule needs the number of validation subjects")
     if not isinstance(rule, str):
         return ThresholdChoice(float(rule))
     labels = np.asarray(labels).astype(int)
@@ -104,8 +115,14 @@ def threshold_choice(labels: np.ndarray, scores: np.ndarray, rule: str | float =
     best = np.flatnonzero(np.isclose(j, j.max()))
     finite = [i for i in best if np.isfinite(candidates[i])]
     # among equally good cut points, the one nearest 0.5: it moves the decision no further than the data asks
-    chosen = min(finite, key=lambda i: (abs(candidates[i] - 0.5), i))
-    return ThresholdChoice(float(candidates[chosen]))
+    youden = float(candidates[min(finite, key=lambda i: (abs(candidates[i] - 0.5), i))])
+    if rule == "equal_error":
+        return ThresholdChoice(equal_error_threshold(labels, scores))
+    if rule == "median_midpoint":
+        return ThresholdChoice(median_midpoint_threshold(labels, scores))
+    if rule == "shrinkage":
+        return ThresholdChoice(shrink(youden, int(n_subjects)))
+    return ThresholdChoice(youden)
 
 
 def binary_metrics_at(labels: np.ndarray, scores: np.ndarray, threshold: float) -> dict[str, float]:
@@ -141,7 +158,8 @@ def decide_fold(val_videos: pd.DataFrame, test_videos: pd.DataFrame, class_names
         test_videos["decision"] = test_videos[[f"prob_{name}" for name in class_names]].to_numpy().argmax(axis=1)
         return FoldDecision(float("nan"), test_videos, {})
     positive = f"prob_{class_names[1]}"
-    threshold, fallback = threshold_choice(val_videos["label"].to_numpy(), val_videos[positive].to_numpy(), rule)
+    threshold, fallback = threshold_choice(val_videos["label"].to_numpy(), val_videos[positive].to_numpy(), rule,
+                                           n_subjects=val_videos["subject_name"].nunique())
     labels, scores = test_videos["label"].to_numpy(), test_videos[positive].to_numpy()
     test_videos["threshold"] = threshold
     test_videos["decision"] = (scores >= threshold).astype(int)
@@ -160,8 +178,8 @@ def rule_name(rule: str | float, n_classes: int) -> str:
     return rule if isinstance(rule, str) else "fixed"
 
 
-# Rules measured by `threshold_spread` (not selectable through eval.threshold yet): how much each one's threshold
-# moves when the fold's validation subjects are resampled.
+# The rules `threshold_spread` measures: how much each one's threshold moves when the fold's validation subjects are
+# resampled (each also selectable through eval.threshold).
 SHRINKAGE_SUBJECTS = 10  # the shrinkage rule weighs Youden's threshold by n / (n + 10) validation subjects
 SPREAD_RESAMPLES = 200
 
@@ -183,11 +201,16 @@ def median_midpoint_threshold(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((np.median(scores[labels == 0]) + np.median(scores[labels == 1])) / 2)
 
 
-def shrunk_threshold(labels: np.ndarray, scores: np.ndarray, n_subjects: int) -> float:
-    """Youden's threshold pulled toward 0.5 by the number of validation subjects: w * t + (1 - w) * 0.5 with
-    w = n / (n + SHRINKAGE_SUBJECTS); two subjects keep a sixth of Youden's move, a BioVid fold's 12 over half."""
+def shrink(threshold: float, n_subjects: int) -> float:
+    """`threshold` pulled toward 0.5 by the number of validation subjects: w * t + (1 - w) * 0.5 with
+    w = n / (n + SHRINKAGE_SUBJECTS); two subjects keep a sixth of the move, a BioVid fold's 12 over half."""
     weight = n_subjects / (n_subjects + SHRINKAGE_SUBJECTS)
-    return weight * choose_threshold(labels, scores, "youden") + (1 - weight) * FALLBACK_THRESHOLD
+    return weight * threshold + (1 - weight) * FALLBACK_THRESHOLD
+
+
+def shrunk_threshold(labels: np.ndarray, scores: np.ndarray, n_subjects: int) -> float:
+    """Youden's threshold pulled toward 0.5 by the number of validation subjects (`shrink`)."""
+    return shrink(choose_threshold(labels, scores, "youden"), n_subjects)
 
 
 def rule_thresholds(labels: np.ndarray, scores: np.ndarray, n_subjects: int) -> dict[str, float]:
