@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from pipeline.data.clips import ClipDataset, clip_rows
 from pipeline.data.datamodule import EpochSampler
@@ -103,3 +104,21 @@ def test_one_augmentation_draw_for_every_frame_of_a_clip_keyed_by_the_sampler(tm
     again = ClipDataset(datamodule.frames("train"), processed, datamodule.train_transform, clip_frames=4)
     assert list(EpochSampler(len(again), seed=0, stream=0, epoch=3)) == keys
     torch.testing.assert_close(again[keys[0]][0], first, rtol=0, atol=0)
+
+
+def test_a_transformer_head_kept_before_its_blocks_were_written_out_loads_and_computes_the_same() -> None:
+    """The head once used `nn.TransformerEncoder`: its state dict (other key names, the same packing) loads into
+    today's head, which then gives that encoder's outputs."""
+    torch.manual_seed(0)
+    config = HeadConfig(name="transformer", hidden=16, layers=2, attention_heads=4, dropout=0.0, max_frames=8)
+    old = build_temporal_head(config, 12, 2)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, activation="gelu", batch_first=True,
+                                       norm_first=True)
+    old.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)  # the head as it was built then
+    for parameter in old.parameters():
+        nn.init.normal_(parameter, std=0.2)
+    new = build_temporal_head(config, 12, 2)
+    new.load_state_dict(old.state_dict(), strict=True)
+    clips = torch.randn(3, 5, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(new.eval()(clips), old.eval()(clips), atol=1e-5, rtol=1e-5)

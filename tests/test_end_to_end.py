@@ -14,6 +14,7 @@ from pipeline.data.prepare import fold_file_path
 from pipeline.models.embedding_cache import state_dict_sha256
 from pipeline.models.model_file import load_model_file
 from pipeline.models.temporal_heads import ClipNet
+from pipeline.runs.cross_validation import run_cv
 from pipeline.runs.fold_job import build_fold, decide, train_fold
 from pipeline.runs.tracking import get_or_create_experiment
 from tests.test_two_stage import FAST
@@ -49,7 +50,12 @@ def test_an_end_to_end_fold_trains_the_backbone_through_the_head_and_keeps_the_c
         assert kept(clips).shape == (4, 2)
 
 
-def test_end_to_end_refuses_a_frozen_backbone_and_says_what_to_use(tiny_config) -> None:
-    cfg = tiny_config(*END_TO_END, "model.head.name=gru", "model.finetune=frozen")
+def test_end_to_end_refuses_a_frozen_backbone_and_says_what_to_use(tiny_config, tmp_path: Path) -> None:
+    cfg = tiny_config(*END_TO_END, "model.head.name=gru", "model.finetune=frozen",
+                      f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}")
     with pytest.raises(ValueError, match="model.head.mode=two_stage"):
         build_fold(cfg, 0, decide(cfg, fold_file_path(cfg)))
+    with pytest.raises(ValueError, match="model.head.mode=two_stage"):  # make cv: before any run is created
+        run_cv(cfg)
+    experiment = MlflowClient(cfg.mlflow.tracking_uri).get_experiment_by_name(cfg.mlflow.experiment)
+    assert experiment is None or not MlflowClient(cfg.mlflow.tracking_uri).search_runs([experiment.experiment_id])

@@ -406,6 +406,10 @@ def inspect_cv(cfg: DictConfig, run_id: str | None = None, untrained: bool = Fal
     children = tracking.finished_fold_runs(client, parent_id)
     if not children:
         raise InspectionError(f"cross-validation {parent_id} has no finished fold runs")
+    if tags.get("head", "linear") not in ("", "linear"):  # maps and region scores are of single crops
+        raise InspectionError(f"cross-validation {parent_id} trained clip models ({tags['head']}): make inspect draws "
+                              f"attention and Grad-CAM maps of frame models only; inspect the frame model's CV of "
+                              f"the same backbone (model.head.name=linear)")
 
     kind = "untrained" if untrained else "trained"
     prefix = f"{PREFIX}/untrained/" if untrained else f"{PREFIX}/"

@@ -9,12 +9,12 @@ exported several times faster than the dynamo exporter on a 2-core CPU.
 
 A clip model (`ClipNet`: the frame backbone and its temporal head) is exported whole: a clip (N, T, 3, H, W) of a
 face's crops in time order in, logits (N, n_classes) out, with N and T free (the scorer's window holds fewer than T
-crops at the start of a video). Its input contract says T and how the timeline's windows are made.
+crops at the start of a video; a transformer head takes T up to its `max_frames`). Its input contract says T and how
+the timeline's windows are made.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 from dataclasses import asdict
@@ -55,12 +55,7 @@ def export_onnx(net: PainNet | ClipNet, img_size: int, path: Path, opset: int = 
     name = input_name(net)
     axes = {0: "batch", 1: "frames"} if isinstance(net, ClipNet) else {0: "batch"}
     path.parent.mkdir(parents=True, exist_ok=True)
-    fastpath = torch.backends.mha.get_fastpath_enabled()
-    # the transformer head's fused eval kernel (aten::_transformer_encoder_layer_fwd) has no ONNX form: export the
-    # same layers through their plain operations
-    torch.backends.mha.set_fastpath_enabled(False)
-    with atomic_path(path, suffix=".onnx") as tmp, torch.no_grad(), contextlib.ExitStack() as restore:
-        restore.callback(torch.backends.mha.set_fastpath_enabled, fastpath)
+    with atomic_path(path, suffix=".onnx") as tmp, torch.no_grad():
         torch.onnx.export(net, (example_input(net, img_size),), str(tmp), input_names=[name],
                           output_names=["logits"], dynamic_axes={name: axes, "logits": {0: "batch"}},
                           opset_version=opset, dynamo=False)
@@ -84,8 +79,10 @@ def onnx_difference(net: PainNet | ClipNet, path: Path, img_size: int, batch: in
 def input_contract(scorer, source: str) -> dict:
     """What a runtime needs besides the network: how to make its input, how to read its output."""
     data_config = data_config_of(scorer.meta)
+    head = scorer.meta.get("head") or {}
     clip = {} if scorer.clip_frames is None else {
         "clip_frames": scorer.clip_frames,
+        "max_frames": head.get("max_frames") if head.get("name") == "transformer" else None,  # longest T it takes
         "windows": f"each crop with a face is scored with the clip of the last {scorer.clip_frames} crops of the face "
                    f"up to it, in time order (fewer at the start of a video)"}
     layout = "NTCHW float32 RGB (a clip: T crops in time order)" if clip else "NCHW float32 RGB"

@@ -113,11 +113,21 @@ class GruHead(nn.Module):
         return self.classify(self.dropout(torch.cat([last[-2], last[-1]], dim=1)))
 
 
+# A transformer head's keys as `nn.TransformerEncoder(nn.TransformerEncoderLayer(norm_first=True))` named them
+# before `TemporalBlock` replaced it (the same weights in the same packing): kept models of then still load.
+ENCODER_LAYER_KEYS = {"self_attn.in_proj_weight": "qkv.weight", "self_attn.in_proj_bias": "qkv.bias",
+                      "self_attn.out_proj.weight": "proj.weight", "self_attn.out_proj.bias": "proj.bias",
+                      "linear1.weight": "mlp.0.weight", "linear1.bias": "mlp.0.bias",
+                      "linear2.weight": "mlp.3.weight", "linear2.bias": "mlp.3.bias",
+                      "norm1.weight": "norm1.weight", "norm1.bias": "norm1.bias",
+                      "norm2.weight": "norm2.weight", "norm2.bias": "norm2.bias"}
+
+
 class TemporalBlock(nn.Module):
     """A pre-norm transformer encoder block (self-attention, then a GELU MLP of twice the width, each with a residual)
-    over (B, L, H) tokens. Written out rather than `nn.TransformerEncoderLayer`, whose attention fixes the sequence
-    length when traced for ONNX: every reshape here keeps L free, so an exported clip model takes clips of any
-    length, as the scorer's windows are."""
+    over (B, L, H) tokens: the computation of `nn.TransformerEncoderLayer(norm_first=True, activation="gelu")`,
+    initialised as it is. Written out because that layer's attention fixes the sequence length when traced for ONNX:
+    every reshape here keeps L free, so an exported clip model takes windows of any length up to `max_frames`."""
 
     def __init__(self, hidden: int, heads: int, dropout: float) -> None:
         super().__init__()
@@ -130,6 +140,9 @@ class TemporalBlock(nn.Module):
                                  nn.Linear(2 * hidden, hidden))
         self.dropout = nn.Dropout(dropout)
         self.attention_dropout = dropout
+        nn.init.xavier_uniform_(self.qkv.weight)  # nn.MultiheadAttention's initialisation
+        nn.init.zeros_(self.qkv.bias)
+        nn.init.zeros_(self.proj.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         batch, _, hidden = tokens.shape
@@ -156,6 +169,7 @@ class TransformerHead(nn.Module):
         self.norm = nn.LayerNorm(config.hidden)
         self.classify = nn.Linear(config.hidden, n_classes)
         self.max_frames = config.max_frames
+        self.register_load_state_dict_pre_hook(_rename_encoder_layer_keys)
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
         frames = embeddings.shape[1]
@@ -164,6 +178,14 @@ class TransformerHead(nn.Module):
         tokens = torch.cat([self.class_token.expand(embeddings.shape[0], -1, -1), self.project(embeddings)], dim=1)
         encoded = self.encoder(tokens + self.time_position[:, : frames + 1])
         return self.classify(self.norm(encoded[:, 0]))
+
+
+def _rename_encoder_layer_keys(module, state_dict, prefix, *_) -> None:
+    """Load a state dict written when the encoder was `nn.TransformerEncoder` (`encoder.layers.<i>.<old key>`)."""
+    for key in [k for k in state_dict if k.startswith(f"{prefix}encoder.layers.")]:
+        layer, _, rest = key.removeprefix(f"{prefix}encoder.layers.").partition(".")
+        if rest in ENCODER_LAYER_KEYS:
+            state_dict[f"{prefix}encoder.{layer}.{ENCODER_LAYER_KEYS[rest]}"] = state_dict.pop(key)
 
 
 class PerFrameLinearHead(nn.Module):

@@ -53,7 +53,7 @@ from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource
 from pipeline.runs import cv_runs, fold_lease, launchers, registry, tracking
 from pipeline.runs.environment import library_versions, log_environment
-from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, decide, result_from_run
+from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, check_head, decide, result_from_run
 from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
 from pipeline.utils.paths import PROJECT_ROOT, git_commit, resolve_path
@@ -135,6 +135,7 @@ def identity_lock(work_dir: Path, identity: str) -> Iterator[None]:
 
 def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     parse_rule(cfg.eval.threshold)  # a wrong setting fails before any data or training
+    check_head(cfg)
     frames_result, fold_file = prepare_data(cfg)
     folds = read_fold_file(fold_file, sorted(set(frames_result.frames.subject_name)))
     fold_ids = sorted(int(f) for f in folds.fold.unique()) if cfg.trainer.folds is None else list(cfg.trainer.folds)

@@ -267,12 +267,8 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     task = get_task(cfg.task.name)
     net: PainNet | ClipNet = build_network(cfg, task.n_classes, decisions)
     finetune = FinetuneConfig.from_model_config(cfg.model)
-    head = HeadConfig.from_config(cfg.model.head)
+    head = check_head(cfg)
     if head.end_to_end:  # the backbone runs on every frame of a clip and trains through the temporal head
-        if finetune.strategy == "frozen":
-            raise ValueError("model.head.mode=end_to_end trains the backbone through the head, but "
-                             "model.finetune=frozen fixes it: a frozen backbone's head over time is "
-                             "model.head.mode=two_stage (it reads cached embeddings and skips the first stage)")
         net = ClipNet(net.backbone, build_temporal_head(head, net.backbone.num_features, task.n_classes))
     # a frozen backbone's features are the same in every fold: read them from the embedding cache (built if missing)
     cached = uses_embedding_cache(cfg) and datamodule_class is PainDataModule
@@ -309,6 +305,16 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
         channels_last=channels_last,
         monitor=cfg.trainer.monitor, finetune=strategy)
     return module, datamodule, decisions.weights_source.as_tags()
+
+
+def check_head(cfg: DictConfig) -> HeadConfig:
+    """The config's head, checked against its fine-tuning strategy (also before a CV plans anything)."""
+    head = HeadConfig.from_config(cfg.model.head)
+    if head.end_to_end and cfg.model.finetune == "frozen":
+        raise ValueError("model.head.mode=end_to_end trains the backbone through the head, but model.finetune=frozen "
+                         "fixes it: a frozen backbone's head over time is model.head.mode=two_stage (it reads cached "
+                         "embeddings and skips the first stage)")
+    return head
 
 
 def uses_embedding_cache(cfg: DictConfig) -> bool:
