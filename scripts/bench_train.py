@@ -11,8 +11,10 @@ What it measures (numbers for the release notes, not a test), for each backbone:
 (c) the ratio a / b: the cost of Lightning and the data loader. Target >= 0.9;
 (d) with --finetune, each fine-tuning strategy (`model.finetune`: full, top_blocks, lora, frozen) of each backbone:
     its trainable parameters and the peak memory of the real path (a GPU's peak allocation; on a CPU the process's
-    peak resident set). A frozen strategy runs the backbone on the images here (`cache.embeddings=false`): the
-    embedding cache's own speed is scripts/bench_finetune.py's.
+    peak resident set, which also holds what the allocator kept from the rows before it: there, the first row is
+    exact and the later ones are upper bounds; run one strategy per call for a clean CPU figure). A frozen strategy
+    runs the backbone on the images here (`cache.embeddings=false`): the embedding cache's own speed is
+    scripts/bench_finetune.py's.
 
 Settings: composed by `pipeline.utils.config.load_config` from the same key=value overrides as `python -m pipeline cv`,
 and the model and data built by `make cv`'s own `pipeline.runs.fold_job.build_fold`, so the image size, batch, loader,
