@@ -251,3 +251,19 @@ def test_two_parallel_workers_share_one_study_without_a_lost_trial(tiny_base: Pa
     assert all(c.info.status == "FINISHED" for c in children)
     logs = sorted((base / "runs").rglob("worker_*.log"))
     assert len(logs) == 2, logs  # two workers were started, each with its log
+
+
+def test_a_frozen_trial_reads_the_embedding_cache_and_still_never_the_test_subjects(tiny_base: Path) -> None:
+    """`model.finetune=frozen` in a study: the trial's data are the cached embeddings (no backbone runs in training),
+    with the study's roles: the fold's test subjects are not among its rows."""
+    from pipeline.data.embeddings import EmbeddingDataModule
+    from pipeline.runs.fold_job import build_fold
+    from pipeline.runs.tuning import StudyDataModule
+
+    cfg = tune_config(tiny_base, "model.finetune=frozen")
+    module, datamodule, _ = build_fold(cfg, 0, decide(cfg, Path(cfg.fold_file)), datamodule_class=StudyDataModule)
+    assert isinstance(datamodule, EmbeddingDataModule) and isinstance(datamodule, StudyDataModule)
+    assert module.finetune.name == "frozen" and type(module.finetune).__name__ == "FrozenOnEmbeddings"
+    roles = fold_subjects(read_folds(Path(cfg.fold_file)), 0)
+    seen = set().union(*(set(datamodule.frames(role)["subject_name"]) for role in ("train", "val", "test")))
+    assert seen == set(roles["train"]) | set(roles["val"]) and not seen & set(roles["test"])

@@ -271,7 +271,7 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     if head.end_to_end:  # the backbone runs on every frame of a clip and trains through the temporal head
         net = ClipNet(net.backbone, build_temporal_head(head, net.backbone.num_features, task.n_classes))
     # a frozen backbone's features are the same in every fold: read them from the embedding cache (built if missing)
-    cached = uses_embedding_cache(cfg) and datamodule_class is PainDataModule
+    cached = uses_embedding_cache(cfg)
     strategy = strategy_for(finetune, embeddings=cached)
     strategy.prepare(net)
     channels_last = not cached and (settings or resolve_here(cfg, decisions)).channels_last
@@ -288,9 +288,9 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
                                   frames_per_video=loader.frames_per_video, augment=augment,
                                   settings=CacheSettings.from_config(cfg.cache), progress=sys.stderr.isatty(),
                                   workers=loader.num_workers)
-        datamodule: PainDataModule = EmbeddingDataModule(processed_dir, fold_file, fold, task, net.backbone.data_config,
-                                                         augment, loader, seed=cfg.seed, embeddings=entry.table,
-                                                         source=entry.path)
+        datamodule: PainDataModule = embedding_variant(datamodule_class)(
+            processed_dir, fold_file, fold, task, net.backbone.data_config, augment, loader, seed=cfg.seed,
+            embeddings=entry.table, source=entry.path)
     else:
         datamodule = datamodule_class(processed_dir, fold_file, fold, task, net.backbone.data_config, augment, loader,
                                       seed=cfg.seed, clips=head.end_to_end)
@@ -305,6 +305,14 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
         channels_last=channels_last,
         monitor=cfg.trainer.monitor, finetune=strategy)
     return module, datamodule, decisions.weights_source.as_tags()
+
+
+def embedding_variant(datamodule_class: type[PainDataModule]) -> type[PainDataModule]:
+    """`datamodule_class` fed cached embeddings: its subjects' roles (a fold's, a final split's, a study's without the
+    fold's test subjects), `EmbeddingDataModule`'s items."""
+    if datamodule_class is PainDataModule:
+        return EmbeddingDataModule
+    return type(f"Embedding{datamodule_class.__name__}", (EmbeddingDataModule, datamodule_class), {})
 
 
 def check_head(cfg: DictConfig) -> HeadConfig:

@@ -52,7 +52,15 @@ from pipeline.data.datamodule import PainDataModule
 from pipeline.runs import launchers, tracking
 from pipeline.runs.cross_validation import Plan, aggregate, identity_lock, launch, plan_cv
 from pipeline.runs.cv_runs import identity_config
-from pipeline.runs.fold_job import FoldDecisions, FoldJob, build_fold, fit_fold, job_owner_tags, resolve_here
+from pipeline.runs.fold_job import (
+    FoldDecisions,
+    FoldJob,
+    build_fold,
+    finetune_tags,
+    fit_fold,
+    job_owner_tags,
+    resolve_here,
+)
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text, save_png
 from pipeline.utils.config import CONFIG_DIR
@@ -364,7 +372,7 @@ def train_trial(worker: TuneWorker, trial: optuna.Trial, fold: int, params: dict
     try:
         mlflow.log_params({"fold": fold, "trial": trial.number, **params})
         settings = resolve_here(cfg, decisions)  # precision and channels_last decided on this worker's device
-        mlflow.set_tags(settings.tags())
+        mlflow.set_tags({**settings.tags(), **finetune_tags(cfg)})  # a frozen trial reads the embedding cache
         module, datamodule, _ = build_fold(cfg, fold, decisions, settings, datamodule_class=StudyDataModule)
         reporter = ReportToTrial(trial, cfg.trainer.monitor, step_offset, report)
         fitted = fit_fold(cfg, module, datamodule, work_dir, settings.precision, extra_callbacks=[reporter])
