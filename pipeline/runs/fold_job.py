@@ -307,12 +307,14 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     return module, datamodule, decisions.weights_source.as_tags()
 
 
-def embedding_variant(datamodule_class: type[PainDataModule]) -> type[PainDataModule]:
+def embedding_variant(datamodule_class: type[PainDataModule]) -> type[EmbeddingDataModule]:
     """`datamodule_class` fed cached embeddings: its subjects' roles (a fold's, a final split's, a study's without the
     fold's test subjects), `EmbeddingDataModule`'s items."""
     if datamodule_class is PainDataModule:
         return EmbeddingDataModule
-    return type(f"Embedding{datamodule_class.__name__}", (EmbeddingDataModule, datamodule_class), {})
+    variant: type[EmbeddingDataModule] = type(f"Embedding{datamodule_class.__name__}",
+                                               (EmbeddingDataModule, datamodule_class), {})
+    return variant
 
 
 def check_head(cfg: DictConfig) -> HeadConfig:
