@@ -112,8 +112,8 @@ def test_the_server_answers_as_predict_and_refuses_what_it_must(server, untraine
     served = pd.DataFrame(answer["predictions"])
     assert list(served.frame) == list(range(6)) and list(served.face_found) == list(expected.face_found)
     # float32 noise only: predict scored the whole video in batches of 32, the server these 6 frames as one batch,
-    # and oneDNN picks its kernels by batch shape (3e-6 apart on an Intel Xeon with AMX)
-    np.testing.assert_allclose(served.pain_probability.astype(float), expected.pain_probability, atol=1e-5)
+    # and oneDNN picks its kernels by batch shape (up to 2e-5 apart on an Intel Xeon with AMX; the ONNX parity bound)
+    np.testing.assert_allclose(served.pain_probability.astype(float), expected.pain_probability, atol=1e-4)
 
     # a path under the allowed folder is read, and gives the same answer as the frame sent
     cv2.imwrite(str(allowed / "frame 0.png"), frames[0])

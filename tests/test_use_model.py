@@ -177,8 +177,8 @@ def test_served_model_answers_as_predict_does(chain) -> None:
     assert list(served.frame) == list(range(6))
     assert list(served.face_found) == list(expected.face_found)
     # float32 noise only: predict scored the whole video in batches of 32, the server these 6 frames as one batch,
-    # and oneDNN picks its kernels by batch shape (3e-6 apart on an Intel Xeon with AMX)
-    np.testing.assert_allclose(served.pain_probability.astype(float), expected.pain_probability, atol=1e-5)
+    # and oneDNN picks its kernels by batch shape (up to 2e-5 apart on an Intel Xeon with AMX; the ONNX parity bound)
+    np.testing.assert_allclose(served.pain_probability.astype(float), expected.pain_probability, atol=1e-4)
     assert list(served.pain) == list(expected.pain)
 
 
