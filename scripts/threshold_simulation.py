@@ -33,7 +33,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.evaluation.thresholds import binary_metrics_at, threshold_choice  # noqa: E402
+from pipeline.evaluation.thresholds import binary_metrics_at, roc_points, threshold_choice  # noqa: E402
 from pipeline.utils.atomic_io import atomic_write_csv, save_png  # noqa: E402
 
 RULES = ("youden", "equal_error", "median_midpoint", "shrinkage", 0.5)
@@ -56,13 +56,8 @@ def videos(rng: np.random.Generator, subjects: int, per_class: int, separation: 
 
 def best_balanced_accuracy(labels: np.ndarray, scores: np.ndarray) -> float:
     """The highest balanced accuracy any cut point reaches on these videos (the ceiling)."""
-    order = np.sort(np.unique(scores))
-    cuts = np.r_[order, np.inf]
-    positives, negatives = labels == 1, labels == 0
-    ranked = np.searchsorted
-    sensitivity = 1 - ranked(np.sort(scores[positives]), cuts, side="left") / positives.sum()
-    specificity = ranked(np.sort(scores[negatives]), cuts, side="left") / negatives.sum()
-    return float(np.max((sensitivity + specificity) / 2))
+    fpr, tpr, _ = roc_points(labels, scores)
+    return float(np.max((tpr + 1 - fpr) / 2))
 
 
 def simulate(folds: int, seed: int = 0) -> pd.DataFrame:

@@ -34,6 +34,11 @@ def clip_rows(frames: pd.DataFrame, clip_frames: int) -> pd.DataFrame:
     return pd.DataFrame(videos)
 
 
+def prediction_table(videos: pd.DataFrame) -> pd.DataFrame:
+    """`clip_rows`' videos as prediction rows: a video's identity and label, and `frames`, the crops in its clip."""
+    return videos.drop(columns=["rows"]).assign(frames=[len(rows) for rows in videos["rows"]])
+
+
 class ClipDataset(Dataset):
     """Clips of one split: (clip (T, 3, H, W) float tensor, label int64 tensor, video number int64 tensor).
 

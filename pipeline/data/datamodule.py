@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler, get_worker_info
 
 from pipeline.data.augment import DataConfigLike, build_eval_transform, build_train_transform, seed_transform
-from pipeline.data.clips import ClipDataset
+from pipeline.data.clips import ClipDataset, prediction_table
 from pipeline.data.exclusions import usable_task_frames
 from pipeline.data.fold_files import ROLES, fold_subjects, read_folds
 from pipeline.data.frame_dataset import FrameDataset
@@ -297,10 +297,7 @@ class PainDataModule(pl.LightningDataModule):
         """What the third element of a batch of `split` indexes: the frame rows (`frames(split)`, index = frame-table
         row), or for clips the split's videos (index = video number; `frames` = crops in the clip)."""
         dataset = self.dataset(split)
-        if isinstance(dataset, ClipDataset):
-            videos = dataset.videos
-            return videos.drop(columns=["rows"]).assign(frames=[len(rows) for rows in videos["rows"]])
-        return self.frames(split)
+        return prediction_table(dataset.videos) if isinstance(dataset, ClipDataset) else self.frames(split)
 
     def split_summary(self) -> dict[str, dict[str, Any]]:
         """Per split: who (subject names), and how many subjects, videos, frames and frames per class."""

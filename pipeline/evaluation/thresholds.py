@@ -111,18 +111,16 @@ def threshold_choice(labels: np.ndarray, scores: np.ndarray, rule: str | float =
     j = tpr - fpr
     if j.max() <= 1e-12:  # the all-positive and all-negative cuts have J = 0: nothing better exists
         return ThresholdChoice(FALLBACK_THRESHOLD, NO_BETTER_THAN_CHANCE)
+    if rule == "equal_error":
+        return ThresholdChoice(equal_error_threshold(labels, scores))
+    if rule == "median_midpoint":
+        return ThresholdChoice(median_midpoint_threshold(labels, scores))
     # roc_curve's first candidate is +inf (nothing positive), J = 0: never the best once some J > 0
     best = np.flatnonzero(np.isclose(j, j.max()))
     finite = [i for i in best if np.isfinite(candidates[i])]
     # among equally good cut points, the one nearest 0.5: it moves the decision no further than the data asks
     youden = float(candidates[min(finite, key=lambda i: (abs(candidates[i] - 0.5), i))])
-    if rule == "equal_error":
-        return ThresholdChoice(equal_error_threshold(labels, scores))
-    if rule == "median_midpoint":
-        return ThresholdChoice(median_midpoint_threshold(labels, scores))
-    if rule == "shrinkage":
-        return ThresholdChoice(shrink(youden, int(n_subjects)))
-    return ThresholdChoice(youden)
+    return ThresholdChoice(shrink(youden, int(n_subjects)) if rule == "shrinkage" else youden)
 
 
 def binary_metrics_at(labels: np.ndarray, scores: np.ndarray, threshold: float) -> dict[str, float]:

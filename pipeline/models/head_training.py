@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipeline.data.clips import clip_rows
+from pipeline.data.clips import clip_rows, prediction_table
 from pipeline.data.embeddings import EmbeddingTable
 from pipeline.evaluation.metrics import classification_metrics
 from pipeline.utils.seeds import derived_seed
@@ -125,8 +125,7 @@ def clip_predictions(head: nn.Module, clips: Clips, class_names: tuple[str, ...]
     """One row per video (its clip's probabilities as `prob_<class>`), in the frame-prediction layout the
     evaluation reads: a video's score is its clip's."""
     probabilities = clip_probabilities(head, clips.embeddings)
-    table = clips.videos.drop(columns=["rows"]).copy()
-    table["frames"] = [len(rows) for rows in clips.videos["rows"]]
+    table = prediction_table(clips.videos)
     for index, name in enumerate(class_names):
         table[f"prob_{name}"] = probabilities[:, index]
     return table
