@@ -15,9 +15,11 @@ from scipy import stats
 
 from pipeline.analysis.compare import (
     DEFAULT_METRICS,
+    INSPECT_METHODS,
     ComparisonError,
     check_same_folds,
     compare,
+    cost_lines,
     fold_scores,
     paired_tests,
     plot_fold_scores,
@@ -395,3 +397,18 @@ def test_seeds_aggregation_and_incomplete_cvs_are_refused_unless_a_smoke_compari
                     allow_incomplete=True)
     assert smoke["complete"] == {"cvt": True, "vit": False}
     assert client.get_run(smoke["run_id"]).data.tags["complete"] == "false"
+
+
+def test_the_cost_table_keeps_its_columns_under_long_labels() -> None:
+    """Labels that name a strategy and a weights file are longer than a backbone's name; the numbers stay in columns."""
+    nan = float("nan")
+    regions = {f"{kind}region_{method}_{stat}": nan for kind in ("", "untrained_") for method in INSPECT_METHODS
+               for stat in ("mean", "std")}
+    costs = pd.DataFrame([{"model": label, "test/video_auroc_mean": 0.9, "test/video_auroc_std": 0.1,
+                           "params": 4.94e6, "macs": 3.83e8, **regions}
+                          for label in ("mobilevit_s", "mobilevit_s top_blocks2 weights 37921033")])
+    header, *rows, _legend = cost_lines(costs).splitlines()
+    assert len(rows) == 2
+    for value in ("0.900", "4.94M", "0.383G"):
+        assert len({row.index(value) for row in rows}) == 1, value
+    assert all(row.index("0.900") > header.index("model") + len(costs["model"].iloc[1]) for row in rows)

@@ -557,11 +557,12 @@ def cost_lines(costs: pd.DataFrame) -> str:
 
     accuracy = next(column for column in costs.columns if column.endswith("_mean") and not column.startswith(
         ("region", "untrained")))
-    lines = [f"{'model':<16} {accuracy.removesuffix('_mean'):>20} {'params':>9} {'MACs':>9} "
+    width = max([16, *(len(str(label)) for label in costs["model"])])  # labels name strategy and weights too
+    lines = [f"{'model':<{width}} {accuracy.removesuffix('_mean'):>20} {'params':>9} {'MACs':>9} "
              + " ".join(f"{'region ' + method:>15} {'untrained':>11}" for method in INSPECT_METHODS)]
     for _, row in costs.iterrows():
         std = row[accuracy.replace("_mean", "_std")]
-        lines.append(f"{row['model']:<16} {row[accuracy]:>13.3f} +-{std:>5.3f} {row['params'] / 1e6:>8.2f}M "
+        lines.append(f"{row['model']:<{width}} {row[accuracy]:>13.3f} +-{std:>5.3f} {row['params'] / 1e6:>8.2f}M "
                      f"{row['macs'] / 1e9:>8.3f}G "
                      + " ".join(f"{region(row, '', method):>15} {region(row, 'untrained_', method):>11}"
                                 for method in INSPECT_METHODS))
