@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             timing = per_frame(model_dir, clip, args.fps)
             runs = [round(end_to_end(model_dir, clip, args.fps, folder / "out"), 2) for _ in range(args.repeats)]
             timing["end_to_end_runs_s"] = runs
-            timing["end_to_end_s"] = sorted(runs)[len(runs) // 2]
+            timing["end_to_end_s"] = round(statistics.median(runs), 2)
             timing["img_size"] = img_size
             results["models"][name] = timing
             print(f"{name} ({img_size} px): per frame detection {timing['detect_s']} ms, alignment "
