@@ -18,6 +18,7 @@ from pipeline.analysis.compare import (
     INSPECT_METHODS,
     ComparisonError,
     check_same_folds,
+    comparability_problems,
     compare,
     cost_lines,
     fold_scores,
@@ -412,3 +413,43 @@ def test_the_cost_table_keeps_its_columns_under_long_labels() -> None:
     for value in ("0.900", "4.94M", "0.383G"):
         assert len({row.index(value) for row in rows}) == 1, value
     assert all(row.index("0.900") > header.index("model") + len(costs["model"].iloc[1]) for row in rows)
+
+
+MISSION_BACKBONES = ("vit_b16", "cvt_13", "mobilevit_s")
+
+
+@pytest.mark.parametrize("dataset", ["synthetic", "biovid"])
+def test_the_default_cvs_of_every_backbone_are_comparable(dataset: str, tmp_path: Path) -> None:
+    """`make cv MODEL=<each>` with no ARGS, then `make compare`: the configs of every backbone of configs/model/ (and
+    a timm name without a file) on one dataset log the same compared settings, so the comparison is not refused."""
+    from pipeline.models.weights import RANDOM_INIT
+    from pipeline.runs.cv_runs import planned_settings
+    from pipeline.utils.config import CONFIG_DIR, load_config
+
+    fold_file = tmp_path / "folds.csv"  # one fold file for all, as `make data` writes it once per dataset
+    fold_file.write_text("fold,subject_name,role\n0,a,train\n0,b,val\n0,c,test\n")
+    models = sorted(path.stem for path in (CONFIG_DIR / "model").glob("*.yaml") if path.stem != "timm")
+    assert set(MISSION_BACKBONES) <= set(models)
+    settings = {}
+    for model in [*models, "resnet18"]:
+        choice = [f"model={model}"] if model in models else ["model=timm", f"model.name={model}"]
+        cfg = load_config([f"data={dataset}", *choice])
+        settings[model] = planned_settings(cfg, fold_file, RANDOM_INIT)
+    assert comparability_problems(settings) == []
+    # and the check does see a difference when one is there
+    cfg = load_config([f"data={dataset}", "model=vit_b16", "loader.frames_per_video=3"])
+    changed = {**settings, "vit_b16": planned_settings(cfg, fold_file, RANDOM_INIT)}
+    assert [problem.split(" ")[0] for problem in comparability_problems(changed)] == ["loader.frames_per_video"]
+
+
+def test_no_backbone_preset_sets_a_compared_setting() -> None:
+    """configs/data_model/ sizes a backbone for a dataset; the settings `make compare` checks belong to the dataset
+    (data.loader) or to config.yaml, never to one backbone's preset."""
+    from omegaconf import OmegaConf
+
+    from pipeline.analysis.compare import SAME_PARAMS
+    from pipeline.utils.config import CONFIG_DIR
+
+    for path in sorted((CONFIG_DIR / "data_model").glob("*.yaml")):
+        flat = pd.json_normalize(OmegaConf.to_container(OmegaConf.load(path)), sep=".").columns
+        assert not set(flat) & set(SAME_PARAMS), f"{path.name} sets {sorted(set(flat) & set(SAME_PARAMS))}"

@@ -361,3 +361,19 @@ def test_several_seeds_give_one_child_per_fold_and_seed_and_resume_exactly(tiny_
     single = plan_cv(tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'seeds.db'}",
                                  "trainer.folds=[0]", "trainer.max_epochs=1"), client, cfg.mlflow.tracking_uri)
     assert single.parent_run_id != plan.parent_run_id and single.seeds == [None]
+
+
+@pytest.mark.slow
+def test_the_three_default_cvs_then_compare_need_no_args(tiny_config, tmp_path: Path, capsys) -> None:
+    """The mission's own path: `make cv MODEL=vit_b16`, `MODEL=cvt_13`, `MODEL=mobilevit_s` with their defaults, then
+    `make compare` with no ARGS, is not refused (tiny: the tiny twin's one hold-out fold, one epoch, a store of its
+    own)."""
+    store = ("protocol=holdout", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+             f"mlflow.artifact_root={tmp_path / 'art'}", f"cv.work_dir={tmp_path / 'runs'}", "trainer.max_epochs=1",
+             "cv.log_models=false", "loader.num_workers=0")
+    for model in ("vit_b16", "cvt_13", "mobilevit_s"):
+        run_cv(tiny_config(f"model={model}", *store))
+    result = run_compare(tiny_config(*store))
+    assert set(result["parent_run_ids"]) == {"vit_b16", "cvt_13", "mobilevit_s"}
+    assert result["differences"] == [] and all(result["complete"].values())
+    assert "compared although" not in capsys.readouterr().out

@@ -123,20 +123,24 @@ SAME_PARAMS = ("eval.threshold", "cv.seeds", "trainer.aggregation", "trainer.top
 NOT_SET = "(not set)"
 
 
-def comparability_problems(runs: Mapping[str, Run], allow_incomplete: bool = False,
+def comparability_problems(runs: Mapping[str, Run | cv_runs.CvSettings], allow_incomplete: bool = False,
                            allowed: Sequence[str] = ()) -> list[str]:
     """Every setting in which these CVs differ (SAME_TAGS, SAME_PARAMS), each with every run's value, and the
-    incomplete CVs unless `allow_incomplete`. Settings in `allowed` are not problems (a reader's explicit choice)."""
+    incomplete CVs unless `allow_incomplete`. Settings in `allowed` are not problems (a reader's explicit choice).
+    A CV is its finished run, or the settings a CV of a config would log (`cv_runs.planned_settings`): the same check
+    tells whether CVs not yet run will be comparable."""
+    settings = {label: cv if isinstance(cv, cv_runs.CvSettings) else cv_runs.CvSettings(cv.data.tags, cv.data.params)
+                for label, cv in runs.items()}
     problems = []
     for source, keys in (("tags", SAME_TAGS), ("params", SAME_PARAMS)):
         for key in keys:
             if key in allowed:
                 continue
-            values = {model: getattr(run.data, source).get(key, NOT_SET) for model, run in runs.items()}
+            values = {model: getattr(cv, source).get(key, NOT_SET) for model, cv in settings.items()}
             if len(set(values.values())) > 1:
                 listing = "; ".join(f"{model}: {value}" for model, value in sorted(values.items()))
                 problems.append(f"{key} differs ({listing})")
-    incomplete = sorted(model for model, run in runs.items() if run.data.tags.get("complete", "true") != "true")
+    incomplete = sorted(model for model, cv in settings.items() if cv.tags.get("complete", "true") != "true")
     if incomplete and not allow_incomplete:
         problems.append("incomplete CVs (some folds or limited batches: complete=false): " + ", ".join(incomplete)
                         + "; ARGS=\"compare.allow_incomplete=true\" compares them as a smoke test, marked as one")

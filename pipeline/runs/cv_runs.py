@@ -21,6 +21,7 @@ import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 from mlflow import MlflowClient
@@ -104,6 +105,19 @@ def identity_tags(cfg: DictConfig, fold_file: Path, weights: WeightsSource | Non
             "finetune": finetune_tags(cfg)["finetune"],
             "initial_weights": weights.sha256 or "random",
             "head": HeadConfig.from_config(cfg.model.head).label}  # linear, or a temporal head and its mode
+
+
+class CvSettings(NamedTuple):
+    """What a CV parent run records of its settings: its tags and its (flat) parameters."""
+
+    tags: Mapping[str, str]
+    params: Mapping[str, str]
+
+
+def planned_settings(cfg: DictConfig, fold_file: Path, weights: WeightsSource | None = None) -> CvSettings:
+    """The identity tags and parameters a complete CV of `cfg` on `fold_file` would log, before it runs: what
+    `make compare` checks, asked of configs (tests/test_compare.py runs the default backbones' configs through it)."""
+    return CvSettings({**identity_tags(cfg, fold_file, weights), tracking.COMPLETE_TAG: "true"}, identity_params(cfg))
 
 
 def cv_label(tags: Mapping[str, str]) -> str:
