@@ -67,7 +67,7 @@ TABLE_OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) $(if $(BIOVID_ROOT),data.roo
 quote = '$(subst ','\'',$(1))'
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 
-.PHONY: help install lock data aug-preview cv embed pretrain tune compare table inspect calc ui server test lint notebooks bench bench-data clean clean-data \
+.PHONY: help install lock data aug-preview cv embed pretrain tune compare table power inspect calc ui server test lint notebooks bench bench-data clean clean-data \
 	final promote predict serve export
 
 help: ## list the targets
@@ -123,6 +123,12 @@ compare: install ## compare the backbones' latest CVs on DATA/PROTOCOL/TASK (TUN
 table: install ## BioVid benchmark table: MODEL="vit_b16 cvt_13" on BL1 vs PA1..PA4 and five classes, beside published rows
 	$(PY) -m pipeline table $(TABLE_OVERRIDES) --models="$(MODEL)" $(if $(TASKS),--tasks="$(TASKS)") \
 		$(if $(TUNED),--tuned=$(TUNED) $(if $(TRIALS),--trials=$(TRIALS)) $(if $(SCOPE),--scope=$(SCOPE)))
+
+# `make power`: EFFECT= null | temporal (configs/power/default.yaml), REPEATS= independent twins
+EFFECT ?= temporal
+REPEATS ?=
+power: install ## error rates of make compare's test on BioVid-scale twins with a planted effect (EFFECT=null|temporal REPEATS=20)
+	$(PY) -m pipeline power $(OVERRIDES) power.effect=$(EFFECT) $(if $(REPEATS),power.repeats=$(REPEATS))
 
 inspect: install ## where MODEL's newest finished CV looks on each fold's test videos: rollout, Grad-CAM, region score
 	$(PY) -m pipeline inspect $(OVERRIDES) $(if $(RUN),--run=$(RUN)) $(if $(UNTRAINED),--untrained=$(UNTRAINED))

@@ -15,6 +15,7 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline calc        [key=value ...]   a backbone's shapes, parameters, MACs and training memory
     python -m pipeline table       [key=value ...] [--models="vit_b16 cvt_13"] [--tasks="bl1_vs_pa4 ..."]
                                        the BioVid benchmark table: every task's CV run or reused, beside published rows
+    python -m pipeline power       [key=value ...]   error rates of make compare's test on twins with a planted effect
     python -m pipeline final       [key=value ...] [--run=<CV parent run>]
                                        one model on all subjects with a CV's settings, registered in MLflow
     python -m pipeline promote     [key=value ...] --version=<n>   move the registered model's champion alias
@@ -105,6 +106,12 @@ def _table(cfg: DictConfig, **options) -> None:
     run_table(cfg, **options)
 
 
+def _power(cfg: DictConfig, **options) -> None:
+    from pipeline.analysis.power import run_power
+
+    run_power(cfg, **options)
+
+
 def _final(cfg: DictConfig, **options) -> None:
     from pipeline.deployment.final_model import run_final
 
@@ -174,7 +181,8 @@ def _ui_url(argv: list[str]) -> int:
 COMMANDS: dict[str, Callable[..., None]] = {
     "data": _data, "aug-preview": _aug_preview, "cv": _cv, "embed": _embed, "pretrain": _pretrain, "tune": _tune,
     "compare": _compare,
-    "inspect": _inspect, "calc": _calc, "table": _table, "final": _final, "promote": _promote, "predict": _predict,
+    "inspect": _inspect, "calc": _calc, "table": _table, "power": _power, "final": _final, "promote": _promote,
+    "predict": _predict,
     "serve": _serve,
     "export": _export,
     "config": _print_config,
@@ -183,7 +191,8 @@ COMMANDS: dict[str, Callable[..., None]] = {
 TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "tune-worker": _tune_worker,
                                                 "fold-files": _fold_files, "ui-url": _ui_url, "server": _server}
 # config groups a command adds to the defaults list: `make tune` has a `tune` section, `make pretrain` a `pretrain` one
-COMMAND_GROUPS: dict[str, tuple[str, ...]] = {"tune": ("tune=default",), "pretrain": ("pretrain=default",)}
+COMMAND_GROUPS: dict[str, tuple[str, ...]] = {"tune": ("tune=default",), "pretrain": ("pretrain=default",),
+                                              "power": ("power=default",)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -201,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     options: dict[str, Any] = dict(flag[2:].split("=", 1) for flag in flags)
     overrides = [option for option in overrides if not option.startswith("--")]
-    if command == "table":  # each (backbone, task) composes its own config from the same overrides
+    if command in ("table", "power"):  # each CV it runs composes its own config from the same overrides
         options["overrides"] = overrides
     setup_logging()
     cfg = load_config(overrides, groups=COMMAND_GROUPS.get(command, ()))

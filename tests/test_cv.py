@@ -178,7 +178,11 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
 def test_compare_writes_table_and_plot(cv_runs, tiny_config, capsys) -> None:
     cfg = tiny_config(*FAST, "compare.allow_incomplete=true")  # two folds of five: a smoke comparison
     result = run_compare(cfg)
-    assert "SMOKE COMPARISON (compare.allow_incomplete=true)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "SMOKE COMPARISON (compare.allow_incomplete=true)" in printed
+    # every pair comes with the smallest difference its test could have detected (80 % power, Holm's first step)
+    assert "the smallest difference this test detects with 80% power is +-" in printed
+    assert result["subjects_paired"]["mde80"].notna().all() and (result["subjects_paired"]["mde80"] >= 0).all()
     summary = pd.read_csv(result["paths"]["summary"])
     assert set(summary.model) == {"mobilevit_xxs", "resnet10t"}
     assert all(path.stat().st_size > 0 for path in result["paths"]["plots"].values())

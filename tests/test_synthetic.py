@@ -358,3 +358,114 @@ def test_regions_map_onto_the_right_place_of_the_crop(hard_root, tmp_path):
         assert np.hypot(*(in_crop["eyes"] - eye_line)) < 0.1 * 96, (row.sample_name, in_crop["eyes"], eye_line)
         assert in_crop["brows"][1] < in_crop["eyes"][1] - 0.05 * 96
         assert in_crop["nose_lip"][1] > in_crop["eyes"][1] + 0.1 * 96
+
+
+# --- the BioVid-scale twin and its planted effects -------------------------------------------------------------------
+def test_the_biovid_scale_twin_has_part_as_people_and_its_fold_files_apply():
+    """DATA=synthetic87: Part A's 87 names and 20 non-responders, so BioVid's committed kfold5 file (87 people, at
+    least 10 inner validation subjects a fold) is the twin's own."""
+    from pipeline.data.biovid import NON_RESPONDERS
+    from pipeline.data.fold_files import biovid_subjects, read_folds
+    from pipeline.data.prepare import synthetic_config
+
+    cfg = load_config(["data=synthetic87"])
+    config = synthetic_config(cfg.data.synthetic)
+    subjects = make_subjects(config)
+    assert [s.subject_name for s in subjects] == biovid_subjects("all87")
+    assert {s.subject_name for s in subjects if not s.responder} == NON_RESPONDERS
+    assert len(make_samples(config, subjects)) == 87 * 5 * config.samples_per_class
+    folds = read_folds(Path(cfg.fold_file))
+    assert folds.subject_name.nunique() == 87
+    assert folds[folds.role == "val"].groupby("fold").size().min() >= 10
+    with pytest.raises(ValueError, match="87 people"):
+        dataclasses.replace(config, n_subjects=20)
+
+
+def _effect_twin(effect: str, **changes) -> tuple[SyntheticConfig, list, list]:
+    from pipeline.data.synthetic.settings import with_effect
+
+    config = dataclasses.replace(with_effect(PRESETS["biovid87"], effect), samples_per_class=3, **changes)
+    subjects = make_subjects(config)
+    return config, subjects, make_samples(config, subjects)
+
+
+def _action_units(config, subject, sample) -> np.ndarray:
+    from pipeline.data.synthetic.settings import VIDEO_STREAM, seeded_rng
+
+    rng = seeded_rng(config.seed, VIDEO_STREAM, subject.subject_id, sample.number, 1)
+    return animate(config, subject, sample, rng)[0]
+
+
+def test_the_temporal_cue_is_the_same_burst_in_every_class_only_its_timing_differs():
+    """The temporal twin: every video shows one burst of the planted peak; a responder's pain video has it within
+    the stimulus-locked window, every other video anywhere in the rest window. A single frame cannot tell the classes
+    apart (the brow lowering a video reaches is the same in both), its timing can."""
+    config, subjects, samples = _effect_twin("temporal")
+    by_id = {s.subject_id: s for s in subjects}
+    peaks, starts = {"BL1": [], "PA4": []}, {"locked": [], "rest": []}
+    for sample in samples:
+        if CLASS_NAMES[sample.class_id] not in ("BL1", "PA4"):
+            continue
+        subject = by_id[sample.subject_id]
+        units = _action_units(config, subject, sample)
+        t = np.arange(config.n_frames) / config.fps
+        inside = (t >= sample.burst_start_s) & (t <= sample.burst_start_s + config.burst_s)
+        # the burst, seen through the person's AU4 weight, reaches the planted peak (fidgeting adds at most 0.15)
+        peak = units[inside, 0].max() / subject.au_weights[0]
+        assert config.burst_amplitude - 0.02 <= peak <= config.burst_amplitude + 0.15 / subject.au_weights[0]
+        peaks[CLASS_NAMES[sample.class_id]].append(peak)
+        starts["locked" if sample.burst_locked else "rest"].append(sample.burst_start_s)
+        assert not sample.burst_locked or (sample.class_id > 0 and subject.responder)
+    low, high = config.burst_pain_window_s
+    assert starts["locked"] and all(low <= s <= high for s in starts["locked"])
+    assert np.ptp(starts["rest"]) > 2.0  # spread over the rest window
+    assert abs(np.mean(peaks["BL1"]) - np.mean(peaks["PA4"])) < 0.02  # the same burst in both classes
+    assert all(s.intensity == 0 for s in samples)  # and no other pain response
+
+
+def test_the_person_baseline_is_the_persons_resting_face_in_every_video():
+    """The baseline twin: each person's resting brow lowering and orbit tightening, drawn once per person, sits in
+    every frame of every video of theirs; everything else is drawn as without it."""
+    config, subjects, samples = _effect_twin("baseline")
+    plain, plain_subjects, _ = _effect_twin("baseline", resting_au_sd=0.0)
+    offsets = np.array([s.resting_au for s in subjects])
+    assert (offsets > 0).all() and 0.1 < offsets.std() < 0.4
+    for sample in samples[::40]:
+        with_offset = _action_units(config, subjects[sample.subject_id], sample)
+        without = _action_units(plain, plain_subjects[sample.subject_id], sample)
+        expected = np.clip(without[:, :2] + offsets[sample.subject_id], 0, 1)
+        assert np.allclose(with_offset[:, :2], expected, atol=1e-12)
+        assert np.array_equal(with_offset[:, 2:], without[:, 2:])
+
+
+def test_a_twin_without_planted_effects_records_its_config_as_before():
+    """A twin written before the effects existed keeps its synthetic_config.json byte for byte, so its crops stay
+    valid; a twin with an effect records every planted size."""
+    from pipeline.data.synthetic.dataset import recorded_settings
+    from pipeline.data.synthetic.settings import EFFECT_SETTINGS, with_effect
+
+    assert not set(recorded_settings(PRESETS["default"])) & set(EFFECT_SETTINGS)
+    recorded = recorded_settings(with_effect(PRESETS["biovid87"], "temporal"))
+    assert recorded["burst_amplitude"] == 0.6 and recorded["effect"] == "temporal"
+    assert recorded["class_intensity"] == [0.0] * 5 and recorded["roster"] == "biovid"
+    with pytest.raises(ValueError, match="unknown synthetic effect"):
+        with_effect(PRESETS["default"], "loud")
+
+
+def test_truth_crops_put_the_landmarks_where_mtcnn_finds_them(tmp_path):
+    """Truth crops place the five landmarks from the generator's geometry; on the same frames MTCNN, a real detector,
+    finds them within a few pixels, so a truth crop is framed as an MTCNN-aligned crop is."""
+    from pipeline.data.synthetic.truth_crops import sampled_frames
+
+    config, subjects, samples = _effect_twin("all")
+    detector = MTCNNFaceDetector()
+    errors, sizes = [], []
+    for sample in samples[:: len(samples) // 12]:
+        for _, frame, landmarks in sampled_frames(config, subjects[sample.subject_id], sample, np.array([60, 120])):
+            face = detector.detect_faces([frame])[0]
+            if face is None:
+                continue
+            errors.append(np.linalg.norm(face.landmarks - landmarks, axis=1).mean())
+            sizes.append(np.linalg.norm(landmarks[0] - landmarks[1]))
+    assert len(errors) >= 18
+    assert np.median(np.array(errors) / np.array(sizes)) < 0.2  # within a fifth of the eye distance

@@ -31,6 +31,7 @@ from pipeline.evaluation.statistics import (
     SUBJECT_METRICS,
     decided_by,
     holm,
+    minimum_detectable_effect,
     paired_permutation_test,
     seed_aware_difference_interval,
     smallest_signed_rank_p,
@@ -61,7 +62,9 @@ SUMMARY_COLUMNS = ["model", "metric", "mean", "std", "n_folds"]
 PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_folds", "mean_diff", "std_diff", "note"]
 SUBJECT_COLUMNS = ["model", "metric", "value", "ci95_low", "ci95_high", "n_subjects", "decided_by"]
 SUBJECT_PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_subjects", "mean_diff", "diff_ci95_low",
-                          "diff_ci95_high", "interval", "p_value", "p_holm", "primary"]
+                          "diff_ci95_high", "interval", "p_value", "p_holm", "mde80", "primary"]
+FAMILY_ALPHA = 0.05  # the family-wise error rate Holm's correction holds
+MDE_POWER = 0.8  # the power the minimum detectable effect (`mde80`) is stated for
 PRIMARY_METRIC = "accuracy_at_threshold"  # pooled/video_accuracy_at_threshold: the one number set beside papers
 POOLED_VIDEOS = "predictions_videos_all_folds.csv"  # a CV parent's pooled test videos (pipeline.runs.cross_validation)
 
@@ -229,6 +232,13 @@ def subject_tables(videos: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd
                            "p_value": p_value, "primary": metric == PRIMARY_METRIC})
     paired_table = pd.DataFrame(paired, columns=SUBJECT_PAIRED_COLUMNS)
     paired_table["p_holm"] = holm(paired_table["p_value"].to_numpy(dtype=float)) if len(paired_table) else []
+    # what the test could have seen: at Holm's strictest level (its first step, alpha / family size), 80 % power
+    alpha = FAMILY_ALPHA / max(1, int(paired_table["p_value"].notna().sum()))
+    paired_table["mde80"] = [minimum_detectable_effect(scores.pivot(index="subject_name", columns="model",
+                                                                    values=row.metric)[[row.model_a, row.model_b]]
+                                                       .dropna().pipe(lambda w, r=row: w[r.model_a] - w[r.model_b]),
+                                                       alpha, MDE_POWER)
+                             for row in paired_table.itertuples()]
     return pd.DataFrame(intervals, columns=SUBJECT_COLUMNS), scores, paired_table
 
 
@@ -248,7 +258,8 @@ def correction_family(paired: pd.DataFrame) -> str:
     return (f"Holm over {len(paired)} tests: {len(pairs)} pair(s) of backbones ("
             + ", ".join(f"{r.model_a} - {r.model_b}" for r in pairs.itertuples()) + f") x {len(metrics)} metrics ("
             + ", ".join(metrics) + f"); primary metric: {PRIMARY_METRIC} (pooled/video_accuracy_at_threshold), "
-            "the others secondary")
+            f"the others secondary; mde80: the smallest true difference the test detects with {MDE_POWER:.0%} power "
+            f"at Holm's first-step level {FAMILY_ALPHA} / {len(paired)}, from the observed per-subject spread")
 
 
 def plot_subject_intervals(table: pd.DataFrame, path: str | Path) -> None:
@@ -632,6 +643,11 @@ def run_compare(cfg, tuned: str | None = None) -> dict:
               + ", ".join(sorted(set(paired["interval"]))) + "), within-subject permutation p and p_holm:")
         print(paired.drop(columns="interval").to_string(index=False, float_format=lambda v: f"{v:.4f}"))
         print(correction_family(paired))
+        for row in paired[paired["primary"]].itertuples():
+            verdict = "survives" if row.p_holm < FAMILY_ALPHA else "does not survive"
+            print(f"{row.model_a} - {row.model_b}: {row.metric} {row.mean_diff:+.3f} ({verdict} Holm); the smallest "
+                  f"difference this test detects with {MDE_POWER:.0%} power is +-{row.mde80:.3f} "
+                  f"({row.n_subjects} subjects)")
     else:
         print(f"no subject-level intervals or tests: fewer than two of these CVs logged {POOLED_VIDEOS}")
     print(cost_lines(result["cost"]))

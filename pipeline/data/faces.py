@@ -215,7 +215,20 @@ def _to_bgr(frame: np.ndarray) -> np.ndarray:
     raise ValueError(f"expected a grey, BGR or BGRA image, got an array of shape {frame.shape}")
 
 
-DETECTORS: dict[str, Callable[..., FaceDetector]] = {"haar": HaarFaceDetector, "mtcnn": MTCNNFaceDetector}
+class TwinGeometry:
+    """`truth`: not a detector but the synthetic twin's own geometry, which places the face and its five landmarks
+    where the generator drew them (`pipeline.data.synthetic.truth_crops`, `data.synthetic.crops=truth`). Named here so
+    that crop settings can record it; it cannot search a frame."""
+
+    gives_landmarks = True
+
+    def __init__(self, **_: object) -> None:
+        raise ValueError("the 'truth' face detector is the synthetic twin's own geometry (data.synthetic.crops=truth): "
+                         "it places faces in the twin's frames, it cannot search a video; use mtcnn or haar")
+
+
+DETECTORS: dict[str, Callable[..., FaceDetector]] = {"haar": HaarFaceDetector, "mtcnn": MTCNNFaceDetector,
+                                                     "truth": TwinGeometry}
 """Detector registry: name -> factory taking the detector's keyword arguments."""
 
 

@@ -46,13 +46,26 @@ def synthetic_config(section: DictConfig, **defaults: Any) -> Any:
     replace the preset's where they are not null; `workers` is not part of it). `defaults` fill fields the section
     lacks (the pretraining pool takes the twin's look)."""
     from pipeline.data.synthetic import PRESETS
+    from pipeline.data.synthetic.settings import with_effect
 
     options = {**defaults, **OmegaConf.to_container(section, resolve=True)}
-    preset = options.pop("preset")
-    options.pop("workers", None)
+    preset, effect = options.pop("preset"), options.pop("effect", None)
+    for key in ("workers", "crops", "classes"):  # where and how the twin is made, not what it is
+        options.pop(key, None)
     if preset not in PRESETS:
         raise SystemExit(f"unknown synthetic preset {preset!r}; known: {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[preset], **{k: v for k, v in options.items() if v is not None})
+    try:  # `effect=null` on a command line is YAML's null to Hydra: it names the null twin
+        config = with_effect(PRESETS[preset], "null" if effect is None else str(effect))
+        return dataclasses.replace(config, **{k: tuple(v) if isinstance(v, list) else v
+                                              for k, v in options.items() if v is not None})
+    except ValueError as error:
+        raise SystemExit(f"data.synthetic: {error}") from None
+
+
+def is_twin(cfg: DictConfig) -> bool:
+    """Whether the dataset is a synthetic twin this project generates (its data config has a `synthetic` generator
+    section: DATA=synthetic, DATA=synthetic87), not recordings read from disk (BioVid)."""
+    return OmegaConf.select(cfg, "data.synthetic", default=None) is not None
 
 
 def generate_synthetic(cfg: DictConfig, root: Path) -> None:
@@ -74,7 +87,7 @@ def synthetic_fingerprint(root: Path) -> str:
 def source_fingerprint(cfg: DictConfig, root: Path) -> str | None:
     """What identifies the videos crops are made from: for the synthetic twin, the SHA-256 of the generator config
     it was written with (crops of another twin in the same processed folder are refused); None for BioVid."""
-    return synthetic_fingerprint(root) if cfg.data.name == "synthetic" else None
+    return synthetic_fingerprint(root) if is_twin(cfg) else None
 
 
 def preprocess_config(cfg: DictConfig) -> PreprocessConfig:
@@ -89,6 +102,12 @@ def fold_file_path(cfg: DictConfig) -> Path:
     return resolve_path(cfg.fold_file)
 
 
+def committed_folds(cfg: DictConfig) -> bool:
+    """Whether the config's fold files are BioVid's committed ones (read and checked, never written here): BioVid's,
+    and the BioVid-scale twin's, which has Part A's people."""
+    return fold_file_path(cfg).parent == BIOVID_MANIFEST_DIR
+
+
 def read_fold_file(path: Path, subjects_with_frames: list[str], remedy: str = "") -> pd.DataFrame:
     """Read and leak-check a fold file whose subjects must all have crops (it may cover a subset, e.g. 67 of 87)."""
     folds = read_folds(path)
@@ -101,7 +120,7 @@ def read_fold_file(path: Path, subjects_with_frames: list[str], remedy: str = ""
 
 def usable_set_remedy(cfg: DictConfig) -> str:
     """How to go on when participants of the subject set have no crops: the `<set>_usable` subject set."""
-    if cfg.data.subject_set.endswith(USABLE_SUFFIX) or cfg.data.name == "synthetic":
+    if cfg.data.subject_set.endswith(USABLE_SUFFIX) or (is_twin(cfg) and not committed_folds(cfg)):
         return ("The fold file was written when these participants still had crops; delete it and its .json sidecar "
                 "to write it again over the participants that have crops now.")
     usable = f"{base_subject_set(cfg.data.subject_set)}{USABLE_SUFFIX}"
@@ -137,7 +156,7 @@ def protocol_fold_parameters(cfg: DictConfig) -> dict:
 
 def new_folds_remedy(cfg: DictConfig, path: Path) -> str:
     """How to get a fold file made with the config's parameters instead of the existing one."""
-    if cfg.data.name == "synthetic":
+    if not committed_folds(cfg):
         return (f"Fold files are written once, then only read: to get folds with the config's parameters, delete "
                 f"{path} and {parameters_path(path).name} (the next run writes them anew), or point "
                 f"data.manifest_dir at another folder.")
@@ -166,7 +185,7 @@ def ensure_folds(cfg: DictConfig, subjects: list[str], reasons: dict[str, str] |
             raise SystemExit(str(error)) from None
         read_fold_file(path, subjects, usable_set_remedy(cfg))
         return path
-    if cfg.data.name != "synthetic" and path.parent == BIOVID_MANIFEST_DIR:
+    if committed_folds(cfg):
         if usable_set:
             raise SystemExit(f"the {cfg.data.subject_set} fold files are not committed: point data.manifest_dir at "
                              f"another folder (e.g. data.manifest_dir={cfg.data.processed_dir}/manifests), where the "
@@ -175,7 +194,7 @@ def ensure_folds(cfg: DictConfig, subjects: list[str], reasons: dict[str, str] |
                          f"regenerate them with `python -m pipeline fold-files write-biovid`")
     candidates = biovid_subjects(cfg.data.subject_set) if cfg.data.name == "biovid" else subjects
     without_frames = sorted(set(candidates) - set(subjects))
-    if without_frames and not (usable_set or cfg.data.name == "synthetic"):
+    if without_frames and not (usable_set or is_twin(cfg)):
         raise SystemExit(f"cannot write {path}: {len(without_frames)} subject(s) of the {cfg.data.subject_set} set "
                          f"have no usable videos: {', '.join(without_frames)} (see failures.csv). "
                          f"{usable_set_remedy(cfg)}")
@@ -208,10 +227,31 @@ def subject_set_tags(fold_file: Path) -> dict[str, str]:
             "excluded_subjects_reasons": reasons}
 
 
+def truth_crops(cfg: DictConfig, root: Path, progress: bool) -> tuple[PreprocessResult, pd.DataFrame]:
+    """A twin's crops from its own geometry (`data.synthetic.crops=truth`: no videos, no detector), of every class
+    or of `data.synthetic.classes`; the samples table of the videos cropped."""
+    from pipeline.data.synthetic.dataset import write_records
+    from pipeline.data.synthetic.truth_crops import truth_preprocess, write_truth_crops
+
+    config = synthetic_config(cfg.data.synthetic)
+    write_records(root, config)  # the config and ground truth, as a twin with videos has them
+    classes = cfg.data.synthetic.classes
+    return write_truth_crops(config, truth_preprocess(preprocess_config(cfg)), resolve_path(cfg.data.processed_dir),
+                             synthetic_fingerprint(root), tuple(classes) if classes else None,
+                             workers=cfg.data.synthetic.workers, progress=progress)
+
+
 def prepare_data(cfg: DictConfig, progress: bool = True) -> tuple[PreprocessResult, Path]:
     """Raw dataset -> validated sample table -> face crops + frame table -> checked fold file."""
     root = dataset_root(cfg)
-    if cfg.data.name == "synthetic":
+    crops = OmegaConf.select(cfg, "data.synthetic.crops", default="videos")
+    if crops not in ("videos", "truth"):
+        raise SystemExit(f"data.synthetic.crops={crops!r}: expected videos or truth")
+    if is_twin(cfg) and crops == "truth":
+        result, samples = truth_crops(cfg, root, progress)
+        log.info(result.summary())
+        return result, ensure_folds(cfg, sorted(set(result.frames.subject_name)))
+    if is_twin(cfg):
         generate_synthetic(cfg, root)
     # Every subject is cropped; the subject set only picks the fold file, so one frame table serves both sets.
     samples, report = load_samples(root, subject_set="all")

@@ -215,6 +215,20 @@ def paired_permutation_test(a: np.ndarray, b: np.ndarray, n_resamples: int = N_P
     return float(np.mean(a - b)), float(result.pvalue)
 
 
+def minimum_detectable_effect(differences: np.ndarray, alpha: float, power: float = 0.8) -> float:
+    """The smallest true mean difference a two-sided paired test at level `alpha` detects with probability `power`,
+    given the spread of the observed per-subject differences: (t_{1-alpha/2} + t_{power}) * sd / sqrt(n), with t on
+    n - 1 degrees of freedom (the normal approximation of the within-subject permutation test, which converges to the
+    paired t-test). NaN with fewer than two subjects; 0 when every difference is equal."""
+    d = np.asarray(differences, dtype=float)
+    d = d[np.isfinite(d)]
+    n = len(d)
+    if n < 2:
+        return float("nan")
+    quantiles = stats.t.ppf(1 - alpha / 2, n - 1) + stats.t.ppf(power, n - 1)
+    return float(quantiles * d.std(ddof=1) / np.sqrt(n))
+
+
 def holm(p_values: Sequence[float]) -> np.ndarray:
     """Holm's step-down adjusted p-values (family-wise error over all the tests given); NaN stays NaN."""
     p = np.asarray(p_values, dtype=float)

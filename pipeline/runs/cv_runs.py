@@ -39,7 +39,8 @@ from pipeline.utils.paths import resolve_path
 log = logging.getLogger(__name__)
 # Settings that change where or how fast a cross-validation runs, not what it computes: not part of its identity.
 NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers", "preprocess.device",
-                "data.synthetic.workers", "final", "predict", "serve", "compare", "cache.batch_size")
+                "data.synthetic.workers", "data.synthetic.classes", "final", "predict", "serve", "compare",
+                "cache.batch_size")  # data.synthetic.classes: which videos get truth crops, not how they are made
 CROP_PREFIXES = ("preprocess.", "data.synthetic.")  # how the crops were made (twin look and size, detector, align)
 CV_QUERY = f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'"
 FINISHED_QUERY = f"attributes.status = '{tracking.FINISHED}'"

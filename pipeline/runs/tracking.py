@@ -41,6 +41,7 @@ CV_RUN, FOLD_RUN, FINAL_RUN, COMPARISON_RUN = "cv", "fold", "final", "comparison
 # (fold, trial) tagged TRIAL_RUN: never a CV_RUN or FOLD_RUN, so no CV view or comparison takes a trial for a fold.
 # The tuned cross-validation it leads to is a CV_RUN with TUNED_TAG=true and its budget tags (TUNE_BUDGET_TAGS).
 TUNING_RUN, TRIAL_RUN = "tuning", "trial"
+POWER_RUN = "power"  # `make power`'s summary of one effect's repeated comparisons (pipeline.analysis.power)
 TRIAL_TAG = "painvit.trial"  # the Optuna trial number of a trial run
 TUNED_TAG = "painvit.tuned"  # "true" on a tuned CV's parent; absent on a CV of the hand-picked settings
 TUNE_BUDGET_TAGS = ("painvit.tune_trials", "painvit.tune_scope", "painvit.tune_space_sha256")

@@ -39,8 +39,9 @@ def animate(
         )
 
     w4, w67, w910, w43 = subject.au_weights
-    au4 = w4 * pain + fidget(0.15)
-    au67 = w67 * pain + fidget(0.12)
+    burst = _burst(config, sample, t)  # the temporal cue (zero where the twin plants none)
+    au4 = w4 * (pain + burst) + fidget(0.15) + subject.resting_au[0]
+    au67 = w67 * (pain + burst) + fidget(0.12) + subject.resting_au[1]
     au910 = w910 * np.clip((pain - 0.15) / 0.85, 0, None) + fidget(0.06)
     if config.difficulty == "hard":  # eyes squeezed shut earlier in the response
         closure = w43 * np.clip((pain - 0.3) / 0.4, 0, None)
@@ -74,6 +75,15 @@ def animate(
     if config.difficulty == "hard":
         pose = _hard_pose(config, subject, sample, pose, np.clip(pain, 0.0, 1.0))
     return action_units, pose
+
+
+def _burst(config: SyntheticConfig, sample: Sample, t: np.ndarray) -> np.ndarray:
+    """The temporal cue: a smooth bump of `burst_amplitude` over `burst_s` from the sample's burst start (zero where
+    the twin plants none). The same bump in every video; only when it starts tells a pain video (`make_samples`)."""
+    if sample.burst_start_s < 0:
+        return np.zeros_like(t)
+    phase = (t - sample.burst_start_s) / config.burst_s
+    return config.burst_amplitude * np.where((phase >= 0) & (phase <= 1), np.sin(math.pi * phase) ** 2, 0.0)
 
 
 def _hard_pose(config: SyntheticConfig, subject: Subject, sample: Sample, pose: np.ndarray,

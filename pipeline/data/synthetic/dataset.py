@@ -16,6 +16,7 @@ from pipeline.data.biovid import SAMPLES_COLUMNS, SAMPLES_CSV, VIDEO_DIR
 from pipeline.data.synthetic.roster import Sample, Subject, make_samples, make_subjects
 from pipeline.data.synthetic.settings import (
     CONFIG_JSON,
+    EFFECT_SETTINGS,
     SAMPLE_TRUTH_CSV,
     SETTINGS_BEFORE_RECORDED,
     SUBJECTS_CSV,
@@ -57,7 +58,7 @@ def _subjects_table(subjects: list[Subject]) -> pd.DataFrame:
     rows = []
     for subject in subjects:
         row = dataclasses.asdict(subject)
-        for key in ("au_weights", "skin", "hair", "iris", "background", "shirt"):
+        for key in ("au_weights", "skin", "hair", "iris", "background", "shirt", "resting_au"):
             row[key] = json.dumps(np.round(np.array(row[key], dtype=float), 2).tolist())
         rows.append(row)
     return pd.DataFrame(rows).round(4)
@@ -67,10 +68,12 @@ def _truth_table(subjects: list[Subject], samples: list[Sample]) -> pd.DataFrame
     names = {s.subject_id: s.subject_name for s in subjects}
     return pd.DataFrame(
         [
-            (names[s.subject_id], s.sample_name, CLASS_NAMES[s.class_id], s.intensity, s.onset_s, s.peak_s)
+            (names[s.subject_id], s.sample_name, CLASS_NAMES[s.class_id], s.intensity, s.onset_s, s.peak_s,
+             s.burst_start_s, s.burst_locked)
             for s in samples
         ],
-        columns=["subject_name", "sample_name", "class_name", "intensity", "onset_s", "peak_s"],
+        columns=["subject_name", "sample_name", "class_name", "intensity", "onset_s", "peak_s", "burst_start_s",
+                 "burst_locked"],
     ).round(4)
 
 
@@ -81,17 +84,27 @@ def _write_if_changed(path: Path, text: str) -> None:
     atomic_write_text(path, text)
 
 
+def recorded_settings(config: SyntheticConfig) -> dict:
+    """The config as synthetic_config.json records it: every field, except the effect settings when all of them are
+    at their defaults (`EFFECT_SETTINGS`: a twin without planted effects reads as it did before they existed)."""
+    settings = json.loads(json.dumps(dataclasses.asdict(config)))
+    if all(settings[key] == value for key, value in EFFECT_SETTINGS.items()):
+        settings = {key: value for key, value in settings.items() if key not in EFFECT_SETTINGS}
+    return settings
+
+
 def _check_config(root: Path, config: SyntheticConfig) -> str:
     """The config as JSON; refuses a folder written with another config, or one that is not a synthetic twin."""
-    text = json.dumps(dataclasses.asdict(config), indent=2, sort_keys=True) + "\n"
+    text = json.dumps(recorded_settings(config), indent=2, sort_keys=True) + "\n"
     path = root / CONFIG_JSON
-    found = SETTINGS_BEFORE_RECORDED | json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    before = SETTINGS_BEFORE_RECORDED | EFFECT_SETTINGS
+    found = before | json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     if not path.is_file() and ((root / SAMPLES_CSV).exists() or (root / VIDEO_DIR).exists()):
         raise ValueError(
             f"{root} holds a dataset but no {CONFIG_JSON}: not a synthetic twin (the real BioVid?), "
             f"refusing to write into it"
         )
-    asked = json.loads(text)
+    asked = before | json.loads(text)
     if found is not None and found != asked:
         changed = "; ".join(f"{key}: {found.get(key)!r} -> {asked.get(key)!r}"
                             for key in sorted(set(found) | set(asked)) if found.get(key) != asked.get(key))
@@ -103,6 +116,19 @@ def _check_config(root: Path, config: SyntheticConfig) -> str:
     return text
 
 
+def write_records(root: Path, config: SyntheticConfig) -> tuple[list[Subject], list[Sample]]:
+    """The twin's config (checked against one already there) and its ground truth (subjects, samples) into `root`;
+    returns the subjects and samples. What a twin is, with or without its videos (truth crops need none)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _write_if_changed(root / CONFIG_JSON, _check_config(root, config))
+    subjects = make_subjects(config)
+    samples = make_samples(config, subjects)
+    _write_if_changed(root / SUBJECTS_CSV, _subjects_table(subjects).to_csv(index=False))
+    _write_if_changed(root / SAMPLE_TRUTH_CSV, _truth_table(subjects, samples).to_csv(index=False))
+    return subjects, samples
+
+
 def generate(root: Path, config: SyntheticConfig, workers: int | None = None, progress: bool = True) -> pd.DataFrame:
     """Write the synthetic twin into `root` in BioVid Part A's layout and return its samples table.
 
@@ -111,11 +137,7 @@ def generate(root: Path, config: SyntheticConfig, workers: int | None = None, pr
     action units and PSPI regions of every frame under synthetic_regions/) and the config beside starting_point/.
     """
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    config_text = _check_config(root, config)
-    _write_if_changed(root / CONFIG_JSON, config_text)
-    subjects = make_subjects(config)
-    samples = make_samples(config, subjects)
+    subjects, samples = write_records(root, config)
     by_id = {s.subject_id: s for s in subjects}
     jobs = []
     for sample in samples:
@@ -136,8 +158,6 @@ def generate(root: Path, config: SyntheticConfig, workers: int | None = None, pr
             with process_pool(workers, _init_worker) as pool:
                 for _ in pool.imap_unordered(_write_video_job, jobs):
                     bar.update()
-    _write_if_changed(root / SUBJECTS_CSV, _subjects_table(subjects).to_csv(index=False))
-    _write_if_changed(root / SAMPLE_TRUTH_CSV, _truth_table(subjects, samples).to_csv(index=False))
     table = samples_table(subjects, samples)
     _write_if_changed(root / SAMPLES_CSV, table.to_csv(sep="\t", index=False))
     return table

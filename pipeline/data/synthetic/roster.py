@@ -9,7 +9,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.data.synthetic.settings import ROSTER_STREAM, SUBJECT_STREAM, VIDEO_STREAM, SyntheticConfig, seeded_rng
+from pipeline.data.biovid import NON_RESPONDERS
+from pipeline.data.fold_files import biovid_subjects
+from pipeline.data.synthetic.settings import (
+    BURST_PART,
+    ROSTER_STREAM,
+    SUBJECT_STREAM,
+    VIDEO_STREAM,
+    SyntheticConfig,
+    seeded_rng,
+)
 from pipeline.data.tasks import CLASS_NAMES
 
 
@@ -45,6 +54,7 @@ class Subject:
     roll_gain_deg: float = 0.0  # head roll at full pain, degrees (its side is drawn per video)
     yaw_gain_deg: float = 0.0  # head yaw at full pain, degrees
     clutter: int = 0  # seed of the background clutter (0: none)
+    resting_au: tuple[float, float] = (0.0, 0.0)  # the person baseline: resting AU4 and AU6/7 in every video
 
 
 HAIR_STYLES = ("short", "long", "receding", "bun", "fringe")
@@ -54,7 +64,10 @@ SKIN_LIGHT, SKIN_DARK = np.array([178.0, 196.0, 232.0]), np.array([62.0, 88.0, 1
 
 
 def _subject_names(config: SyntheticConfig) -> list[tuple[str, bool]]:
-    """Unique `MMDDYY_sex_age` names and the responder flags (an exact share of non-responders)."""
+    """Unique `MMDDYY_sex_age` names and the responder flags: drawn (an exact share of non-responders), or Part A's
+    87 people in name order with its 20 non-responders (`roster: biovid`), so that BioVid's fold files apply."""
+    if config.roster == "biovid":
+        return [(name, name not in NON_RESPONDERS) for name in biovid_subjects("all87")]
     rng = seeded_rng(config.seed, ROSTER_STREAM)
     names: list[str] = []
     while len(names) < config.n_subjects:
@@ -128,6 +141,10 @@ def make_subjects(config: SyntheticConfig) -> list[Subject]:
         )
     if config.difficulty == "hard":
         subjects = [_hard_look(config, subject) for subject in subjects]
+    if config.resting_au_sd > 0:  # its own stream: the other draws stay as they were
+        subjects = [dataclasses.replace(subject, resting_au=tuple(float(v) for v in np.abs(seeded_rng(
+            config.seed, SUBJECT_STREAM, subject.subject_id, 2).normal(0.0, config.resting_au_sd, 2))))
+            for subject in subjects]
     return subjects
 
 
@@ -164,6 +181,8 @@ class Sample:
     intensity: float  # peak response (0 = none)
     onset_s: float
     peak_s: float
+    burst_start_s: float = -1.0  # the temporal cue's burst starts here (-1: the twin plants none)
+    burst_locked: bool = False  # the burst is the stimulus-locked one of a responder's pain video
 
 
 def make_samples(config: SyntheticConfig, subjects: list[Subject]) -> list[Sample]:
@@ -181,6 +200,8 @@ def make_samples(config: SyntheticConfig, subjects: list[Subject]) -> list[Sampl
             missed, damping = rng.uniform() < config.missed_response_probability, rng.uniform(0.0, 0.3)
             if missed:
                 intensity *= damping
+            locked = class_id > 0 and subject.responder and not missed
+            burst_start = _burst_start(config, subject.subject_id, number, locked)
             samples.append(
                 Sample(
                     subject_id=subject.subject_id,
@@ -191,7 +212,18 @@ def make_samples(config: SyntheticConfig, subjects: list[Subject]) -> list[Sampl
                     intensity=float(min(intensity, 1.3)),
                     onset_s=float(rng.uniform(*config.onset_s)),
                     peak_s=float(rng.uniform(*config.peak_s)),
+                    burst_start_s=burst_start,
+                    burst_locked=locked and burst_start >= 0,
                 )
             )
     samples.sort(key=lambda s: (s.subject_id, s.class_id, s.number))
     return [dataclasses.replace(sample, sample_id=index) for index, sample in enumerate(samples)]
+
+
+def _burst_start(config: SyntheticConfig, subject_id: int, number: int, locked: bool) -> float:
+    """When the temporal cue's burst starts in this video: within the pain window when `locked` (a responder's pain
+    video that shows a response), else anywhere in the rest window; -1 where the twin plants no burst."""
+    if config.burst_amplitude <= 0:
+        return -1.0
+    window = config.burst_pain_window_s if locked else config.burst_rest_window_s
+    return float(seeded_rng(config.seed, VIDEO_STREAM, subject_id, number, BURST_PART).uniform(*window))

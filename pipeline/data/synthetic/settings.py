@@ -4,6 +4,7 @@ depends only on (seed, subject, sample)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -19,9 +20,17 @@ REGIONS = ("brows", "orbits", "nose_lip", "eyes")  # where AU4, AU6/7, AU9/10 an
 DIFFICULTIES = ("classic", "hard")
 # Settings added after twins were first written, with the value those twins were written with.
 SETTINGS_BEFORE_RECORDED = {"difficulty": "classic"}
+# Settings of the BioVid-scale twin and the planted effects: recorded only where one of them is not its default, so a
+# twin written before they existed keeps its synthetic_config.json byte for byte (its crops stay valid).
+EFFECT_SETTINGS = {"roster": "drawn", "burst_amplitude": 0.0, "burst_s": 0.8, "burst_pain_window_s": [2.3, 2.7],
+                   "burst_rest_window_s": [2.0, 4.7], "resting_au_sd": 0.0, "effect": "pain"}
 
+ROSTERS = ("drawn", "biovid")  # who the subjects are: names drawn from the seed, or Part A's 87 names
 # Seed-sequence stream tags: independent random streams for the roster, each subject's look and each video.
 ROSTER_STREAM, SUBJECT_STREAM, VIDEO_STREAM = 101, 202, 303
+# Part streams of one video (seeded_rng(seed, VIDEO_STREAM, subject, number, part)): each planted effect draws from a
+# stream of its own, so a twin without it is drawn exactly as before it existed.
+BURST_PART = 3
 
 
 def seeded_rng(*keys: int) -> np.random.Generator:
@@ -51,6 +60,21 @@ class SyntheticConfig:
     render_max_side: int = 480  # frames are drawn at most this large and upscaled (cheap full-resolution output)
     fourcc: str = "mp4v"
     difficulty: str = "classic"  # classic: frontal faces Haar finds | hard: what real faces do to a detector
+    roster: str = "drawn"  # drawn: BioVid-style names from the seed | biovid: Part A's 87 names, its 20 non-responders
+    # Planted effects (the effect bundles below), each with its true size, recorded in synthetic_config.json:
+    # - the temporal cue: one burst of brow lowering and orbit tightening (AU4, AU6/7) of this peak in every video,
+    #   lasting burst_s; in a responder's pain video it starts within burst_pain_window_s (locked to the stimulus),
+    #   in every other video at a time drawn over burst_rest_window_s. Every video shows the same burst, so a single
+    #   crop cannot tell the classes apart: only when it happens does (a frame mean has nothing to see).
+    burst_amplitude: float = 0.0
+    burst_s: float = 0.8
+    burst_pain_window_s: tuple[float, float] = (2.3, 2.7)
+    burst_rest_window_s: tuple[float, float] = (2.0, 4.7)
+    # - the person baseline: each person's resting face holds brow lowering and orbit tightening of their own (an
+    #   offset drawn per person, |N(0, sd)| AU units, in every video of theirs), so the level that means pain differs
+    #   between people and a model that knows the person's resting recordings can tell more.
+    resting_au_sd: float = 0.0
+    effect: str = "pain"  # the name of the bundle the planted sizes came from (EFFECTS), for the record
 
     def __post_init__(self) -> None:
         if self.n_subjects < 1 or self.samples_per_class < 1:
@@ -65,14 +89,49 @@ class SyntheticConfig:
             raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got {self.difficulty!r}")
         if 5 * self.samples_per_class > 999:
             raise ValueError("sample running numbers have three digits: at most 199 samples per class")
+        if self.roster not in ROSTERS:
+            raise ValueError(f"roster must be one of {ROSTERS}, got {self.roster!r}")
+        if self.roster == "biovid" and self.n_subjects != BIOVID_SUBJECTS:
+            raise ValueError(f"the biovid roster holds Part A's {BIOVID_SUBJECTS} people, not {self.n_subjects}")
+        if self.burst_amplitude < 0 or self.resting_au_sd < 0 or self.burst_s <= 0:
+            raise ValueError("burst_amplitude and resting_au_sd must be >= 0 and burst_s > 0")
+        for name in ("burst_pain_window_s", "burst_rest_window_s"):
+            low, high = getattr(self, name)
+            if not 0 <= low <= high or high + self.burst_s > self.duration_s:
+                raise ValueError(f"{name}={low, high}: the burst must start and end inside the {self.duration_s} s "
+                                 f"clip")
 
     @property
     def n_frames(self) -> int:
         return math.floor(self.fps * self.duration_s + 0.5)
 
 
+BIOVID_SUBJECTS = 87
 PRESETS: dict[str, SyntheticConfig] = {
     "tiny": SyntheticConfig(n_subjects=5, samples_per_class=2, width=160, height=120),
     "default": SyntheticConfig(n_subjects=20, samples_per_class=6, width=320, height=240),
     "full": SyntheticConfig(n_subjects=87, samples_per_class=20, width=1388, height=1038),
+    # BioVid's people (names, the 20 non-responders), so Part A's committed fold files apply; fewer clips per class
+    # than Part A's 20, so that `make data` of it stays within minutes on a laptop
+    "biovid87": SyntheticConfig(n_subjects=BIOVID_SUBJECTS, samples_per_class=6, width=320, height=240,
+                                roster="biovid"),
 }
+NO_RESPONSE = (0.0,) * len(CLASS_NAMES)
+# Planted effects, bundled: each a set of generator settings whose sizes are known (data.synthetic.effect). `all` is the
+# BioVid-scale twin's default; each of the others carries one effect alone (and `null` none: the classes look alike),
+# for measuring a comparison's error rates (`make power`).
+EFFECTS: dict[str, dict] = {
+    "pain": {},  # the generator's own settings: the graded PSPI response alone (every twin before effects)
+    "all": {"burst_amplitude": 0.5, "resting_au_sd": 0.15},
+    "null": {"class_intensity": NO_RESPONSE},
+    "temporal": {"class_intensity": NO_RESPONSE, "burst_amplitude": 0.6},
+    "baseline": {"resting_au_sd": 0.25},
+    "graded": {"class_intensity": (0.0, 0.25, 0.5, 0.75, 1.0)},
+}
+
+
+def with_effect(config: SyntheticConfig, effect: str) -> SyntheticConfig:
+    """`config` with the planted sizes of an effect bundle (EFFECTS) and its name."""
+    if effect not in EFFECTS:
+        raise ValueError(f"unknown synthetic effect {effect!r}; known: {', '.join(EFFECTS)}")
+    return dataclasses.replace(config, **EFFECTS[effect], effect=effect)
