@@ -91,13 +91,14 @@ def run_repeat(power: DictConfig, base: Sequence[str], seed: int, out_dir: Path)
     configs = {}
     for side in ("a", "b"):
         cfg = load_config([*twin, *entry[side].overrides])
-        print(f"== {effect_name(power)} twin seed {seed}: {entry[side].label} ({cv_runs.config_label(cfg)})", flush=True)
+        print(f"== {effect_name(power)} twin seed {seed}: {entry[side].label} ({cv_runs.config_label(cfg)})",
+              flush=True)
         run_cv(cfg)
         configs[side] = cfg
     labels = {side: cv_runs.config_label(cfg) for side, cfg in configs.items()}
     if labels["a"] == labels["b"]:
-        raise SystemExit(f"power: both settings of {effect_name(power)} are the CV label {labels['a']!r}; compare cannot "
-                         f"tell them apart")
+        raise SystemExit(f"power: both settings of {effect_name(power)} are the CV label {labels['a']!r}; compare "
+                         f"cannot tell them apart")
     cfg = configs["a"]
     try:
         result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, out_dir / f"seed_{seed}",
