@@ -354,7 +354,7 @@ def predict_video(scorer: FrameScorer, path: Path, stem: Path, fps: float) -> di
     except Exception as error:  # any error of one video is its row (see the docstring)
         reason = one_line(error)
         if not isinstance(error, PredictError):
-            log.debug("%s failed", shown(path), exc_info=error)  # the traceback, for VERBOSE=1
+            log.info("%s failed", shown(path), exc_info=error)  # its traceback, shown with VERBOSE=1
         print(f"{shown(path)}: failed ({reason})", file=sys.stderr)
         return failed_row(path, reason, **written)
     n_face = int(result.frames["face_found"].sum())
