@@ -103,7 +103,7 @@ def test_the_server_answers_as_predict_and_refuses_what_it_must(server, untraine
     cfg = untrained_model["cfg"]
     video = twin_clip(cfg)
     run_predict(cfg, video=str(video), model_uri=untrained_model["uri"], out=str(tmp_path / "predict"))
-    expected = pd.read_csv(tmp_path / "predict" / f"{video.stem}.csv").head(6)
+    expected = pd.read_csv(tmp_path / "predict" / f"{video.name}.csv").head(6)
     _, _, frames = next(sampled_frames(video, 5))
 
     # the normal request: what `make predict` says of the same frames

@@ -102,7 +102,7 @@ def test_predict_writes_a_timeline_for_a_video_and_a_folder_with_a_faceless_clip
     cfg, own = chain["cfg"], chain["dir"]
     video = twin_video(cfg)
     summary = run_predict(cfg, video=str(video), out=str(own / "one"))
-    table = pd.read_csv(own / "one" / f"{video.stem}.csv")
+    table = pd.read_csv(own / "one" / f"{video.name}.csv")
     assert list(table.columns) == ["time_s", "frame", "face_found", "pain_probability", "pain"]
     assert len(table) == 28  # 5.5 s at 5 frames per second
     # the hard twin's PA4 clip rolls the head and shuts the eyes: MTCNN may lose a frame or two, never most
@@ -112,7 +112,7 @@ def test_predict_writes_a_timeline_for_a_video_and_a_folder_with_a_faceless_clip
     assert np.allclose(np.diff(table.time_s), 0.2)
     threshold = chain["final"]["threshold"]
     assert summary.decision[0] == ("pain" if table.pain_probability.dropna().mean() >= threshold else "no pain")
-    assert cv2.imread(str(own / "one" / f"{video.stem}.png")) is not None
+    assert cv2.imread(str(own / "one" / f"{video.name}.png")) is not None
 
     folder = own / "clips"
     grey_video(folder / "grey.mp4")
@@ -126,9 +126,9 @@ def test_predict_writes_a_timeline_for_a_video_and_a_folder_with_a_faceless_clip
     assert len(listed) == 2 and len(summary) == 2
     grey = listed.set_index(listed.video.map(lambda v: Path(v).name)).loc["grey.mp4"]
     assert grey.decision == "no face" and np.isnan(grey.pain_score) and grey.frames_with_face == 0
-    grey_frames = pd.read_csv(own / "many" / "grey.csv")
+    grey_frames = pd.read_csv(own / "many" / "grey.mp4.csv")
     assert not grey_frames.face_found.any() and grey_frames.pain_probability.isna().all()
-    assert (own / "many" / "grey.png").is_file() and (own / "many" / "face.png").is_file()
+    assert (own / "many" / "grey.mp4.png").is_file() and (own / "many" / "face.mp4.png").is_file()
 
 
 def free_port() -> int:
@@ -141,7 +141,7 @@ def test_served_model_answers_as_predict_does(chain) -> None:
     cfg, own = chain["cfg"], chain["dir"]
     video = twin_video(cfg)
     run_predict(cfg, video=str(video), out=str(own / "serve"))
-    expected = pd.read_csv(own / "serve" / f"{video.stem}.csv").head(6)
+    expected = pd.read_csv(own / "serve" / f"{video.name}.csv").head(6)
     _, _, frames = next(sampled_frames(video, 5))
     request = {"dataframe_split": {"columns": ["image"], "data": [[encode_image(f)] for f in frames[:6]]}}
 

@@ -5,19 +5,26 @@ MLflow model or `RUN=` a fold or final run (the MLflow model that run logged, de
 Frames are sampled at `predict.fps` per second (0: every frame), the same person is followed through them
 (`pipeline.models.scoring`), and each scored frame gets a pain probability; the video's score aggregates its frames
 as the cross-validation did (`trainer.aggregation`). Per video: a CSV (time_s, frame, face_found, pain_probability,
-pain) and a PNG timeline (probability over time, the threshold, the video's decision, spans without a face shaded).
-`VIDEO=` a folder scores every video in it and writes one summary row per video besides. A video without any face
-gets a message and an empty timeline, never a score.
-`VIDEO=` a folder's summary gives each video's status (scored / no face / failed); a damaged video says how many
-frames were lost.
+pain) and a PNG timeline (probability over time, the threshold, the video's decision, spans without a face shaded),
+named by the video's whole file name (`clip.v1.mp4` -> `clip.v1.mp4.csv`, `.png`; in a folder, its path inside the
+folder), so no two videos share an output. A video without any face gets a message and an empty timeline, never a
+score.
+`VIDEO=` a folder scores every video in it, subfolders included, and writes `videos.csv` (a name no video's output
+has), one row per video with its status (scored / no face / failed) and, for a failure, a one-line reason: whatever
+one video raises is its row, never the end of the folder. A folder that cannot be listed (or a link to a folder,
+not followed) is a row of its own (status `folder not read`), counted and said on stderr; a damaged video says how
+many frames were lost. Every file is written atomically.
 
-Exit status: 0 when at least one video was scored; 1 when none was and a video (the only one, or every one of the
-folder that had no face) could not be read; 3 when every video was read but none showed a face.
+Exit status (`exit_status`): 0 when at least one video was scored and none failed (faceless videos are results);
+4 when some were scored and others failed or a folder was not read; 1 when none was scored and something failed
+(also for a missing model or path); 3 when every video was read but none showed a face.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -47,8 +54,9 @@ class PredictError(RuntimeError):
 
 
 class PredictFailed(SystemExit):
-    """Predict ran but scored no video: exit status 1 (every video, or the only one, could not be read) or 3 (read,
-    but no face in any). `summary` is the table it wrote (one row per video)."""
+    """Predict ran but did not score everything it was given: exit status 4 (some videos scored, others failed or a
+    folder was not read), 1 (none scored, something failed) or 3 (every video read, no face in any). `summary` is the
+    table it wrote (one row per video, and per folder not read)."""
 
     def __init__(self, status: int, summary: pd.DataFrame) -> None:
         super().__init__(status)
@@ -90,6 +98,7 @@ def sampled_frames(path: Path, fps: float, chunk: int = CHUNK,
     """The video's frames at `fps` per second (0: all), decoded in order, in chunks of (indices, times, frames).
     `report`, if given, is filled with how many frames were announced, decoded and lost."""
     report = report if report is not None else DecodeReport()
+    check_openable(path)
     capture = cv2.VideoCapture(str(path))
     if not capture.isOpened():
         capture.release()
@@ -125,6 +134,45 @@ def sampled_frames(path: Path, fps: float, chunk: int = CHUNK,
         yield indices, times, frames
     if kept == 0:
         raise PredictError(f"{path}: no frame could be decoded")
+
+
+def check_openable(path: Path) -> None:
+    """A PredictError naming the file when OpenCV cannot be handed it: a name that is not UTF-8 (OpenCV's Python
+    binding crashes the process on one: seen with opencv-python 4.14), something other than a regular file (a FIFO
+    would block the read), or a file this process may not read (OpenCV would say only that it cannot open it)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise PredictError(f"{shown(path)}: the file name is not valid UTF-8, which OpenCV cannot open: rename the "
+                           "file") from None
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise PredictError(f"{shown(path)} is not a regular file")
+        with open(path, "rb") as handle:
+            handle.read(1)
+    except OSError as error:
+        raise PredictError(f"cannot read {shown(path)}: {error.strerror or error}") from None
+
+
+def printable(text: str) -> str:
+    """Text that prints and writes under any locale: the bytes of a file name that are not UTF-8 (Python's
+    surrogate escapes) appear as \\xNN, any other lone surrogate as \\uNNNN."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def shown(path: Path | str) -> str:
+    """A path as `printable` text."""
+    return printable(str(path))
+
+
+def one_line(error: BaseException) -> str:
+    """The reason a video failed, on one line: the message of a PredictError (it says what happened), else the
+    exception's type and message, whitespace runs (a traceback's or OpenCV's newlines) made single spaces."""
+    text = str(error) if isinstance(error, PredictError) else f"{type(error).__name__}: {error}"
+    return " ".join(printable(text).split())
 
 
 def score_video(scorer: FrameScorer, path: Path, fps: float) -> VideoResult:
@@ -168,12 +216,9 @@ def plot_timeline(result: VideoResult, path: Path, title: str) -> None:
     save_png(figure, path)
 
 
-def write_outputs(result: VideoResult, out_stem: Path) -> tuple[Path, Path]:
-    csv_path, png_path = out_stem.with_suffix(".csv"), out_stem.with_suffix(".png")
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_csv(csv_path, result.frames[["time_s", "frame", "face_found", "pain_probability", "pain"]])
-    plot_timeline(result, png_path, result.video.name)
-    return csv_path, png_path
+def output_paths(stem: Path) -> tuple[Path, Path]:
+    """A video's CSV and PNG: its output stem (the video's whole name, extension included) + .csv and .png."""
+    return stem.with_name(f"{stem.name}.csv"), stem.with_name(f"{stem.name}.png")
 
 
 def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None = None) -> tuple[FrameScorer, str]:
@@ -224,73 +269,156 @@ def run_model_uri(client, run_id: str) -> str:
     return uri
 
 
-def videos_in(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        found = sorted(p for p in path.rglob("*") if p.suffix.lower() in VIDEO_SUFFIXES and p.is_file())
-        if not found:
-            raise PredictError(f"no video ({', '.join(VIDEO_SUFFIXES)}) in folder {path}")
-        return found
-    raise PredictError(f"VIDEO={path}: no such file or folder")
-
-
+SUMMARY_NAME = "videos.csv"  # a folder's summary: a video's outputs end in its own suffix + .csv / .png, never so
 SCORED, NO_FACE, FAILED = "scored", "no face", "failed"  # a video's status in the summary
+NOT_READ = "folder not read"  # a summary row for a folder that could not be listed, or a link to one (not followed)
+SUMMARY_COLUMNS = ("video", "status", "frames_scored", "frames_with_face", "frames_lost", "pain_score", "decision",
+                   "error", "csv", "png")
 
 
-def predict(scorer: FrameScorer, video: Path, out_dir: Path, fps: float, model_name: str = "") -> pd.DataFrame:
-    """Score one video or every video of a folder; CSV + PNG per video, and for a folder a summary CSV (one row per
-    video, its status scored / no face / failed). Returns the summary; a video that cannot be read is a row with status
-    failed and its reason, never an exception."""
-    videos = videos_in(video)
+@dataclass
+class Inputs:
+    """What VIDEO= names: the videos to score, the folder they were found in (None for one file) and the folders
+    inside it that were not searched, each with the reason."""
+
+    videos: list[Path]
+    folder: Path | None = None
+    not_read: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def find_videos(path: Path) -> Inputs:
+    """The file, or every video (`VIDEO_SUFFIXES`) under the folder, links to files included; a folder that cannot be
+    listed and a link to a folder (not followed, as before) are kept with the reason, never skipped silently."""
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except OSError as error:  # a file in a folder this process may not search
+        raise PredictError(f"VIDEO={shown(path)}: {error.strerror or error}") from None
+    if is_file:
+        return Inputs([path])
+    if not is_dir:
+        raise PredictError(f"VIDEO={shown(path)}: no such file or folder")
+    videos: list[Path] = []
+    not_read: list[tuple[Path, str]] = []
+
+    def unreadable(error: OSError) -> None:
+        not_read.append((Path(error.filename or path), f"cannot list the folder: {error.strerror or error}"))
+
+    for root, folders, files in os.walk(path, onerror=unreadable):
+        not_read += [(Path(root, name), "a link to a folder: not followed (give VIDEO= its target)")
+                     for name in folders if os.path.islink(os.path.join(root, name))]
+        # every name with a video suffix: one that is no regular file, or a broken link, fails with the reason
+        videos += [Path(root, name) for name in files if Path(name).suffix.lower() in VIDEO_SUFFIXES]
+    if not videos and not not_read:
+        raise PredictError(f"no video ({', '.join(VIDEO_SUFFIXES)}) in folder {shown(path)}")
+    return Inputs(sorted(videos), path, sorted(not_read))
+
+
+def output_stems(inputs: Inputs, out_dir: Path) -> tuple[dict[Path, Path], dict[Path, str]]:
+    """Each video's output stem: out_dir / its path inside the folder, whole name (one file: its name), so two videos
+    never share an output. A stem that would need a folder where another output or the summary is a file (a subfolder
+    named `a.mp4.csv` beside `a.mp4`, or `videos.csv`) cannot be written: those videos come back with the reason."""
+    if inputs.folder is None:
+        return {video: out_dir / video.name for video in inputs.videos}, {}
+    stems = {video: out_dir / video.relative_to(inputs.folder) for video in inputs.videos}
+    owners = {out_dir / SUMMARY_NAME: "the folder's summary"}
+    for video, stem in stems.items():
+        owners.update(dict.fromkeys(output_paths(stem), shown(video)))
+    clashes = {}
+    for video, stem in stems.items():
+        taken = [parent for parent in stem.parents if parent in owners]
+        if taken:
+            clashes[video] = (f"its outputs would go into the folder {shown(taken[0])}, which is an output file of "
+                              f"{owners[taken[0]]}: rename the subfolder")
+    return {video: stem for video, stem in stems.items() if video not in clashes}, clashes
+
+
+def failed_row(video: Path, reason: str, status: str = FAILED, **written: str) -> dict:
+    """A summary row of a video (or folder) with nothing scored, and why."""
+    return {"video": shown(video), "status": status, "frames_scored": 0, "frames_with_face": 0, "frames_lost": 0,
+            "pain_score": np.nan, "decision": "", "error": reason, "csv": written.get("csv", ""),
+            "png": written.get("png", "")}
+
+
+def predict_video(scorer: FrameScorer, path: Path, stem: Path, fps: float) -> dict:
+    """Score one video and write its CSV and PNG; its summary row. Whatever it raises (a PredictError, OpenCV, the
+    detector, the network, a write) is that video's failed row with a one-line reason, never an exception: one bad
+    video does not end a folder (KeyboardInterrupt and SystemExit still do)."""
+    csv_path, png_path = output_paths(stem)
+    written: dict[str, str] = {}
+    try:
+        result = score_video(scorer, path, fps)
+        atomic_write_csv(csv_path, result.frames[["time_s", "frame", "face_found", "pain_probability", "pain"]])
+        written["csv"] = shown(csv_path)
+        plot_timeline(result, png_path, shown(result.video.name))
+        written["png"] = shown(png_path)
+    except Exception as error:  # any error of one video is its row (see the docstring)
+        reason = one_line(error)
+        if not isinstance(error, PredictError):
+            log.info("%s failed", shown(path), exc_info=error)  # its traceback, shown with VERBOSE=1
+        print(f"{shown(path)}: failed ({reason})", file=sys.stderr)
+        return failed_row(path, reason, **written)
+    n_face = int(result.frames["face_found"].sum())
+    lost = result.decoding.lost
+    if lost:
+        print(f"{shown(path)}: {lost} of {result.decoding.announced} frames could not be decoded (damaged or "
+              f"truncated file); scored what was read", file=sys.stderr)
+    if n_face == 0:
+        print(f"{shown(path)}: no face found in any of the {len(result.frames)} sampled frames: no score "
+              f"(timeline {shown(png_path)})")
+    else:
+        print(f"{shown(path)}: {result.decision} (score {result.score:.3f}, threshold {result.threshold:.3f}; face "
+              f"in {n_face} of {len(result.frames)} frames; {result.seconds:.1f} s) -> {shown(csv_path)}, "
+              f"{shown(png_path)}")
+    return {"video": shown(path), "status": SCORED if n_face else NO_FACE, "frames_scored": len(result.frames),
+            "frames_with_face": n_face, "frames_lost": lost, "pain_score": result.score,
+            "decision": result.decision, "error": "", "csv": shown(csv_path), "png": shown(png_path)}
+
+
+def predict(scorer: FrameScorer | None, inputs: Inputs, out_dir: Path, fps: float,
+            model_name: str = "") -> pd.DataFrame:
+    """Score the videos of `inputs`; CSV + PNG per video, and for a folder the summary `videos.csv` (one row per
+    video, status scored / no face / failed, then one per folder not read). Returns the summary. `scorer` may be None
+    only when there is no video to score (every folder unreadable)."""
+    if inputs.videos and scorer is None:
+        raise ValueError("predict needs a scorer when there are videos to score")
+    stems, clashes = output_stems(inputs, out_dir)
     rows = []
-    folder = video if video.is_dir() else None
-    for path in videos:
-        stem = out_dir / (path.relative_to(folder).with_suffix("") if folder else Path(path.stem))
-        try:
-            result = score_video(scorer, path, fps)
-        except PredictError as error:
-            print(f"{path}: failed ({error})", file=sys.stderr)
-            rows.append({"video": str(path), "status": FAILED, "frames_scored": 0, "frames_with_face": 0,
-                         "frames_lost": 0, "pain_score": np.nan, "decision": "", "error": str(error), "csv": "",
-                         "png": ""})
-            continue
-        csv_path, png_path = write_outputs(result, stem)
-        n_face = int(result.frames["face_found"].sum())
-        lost = result.decoding.lost
-        if lost:
-            print(f"{path}: {lost} of {result.decoding.announced} frames could not be decoded (damaged or truncated "
-                  f"file); scored what was read", file=sys.stderr)
-        if n_face == 0:
-            print(f"{path}: no face found in any of the {len(result.frames)} sampled frames: no score "
-                  f"(timeline {png_path})")
-        else:
-            print(f"{path}: {result.decision} (score {result.score:.3f}, threshold {result.threshold:.3f}; face in "
-                  f"{n_face} of {len(result.frames)} frames; {result.seconds:.1f} s) -> {csv_path}, {png_path}")
-        rows.append({"video": str(path), "status": SCORED if n_face else NO_FACE, "frames_scored": len(result.frames),
-                     "frames_with_face": n_face, "frames_lost": lost, "pain_score": result.score,
-                     "decision": result.decision, "error": "", "csv": str(csv_path), "png": str(png_path)})
-    summary = pd.DataFrame(rows)
-    if folder is not None:
-        summary_path = out_dir / "videos.csv"
+    for path in inputs.videos:
+        if path in clashes:
+            print(f"{shown(path)}: failed ({clashes[path]})", file=sys.stderr)
+            rows.append(failed_row(path, clashes[path]))
+        elif scorer is not None:
+            rows.append(predict_video(scorer, path, stems[path], fps))
+    for folder, reason in inputs.not_read:
+        print(f"{shown(folder)}: {NOT_READ} ({reason}): videos in it are not scored", file=sys.stderr)
+        rows.append(failed_row(folder, reason, status=NOT_READ))
+    summary = pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
+    if inputs.folder is not None:
+        summary_path = out_dir / SUMMARY_NAME
         atomic_write_csv(summary_path, summary)
-        print(f"{count_line(summary)} with {model_name}: {summary_path}")
+        print(f"{count_line(summary)}{f' with {model_name}' if model_name else ''}: {shown(summary_path)}")
     return summary
 
 
 def count_line(summary: pd.DataFrame) -> str:
-    """"3 videos: 1 scored, 1 without a face, 1 failed"."""
+    """"3 videos: 1 scored, 1 without a face, 1 failed", and "; 1 folder not read" when one was not."""
     counts = summary["status"].value_counts()
-    return (f"{len(summary)} video{'s' if len(summary) != 1 else ''}: {counts.get(SCORED, 0)} scored, "
-            f"{counts.get(NO_FACE, 0)} without a face, {counts.get(FAILED, 0)} failed")
+    n_videos = int((summary["status"] != NOT_READ).sum())
+    n_folders = int(counts.get(NOT_READ, 0))
+    folders = f"; {n_folders} folder{'s' if n_folders != 1 else ''} not read" if n_folders else ""
+    return (f"{n_videos} video{'s' if n_videos != 1 else ''}: {counts.get(SCORED, 0)} scored, "
+            f"{counts.get(NO_FACE, 0)} without a face, {counts.get(FAILED, 0)} failed{folders}")
 
 
 def exit_status(summary: pd.DataFrame) -> int:
-    """0: at least one video scored; 1: no video scored and at least one could not be read; 3: every video read,
-    none with a face."""
-    if (summary["status"] == SCORED).any():
-        return 0
-    return 1 if (summary["status"] == FAILED).any() else 3
+    """0: at least one video scored and none failed (a faceless video is a result, not a failure); 4: some scored,
+    others failed or a folder was not read; 1: none scored and something failed; 3: every video read, none with a
+    face."""
+    scored = bool((summary["status"] == SCORED).any())
+    missed = bool(summary["status"].isin([FAILED, NOT_READ]).any())
+    if scored:
+        return 4 if missed else 0
+    return 1 if missed else 3
 
 
 def run_predict(cfg: DictConfig, video: str | None = None, model_uri: str | None = None, run: str | None = None,
@@ -305,18 +433,23 @@ def run_predict(cfg: DictConfig, video: str | None = None, model_uri: str | None
     if video_path.is_dir() and not out:
         out_dir = out_dir / video_path.name
     try:
-        videos_in(video_path)
-        scorer, name = load_scorer(cfg, model_uri or None, run or None)
-        print(f"model {name}: {scorer.meta['model_name']}, threshold {scorer.threshold:.3f} "
-              f"(loaded in {time.perf_counter() - started:.1f} s)")
-        summary = predict(scorer, video_path, out_dir, float(cfg.predict.fps), name)
+        inputs = find_videos(video_path)
+        if not inputs.videos:  # every folder unreadable: the summary says which, no model needed
+            summary = predict(None, inputs, out_dir, float(cfg.predict.fps))
+        else:
+            scorer, name = load_scorer(cfg, model_uri or None, run or None)
+            print(f"model {name}: {scorer.meta['model_name']}, threshold {scorer.threshold:.3f} "
+                  f"(loaded in {time.perf_counter() - started:.1f} s)")
+            summary = predict(scorer, inputs, out_dir, float(cfg.predict.fps), name)
+            per_frame = scorer.timings.per_frame()
+            print(f"per frame: detection {per_frame['detect_s'] * 1000:.0f} ms, alignment "
+                  f"{per_frame['align_s'] * 1000:.0f} ms, network {per_frame['network_s'] * 1000:.0f} ms; total "
+                  f"{time.perf_counter() - started:.1f} s")
     except PredictError as error:
         raise SystemExit(f"predict: {error}") from None
-    per_frame = scorer.timings.per_frame()
-    print(f"per frame: detection {per_frame['detect_s'] * 1000:.0f} ms, alignment {per_frame['align_s'] * 1000:.0f}"
-          f" ms, network {per_frame['network_s'] * 1000:.0f} ms; total {time.perf_counter() - started:.1f} s")
     status = exit_status(summary)
-    if status:  # nothing scored: a script must see it (a folder's other videos keep their timelines)
-        print(f"predict: no video scored ({count_line(summary)})", file=sys.stderr)
+    if status:  # a script must see it (the videos that were scored keep their timelines)
+        what = "not every video scored" if status == 4 else "no video scored"
+        print(f"predict: {what} ({count_line(summary)})", file=sys.stderr)
         raise PredictFailed(status, summary)
     return summary
