@@ -2,9 +2,9 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-# What a user gives is data, never make code nor shell code. A variable's value is taken as written ($(value)), so
-# make never expands a `$(shell ...)` in it, and it reaches a recipe only as one quoted shell word (`quote`).
-# `literal`: a variable's value as written where a user gave it, as this Makefile means it where it is a default here.
+# What a user gives is data, never make code nor shell code: a variable a user sets is frozen to its text as written
+# (`freeze`, through $(value): make never expands a `$(shell ...)` in it) and reaches a recipe only as one quoted shell
+# word (`quote`). A default written here is expanded once, as this Makefile means it (`literal`).
 literal = $(if $(filter file,$(origin $(1))),$($(1)),$(value $(1)))
 freeze = $(if $(filter undefined,$(origin $(1))),,$(eval override $(1) := $$(call literal,$(1))))
 # Every command-line variable first, before anything reads one, each still exported as make exports it (make expands
@@ -118,7 +118,7 @@ QUOTED_BIN = $(call quote,$(VENV)/bin)
 help: ## list the targets
 	@echo "Pain detection from facial video: fine-tune and compare backbones on BioVid Part A (or its synthetic twin)."
 	@echo
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(foreach makefile,$(MAKEFILE_LIST),$(call quote,$(makefile))) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-12s %s\n", $$1, $$2}'
 	@echo
 	@printf '%s\n' $(call quote,Variables: MODEL=$(MODEL) DATA=$(DATA) PROTOCOL=$(PROTOCOL) TASK=$(TASK) BIOVID_ROOT= WEIGHTS= ARGS='key=value ...')
 	@printf '%s\n' $(call quote,           LAUNCHER=$(LAUNCHER) (local|parallel|slurm) JOBS= RESUME= (never: a new run) VERBOSE= (1: all library output))
