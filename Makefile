@@ -2,6 +2,15 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
+# What a user gives is data, never make code nor shell code: a variable a user sets is frozen to its text as written
+# (`freeze`, through $(value): make never expands a `$(shell ...)` in it) and reaches a recipe only as one quoted shell
+# word (`quote`). A default written here is expanded once, as this Makefile means it (`literal`).
+literal = $(if $(filter file,$(origin $(1))),$($(1)),$(value $(1)))
+freeze = $(if $(filter undefined,$(origin $(1))),,$(eval override $(1) := $$(call literal,$(1))))
+# Every command-line variable first, before anything reads one, each still exported as make exports it (make expands
+# an exported variable's value for a recipe's environment: `$(shell ...)` ran there even where no recipe used it).
+$(foreach name,$(.VARIABLES),$(if $(filter command,$(origin $(name))),$(call freeze,$(name))$(eval export $(name))))
+
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -25,6 +34,14 @@ UNTRAINED ?=
 IMG ?=
 BATCH ?=
 MLFLOW_PORT ?= 5000
+# `make table`: TASKS="bl1_vs_pa1 bl1_vs_pa2" (default: all five)
+TASKS ?=
+# `make pretrain`: TARGET=au (action units, default) | identity; starts from WEIGHTS= if given, else model.pretrained
+TARGET ?=
+# `make tune`: TRIALS= per study (default configs/tune/default.yaml), SCOPE=per_fold | shared (optimistic)
+TRIALS ?=
+SCOPE ?=
+TUNED ?=
 # `make final` / `promote` / `predict` / `serve` / `export` (README: "Use a trained model")
 VERSION ?=
 VIDEO ?=
@@ -52,20 +69,48 @@ SERVER_ALLOWED_HOSTS ?=
 SERVER_CORS_ORIGINS ?=
 SERVER_WORKERS ?=
 SERVER_INSECURE ?=
+# The variables above (each given a default with ?=: tests/test_makefile.py checks this list holds them all) and the
+# one `make ui` reads: one from the environment is frozen as one from the command line is, a default here expanded.
+USER_VARIABLES := PYTHON MODEL DATA PROTOCOL TASK BIOVID_ROOT WEIGHTS ARGS LAUNCHER JOBS RESUME VERBOSE RUN UNTRAINED \
+	IMG BATCH MLFLOW_PORT TASKS TARGET TRIALS SCOPE TUNED VERSION VIDEO MODEL_URI FPS OUT FORMAT SERVE_PORT \
+	SERVE_PATH_ROOT FINETUNE SERVER_HOST SERVER_PORT SERVER_STORE SERVER_ARTIFACTS SERVER_AUTH SERVER_AUTH_DB \
+	SERVER_AUTH_CONFIG SERVER_DEFAULT_PERMISSION SERVER_ADMIN_PASSWORD_FILE SERVER_ALLOWED_HOSTS SERVER_CORS_ORIGINS \
+	SERVER_WORKERS SERVER_INSECURE MLFLOW_TRACKING_URI
+$(foreach name,$(USER_VARIABLES),$(call freeze,$(name)))
 export VERBOSE
 
+define newline
+
+
+endef
+# A value as one shell word: in single quotes, a ' as '\'' and a newline as $'\n' (make ends a recipe line at a
+# newline, even inside quotes, and hands what follows to a shell of its own).
+quote = '$(subst $(newline),'$$'\n'',$(subst ','\'',$(1)))'
+# `$(call if_set,--run=,RUN)`: the word --run=<RUN>, quoted, where RUN is set; nothing where it is empty.
+if_set = $(if $($(2)),$(call quote,$(1)$($(2))))
+# A path made absolute (a fold job on another node does not share this folder): make's abspath for a path without
+# whitespace (abspath splits at whitespace); a relative path with whitespace gets $(CURDIR)/ in front.
+absolute = $(if $(word 2,x$(1)x),$(if $(filter ^/%,$(firstword ^$(1))),$(1),$(CURDIR)/$(1)),$(abspath $(1)))
+# Whether $(1) and $(2) are the same text (each holds the other; make's filter reads a % as a pattern).
+same = $(and $(findstring $(1),$(2)),$(findstring $(2),$(1)))
+
 # A backbone without its own file in configs/model/ is any timm model name.
-MODEL_OVERRIDE = $(if $(wildcard configs/model/$(MODEL).yaml),model=$(MODEL),model=timm model.name=$(MODEL))
-OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) task=$(TASK) $(MODEL_OVERRIDE) \
-	$(if $(BIOVID_ROOT),data.root=$(abspath $(BIOVID_ROOT))) $(if $(WEIGHTS),model.weights=$(abspath $(WEIGHTS))) \
-	launcher=$(LAUNCHER) $(if $(JOBS),launcher.jobs=$(JOBS)) $(if $(RESUME),cv.resume=$(RESUME)) $(ARGS)
+MODEL_FILES := $(wildcard configs/model/*.yaml)
+MODEL_HAS_FILE = $(strip $(foreach model_file,$(MODEL_FILES),$(call same,$(model_file),configs/model/$(MODEL).yaml)))
+MODEL_OVERRIDE = $(if $(MODEL_HAS_FILE),$(call quote,model=$(MODEL)),'model=timm' $(call quote,model.name=$(MODEL)))
+ROOT_OVERRIDE = $(if $(BIOVID_ROOT),$(call quote,data.root=$(call absolute,$(BIOVID_ROOT))))
+# ARGS= holds key=value words as a shell writes them (ARGS="a=1 b='x y'"): it reaches the command as one argument,
+# --args=..., which the command splits as a shell would (shlex), running nothing in it.
+LAUNCH_OVERRIDES = $(call quote,launcher=$(LAUNCHER)) $(call if_set,launcher.jobs=,JOBS) \
+	$(call if_set,cv.resume=,RESUME) $(call if_set,--args=,ARGS)
+OVERRIDES = $(call quote,data=$(DATA)) $(call quote,protocol=$(PROTOCOL)) $(call quote,task=$(TASK)) $(MODEL_OVERRIDE) \
+	$(ROOT_OVERRIDE) $(if $(WEIGHTS),$(call quote,model.weights=$(call absolute,$(WEIGHTS)))) $(LAUNCH_OVERRIDES)
 # `make table`: MODEL may name several backbones ("vit_b16 cvt_13"), each composed per task by the command itself.
-TASKS ?=
-TABLE_OVERRIDES = data=$(DATA) protocol=$(PROTOCOL) $(if $(BIOVID_ROOT),data.root=$(abspath $(BIOVID_ROOT))) \
-	launcher=$(LAUNCHER) $(if $(JOBS),launcher.jobs=$(JOBS)) $(if $(RESUME),cv.resume=$(RESUME)) $(ARGS)
-# A value as one shell word in single quotes (paths with spaces, quotes or non-ASCII characters).
-quote = '$(subst ','\'',$(1))'
+TABLE_OVERRIDES = $(call quote,data=$(DATA)) $(call quote,protocol=$(PROTOCOL)) $(ROOT_OVERRIDE) $(LAUNCH_OVERRIDES)
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
+# The environment's programs, each path one quoted word
+QUOTED_PY = $(call quote,$(PY))
+QUOTED_BIN = $(call quote,$(VENV)/bin)
 
 .PHONY: help install lock data aug-preview cv embed pretrain tune compare table power inspect calc ui server test lint notebooks bench bench-data clean clean-data \
 	final promote predict serve export
@@ -73,56 +118,50 @@ TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 help: ## list the targets
 	@echo "Pain detection from facial video: fine-tune and compare backbones on BioVid Part A (or its synthetic twin)."
 	@echo
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(foreach makefile,$(MAKEFILE_LIST),$(call quote,$(makefile))) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-12s %s\n", $$1, $$2}'
 	@echo
-	@echo "Variables: MODEL=$(MODEL) DATA=$(DATA) PROTOCOL=$(PROTOCOL) TASK=$(TASK) BIOVID_ROOT= WEIGHTS= ARGS='key=value ...'"
-	@echo "           LAUNCHER=$(LAUNCHER) (local|parallel|slurm) JOBS= RESUME= (never: a new run) VERBOSE= (1: all library output)"
+	@printf '%s\n' $(call quote,Variables: MODEL=$(MODEL) DATA=$(DATA) PROTOCOL=$(PROTOCOL) TASK=$(TASK) BIOVID_ROOT= WEIGHTS= ARGS='key=value ...')
+	@printf '%s\n' $(call quote,           LAUNCHER=$(LAUNCHER) (local|parallel|slurm) JOBS= RESUME= (never: a new run) VERBOSE= (1: all library output))
 	@echo "           TASKS= (table: default all five)"
 	@echo "           RUN= (inspect: a parent run id) UNTRAINED= (inspect: 1 = untrained baseline) IMG= BATCH= (calc)"
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
-	touch $@
+	$(call quote,$(PYTHON)) -m venv $(call quote,$(VENV))
+	$(QUOTED_PY) -m pip install --quiet --upgrade pip
+	$(QUOTED_PY) -m pip install -c $(call quote,$(CONSTRAINTS)) -e $(call quote,.[$(EXTRAS)])
+	touch $(call quote,$@)
 
 install: $(VENV)/.installed ## create .venv and install the package, its extras and the locked versions of everything
 
 lock: ## rewrite the lock requirements/constraints.txt from .venv (pip freeze; after make test passes)
-	@test -x $(PY) || { echo "no $(VENV): run make install first" >&2; exit 2; }
-	$(PY) scripts/lock.py --out $(CONSTRAINTS)
-	touch $(VENV)/.installed
+	@test -x $(QUOTED_PY) || { echo $(call quote,no $(VENV): run make install first) >&2; exit 2; }
+	$(QUOTED_PY) scripts/lock.py --out $(call quote,$(CONSTRAINTS))
+	touch $(call quote,$(VENV)/.installed)
 
 data: install ## prepare a dataset: DATA=synthetic (generated) or DATA=biovid BIOVID_ROOT=/path/to/PartA
-	$(PY) -m pipeline data $(OVERRIDES)
+	$(QUOTED_PY) -m pipeline data $(OVERRIDES)
 
 aug-preview: install ## PNG grid of augmented crops, as MODEL sees them (reports/)
-	$(PY) -m pipeline aug-preview $(OVERRIDES)
+	$(QUOTED_PY) -m pipeline aug-preview $(OVERRIDES)
 
 cv: install ## cross-validate MODEL on DATA/PROTOCOL/TASK, tracked in MLflow
-	$(PY) -m pipeline cv $(OVERRIDES)
+	$(QUOTED_PY) -m pipeline cv $(OVERRIDES)
 
 embed: install ## the embedding cache of MODEL frozen (WEIGHTS=): what make cv ARGS="model.finetune=frozen" reads
-	$(PY) -m pipeline embed $(OVERRIDES)
+	$(QUOTED_PY) -m pipeline embed $(OVERRIDES)
 
-# `make pretrain`: TARGET=au (action units, default) | identity; starts from WEIGHTS= if given, else model.pretrained
-TARGET ?=
 pretrain: install ## a starting point for MODEL trained here on faces outside DATA's people, for WEIGHTS= (TARGET=au|identity)
-	$(PY) -m pipeline pretrain $(OVERRIDES) $(if $(TARGET),pretrain.target=$(TARGET))
+	$(QUOTED_PY) -m pipeline pretrain $(OVERRIDES) $(call if_set,pretrain.target=,TARGET)
 
-# `make tune`: TRIALS= per study (default configs/tune/default.yaml), SCOPE=per_fold | shared (optimistic)
-TRIALS ?=
-SCOPE ?=
-TUNED ?=
 tune: install ## search MODEL's settings per fold with Optuna (TRIALS=20, SCOPE=per_fold), then its tuned CV
-	$(PY) -m pipeline tune $(OVERRIDES) $(if $(TRIALS),tune.trials=$(TRIALS)) $(if $(SCOPE),tune.scope=$(SCOPE))
+	$(QUOTED_PY) -m pipeline tune $(OVERRIDES) $(call if_set,tune.trials=,TRIALS) $(call if_set,tune.scope=,SCOPE)
 
 compare: install ## compare the backbones' latest CVs on DATA/PROTOCOL/TASK (TUNED=latest | versus_untuned | <budget>)
-	$(PY) -m pipeline compare $(OVERRIDES) $(if $(TUNED),--tuned=$(TUNED))
+	$(QUOTED_PY) -m pipeline compare $(OVERRIDES) $(call if_set,--tuned=,TUNED)
 
 table: install ## BioVid benchmark table: MODEL="vit_b16 cvt_13" on BL1 vs PA1..PA4 and five classes, beside published rows
-	$(PY) -m pipeline table $(TABLE_OVERRIDES) --models="$(MODEL)" $(if $(TASKS),--tasks="$(TASKS)") \
-		$(if $(TUNED),--tuned=$(TUNED) $(if $(TRIALS),--trials=$(TRIALS)) $(if $(SCOPE),--scope=$(SCOPE)))
+	$(QUOTED_PY) -m pipeline table $(TABLE_OVERRIDES) $(call quote,--models=$(MODEL)) $(call if_set,--tasks=,TASKS) \
+		$(if $(TUNED),$(call if_set,--tuned=,TUNED) $(call if_set,--trials=,TRIALS) $(call if_set,--scope=,SCOPE))
 
 # `make power`: EFFECT= null | temporal (configs/power/default.yaml), REPEATS= independent twins
 EFFECT ?= temporal
@@ -131,63 +170,65 @@ power: install ## error rates of make compare's test on BioVid-scale twins with 
 	$(PY) -m pipeline power $(OVERRIDES) power.effect=$(EFFECT) $(if $(REPEATS),power.repeats=$(REPEATS))
 
 inspect: install ## where MODEL's newest finished CV looks on each fold's test videos: rollout, Grad-CAM, region score
-	$(PY) -m pipeline inspect $(OVERRIDES) $(if $(RUN),--run=$(RUN)) $(if $(UNTRAINED),--untrained=$(UNTRAINED))
+	$(QUOTED_PY) -m pipeline inspect $(OVERRIDES) $(call if_set,--run=,RUN) $(call if_set,--untrained=,UNTRAINED)
 
 calc: install ## size and cost of MODEL: shape trace, parameters by part, MACs, training memory (IMG=224 BATCH=32)
-	$(PY) -m pipeline calc $(OVERRIDES) $(if $(IMG),model.img_size=$(IMG)) $(if $(BATCH),loader.batch_size=$(BATCH))
+	$(QUOTED_PY) -m pipeline calc $(OVERRIDES) $(call if_set,model.img_size=,IMG) $(call if_set,loader.batch_size=,BATCH)
 
 final: install ## one model of MODEL on all subjects with its latest finished CV's settings, registered (alias candidate)
-	$(PY) -m pipeline final $(OVERRIDES) $(if $(RUN),--run=$(RUN))
+	$(QUOTED_PY) -m pipeline final $(OVERRIDES) $(call if_set,--run=,RUN)
 
 promote: install ## make VERSION of pain-MODEL-TASK the champion (what predict and serve use)
-	$(PY) -m pipeline promote $(OVERRIDES) --version=$(VERSION)
+	$(QUOTED_PY) -m pipeline promote $(OVERRIDES) $(call quote,--version=$(VERSION))
 
 predict: install ## pain timeline (CSV + PNG) of VIDEO (a file or a folder) with the champion, MODEL_URI= or RUN=
-	$(PY) -m pipeline predict $(OVERRIDES) --video=$(call quote,$(VIDEO)) \
-		$(if $(MODEL_URI),--model_uri=$(call quote,$(MODEL_URI))) $(if $(RUN),--run=$(call quote,$(RUN))) \
-		$(if $(FPS),predict.fps=$(FPS)) $(if $(OUT),--out=$(call quote,$(OUT)))
+	$(QUOTED_PY) -m pipeline predict $(OVERRIDES) $(call quote,--video=$(VIDEO)) $(call if_set,--model_uri=,MODEL_URI) \
+		$(call if_set,--run=,RUN) $(call if_set,predict.fps=,FPS) $(call if_set,--out=,OUT)
 
 serve: install ## REST scoring server for the champion (or MODEL_URI=) on http://127.0.0.1:$(SERVE_PORT)/invocations
-	$(PY) -m pipeline serve $(OVERRIDES) serve.port=$(SERVE_PORT) $(if $(MODEL_URI),--model_uri=$(call quote,$(MODEL_URI))) \
-		$(if $(SERVE_PATH_ROOT),--path_root=$(call quote,$(SERVE_PATH_ROOT)))
+	$(QUOTED_PY) -m pipeline serve $(OVERRIDES) $(call quote,serve.port=$(SERVE_PORT)) \
+		$(call if_set,--model_uri=,MODEL_URI) $(call if_set,--path_root=,SERVE_PATH_ROOT)
 
-export: install ## the network of MODEL_URI (default: the champion) as ONNX (FORMAT=onnx) into reports/export/
-	$(PY) -m pipeline export $(OVERRIDES) $(if $(MODEL_URI),--model_uri=$(MODEL_URI)) --format=$(FORMAT) \
-		$(if $(OUT),--out=$(OUT))
+export: install ## the network of MODEL_URI= or RUN=<fold or final run> (default: the champion) as ONNX (FORMAT=onnx) into reports/export/
+	$(QUOTED_PY) -m pipeline export $(OVERRIDES) $(call if_set,--model_uri=,MODEL_URI) $(call if_set,--run=,RUN) \
+		$(call quote,--format=$(FORMAT)) $(call if_set,--out=,OUT)
 
 ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store
-	@$(PY) -m pipeline ui-url --tracking-uri '$(TRACKING_URI)' --host 127.0.0.1 --port $(MLFLOW_PORT)
-	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri $(TRACKING_URI) \
-		--default-artifact-root $(CURDIR)/mlartifacts --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1
+	@$(QUOTED_PY) -m pipeline ui-url --tracking-uri $(call quote,$(TRACKING_URI)) --host 127.0.0.1 \
+		--port $(call quote,$(MLFLOW_PORT))
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(QUOTED_BIN)/mlflow ui --backend-store-uri $(call quote,$(TRACKING_URI)) \
+		--default-artifact-root $(call quote,$(CURDIR)/mlartifacts) --host 127.0.0.1 --port $(call quote,$(MLFLOW_PORT)) \
+		--workers 1
 
 server: install ## MLflow tracking server for fold jobs on other nodes; basic auth unless SERVER_HOST is loopback
-	$(PY) -m pipeline server --host $(call quote,$(SERVER_HOST)) --port $(SERVER_PORT) \
-		--store $(call quote,$(SERVER_STORE)) --artifacts $(call quote,$(SERVER_ARTIFACTS)) --auth $(SERVER_AUTH) \
-		--auth-db $(call quote,$(SERVER_AUTH_DB)) --auth-config $(call quote,$(SERVER_AUTH_CONFIG)) \
-		--default-permission $(SERVER_DEFAULT_PERMISSION) $(if $(SERVER_WORKERS),--workers $(SERVER_WORKERS)) \
+	$(QUOTED_PY) -m pipeline server --host $(call quote,$(SERVER_HOST)) --port $(call quote,$(SERVER_PORT)) \
+		--store $(call quote,$(SERVER_STORE)) --artifacts $(call quote,$(SERVER_ARTIFACTS)) \
+		--auth $(call quote,$(SERVER_AUTH)) --auth-db $(call quote,$(SERVER_AUTH_DB)) \
+		--auth-config $(call quote,$(SERVER_AUTH_CONFIG)) --default-permission $(call quote,$(SERVER_DEFAULT_PERMISSION)) \
+		$(if $(SERVER_WORKERS),--workers $(call quote,$(SERVER_WORKERS))) \
 		$(if $(SERVER_ADMIN_PASSWORD_FILE),--admin-password-file $(call quote,$(SERVER_ADMIN_PASSWORD_FILE))) \
 		$(if $(SERVER_ALLOWED_HOSTS),--allowed-hosts $(call quote,$(SERVER_ALLOWED_HOSTS))) \
 		$(if $(SERVER_CORS_ORIGINS),--cors-origins $(call quote,$(SERVER_CORS_ORIGINS))) \
 		$(if $(filter 1,$(SERVER_INSECURE)),--insecure)
 
 test: install ## run the test suite (the layers contract first: a wrong import fails in a second)
-	$(VENV)/bin/lint-imports --no-logo
-	$(PY) -m pytest
+	$(QUOTED_BIN)/lint-imports --no-logo
+	$(QUOTED_PY) -m pytest
 
 lint: install ## ruff, mypy over pipeline/ and the layers contract (settings in pyproject.toml; seconds)
-	$(VENV)/bin/ruff check pipeline tests scripts
-	$(VENV)/bin/mypy
-	$(VENV)/bin/lint-imports --no-logo
+	$(QUOTED_BIN)/ruff check pipeline tests scripts
+	$(QUOTED_BIN)/mypy
+	$(QUOTED_BIN)/lint-imports --no-logo
 
 # One thread per kernel: the course's tensors are small, and OpenMP threads on a busy CPU slow them down many times.
 notebooks: install ## execute the ViT course notebooks (notebooks/vit_course_*.ipynb) in place; fails on any error
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(VENV)/bin/jupyter-execute --inplace --timeout=600 notebooks/vit_course_*.ipynb
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(QUOTED_BIN)/jupyter-execute --inplace --timeout=600 notebooks/vit_course_*.ipynb
 
 bench-data: install ## data benchmark: preprocessing throughput, detection rate, loader images/s
-	$(PY) scripts/bench_data.py
+	$(QUOTED_PY) scripts/bench_data.py
 
 bench: install ## training throughput: Lightning + DataModule against a bare PyTorch loop, per backbone (FINETUNE=full,lora)
-	$(PY) scripts/bench_train.py $(if $(FINETUNE),--finetune=$(FINETUNE))
+	$(QUOTED_PY) scripts/bench_train.py $(call if_set,--finetune=,FINETUNE)
 
 clean-data: ## delete generated data (data/)
 	rm -rf data

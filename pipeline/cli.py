@@ -30,11 +30,13 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline server      --store URI --artifacts DIR [--host H --port P ...]   the tracking server
     python -m pipeline ui-url      [--port 5000]     the MLflow UI address of the cross-validation runs page
 
-The Makefile is the front door (`make help`); it turns MODEL=, DATA=, PROTOCOL=, TASK= into these overrides.
+The Makefile is the front door (`make help`); it turns MODEL=, DATA=, PROTOCOL=, TASK= into these overrides, and
+ARGS="a=1 b='x y'" into one argument --args="a=1 b='x y'" that takes its words' place (split here, not by a shell).
 """
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -195,6 +197,26 @@ COMMAND_GROUPS: dict[str, tuple[str, ...]] = {"tune": ("tune=default",), "pretra
                                               "power": ("power=default",)}
 
 
+ARGS_OPTION = "--args="
+
+
+def split_args(arguments: list[str]) -> list[str]:
+    """Each `--args=<words>` (the Makefile's ARGS=) replaced by its words, split as a shell splits them (shlex: quotes
+    group, a backslash escapes) but with nothing expanded or run: `$(...)`, backticks and `;` stay characters.
+    ValueError (an unclosed quote) names ARGS."""
+    split: list[str] = []
+    for argument in arguments:
+        if not argument.startswith(ARGS_OPTION):
+            split.append(argument)
+            continue
+        try:
+            split.extend(shlex.split(argument.removeprefix(ARGS_OPTION)))
+        except ValueError as error:
+            raise ValueError(f"ARGS={argument.removeprefix(ARGS_OPTION)!r}: {error} (ARGS holds key=value words as a "
+                             f"shell writes them, e.g. ARGS=\"a=1 b='x y'\")") from None
+    return split
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in TOOLS:
@@ -202,7 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(__doc__, file=sys.stderr)
         return 2
-    command, overrides = argv[0], argv[1:]
+    command = argv[0]
+    try:
+        overrides = split_args(argv[1:])
+    except ValueError as error:
+        print(f"{command}: {error}", file=sys.stderr)
+        return 2
     # --name=value options belong to the command itself (make inspect RUN=...), key=value ones to the config
     flags = [option for option in overrides if option.startswith("--")]
     if any("=" not in flag for flag in flags):
