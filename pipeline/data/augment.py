@@ -4,6 +4,10 @@ Every parameter comes from the `augment` config (one plain mapping per transform
 keyword arguments) or from the backbone's data config (input size, mean, std, interpolation): nothing about the
 pretrained model is hard-coded here. Every Compose is built with `strict=True`, so a misspelled argument is an error
 instead of albumentations 2.x's silent warning.
+
+The central crop and the resize to the input size follow rules of this module (`central_box`, `resize_interpolation`),
+and `eval_transform_steps` states the evaluation transform by the same rules, step by step with its OpenCV calls, for
+a runtime without albumentations (the ONNX export's contract).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import albumentations as A
 import cv2
 import numpy as np
 import torch
+from albumentations.augmentations.crops.transforms import BaseCrop
+from albumentations.core.transforms_interface import BaseTransformInitSchema
 from albumentations.pytorch import ToTensorV2
 
 from pipeline.utils.atomic_io import atomic_write_bytes
@@ -118,13 +124,29 @@ def _blur(entry: Mapping[str, Any]) -> A.OneOf:
     return A.OneOf(members, p=float(entry["p"]))
 
 
+def resize_interpolation(source_hw: tuple[int, int], target_hw: tuple[int, int], interpolation: int) -> int:
+    """The OpenCV flag the resize to the input size uses for an image of `source_hw`: INTER_AREA (OpenCV's pixel-area
+    average, the only antialiasing step) when it shrinks either side, else `interpolation` (the backbone's). A plain
+    cubic resize of a large crop would alias where timm's PIL pipeline antialiases."""
+    shrinks = target_hw[0] < source_hw[0] or target_hw[1] < source_hw[1]
+    return cv2.INTER_AREA if shrinks else interpolation
+
+
+class InputResize(A.Resize):
+    """`A.Resize` to the input size whose image interpolation is `resize_interpolation`'s (masks: nearest): what
+    `A.Resize(..., area_for_downscale="image")` did, with the rule here."""
+
+    def apply(self, img: np.ndarray, **params: Any) -> np.ndarray:
+        target_hw = (self.height, self.width)
+        if img.shape[:2] == target_hw:
+            return img
+        flag = resize_interpolation(img.shape[:2], target_hw, self.interpolation)
+        return cv2.resize(img, (self.width, self.height), interpolation=flag)
+
+
 def _resize(data_config: DataConfigLike) -> A.Resize:
     height, width = input_hw(data_config)
-    # Downscaling with INTER_AREA avoids the aliasing that a plain cubic resize of a large crop would add (timm's
-    # PIL pipeline antialiases too); upscaling uses the backbone's interpolation.
-    return A.Resize(
-        height=height, width=width, interpolation=interpolation_flag(data_config), area_for_downscale="image"
-    )
+    return InputResize(height=height, width=width, interpolation=interpolation_flag(data_config))
 
 
 def _normalize_to_tensor(data_config: DataConfigLike) -> list[A.BasicTransform]:
@@ -134,14 +156,40 @@ def _normalize_to_tensor(data_config: DataConfigLike) -> list[A.BasicTransform]:
     return [A.Normalize(mean=mean, std=std, max_pixel_value=255.0), ToTensorV2()]
 
 
+def central_box(height: int, width: int, crop_fraction: float) -> tuple[int, int, int, int]:
+    """The integer pixel box (x0, y0, x1, y1; x1 and y1 exclusive) of the central `crop_fraction` of each side: each
+    side loses `int((1 - crop_fraction) / 2 * side)` pixels at each end, in float64 in that order (the rule
+    albumentations' `CropAndPad(percent=-(1 - crop_fraction) / 2)` applied before, kept so that trained models see
+    what they saw)."""
+    if not 0 < crop_fraction <= 1:
+        raise ValueError(f"crop_fraction must be in (0, 1], got {crop_fraction}")
+    cut_y, cut_x = int((1 - crop_fraction) / 2 * height), int((1 - crop_fraction) / 2 * width)
+    return cut_x, cut_y, width - cut_x, height - cut_y
+
+
+class CentralCrop(BaseCrop):
+    """Keep `central_box` of each image (and mask)."""
+
+    class InitSchema(BaseTransformInitSchema):
+        crop_fraction: float
+
+    def __init__(self, crop_fraction: float, p: float = 1.0) -> None:
+        super().__init__(p=p)
+        self.crop_fraction = crop_fraction
+
+    def get_params_dependent_on_data(self, params: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+        height, width = params["shape"][:2]
+        return {"crop_coords": central_box(height, width, self.crop_fraction)}
+
+    def get_transform_init_args_names(self) -> tuple[str, ...]:
+        return ("crop_fraction",)
+
+
 def _centre(crop_fraction: float) -> list[A.BasicTransform]:
     """Keep the central `crop_fraction` of each side of the face crop: a tighter view of the face, chosen at training
     time without re-running the face-crop preprocessing."""
-    if not 0 < crop_fraction <= 1:
-        raise ValueError(f"crop_fraction must be in (0, 1], got {crop_fraction}")
-    if crop_fraction == 1:
-        return []
-    return [A.CropAndPad(percent=-(1 - crop_fraction) / 2, keep_size=False, p=1.0)]
+    central_box(1, 1, crop_fraction)  # the range check
+    return [] if crop_fraction == 1 else [CentralCrop(crop_fraction, p=1.0)]
 
 
 def build_train_transform(data_config: DataConfigLike, params: Mapping[str, Any] | None,
@@ -183,6 +231,54 @@ def _random_resized_crop(data_config: DataConfigLike, kwargs: dict[str, Any]) ->
 def build_eval_transform(data_config: DataConfigLike, crop_fraction: float = 1.0) -> A.Compose:
     """Deterministic: resize the face crop (its central `crop_fraction`, all of it by default) to the input size."""
     return A.Compose([*_centre(crop_fraction), _resize(data_config), *_normalize_to_tensor(data_config)], strict=True)
+
+
+OPENCV_FLAGS = ("INTER_NEAREST", "INTER_LINEAR", "INTER_CUBIC", "INTER_AREA", "INTER_LANCZOS4", "BORDER_CONSTANT",
+                "BORDER_REPLICATE", "BORDER_REFLECT", "BORDER_REFLECT_101")
+
+
+def opencv_name(flag: int, family: str) -> str:
+    """The name `cv2` gives an interpolation (`family` "INTER") or border ("BORDER") flag, e.g. "INTER_AREA"."""
+    for name in OPENCV_FLAGS:
+        if name.startswith(f"{family}_") and getattr(cv2, name) == flag:
+            return name
+    raise ValueError(f"no OpenCV {family}_* name known for flag {flag}")
+
+
+def eval_transform_steps(data_config: DataConfigLike, crop_fraction: float,
+                         source_hw: tuple[int, int]) -> list[dict[str, Any]]:
+    """`build_eval_transform`'s steps for an HWC uint8 RGB image of `source_hw` pixels, in order and as plain values
+    (each with the call that does it in OpenCV and NumPy): what an implementation without albumentations needs to give
+    the network the same input. Computed by the rules the transform itself applies (`central_box`,
+    `resize_interpolation`), so the description cannot drift from the transform."""
+    steps: list[dict[str, Any]] = []
+    height, width = source_hw
+    if crop_fraction != 1:
+        x0, y0, x1, y1 = central_box(height, width, crop_fraction)
+        steps.append({"step": "central_crop", "fraction": crop_fraction, "from_hw": [height, width],
+                      "box_xyxy": [x0, y0, x1, y1], "call": f"image[{y0}:{y1}, {x0}:{x1}]",
+                      "rule": "each side loses int((1 - fraction) / 2 * side) pixels at each end (float64, in that "
+                              "order); box_xyxy ends are exclusive"})
+        height, width = y1 - y0, x1 - x0
+    target_hw = input_hw(data_config)
+    if (height, width) != target_hw:
+        backbone = interpolation_flag(data_config)
+        flag = resize_interpolation((height, width), target_hw, backbone)
+        steps.append({"step": "resize", "from_hw": [height, width], "to_hw": list(target_hw),
+                      "interpolation": opencv_name(flag, "INTER"), "library": f"OpenCV {cv2.__version__} cv2.resize",
+                      "call": f"cv2.resize(image, ({target_hw[1]}, {target_hw[0]}), "
+                              f"interpolation=cv2.{opencv_name(flag, 'INTER')})",
+                      "rule": f"INTER_AREA (OpenCV's pixel-area average, the only antialiasing) when the resize "
+                              f"shrinks either side, else the backbone's {opencv_name(backbone, 'INTER')} "
+                              f"(timm's {data_config.interpolation!r}); no PIL, no other filter"})
+    mean = [float(v) for v in data_config.mean]
+    std = [float(v) for v in data_config.std]
+    steps.append({"step": "normalize", "mean": mean, "std": std, "dtype": "float32",
+                  "call": "(image.astype(np.float32) - 255 * mean) / (255 * std), per channel in RGB order: the "
+                          "[0, 1] scale (pixel / 255) minus mean, over std"})
+    steps.append({"step": "layout", "call": "image.transpose(2, 0, 1): HWC -> CHW; a batch stacks crops on a new "
+                                            "first axis (N, 3, H, W), float32, C-contiguous"})
+    return steps
 
 
 def seed_transform(transform: A.BaseCompose, seed: int) -> None:

@@ -315,6 +315,14 @@ def _state_to_box(state: np.ndarray) -> Box:
     return (round(centre_x - width / 2), round(centre_y - height / 2), width, height)
 
 
+# How a crop is made from a frame (the ONNX export's contract states them): where a crop leaves the frame, the border
+# pixels are repeated; an aligned crop is warped bilinearly; a square crop is resized with OpenCV's pixel-area average
+# when it shrinks, bilinearly when it grows.
+CROP_BORDER = cv2.BORDER_REPLICATE
+ALIGN_INTERPOLATION = cv2.INTER_LINEAR
+SQUARE_SHRINK_INTERPOLATION, SQUARE_GROW_INTERPOLATION = cv2.INTER_AREA, cv2.INTER_LINEAR
+
+
 def _square(box: Box, margin: float) -> tuple[int, int, int]:
     """Left, top and side of the square that `square_crop` cuts around `box`."""
     x, y, w, h = box
@@ -353,10 +361,10 @@ def square_crop(frame: np.ndarray, box: Box, margin: float = 0.2, size: int = 22
     inside = frame[max(0, top) : min(frame_h, bottom), max(0, left) : min(frame_w, right)]
     pads = (max(0, -top), max(0, bottom - frame_h), max(0, -left), max(0, right - frame_w))
     if any(pads):
-        inside = cv2.copyMakeBorder(inside, *pads, borderType=cv2.BORDER_REPLICATE)
+        inside = cv2.copyMakeBorder(inside, *pads, borderType=CROP_BORDER)
     if side == size:
         return np.ascontiguousarray(inside)
-    interpolation = cv2.INTER_AREA if side > size else cv2.INTER_LINEAR
+    interpolation = SQUARE_SHRINK_INTERPOLATION if side > size else SQUARE_GROW_INTERPOLATION
     return cv2.resize(inside, (size, size), interpolation=interpolation)
 
 
@@ -393,8 +401,13 @@ def similarity_transform(source: np.ndarray, target: np.ndarray) -> np.ndarray:
 def aligned_crop_transform(landmarks: np.ndarray, margin: float = 0.2, size: int = 224) -> np.ndarray:
     """The similarity mapping a face's five landmarks (frame pixels) onto the canonical upright face of a
     `size` x `size` crop with `margin` (fraction of the face box side) on each side."""
-    target = (CANONICAL_LANDMARKS + margin) / (1 + 2 * margin) * size
-    return similarity_transform(np.asarray(landmarks, dtype=float).reshape(5, 2), target)
+    return similarity_transform(np.asarray(landmarks, dtype=float).reshape(5, 2), alignment_target(margin, size))
+
+
+def alignment_target(margin: float = 0.2, size: int = 224) -> np.ndarray:
+    """Where an aligned crop puts the five landmarks (`LANDMARK_NAMES` order, (5, 2) crop pixels x, y): the canonical
+    face box with `margin` of its side on each side, scaled to `size`."""
+    return (CANONICAL_LANDMARKS + margin) / (1 + 2 * margin) * size
 
 
 def aligned_crop(frame: np.ndarray, landmarks: np.ndarray, margin: float = 0.2,
@@ -407,7 +420,7 @@ def aligned_crop(frame: np.ndarray, landmarks: np.ndarray, margin: float = 0.2,
     if size < 1 or margin < 0:
         raise ValueError(f"need size >= 1 and margin >= 0, got size={size}, margin={margin}")
     matrix = aligned_crop_transform(landmarks, margin, size)
-    crop = cv2.warpAffine(frame, matrix, (size, size), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+    crop = cv2.warpAffine(frame, matrix, (size, size), flags=ALIGN_INTERPOLATION, borderMode=CROP_BORDER)
     return crop, matrix
 
 

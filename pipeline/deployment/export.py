@@ -1,11 +1,16 @@
-"""`make export MODEL_URI=... FORMAT=onnx`: the network of a trained model as ONNX, for bedside or edge runtimes.
+"""`make export [MODEL_URI=... | RUN=...] FORMAT=onnx`: the network of a trained model as ONNX, for bedside or edge
+runtimes.
 
 What is exported is the network alone: a face crop batch (N, 3, H, W), normalised with the model's mean and std, in;
 logits (N, n_classes) out, the batch size free. Face detection, alignment and the crop stay outside (they are
-OpenCV and MTCNN, not the network); a JSON file beside the ONNX file says how to make the input (input size, mean,
-std, interpolation, crop settings) and how to decide (class names, threshold, video aggregation). The export uses
-torch's TorchScript-based exporter: for these backbones it gave ONNX Runtime outputs within 2e-6 of PyTorch's and
-exported several times faster than the dynamo exporter on a 2-core CPU.
+OpenCV and MTCNN, not the network). A JSON file beside the ONNX file, the input contract, states every step between a
+video frame and the network's input, with the numbers and the OpenCV call of each: the detector and its settings, the
+alignment's target points, fit and warp (interpolation, border), the JPEG round trip the project scores on, then the
+evaluation transform for a crop of the contract's crop size (central crop box, the resize and its OpenCV
+interpolation, normalisation, layout); and how to decide (class names, threshold, video aggregation). An
+implementation with only NumPy, OpenCV and ONNX Runtime that reads the contract gets the project's probabilities
+(`tests/test_onnx_contract.py`). The export uses torch's TorchScript-based exporter: for these backbones it gave ONNX
+Runtime outputs within 2e-6 of PyTorch's and exported several times faster than the dynamo exporter on a 2-core CPU.
 
 A clip model (`ClipNet`: the frame backbone and its temporal head) is exported whole: a clip (N, T, 3, H, W) of a
 face's crops in time order in, logits (N, n_classes) out, with N and T free (the scorer's window holds fewer than T
@@ -17,20 +22,22 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from pipeline.data.augment import eval_transform_steps
 from pipeline.models.backbones import PainNet
 from pipeline.models.model_file import data_config_of
+from pipeline.models.scoring import FrameScorer, crop_contract
 from pipeline.models.temporal_heads import ClipNet
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text
 from pipeline.utils.paths import resolve_path
 
 OPSET = 17
+CONTRACT_VERSION = 2  # 2: the face crop and the evaluation transform step by step (1: sizes, mean/std, a name)
 FORMATS = ("onnx",)
 
 
@@ -76,37 +83,37 @@ def onnx_difference(net: PainNet | ClipNet, path: Path, img_size: int, batch: in
     return float(np.abs(got - expected).max())
 
 
-def input_contract(scorer, source: str) -> dict:
-    """What a runtime needs besides the network: how to make its input, how to read its output."""
+def input_contract(scorer: FrameScorer, source: str) -> dict:
+    """What a runtime needs besides the network, enough to give it the project's input from a video frame or from a
+    face crop of the crop stage: the face crop (`scoring.crop_contract`), the evaluation transform step by step
+    (`augment.eval_transform_steps`, for a crop of `face_crop.crop_size`), and how to read the output."""
     data_config = data_config_of(scorer.meta)
+    crop_fraction = float((scorer.meta.get("loader") or {}).get("crop_fraction") or 1.0)
+    crop_size = scorer.settings.crop_size
     head = scorer.meta.get("head") or {}
     clip = {} if scorer.clip_frames is None else {
         "clip_frames": scorer.clip_frames,
         "max_frames": head.get("max_frames") if head.get("name") == "transformer" else None,  # longest T it takes
         "windows": f"each crop with a face is scored with the clip of the last {scorer.clip_frames} crops of the face "
-                   f"up to it, in time order (fewer at the start of a video)"}
-    layout = "NTCHW float32 RGB (a clip: T crops in time order)" if clip else "NCHW float32 RGB"
-    return {"source": source, "input": input_name(scorer.net), "output": "logits", "layout": layout, **clip,
-            "input_size": list(data_config.input_size), "mean": list(data_config.mean), "std": list(data_config.std),
-            "interpolation": data_config.interpolation,
-            "crop_fraction": (scorer.meta.get("loader") or {}).get("crop_fraction") or 1.0,
-            "face_crop": asdict(scorer.settings), "class_names": scorer.class_names,
-            "pain_probability": "1 - softmax(logits)[class 'BL1']", "threshold": scorer.threshold,
-            "video_aggregation": scorer.aggregation, "model": scorer.meta.get("model_name")}
+                   f"up to it, in time order (fewer at the start of a video), as one clip of a batch of 1"}
+    layout = "NTCHW" if clip else "NCHW"
+    aggregation = scorer.aggregation + (f" of the top {scorer.topk}" if scorer.aggregation == "topk" else "")
+    return {"contract_version": CONTRACT_VERSION, "source": source, "model": scorer.meta.get("model_name"),
+            "input": input_name(scorer.net), "output": "logits", "layout": layout, "dtype": "float32",
+            "channels": "RGB", **clip, "input_size": list(data_config.input_size), "mean": list(data_config.mean),
+            "std": list(data_config.std), "crop_fraction": crop_fraction,
+            "face_crop": crop_contract(scorer.settings),
+            "transform": eval_transform_steps(data_config, crop_fraction, (crop_size, crop_size)),
+            "class_names": scorer.class_names, "pain_probability": "1 - softmax(logits)[class 'BL1'] (float32 logits)",
+            "threshold": scorer.threshold, "decision": "pain when pain_probability >= threshold",
+            "video_aggregation": scorer.aggregation, "topk": scorer.topk,
+            "video_score": f"the class probabilities of the video's scored crops (windows of a clip model) "
+                           f"aggregated by {aggregation}, then 1 - P(BL1)"}
 
 
-def run_export(cfg: DictConfig, model_uri: str | None = None, run: str | None = None, format: str = "onnx",
-               out: str | None = None) -> Path:
-    """`make export [MODEL_URI=...] [FORMAT=onnx] [OUT=folder]`: default the champion of MODEL / TASK."""
-    from pipeline.deployment.predict import PredictError, load_scorer
-
-    if format not in FORMATS:
-        raise SystemExit(f"export: FORMAT={format!r} is not supported; choose one of {', '.join(FORMATS)}")
-    try:
-        scorer, name = load_scorer(cfg, model_uri or None, run or None)
-    except PredictError as error:
-        raise SystemExit(f"export: {error}") from None
-    out_dir = Path(out).expanduser().resolve() if out else resolve_path(cfg.reports_dir) / "export"
+def export_scorer(scorer: FrameScorer, name: str, out_dir: Path) -> Path:
+    """Write the scorer's network as `<out_dir>/<name>.onnx` (the name made file-safe) and its input contract beside it
+    as `.json`, with the largest difference between ONNX Runtime's and PyTorch's logits on random inputs."""
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", name.removeprefix("models:/")).strip("_")
     img_size = int(data_config_of(scorer.meta).input_size[1])
     path = export_onnx(scorer.net, img_size, out_dir / f"{stem}.onnx")
@@ -117,3 +124,19 @@ def run_export(cfg: DictConfig, model_uri: str | None = None, run: str | None = 
     print(f"{name} -> {path} ({path.stat().st_size / 1e6:.1f} MB) and its input contract {path.with_suffix('.json')}; "
           f"ONNX Runtime vs PyTorch: max |difference| {difference:.2e}")
     return path
+
+
+def run_export(cfg: DictConfig, model_uri: str | None = None, run: str | None = None, format: str = "onnx",
+               out: str | None = None) -> Path:
+    """`make export [MODEL_URI=... | RUN=<fold or final run>] [FORMAT=onnx] [OUT=folder]`: default the champion of
+    MODEL / TASK."""
+    from pipeline.deployment.predict import PredictError, load_scorer
+
+    if format not in FORMATS:
+        raise SystemExit(f"export: FORMAT={format!r} is not supported; choose one of {', '.join(FORMATS)}")
+    try:
+        scorer, name = load_scorer(cfg, model_uri or None, run or None)
+    except PredictError as error:
+        raise SystemExit(f"export: {error}") from None
+    out_dir = Path(out).expanduser().resolve() if out else resolve_path(cfg.reports_dir) / "export"
+    return export_scorer(scorer, name, out_dir)

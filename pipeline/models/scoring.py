@@ -23,8 +23,17 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipeline.data.augment import build_eval_transform
-from pipeline.data.faces import plausibility, retry_rotated
+from pipeline.data.augment import build_eval_transform, opencv_name
+from pipeline.data.faces import (
+    ALIGN_INTERPOLATION,
+    CROP_BORDER,
+    LANDMARK_NAMES,
+    SQUARE_GROW_INTERPOLATION,
+    SQUARE_SHRINK_INTERPOLATION,
+    alignment_target,
+    plausibility,
+    retry_rotated,
+)
 from pipeline.data.tasks import no_pain_index
 from pipeline.evaluation.aggregation import aggregate_class_probabilities, check_aggregation
 from pipeline.models.backbones import PainNet
@@ -58,6 +67,69 @@ class CropSettings:
         if "retry_rolls" in known:
             known["retry_rolls"] = tuple(float(angle) for angle in known["retry_rolls"])
         return cls(**known)
+
+
+def crop_contract(settings: CropSettings) -> dict[str, Any]:
+    """How a video frame becomes the face crop the evaluation transform takes (`FrameScorer.crop`, and the crop stage
+    `pipeline.data.face_crops.crop_video` for training), as plain values: the settings, and the rules and OpenCV
+    flags of `pipeline.data.faces` with the numbers they use."""
+    s = settings
+    border = opencv_name(CROP_BORDER, "BORDER")
+    detector: dict[str, Any] = {"name": s.detector, "min_face_fraction": s.min_face_fraction}
+    if s.detector == "mtcnn":
+        import inspect
+
+        from pipeline.data.mtcnn import MTCNN, WEIGHTS_PACKAGE, WEIGHTS_SHA256
+
+        defaults = inspect.signature(MTCNN).parameters
+        detector |= {"implementation": f"pipeline.data.mtcnn: MTCNN with the weights of the {WEIGHTS_PACKAGE} "
+                                       f"package", "weights_sha256": dict(WEIGHTS_SHA256), "max_side": s.max_side,
+                     "thresholds": list(defaults["thresholds"].default),
+                     "scale_factor": defaults["scale_factor"].default,
+                     "retry_rolls_deg": list(s.retry_rolls), "retry": "a frame without a face is detected again "
+                                                                      "rotated by each of retry_rolls_deg in turn",
+                     "landmarks": list(LANDMARK_NAMES), "landmarks_note": "left and right as seen in the image"}
+    detector |= {"max_jump": s.max_jump, "reacquire_after": s.reacquire_after,
+                 "follow": f"one person per video (FaceFollower): the most plausible face first "
+                           f"(pipeline.data.faces.plausibility), then in each frame the face nearest the last one "
+                           f"followed, its centre within {s.max_jump} face sides; after {s.reacquire_after} frames "
+                           f"without it, the most plausible face again"}
+    if s.align:
+        interpolation = opencv_name(ALIGN_INTERPOLATION, "INTER")
+        crop: dict[str, Any] = {
+            "method": "aligned", "target_points_xy": alignment_target(s.margin, s.crop_size).tolist(),
+            "fit": "the least-squares similarity (rotation, uniform scale, translation; no reflection) taking the "
+                   "five landmarks P (frame pixels, (5, 2), `landmarks` order) onto Q = target_points_xy, Umeyama's "
+                   "closed form in float64: p, q = the means; C = (Q - q).T @ (P - p) / 5; U, d, Vt = svd(C); "
+                   "E = diag(1, -1 if det(U) * det(Vt) < 0 else 1); R = U @ E @ Vt; "
+                   "c = trace(diag(d) @ E) / (sum((P - p) ** 2) / 5); M = [c R | q - c R p] (2 x 3)",
+            "interpolation": interpolation, "border_mode": border,
+            "call": f"cv2.warpAffine(frame_bgr, M, ({s.crop_size}, {s.crop_size}), flags=cv2.{interpolation}, "
+                    f"borderMode=cv2.{border})"}
+    else:
+        shrink = opencv_name(SQUARE_SHRINK_INTERPOLATION, "INTER")
+        grow = opencv_name(SQUARE_GROW_INTERPOLATION, "INTER")
+        crop = {"method": "square", "shrink_interpolation": shrink, "grow_interpolation": grow, "border_mode": border,
+                "box": "the detector's box x1, y1, x2, y2 as x = round(x1), y = round(y1), w = max(1, round(x2 - x1)),"
+                       " h = max(1, round(y2 - y1)) (round half to even)",
+                "square": "side = max(1, round(max(w, h) * (1 + 2 * margin))), left = floor(x + w / 2 - side / 2), "
+                          "top = floor(y + h / 2 - side / 2); pixels outside the frame repeat its border "
+                          f"(cv2.copyMakeBorder, cv2.{border})",
+                "resize": f"cv2.resize to ({s.crop_size}, {s.crop_size}): cv2.{shrink} when side > {s.crop_size}, "
+                          f"cv2.{grow} when smaller, none when equal"}
+    return {
+        "frame": "a video frame as OpenCV decodes it: HWC uint8 BGR",
+        "detector": detector, "align": s.align, "margin": s.margin, "crop_size": s.crop_size, "crop": crop,
+        "jpeg": {"quality": s.jpeg_quality,
+                 "encode": f"cv2.imencode('.jpg', crop_bgr, [cv2.IMWRITE_JPEG_QUALITY, {s.jpeg_quality}]) (OpenCV "
+                           f"{cv2.__version__}'s other defaults: baseline, 4:2:0 chroma subsampling)",
+                 "decode": "cv2.imdecode(encoded, cv2.IMREAD_COLOR) (BGR), then cv2.cvtColor(..., cv2.COLOR_BGR2RGB)"},
+        "scored_on": "the decoded JPEG, never the raw crop: training read the crop stage's JPEG files "
+                     "(cv2.imread(path, cv2.IMREAD_COLOR), then BGR -> RGB); predict and the served model encode and "
+                     "decode each crop in memory the same way",
+        "smoothing": "the training crops' boxes and landmarks were smoothed over each video's sampled frames "
+                     "(preprocess.smoothing); predict does not smooth: each frame's own face",
+    }
 
 
 @dataclass
