@@ -42,6 +42,9 @@ TARGET ?=
 TRIALS ?=
 SCOPE ?=
 TUNED ?=
+# `make power`: EFFECT= null | temporal (configs/power/default.yaml), REPEATS= independent twins (default 20)
+EFFECT ?= temporal
+REPEATS ?=
 # `make final` / `promote` / `predict` / `serve` / `export` (README: "Use a trained model")
 VERSION ?=
 VIDEO ?=
@@ -72,7 +75,7 @@ SERVER_INSECURE ?=
 # The variables above (each given a default with ?=: tests/test_makefile.py checks this list holds them all) and the
 # one `make ui` reads: one from the environment is frozen as one from the command line is, a default here expanded.
 USER_VARIABLES := PYTHON MODEL DATA PROTOCOL TASK BIOVID_ROOT WEIGHTS ARGS LAUNCHER JOBS RESUME VERBOSE RUN UNTRAINED \
-	IMG BATCH MLFLOW_PORT TASKS TARGET TRIALS SCOPE TUNED VERSION VIDEO MODEL_URI FPS OUT FORMAT SERVE_PORT \
+	IMG BATCH MLFLOW_PORT TASKS TARGET TRIALS SCOPE TUNED EFFECT REPEATS VERSION VIDEO MODEL_URI FPS OUT FORMAT SERVE_PORT \
 	SERVE_PATH_ROOT FINETUNE SERVER_HOST SERVER_PORT SERVER_STORE SERVER_ARTIFACTS SERVER_AUTH SERVER_AUTH_DB \
 	SERVER_AUTH_CONFIG SERVER_DEFAULT_PERMISSION SERVER_ADMIN_PASSWORD_FILE SERVER_ALLOWED_HOSTS SERVER_CORS_ORIGINS \
 	SERVER_WORKERS SERVER_INSECURE MLFLOW_TRACKING_URI
@@ -163,11 +166,8 @@ table: install ## BioVid benchmark table: MODEL="vit_b16 cvt_13" on BL1 vs PA1..
 	$(QUOTED_PY) -m pipeline table $(TABLE_OVERRIDES) $(call quote,--models=$(MODEL)) $(call if_set,--tasks=,TASKS) \
 		$(if $(TUNED),$(call if_set,--tuned=,TUNED) $(call if_set,--trials=,TRIALS) $(call if_set,--scope=,SCOPE))
 
-# `make power`: EFFECT= null | temporal (configs/power/default.yaml), REPEATS= independent twins
-EFFECT ?= temporal
-REPEATS ?=
 power: install ## error rates of make compare's test on BioVid-scale twins with a planted effect (EFFECT=null|temporal REPEATS=20)
-	$(PY) -m pipeline power $(OVERRIDES) power.effect=$(EFFECT) $(if $(REPEATS),power.repeats=$(REPEATS))
+	$(QUOTED_PY) -m pipeline power $(OVERRIDES) $(call quote,power.effect=$(EFFECT)) $(call if_set,power.repeats=,REPEATS)
 
 inspect: install ## where MODEL's newest finished CV looks on each fold's test videos: rollout, Grad-CAM, region score
 	$(QUOTED_PY) -m pipeline inspect $(OVERRIDES) $(call if_set,--run=,RUN) $(call if_set,--untrained=,UNTRAINED)
