@@ -9,11 +9,9 @@ import http.client
 import json
 import os
 import socket
-import struct
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import cv2
@@ -26,8 +24,9 @@ from omegaconf import OmegaConf
 from pipeline.deployment.predict import run_predict, sampled_frames
 from pipeline.runs.launchers import stop_process_group
 from pipeline.runs.mlflow_model import encode_image, frames_from_input
-from pipeline.runs.serving_input import PNG_SIGNATURE, ServingLimits
+from pipeline.runs.serving_input import ServingLimits
 from pipeline.utils.paths import PROJECT_ROOT
+from tests.image_files import bomb_png
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MAX_FRAMES, MAX_BODY_MB = 8, 1
@@ -95,30 +94,6 @@ def peak_bytes(pid: int) -> int:
     """The process's peak resident set (VmHWM), in bytes."""
     line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM:"))
     return int(line.split()[1]) * 1024
-
-
-def png_chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def bomb_png(width: int, height: int, rows: int | None = None) -> bytes:
-    """An 8-bit grey PNG of `width` x `height` black pixels built with zlib: `rows` of image data (all of them by
-    default: a 30000 x 30000 one is 0.9 MB and decodes to 2.7 GB as BGR). The compressed block of 500 rows, flushed
-    so that it stands alone, is repeated; the checksum is the whole image's."""
-    rows = height if rows is None else rows
-    block_rows = min(500, max(rows, 1))
-    block = bytes((width + 1) * block_rows)  # each row: filter byte 0, then the pixels
-    blocks, rest = divmod(rows, block_rows)
-    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
-    once = packer.compress(block) + packer.flush(zlib.Z_FULL_FLUSH)
-    tail = packer.compress(bytes((width + 1) * rest)) + packer.flush(zlib.Z_FINISH)
-    checksum = 1
-    for _ in range(blocks):
-        checksum = zlib.adler32(block, checksum)
-    checksum = zlib.adler32(bytes((width + 1) * rest), checksum)
-    stream = b"\x78\xda" + once * blocks + tail + struct.pack(">I", checksum)
-    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    return PNG_SIGNATURE + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", stream) + png_chunk(b"IEND", b"")
 
 
 def b64(data: bytes) -> str:
@@ -328,12 +303,15 @@ def test_the_server_says_opencv_is_capped(server) -> None:
 
 def test_serve_refuses_an_open_host_and_the_file_system_root(untrained_model) -> None:
     """Checked before anything is loaded: a host others reach without serve.insecure=true, and path_root=/."""
-    from pipeline.deployment.serving import run_serve
+    from pipeline.deployment.serving import check_host, run_serve
 
     cfg = untrained_model["cfg"]
     for host in ("0.0.0.0", "192.168.1.1", "::", "example.org"):
         with pytest.raises(SystemExit, match=f"serve.host={host} is not a loopback address.*serve.insecure=true"):
             run_serve(OmegaConf.merge(cfg, {"serve": {"host": host}}), model_uri=str(untrained_model["local"]))
+        check_host(OmegaConf.merge(cfg, {"serve": {"host": host, "insecure": True}}))  # said, then allowed
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        check_host(OmegaConf.merge(cfg, {"serve": {"host": host}}))
     with pytest.raises(SystemExit, match="SERVE_PATH_ROOT=/: the root of the file system"):
         run_serve(cfg, model_uri=str(untrained_model["local"]), path_root="/")
     with pytest.raises(ValueError, match="serve.path_root=/: the root"):

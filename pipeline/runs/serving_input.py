@@ -168,7 +168,7 @@ def other_kind(data: bytes) -> str | None:
     if data.startswith(b"RIFF") and data[8:12] == b"WEBP":
         return "WebP"
     if len(data) > 2 and data[:1] == b"P" and data[1:2] in b"1234567fF" and data[2:3].isspace():
-        return "PNM (PBM, PGM, PPM, PAM or PFM)"
+        return "PNM"  # PBM, PGM, PPM, PAM, PFM
     return None
 
 
