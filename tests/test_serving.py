@@ -224,6 +224,9 @@ def test_the_server_answers_as_predict_and_refuses_what_it_must(server, untraine
     status, answer = invoke(port, ["image"], [[encode_image(f)] for f in frames[:2]], params={"timeout_s": 1e-6})
     assert status == 504
     assert_one_line_error(answer, "time limit of 1e-06 s")
+    # the limit covers reading the frames: this row's error would be a 400, but time ran out before it was read
+    status, answer = invoke(port, ["image"], [["%%% not base64"]], params={"timeout_s": 1e-6})
+    assert status == 504, answer
 
     # and the server still answers
     assert invoke(port, ["image"], [[encode_image(frames[0])]])[0] == 200

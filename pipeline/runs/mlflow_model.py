@@ -1,7 +1,7 @@
 """The pain model as an MLflow Model: frames in, a pain probability and a decision per frame out.
 
 It is logged as an MLflow "model from code" (`pipeline/runs/mlflow_model_code.py` is the code file MLflow stores with
-the model; it only instantiates `PainMlflowModel`). What MLflow stores besides:
+the model; it sets OpenCV's own pixel cap and instantiates `PainMlflowModel`). What MLflow stores besides:
 
 - artifact `weights`: the kept model file (`pipeline.models.model_file`: state dict, backbone, input size, mean/std,
   crop window and fraction, class names, weights provenance), read with `weights_only=True`;
