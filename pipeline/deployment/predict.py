@@ -223,13 +223,15 @@ def output_paths(stem: Path) -> tuple[Path, Path]:
 
 def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None = None) -> tuple[FrameScorer, str]:
     """The scorer of an MLflow model (`model_uri`, default the registered champion) or of the MLflow model a fold or
-    final run logged (`run`), built by the one factory (`pipeline.runs.mlflow_model.load_scorer`); and its name.
-    A fold run's model decides at the threshold its validation subjects chose, as in the cross-validation."""
+    final run logged (`run`), built by the one factory (`pipeline.runs.mlflow_model.load_scorer`) once the model folder
+    is found to be the project's (a refusal names the reason); and its name. A fold run's model decides at the
+    threshold its validation subjects chose, as in the cross-validation."""
     import mlflow
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     from pipeline.runs import mlflow_model
+    from pipeline.runs.model_trust import UntrustedModel
     from pipeline.runs.registry import champion_uri
 
     tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
@@ -243,6 +245,8 @@ def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None =
     try:
         scorer = mlflow_model.load_scorer(uri, device=cfg.predict.device,
                                           min_face_fraction=float(cfg.predict.min_face_fraction))
+    except UntrustedModel as error:
+        raise PredictError(f"refused model {uri}: {error}") from None
     except (MlflowException, OSError) as error:
         hint = ("" if model_uri or run else f" (run `make final MODEL={cfg.model.name}` and `make promote "
                 f"MODEL={cfg.model.name} VERSION=<n>`, or give MODEL_URI= or RUN=)")

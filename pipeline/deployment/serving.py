@@ -1,8 +1,15 @@
 """`make serve`: MLflow's scoring server for a pain model, behind a guard that bounds what a request may ask.
 
 The app that answers is MLflow's own (`mlflow.pyfunc.scoring_server`: `/invocations`, `/ping`, `/health`,
-`/version`, the same JSON formats as `mlflow models serve`), served by uvicorn in this process. In front of it,
-`RequestGuard`:
+`/version`, the same JSON formats as `mlflow models serve`), served by uvicorn in this process. Before it starts:
+
+- a `serve.host` that is not loopback is refused unless `serve.insecure=true`: the server has no authentication or
+  TLS (put a reverse proxy that adds them in front, on loopback);
+- the model folder is checked to be the project's before MLflow loads it (`pipeline.runs.model_trust`), so a folder
+  handed over or a moved alias cannot run its code here;
+- OpenCV's own pixel cap is set to `serve.max_frame_pixels` before OpenCV loads, and checked to hold.
+
+In front of the app, `RequestGuard`:
 
 - refuses a body over `serve.max_body_mb` with 413 before the model sees it (the declared length, or the bytes
   received so far: a body without a length cannot go round the limit);
@@ -10,8 +17,13 @@ The app that answers is MLflow's own (`mlflow.pyfunc.scoring_server`: `/invocati
   the request's data;
 - names the time limit in the 504 of a request that ran over it.
 
-The model itself (`pipeline.runs.mlflow_model`) refuses more than `serve.max_frames` frames, `path` inputs unless
-`serve.path_root` names a folder (then only files under it, resolved), and stops scoring at `serve.timeout_s`.
+The model itself (`pipeline.runs.mlflow_model`, reading frames as `pipeline.runs.serving_input` says) refuses more
+than `serve.max_frames` frames, anything but PNG and JPEG, frames over `serve.max_frame_side` / `max_frame_pixels`
+and requests over `serve.max_request_pixels` (from the headers, before decoding), `path` inputs unless
+`serve.path_root` names a folder (then only regular files beneath it, opened without following links), and stops
+reading and scoring at `serve.timeout_s`.
+
+This module leaves OpenCV unloaded until `run_serve` has set its cap: what loads it is imported inside functions.
 """
 
 from __future__ import annotations
@@ -19,14 +31,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Awaitable, Callable, MutableMapping
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from pipeline.runs import tracking
-from pipeline.runs.mlflow_model import ServingLimits
 from pipeline.runs.registry import champion_uri
+from pipeline.runs.serving_input import ServingLimits, cap_opencv_pixels, one_line, opencv_caps_at
+from pipeline.runs.tracking_server import is_loopback
 from pipeline.utils.paths import PROJECT_ROOT
 
 Scope = MutableMapping[str, Any]
@@ -34,17 +46,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-MAX_MESSAGE = 300  # characters of an error message sent back
-
-
-def one_line(message: str) -> str:
-    """The part of an error message a client needs: MLflow's "Failed to predict data '<the request>'. Error: ..."
-    loses the echo of the request, then the first line, at most `MAX_MESSAGE` characters."""
-    if "\nError: " in message:
-        message = message.rsplit("\nError: ", 1)[1]
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    first = lines[0] if lines else "error"
-    return first if len(first) <= MAX_MESSAGE else first[: MAX_MESSAGE - 3] + "..."
 
 
 class RequestGuard:
@@ -130,18 +131,27 @@ class RequestGuard:
 def limits_of(cfg: DictConfig, path_root: str | None = None) -> ServingLimits:
     """The `serve` settings as limits; `path_root` (`make serve SERVE_PATH_ROOT=`) before `serve.path_root`, a relative
     one taken from the current folder."""
-    root = path_root or cfg.serve.path_root
-    env = {ServingLimits.ENV["path_root"]: str(Path(str(root)).expanduser().resolve()) if root else "",
-           ServingLimits.ENV["max_frames"]: str(cfg.serve.max_frames),
-           ServingLimits.ENV["max_body_mb"]: str(cfg.serve.max_body_mb),
-           ServingLimits.ENV["timeout_s"]: str(cfg.serve.timeout_s)}
-    return ServingLimits.from_env(env)
+    return ServingLimits.from_settings({**cfg.serve, "path_root": path_root or cfg.serve.path_root},
+                                       names={"path_root": "SERVE_PATH_ROOT" if path_root else "serve.path_root"})
+
+
+def check_host(cfg: DictConfig) -> None:
+    """A host other than loopback is refused unless `serve.insecure=true`: the server asks no one who they are."""
+    host = str(cfg.serve.host)
+    if not is_loopback(host) and not cfg.serve.insecure:
+        raise SystemExit(f"serve: serve.host={host} is not a loopback address, and the scoring server has no "
+                         f"authentication or TLS: serve on 127.0.0.1 behind a reverse proxy that adds them, or set "
+                         f"serve.insecure=true to open it to every machine that reaches this one")
 
 
 def guarded_app(model_path: str, limits: ServingLimits) -> ASGIApp:
-    """MLflow's scoring app for the model at `model_path` (a local folder), its model loaded with `limits`."""
+    """MLflow's scoring app for the model at `model_path` (a local folder, checked to be the project's before MLflow
+    loads it), its model loaded with `limits`."""
     from mlflow.pyfunc import scoring_server
 
+    from pipeline.runs.model_trust import check_model_folder
+
+    check_model_folder(model_path)
     os.environ.update(limits.to_env())  # what the model reads when it is loaded
     # MLflow's own per-request timeout, kept above the model's so the model's one-line 504 answers first
     os.environ["MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"] = str(int(limits.timeout_s) + 5)
@@ -152,19 +162,33 @@ def guarded_app(model_path: str, limits: ServingLimits) -> ASGIApp:
 def run_serve(cfg: DictConfig, model_uri: str | None = None, path_root: str | None = None) -> None:
     """`make serve [MODEL_URI=...] [SERVE_PATH_ROOT=...]`: the champion (or `model_uri`) on
     http://<serve.host>:<serve.port>."""
+    check_host(cfg)
+    try:
+        limits = limits_of(cfg, path_root)
+    except ValueError as error:
+        raise SystemExit(f"serve: {error}") from None
+    cap_opencv_pixels(limits.max_frame_pixels)  # before anything below loads OpenCV
     import mlflow
     import uvicorn
     from mlflow.exceptions import MlflowException
 
+    from pipeline.runs.model_trust import UntrustedModel
+
     mlflow.set_tracking_uri(cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT))
     uri = model_uri or champion_uri(cfg.model.name, cfg.task.name)
     try:
-        limits = limits_of(cfg, path_root)
-        local = mlflow.artifacts.download_artifacts(uri)
-    except (ValueError, MlflowException) as error:
-        raise SystemExit(f"serve: {getattr(error, 'message', error)}") from None
-    app = guarded_app(local, limits)
+        local = mlflow.artifacts.download_artifacts(artifact_uri=uri)
+        app = guarded_app(local, limits)
+    except UntrustedModel as error:
+        raise SystemExit(f"serve: refused model {uri}: {error}") from None
+    except MlflowException as error:
+        raise SystemExit(f"serve: {error.message}") from None
+    if not opencv_caps_at(limits.max_frame_pixels):
+        raise SystemExit(f"serve: OpenCV was loaded before its pixel cap could be set to {limits.max_frame_pixels}")
     paths = f"path inputs under {limits.path_root}" if limits.path_root else "path inputs off"
+    opened = "" if is_loopback(str(cfg.serve.host)) else "; OPEN to other machines: no authentication, no TLS"
     print(f"serving {uri} on http://{cfg.serve.host}:{cfg.serve.port}/invocations ({paths}; at most "
-          f"{limits.max_frames} frames, {limits.max_body_mb:g} MB, {limits.timeout_s:g} s per request)", flush=True)
+          f"{limits.max_frames} frames, {limits.max_body_mb:g} MB, {limits.max_request_pixels} pixels and "
+          f"{limits.timeout_s:g} s per request; a frame at most {limits.max_frame_side} px a side and "
+          f"{limits.max_frame_pixels} pixels, OpenCV capped at that{opened})", flush=True)
     uvicorn.run(app, host=str(cfg.serve.host), port=int(cfg.serve.port), log_level="warning")

@@ -1,7 +1,7 @@
 """The pain model as an MLflow Model: frames in, a pain probability and a decision per frame out.
 
 It is logged as an MLflow "model from code" (`pipeline/runs/mlflow_model_code.py` is the code file MLflow stores with
-the model; it only instantiates `PainMlflowModel`). What MLflow stores besides:
+the model; it sets OpenCV's own pixel cap and instantiates `PainMlflowModel`). What MLflow stores besides:
 
 - artifact `weights`: the kept model file (`pipeline.models.model_file`: state dict, backbone, input size, mean/std,
   crop window and fraction, class names, weights provenance), read with `weights_only=True`;
@@ -11,29 +11,30 @@ the model; it only instantiates `PainMlflowModel`). What MLflow stores besides:
 - `metadata`: where the weights come from (source CV run, final or fold run, git commit), shown in the MLmodel file.
 
 Input: a DataFrame, one row per frame in time order, with column `image` (the frame as a base64-encoded PNG or JPEG)
-or column `path` (an image file under the folder the scoring process allows, `ServingLimits.path_root`; off unless
+or column `path` (a PNG or JPEG file under the folder the scoring process allows, `ServingLimits.path_root`; off unless
 set). Output: a DataFrame with `frame` (the row's position),
 `face_found`, `pain_probability` (1 - P(no pain); NaN without a face) and `pain` (probability >= threshold; null
 without a face). The rows of one request are one sequence: the same person is followed through them.
 
-What one request may ask is bounded (`ServingLimits`, read from the environment when the model is loaded): frames per
-request, the folder `path` inputs may read, the seconds it may take. A request over a limit, or with an unreadable
-frame, gets a one-line `MlflowException` (HTTP 400, 504 for the time limit) that names the row or the limit, never a
-stack trace.
+What one request may ask is bounded (`pipeline.runs.serving_input.ServingLimits`, read when the model is loaded):
+frames, pixels a frame and a request (read from each frame's header before it is decoded), the folder `path` inputs
+may read, the seconds it may take (decoding included). A request over a limit, or with a frame that cannot be read for
+any reason, gets a one-line `Refusal` (HTTP 400, 504 for the time limit) that names the row or the limit, never a
+stack trace or a path of the server's: under `make serve` and under `mlflow models serve` alike.
 
 Every way of scoring with a trained model (`make predict` with MODEL_URI=, RUN= or the champion, `make export`, the
-served model) builds its `FrameScorer` through `build_scorer`, called by `PainMlflowModel.load_context`.
+served model) builds its `FrameScorer` through `build_scorer`, called by `PainMlflowModel.load_context`, and only
+after `pipeline.runs.model_trust.check_model_folder` found the model folder to be the project's (`load_scorer`; the
+served model checks in `load_context`).
 """
 
 from __future__ import annotations
 
 import base64
 import math
-import os
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,84 +43,50 @@ import mlflow
 import numpy as np
 import pandas as pd
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED, INVALID_PARAMETER_VALUE
+from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED, INTERNAL_ERROR, INVALID_PARAMETER_VALUE
 from omegaconf import OmegaConf
 
 from pipeline.models.model_file import load_model_file
 from pipeline.models.scoring import OUTPUT_COLUMNS, CropSettings, FrameScorer
+from pipeline.runs.model_trust import CODE_FILE, check_model_folder
+from pipeline.runs.serving_input import (
+    FrameRefused,
+    ServingLimits,
+    decode_frame,
+    frame_size,
+    one_line,
+    read_beneath,
+)
 from pipeline.utils.paths import git_commit
 
-CODE_FILE = Path(__file__).with_name("mlflow_model_code.py")
 WEIGHTS_ARTIFACT = "weights"
 # What the scoring process must have installed (the package itself brings the rest); pinned to what trained it.
 REQUIREMENTS = ("torch", "torchvision", "timm", "transformers", "albumentations", "opencv-python-headless", "pandas",
                 "numpy", "mtcnn", "joblib", "mlflow", "omegaconf")
-
-
-MAX_SIDE = 4096  # pixels: a frame larger than this on either side is refused (a camera frame is far smaller)
 SCORE_CHUNK = 8  # frames scored between two looks at the request's deadline
 
 
-@dataclass(frozen=True)
-class ServingLimits:
-    """What one scoring request may ask. Read from the environment when the model is loaded (`make serve` sets the
-    variables from its `serve` settings); the defaults are what a model loaded anywhere else gets."""
+class Refusal(MlflowException):
+    """A request the model refuses, in one line: HTTP 400 (`INVALID_PARAMETER_VALUE`) unless `error_code` says
+    otherwise. The message stays one line: MLflow's scoring server (`mlflow models serve`) rewrites an error's message
+    as "Failed to predict data '<the request>'. \nError: <message>", an echo of the request over several lines;
+    this message's setter keeps what `one_line` keeps of it."""
 
-    path_root: Path | None = None  # the folder `path` inputs may read (resolved); None: `path` inputs are refused
-    max_frames: int = 64  # frames (rows) per request
-    max_body_mb: float = 32.0  # request body, enforced by the HTTP server in front (pipeline.deployment.serving)
-    timeout_s: float = 30.0  # seconds one request may take
-
-    ENV = {"path_root": "PAIN_SERVE_PATH_ROOT", "max_frames": "PAIN_SERVE_MAX_FRAMES",
-           "max_body_mb": "PAIN_SERVE_MAX_BODY_MB", "timeout_s": "PAIN_SERVE_TIMEOUT_S"}
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ServingLimits:
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for key, name in cls.ENV.items():
-            raw = env.get(name, "").strip()
-            if not raw:
-                continue
-            if key == "path_root":
-                root = Path(raw).expanduser().resolve()
-                if not root.is_dir():
-                    raise ValueError(f"{name}={raw}: no such folder")
-                values[key] = root
-                continue
-            try:
-                number = int(raw) if key == "max_frames" else float(raw)
-            except ValueError:
-                raise ValueError(f"{name}={raw}: not a number") from None
-            if not number > 0:
-                raise ValueError(f"{name}={raw}: must be above 0")
-            values[key] = number
-        return cls(**values)
-
-    def to_env(self) -> dict[str, str]:
-        """The variables that give a scoring process these limits."""
-        return {name: "" if getattr(self, key) is None else str(getattr(self, key)) for key, name in self.ENV.items()}
+    def __init__(self, message: str, error_code: int = INVALID_PARAMETER_VALUE) -> None:
+        super().__init__(message, error_code=error_code)
 
     @property
-    def max_body_bytes(self) -> int:
-        return int(self.max_body_mb * 1024 * 1024)
+    def message(self) -> str:
+        return self._message
+
+    @message.setter
+    def message(self, value: str) -> None:
+        self._message = one_line(str(value))
 
 
-def rejected(message: str) -> MlflowException:
-    """A request the model refuses: one line, HTTP 400, no stack trace."""
-    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
-
-
-def decode_image(value: str | bytes) -> np.ndarray:
-    """A base64-encoded PNG/JPEG (str or bytes) -> BGR frame; an undecodable one is an error."""
-    try:
-        data = base64.b64decode(value, validate=isinstance(value, str)) if isinstance(value, str) else bytes(value)
-    except ValueError:
-        raise ValueError("an 'image' value is not base64 text") from None
-    frame = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR) if data else None
-    if frame is None:
-        raise ValueError("an 'image' value is not a base64-encoded PNG or JPEG")
-    return frame
+def over_time(limit_s: float) -> Refusal:
+    return Refusal(f"the request ran over its time limit of {limit_s:g} s ({ServingLimits.ENV['timeout_s']}); send "
+                   f"fewer frames", error_code=DEADLINE_EXCEEDED)
 
 
 def encode_image(frame_bgr: np.ndarray, fmt: str = ".png") -> str:
@@ -130,51 +97,60 @@ def encode_image(frame_bgr: np.ndarray, fmt: str = ".png") -> str:
     return base64.b64encode(encoded.tobytes()).decode("ascii")
 
 
-def allowed_path(value: str, root: Path | None) -> Path:
-    """`value` as a file under `root`, resolved (symlinks followed, `..` collapsed) before the check, so no name
-    reaches outside it; relative names are taken from `root`. The refusal reads the same whether the file exists."""
-    if root is None:
-        raise ValueError(f"'path' inputs are off on this server (send the frame as 'image'; "
-                         f"{ServingLimits.ENV['path_root']}=<folder> allows one folder)")
-    resolved = (root / value).resolve()
-    if not resolved.is_relative_to(root):
-        raise ValueError(f"path {value!r} is outside the folder this server reads from")
-    return resolved
+def image_bytes(value: str | bytes) -> bytes:
+    """The bytes of an `image` value: base64 text (or bytes as they are)."""
+    if isinstance(value, bytes):
+        return value
+    try:
+        return base64.b64decode(value, validate=True)
+    except ValueError:
+        raise FrameRefused("an 'image' value is not base64 text") from None
 
 
-def read_allowed(value: str, root: Path | None) -> np.ndarray:
-    file = allowed_path(value, root)
-    frame = cv2.imread(str(file), cv2.IMREAD_COLOR) if file.is_file() else None
-    if frame is None:
-        raise ValueError(f"no readable image file {value!r} in the folder this server reads from")
-    return frame
-
-
-def frames_from_input(model_input: pd.DataFrame | list | dict, limits: ServingLimits | None = None) -> list[np.ndarray]:
-    """The request's frames in row order, from column `image` (base64) or `path` (a file under `limits.path_root`);
-    at most `limits.max_frames`. Errors are `MlflowException`s of one line naming the row."""
-    limits = limits or ServingLimits()
+def frames_from_input(model_input: pd.DataFrame | list | dict, limits: ServingLimits, deadline: float | None = None,
+                      limit_s: float | None = None) -> list[np.ndarray]:
+    """The request's frames in row order, from column `image` (base64) or `path` (a file under `limits.path_root`),
+    each read as `pipeline.runs.serving_input` says: kind and size from its header, within the caps a frame and the
+    request have, before it is decoded; at most `limits.max_frames` frames; stopped (504) once `deadline`
+    (time.monotonic) has passed. Any failure is a `Refusal` of one line naming the row."""
     table = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
     if len(table) > limits.max_frames:
-        raise rejected(f"{len(table)} frames in one request; the limit is {limits.max_frames} "
-                       f"({ServingLimits.ENV['max_frames']}): send the sequence in parts")
-    frames = []
+        raise Refusal(f"{len(table)} frames in one request; the limit is {limits.max_frames} "
+                      f"({ServingLimits.ENV['max_frames']}): send the sequence in parts")
+    frames, pixels = [], 0
     for row, record in enumerate(table.to_dict("records")):
-        image, path = record.get("image"), record.get("path")
+        if deadline is not None and time.monotonic() > deadline:
+            raise over_time(limit_s if limit_s is not None else limits.timeout_s)
         try:
-            if isinstance(image, str | bytes) and len(image):
-                frame = decode_image(image)
-            elif isinstance(path, str) and path:
-                frame = read_allowed(path, limits.path_root)
-            else:
-                raise ValueError("needs an 'image' (base64 PNG/JPEG) or a 'path' value")
-        except ValueError as error:
-            raise rejected(f"row {row}: {error}") from None
-        if max(frame.shape[:2]) > MAX_SIDE:
-            raise rejected(f"row {row}: a frame of {frame.shape[1]} x {frame.shape[0]} pixels; the limit is "
-                           f"{MAX_SIDE} on either side")
+            frame = read_frame(record, limits, pixels)
+        except FrameRefused as error:
+            raise Refusal(f"row {row}: {error}") from None
+        except OSError as error:  # the reason only: an OSError's text names the file
+            reason = error.strerror or type(error).__name__
+            raise Refusal(f"row {row}: the frame could not be read ({reason})") from None
+        except Exception as error:  # cv2.error, MemoryError, ...: their text may name the server's files
+            raise Refusal(f"row {row}: the frame could not be read ({type(error).__name__})") from None
+        pixels += frame.shape[0] * frame.shape[1]
         frames.append(frame)
     return frames
+
+
+def read_frame(record: Mapping[str, Any], limits: ServingLimits, pixels_before: int) -> np.ndarray:
+    """One row's frame: its bytes, its kind and size from its header, the caps, then decoding."""
+    image, path = record.get("image"), record.get("path")
+    if isinstance(image, str | bytes) and len(image):
+        data = image_bytes(image)
+    elif isinstance(path, str) and path:
+        data = read_beneath(path, limits.path_root, limits.max_body_bytes)
+    else:
+        raise FrameRefused("needs an 'image' (base64 PNG/JPEG) or a 'path' value")
+    width, height = frame_size(data)
+    limits.check_frame(width, height)
+    if pixels_before + width * height > limits.max_request_pixels:
+        raise FrameRefused(f"the request's frames would hold {pixels_before + width * height} pixels with this one; "
+                           f"the limit is {limits.max_request_pixels} ({ServingLimits.ENV['max_request_pixels']}): "
+                           f"send the sequence in parts")
+    return decode_frame(data, width, height)
 
 
 def member_order(name: str) -> int:
@@ -185,20 +161,22 @@ def member_order(name: str) -> int:
 
 def score_within(scorer: FrameScorer, frames: Sequence[np.ndarray], deadline: float, limit_s: float) -> pd.DataFrame:
     """`scorer.score(frames)` in chunks, one person followed through them, stopped with a one-line error (HTTP 504)
-    once `deadline` (time.monotonic) has passed: a slow request frees the server instead of holding it."""
+    once `deadline` (time.monotonic) has passed: a slow request frees the server instead of holding it. A chunk that
+    fails is a one-line error (HTTP 500) naming its rows, never a stack trace."""
     follower = scorer.follower()
     parts = []
     for start in range(0, max(len(frames), 1), SCORE_CHUNK):
         if time.monotonic() > deadline:
-            raise MlflowException(f"the request ran over its time limit of {limit_s:g} s "
-                                  f"({ServingLimits.ENV['timeout_s']}); send fewer frames",
-                                  error_code=DEADLINE_EXCEEDED)
-        parts.append(scorer.score(frames[start:start + SCORE_CHUNK], follower))
+            raise over_time(limit_s)
+        chunk = frames[start:start + SCORE_CHUNK]
+        try:
+            parts.append(scorer.score(chunk, follower))
+        except Exception as error:
+            raise Refusal(f"rows {start}-{start + max(len(chunk), 1) - 1}: the frames could not be scored "
+                          f"({type(error).__name__})", error_code=INTERNAL_ERROR) from None
     table = pd.concat(parts, ignore_index=True)
     table["frame"] = np.arange(len(table))
     return table
-
-
 
 
 def build_scorer(artifacts: Mapping[str, str | Path], config: Mapping[str, Any]) -> FrameScorer:
@@ -223,16 +201,19 @@ class PainMlflowModel(mlflow.pyfunc.PythonModel):
         self.config = dict(context.model_config or {})
         self.artifacts = dict(context.artifacts)
         self.model_dir = model_root(Path(self.artifacts[WEIGHTS_ARTIFACT]))
-        self.scorer = build_scorer(self.artifacts, self.config)
+        # the project's say under `mlflow models serve`, which loads the model without asking the project first
+        check_model_folder(self.model_dir or Path(self.artifacts[WEIGHTS_ARTIFACT]).parent)
         self.limits = ServingLimits.from_env()
+        self.scorer = build_scorer(self.artifacts, self.config)
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        """The frames' table; `params={"timeout_s": s}` shortens (never lengthens) this request's time limit."""
+        """The frames' table; `params={"timeout_s": s}` shortens (never lengthens) this request's time limit, which
+        covers reading and decoding the frames as well as scoring them."""
         started = time.monotonic()
-        limits = getattr(self, "limits", None) or ServingLimits()
+        limits = self.limits
         asked = float((params or {}).get("timeout_s") or 0.0)
         limit_s = min(limits.timeout_s, asked) if asked > 0 else limits.timeout_s
-        frames = frames_from_input(model_input, limits)
+        frames = frames_from_input(model_input, limits, started + limit_s, limit_s)
         return score_within(self.scorer, frames, started + limit_s, limit_s)[list(OUTPUT_COLUMNS)]
 
 
@@ -277,13 +258,17 @@ def requirement_mismatches(model_dir: Path | None) -> list[str]:
 
 
 def load_scorer(model_uri: str, device: str = "cpu", min_face_fraction: float | None = None) -> FrameScorer:
-    """The scorer of the MLflow pain model at `model_uri` (models:/..., runs:/..., a path), loaded by MLflow's own
-    pyfunc loader (`PainMlflowModel.load_context` -> `build_scorer`), with the device and smallest face overridden.
-    Requirements the environment does not meet are warned about, as MLflow's loader would."""
+    """The scorer of the MLflow pain model at `model_uri` (models:/..., runs:/..., a path): the model folder fetched
+    and found to be the project's (`model_trust.check_model_folder`: UntrustedModel, with the reason, otherwise),
+    then loaded by MLflow's own pyfunc loader (`PainMlflowModel.load_context` -> `build_scorer`), with the device and
+    smallest face overridden. Requirements the environment does not meet are warned about, as MLflow's loader
+    would."""
     overrides: dict[str, Any] = {"device": device}
     if min_face_fraction is not None:
         overrides["min_face_fraction"] = float(min_face_fraction)
-    model = mlflow.pyfunc.load_model(model_uri, model_config=overrides, suppress_warnings=True)
+    local = mlflow.artifacts.download_artifacts(artifact_uri=model_uri)  # a local folder: itself, not a copy
+    check_model_folder(local)
+    model = mlflow.pyfunc.load_model(local, model_config=overrides, suppress_warnings=True)
     python_model = model.unwrap_python_model()
     if not isinstance(python_model, PainMlflowModel):
         raise TypeError(f"{model_uri} is not a pain model (its python model is {type(python_model).__name__})")

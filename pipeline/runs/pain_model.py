@@ -1,6 +1,12 @@
 """Old home of the MLflow pain model, kept so that models logged before the rename still load: their stored code
-file imports `PainFrameModel` from here. New models are logged with `pipeline/runs/mlflow_model_code.py`."""
+file imports `PainFrameModel` from here (`pipeline.runs.model_trust.FORMER_CODE_FILES` knows that file). New models
+are logged with `pipeline/runs/mlflow_model_code.py`. OpenCV's own pixel cap is set here as there, before OpenCV
+loads."""
 
-from pipeline.runs.mlflow_model import PainMlflowModel as PainFrameModel
+from pipeline.runs.serving_input import ServingLimits, cap_opencv_pixels
+
+cap_opencv_pixels(ServingLimits.from_env().max_frame_pixels)
+
+from pipeline.runs.mlflow_model import PainMlflowModel as PainFrameModel  # noqa: E402  (after the cap)
 
 __all__ = ["PainFrameModel"]
