@@ -27,7 +27,6 @@ from omegaconf import DictConfig
 from pipeline.runs import tracking
 from pipeline.runs.mlflow_model import ServingLimits
 from pipeline.runs.registry import champion_uri
-from pipeline.utils.paths import PROJECT_ROOT
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -156,7 +155,7 @@ def run_serve(cfg: DictConfig, model_uri: str | None = None, path_root: str | No
     import uvicorn
     from mlflow.exceptions import MlflowException
 
-    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT))
+    mlflow.set_tracking_uri(tracking.store_uri(cfg.mlflow.tracking_uri))
     uri = model_uri or champion_uri(cfg.model.name, cfg.task.name)
     try:
         limits = limits_of(cfg, path_root)
