@@ -56,8 +56,14 @@ RESUMED_AFTER_EPOCH_TAG = "painvit.resumed_after_epoch"
 ATTEMPT_TAG = "painvit.attempt"
 SLURM_JOBS_TAG = "painvit.slurm_jobs"  # on the parent: fold -> SLURM job id of its submitted task
 JOB_TRACKING_URI_TAG = "painvit.tracking_uri"
-# where a fold attempt runs: lets a later driver tell a live attempt from a dead one
+# where a fold attempt runs: lets a later driver tell a live attempt from a dead one (the host tag holds the host
+# name, boot id and PID namespace: pipeline.runs.fold_lease.machine_identity)
 HOST_TAG, PID_TAG, SLURM_JOB_TAG = "painvit.host", "painvit.pid", "painvit.slurm_job_id"
+# On a fold run: what it stored, read back before it was marked FINISHED (JSON: artifact path -> size and sha256); a
+# FINISHED fold run whose files are no longer there at those sizes is marked FAILED with FAILED_REASON_TAG and its
+# fold trained again. LEASE_LOST_TAG: why an attempt stopped unfinished (another job took its fold over).
+STORED_ARTIFACTS_TAG, FAILED_REASON_TAG = "painvit.stored_artifacts", "painvit.failed_reason"
+LEASE_LOST_TAG = "painvit.lease_lost"
 # precision: on a fold run, what it trained in (resolved on its device); on a parent, the folds' values (comma-joined
 # when they differ). precision_asked: trainer.precision as planned (auto or an explicit value).
 PRECISION_TAG, PRECISION_ASKED_TAG = "precision", "precision_asked"
