@@ -381,3 +381,51 @@ def test_the_three_default_cvs_then_compare_need_no_args(tiny_config, tmp_path: 
     assert set(result["parent_run_ids"]) == {"vit_b16", "cvt_13", "mobilevit_s"}
     assert result["differences"] == [] and all(result["complete"].values())
     assert "compared although" not in capsys.readouterr().out
+
+
+def test_a_finished_fold_whose_artifacts_are_gone_is_trained_again(tiny_config, tmp_path: Path, capsys) -> None:
+    """Each finished fold run holds a record of what it stored, read back (size and SHA-256) before it was marked
+    FINISHED, and the CV's work folders go once it is FINISHED. A fold's artifacts then deleted from the artifact
+    store: the next `make cv` of the finished CV marks that run FAILED with the reason, trains the fold again (the
+    other is left alone) and ends with the same fold and CV metrics as before."""
+    import hashlib
+    import json
+    import shutil
+
+    from pipeline.runs.fold_job import local_artifact_folder
+
+    cfg = tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'lost.db'}",
+                      f"mlflow.artifact_root={tmp_path / 'art'}", f"cv.work_dir={tmp_path / 'runs'}",
+                      "trainer.max_epochs=1")
+    first = run_cv(cfg)
+    client, (parent,) = runs_of(cfg, "cv")
+    assert not list((tmp_path / "runs").glob("*/fold_*/"))  # the fold work folders went with the FINISHED CV
+    children = {c.data.tags["fold"]: c for c in children_of(client, parent.info.run_id)}
+    for child in children.values():
+        record = json.loads(child.data.tags["painvit.stored_artifacts"])
+        assert sorted(record) == ["model/model.pt", "predictions_frames.csv", "predictions_videos.csv"]
+        for name, facts in record.items():
+            stored = Path(client.download_artifacts(child.info.run_id, name, str(tmp_path / child.info.run_id)))
+            assert facts == {"size": stored.stat().st_size, "sha256": hashlib.sha256(stored.read_bytes()).hexdigest()}
+
+    lost = children["1"]
+    shutil.rmtree(local_artifact_folder(lost.info.artifact_uri))  # deleted from the artifact store
+    capsys.readouterr()
+    second = run_cv(cfg)
+    out = capsys.readouterr().out
+    assert "already finished" not in out and "1 fold(s) already done" in out
+    after = children_of(client, parent.info.run_id)
+    assert sorted((c.data.tags["fold"], c.info.status) for c in after) == [
+        ("0", "FINISHED"), ("1", "FAILED"), ("1", "FINISHED")]
+    failed = client.get_run(lost.info.run_id)
+    assert failed.info.status == "FAILED" and "predictions_frames.csv is missing" in failed.data.tags[
+        "painvit.failed_reason"]
+    (again,) = [c for c in after if c.data.tags["fold"] == "1" and c.info.status == "FINISHED"]
+    assert "painvit.resumed_after_epoch" not in again.data.tags  # trained from the start: its work folder was gone
+
+    def tested(run) -> dict[str, float]:
+        return {k: v for k, v in run.data.metrics.items() if k.startswith("test/")}
+
+    assert tested(again) == pytest.approx(tested(lost), nan_ok=True)
+    assert second == pytest.approx(first, nan_ok=True)
+    assert client.get_run(parent.info.run_id).info.status == "FINISHED"

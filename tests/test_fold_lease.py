@@ -83,22 +83,78 @@ def test_a_live_lease_is_waited_for_and_a_dead_one_taken_over(lease_store) -> No
     attempt, finished = answer["result"]
     assert attempt == 0 and finished.info.run_id == other.info.run_id
 
-    # fold 1: its node went silent (heartbeat older than the lease): taken over at once, the old attempt KILLED
+    # fold 1: its node went silent: taken over once this observer has seen its heartbeat unchanged for lease_s of
+    # its own clock (not at once: how old the value looks says nothing, the other node's clock may be skewed)
     silent = fold_run(client, experiment, parent, 1, {**fold_lease.lease_tags("login2:78:abcd"), HOST_TAG: "login2"})
     client.set_tag(silent.info.run_id, fold_lease.HEARTBEAT_TAG, f"{time.time() - 600:.3f}")
-    attempt, finished = fold_lease.acquire(client, parent, 1, None, "login1:1:ef01", 60,
-                                           lambda: fold_runs(client, parent, 1))
-    assert attempt == 2 and finished is None
+    started = time.monotonic()
+    attempt, finished = fold_lease.acquire(client, parent, 1, None, "login1:1:ef01", 2,
+                                           lambda: fold_runs(client, parent, 1), poll_s=0.2)
+    assert attempt == 2 and finished is None and time.monotonic() - started >= 2
     assert client.get_run(silent.info.run_id).info.status == "KILLED"
 
-    # fold 2: a job of this machine whose process is gone, heartbeat still fresh: no wait for the lease to run out
+    # fold 2: a job of this machine (host, boot, PID namespace) whose process is gone, heartbeat still fresh: no
+    # wait for the lease to run out
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    fold_run(client, experiment, parent, 2, {**fold_lease.lease_tags("me:1:0"), HOST_TAG: socket.gethostname(),
+    fold_run(client, experiment, parent, 2, {**fold_lease.lease_tags("me:1:0"), HOST_TAG: fold_lease.machine_identity(),
                                              PID_TAG: str(gone.pid)})
     started = time.monotonic()
     attempt, _ = fold_lease.acquire(client, parent, 2, None, "login1:1:ef01", 60, lambda: fold_runs(client, parent, 2))
     assert attempt == 2 and time.monotonic() - started < 5
+
+
+def test_a_skewed_clock_does_not_make_a_live_lease_stale(lease_store) -> None:
+    """The other node's clock runs three hours behind: its heartbeat values look three hours old, but they change.
+    The observer waits for four lease periods without taking the fold; once the renewals stop, it takes it over."""
+    uri, experiment, parent = store(lease_store)
+    client = MlflowClient(uri)
+    lease_s = 1.5
+    other = fold_run(client, experiment, parent, 0, {**fold_lease.lease_tags("login2:79:abcd"), HOST_TAG: "login2"})
+    stop = threading.Event()
+
+    def renew() -> None:  # the other node's heartbeat thread, by its own (skewed) clock
+        renewer = MlflowClient(uri)
+        while not stop.wait(lease_s / 5):
+            renewer.set_tag(other.info.run_id, fold_lease.HEARTBEAT_TAG, f"{time.time() - 3 * 3600:.3f}")
+
+    renewing = threading.Thread(target=renew)
+    renewing.start()
+    answer: dict = {}
+    waiter = threading.Thread(target=lambda: answer.update(result=fold_lease.acquire(
+        MlflowClient(uri), parent, 0, None, "login1:1:ef01", lease_s, lambda: fold_runs(client, parent, 0),
+        poll_s=0.1)))
+    waiter.start()
+    try:
+        time.sleep(4 * lease_s)
+        assert waiter.is_alive(), answer  # still waiting: a live lease, whatever its clock says
+        assert client.get_run(other.info.run_id).info.status == "RUNNING"
+    finally:
+        stop.set()
+        renewing.join(timeout=30)
+    waiter.join(timeout=60)
+    assert answer["result"] == (2, None)
+    assert client.get_run(other.info.run_id).info.status == "KILLED"
+
+
+def test_a_process_number_is_judged_only_on_this_very_machine(lease_store) -> None:
+    """A fresh attempt whose process number is not running here is dead at once only when its host tag is this
+    machine's: host name, boot id and PID namespace. The same host name in another PID namespace (a second container)
+    or another boot, or an older run's plain host name, is another machine: its heartbeat is watched instead."""
+    uri, experiment, parent = store(lease_store)
+    client = MlflowClient(uri)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    own = fold_lease.machine_identity()
+    host, boot, namespace = own.split(" ")
+    assert host == socket.gethostname() and fold_lease.UNKNOWN not in own  # Linux: boot id and namespace read
+    for fold, tag in enumerate((f"{host} {boot} pidns=1", f"{host} boot=another-boot {namespace}", host)):
+        run = fold_run(client, experiment, parent, fold, {**fold_lease.lease_tags("twin:1:0"), HOST_TAG: tag,
+                                                          PID_TAG: str(gone.pid)})
+        assert fold_lease.Watch(60).is_live(client.get_run(run.info.run_id)), tag
+    here = fold_run(client, experiment, parent, 3, {**fold_lease.lease_tags("me:1:0"), HOST_TAG: own,
+                                                    PID_TAG: str(gone.pid)})
+    assert not fold_lease.Watch(60).is_live(client.get_run(here.info.run_id))
 
 
 def test_a_requeued_slurm_task_takes_over_its_own_attempt_at_once(lease_store, monkeypatch) -> None:
@@ -188,3 +244,66 @@ def test_two_make_cv_at_once_through_one_server_train_every_fold_once(tiny_base,
     assert set(by_fold.values()) <= pids
     waiter = next(n for n, (process, _) in drivers.items() if str(process.pid) != by_fold["0"])
     assert "fold 0 is being trained by" in (tmp_path / f"{waiter}.log").read_text()
+
+
+def test_a_job_whose_fold_is_taken_over_stops_and_does_not_finish_its_run(tiny_base, tmp_path) -> None:
+    """A real fold job (`pipeline cv`, local launcher) held at its epoch-0 checkpoint; the test takes its fold over as
+    another node would (claims attempt 2, marks attempt 1 KILLED, starts attempt 2's run under its own lease). The
+    job's heartbeat sees it, and once released the job stops at its next step: attempt 1 ends KILLED with the reason,
+    after one epoch of two. The job then waits for the fold like any other; attempt 2 never beats, so the job takes
+    it over in turn once its heartbeat has stood still for lease_s, and finishes the fold as attempt 3."""
+    from pipeline.utils.paths import PROJECT_ROOT
+    from tests.conftest import tiny_overrides
+    from tests.test_cv import FAST
+    from tests.test_launchers import RUN_ENV, cv_parent, fold_children
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    uri = f"sqlite:///{tmp_path / 'taken.db'}"
+    settings = [o for o in FAST if not o.startswith(("trainer.folds", "trainer.max_epochs", "trainer.patience"))]
+    command = [sys.executable, "-m", "tests.gated_cv", "0", "0", "until", str(gate),
+               *tiny_overrides(tiny_base, *settings, "trainer.folds=[0]", "trainer.max_epochs=2",
+                               "trainer.patience=2", f"mlflow.tracking_uri={uri}", f"cv.work_dir={tmp_path / 'runs'}",
+                               f"reports_dir={tmp_path / 'reports'}", "cv.lease_s=4", "cv.log_models=false")]
+    log_path = tmp_path / "driver.log"
+    with log_path.open("w") as log:
+        driver = subprocess.Popen(command, cwd=PROJECT_ROOT, env=RUN_ENV, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600  # a bound for a broken run, not a guess at how long it takes
+        while not list(gate.glob("arrived_*")):
+            assert driver.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the fold never reached its epoch-0 checkpoint"
+            time.sleep(0.2)
+        client = MlflowClient(uri)
+        (parent,) = cv_parent(client)
+        (first,) = fold_children(client, parent.info.run_id)
+        assert first.info.status == "RUNNING"
+        # taken over from elsewhere, as fold_lease.acquire does it: the claim, the old attempt KILLED, a new run
+        other = "node9:4242:abcd"
+        assert fold_lease.claim(client, parent.info.run_id, 0, None, 2, other, lease_s=4) == 2
+        client.set_terminated(first.info.run_id, "KILLED")
+        second = fold_run(client, parent.info.experiment_id, parent.info.run_id, 0,
+                          {**fold_lease.lease_tags(other), HOST_TAG: "node9 boot=b pidns=1", PID_TAG: "4242",
+                           "painvit.attempt": "2"})
+        deadline = time.monotonic() + 120  # its heartbeat beats every lease_s / 5 = 0.8 s
+        while "lease lost" not in log_path.read_text():
+            assert driver.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the job's heartbeat never saw its fold taken over"
+            time.sleep(0.2)
+        (gate / "release").write_text("go\n")
+        assert driver.wait(timeout=600) == 0, log_path.read_text()[-3000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    out = log_path.read_text()
+    assert "this job stopped without finishing it" in out
+    runs = {c.data.tags["painvit.attempt"]: c for c in fold_children(client, parent.info.run_id)}
+    assert sorted(runs) == ["1", "2", "3"]
+    stopped = runs["1"]
+    assert stopped.info.status == "KILLED" and "another job took the fold over" in stopped.data.tags[
+        "painvit.lease_lost"]
+    assert [m.step for m in client.get_metric_history(stopped.info.run_id, "train/loss")] == [0]  # epoch 1 not run
+    assert not any(key.startswith("test/") for key in stopped.data.metrics)  # never tested, never finished
+    assert runs["2"].info.run_id == second.info.run_id and runs["2"].info.status == "KILLED"  # it never beat
+    assert runs["3"].info.status == "FINISHED" and runs["3"].data.tags["painvit.resumed_after_epoch"] == "0"
+    assert client.get_run(parent.info.run_id).info.status == "FINISHED"

@@ -39,7 +39,6 @@ from pipeline.runs import tracking
 from pipeline.runs.registry import champion_uri
 from pipeline.runs.serving_input import ServingLimits, cap_opencv_pixels, one_line, opencv_caps_at
 from pipeline.runs.tracking_server import is_loopback
-from pipeline.utils.paths import PROJECT_ROOT
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -174,7 +173,7 @@ def run_serve(cfg: DictConfig, model_uri: str | None = None, path_root: str | No
 
     from pipeline.runs.model_trust import UntrustedModel
 
-    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri or tracking.tracking_uri(PROJECT_ROOT))
+    mlflow.set_tracking_uri(tracking.store_uri(cfg.mlflow.tracking_uri))
     uri = model_uri or champion_uri(cfg.model.name, cfg.task.name)
     try:
         local = mlflow.artifacts.download_artifacts(artifact_uri=uri)

@@ -7,7 +7,10 @@ plan -> launch -> aggregate:
   FINISHED child run are done.
 - **launch** the pending folds as `FoldJob`s on the configured launcher (`pipeline.runs.launchers`).
 - **aggregate** once every fold has a finished child run: mean and spread over folds, pooled metrics, plots, onto
-  the parent run, which is then FINISHED. A finished cross-validation with the same identity is not trained again.
+  the parent run, which is then FINISHED, and the folds' work folders (checkpoints, local copies of the artifacts)
+  are removed. A finished cross-validation with the same identity is not trained again, unless a fold's artifacts
+  have gone from the store since (`fold_job.retire_unreadable`): that fold is trained again and the CV aggregated
+  anew.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -53,7 +57,15 @@ from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource
 from pipeline.runs import cv_runs, fold_lease, launchers, registry, tracking
 from pipeline.runs.environment import library_versions, log_environment
-from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, check_head, decide, result_from_run
+from pipeline.runs.fold_job import (
+    FoldDecisions,
+    FoldJob,
+    FoldResult,
+    check_head,
+    decide,
+    result_from_run,
+    retire_unreadable,
+)
 from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
 from pipeline.utils.paths import PROJECT_ROOT, git_commit, resolve_path
@@ -194,7 +206,9 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
             parent = fold_lease.first_of_twins(client, experiment_id,
                                                {tracking.RUN_KIND_TAG: tracking.CV_RUN, **tags}, parent)
     else:
-        plan.finished = parent.info.status == tracking.FINISHED
+        # a finished fold whose artifacts have gone from the store is not done: marked FAILED, trained again
+        lost = retire_unreadable(client, tracking.fold_runs(client, parent.info.run_id))
+        plan.finished = parent.info.status == tracking.FINISHED and not lost
         if not plan.finished:
             client.update_run(parent.info.run_id, status="RUNNING")
     plan.parent_run_id = parent.info.run_id
@@ -385,10 +399,22 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
     summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, plan.cfg)
     client.set_tag(plan.parent_run_id, tracking.HEADLINE_TAG, HEADLINE)  # the number to quote beside the literature
     client.set_terminated(plan.parent_run_id, tracking.FINISHED)
+    remove_fold_folders(plan.work_dir)
     table = print_table(results, summary)
     registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.cfg.model.name}: video-level test "
                           f"scores per fold", table.rename_axis("").reset_index())
     return summary
+
+
+def remove_fold_folders(work_dir: Path) -> None:
+    """The fold work folders of a FINISHED cross-validation (epoch checkpoints, the local copies of what each fold
+    stored), kept until now so that a fold whose stored files went missing could still be read or resumed."""
+    for folder in sorted(work_dir.glob("fold_*")):
+        if folder.is_dir():
+            try:
+                shutil.rmtree(folder)
+            except OSError as error:
+                log.warning("the fold work folder %s was not removed: %s", folder, error)
 
 
 def record_precisions(client: MlflowClient, run_id: str, fold_runs: list) -> str:

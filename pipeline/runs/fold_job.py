@@ -5,6 +5,13 @@ work folder), so it pickles for submitit and writes as JSON for a subprocess. `r
 that already has a FINISHED child run is not trained again, a child run left RUNNING by a killed attempt is marked
 KILLED, and training continues from the fold's last epoch checkpoint when one exists.
 
+A fold run is marked FINISHED only once what the CV reads of it is safe (`seal_fold`): its files flushed to disk (the
+work folder's before upload, a file artifact store's copies after), the prediction tables and the kept model read
+back from the store and compared with the local files by size and SHA-256, that record kept on the run
+(`STORED_ARTIFACTS_TAG`), and the run still its own (`fold_lease`: a job whose fold was taken over stops and leaves
+it). The work folder stays until the CV is aggregated. A FINISHED run whose files have since gone from the store is
+not done (`retire_unreadable`): it is marked FAILED with the reason and the fold trained again.
+
 The steps, each a function: `build_fold` (model, data, LightningModule), `fit_fold` (train, select on the inner
 validation subjects, epoch checkpoints), `test_fold` (the best checkpoint, scored once on the test subjects),
 `write_fold_artifacts` (plots and tables), `keep_fold_model` (the self-describing model file).
@@ -13,18 +20,20 @@ validation subjects, epoch checkpoints), `test_fold` (the best checkpoint, score
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
-import shutil
 import signal
-import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 import mlflow
 import numpy as np
@@ -32,6 +41,7 @@ import pandas as pd
 import pytorch_lightning as pl
 import torch
 from mlflow import MlflowClient
+from mlflow.entities import Run
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.plugins.environments import SLURMEnvironment
 from pytorch_lightning.plugins.io import TorchCheckpointIO
@@ -62,22 +72,25 @@ from pipeline.runs.mlflow_model import log_fold_model
 from pipeline.runs.registry import split_videos, subjects_dataset
 from pipeline.runs.tracking import (
     ATTEMPT_TAG,
+    FAILED_REASON_TAG,
     FINISHED,
     FOLD_RUN,
     FOLD_TAG,
     HOST_TAG,
     JOB_TRACKING_URI_TAG,
+    LEASE_LOST_TAG,
     PARENT_TAG,
     PID_TAG,
     RESUMED_AFTER_EPOCH_TAG,
     RUN_KIND_TAG,
     SLURM_JOB_TAG,
+    STORED_ARTIFACTS_TAG,
     fold_runs,
 )
 from pipeline.runs.two_stage import RECORD as TWO_STAGE_RECORD
 from pipeline.runs.two_stage import SecondStage, second_stage, skips_first_stage, write_record
 from pipeline.utils.accelerator import TrainingDevice, training_device
-from pipeline.utils.atomic_io import atomic_path
+from pipeline.utils.atomic_io import atomic_path, fsync_tree
 from pipeline.utils.devices import DeviceSettings, device_settings
 from pipeline.utils.paths import resolve_path
 
@@ -85,6 +98,7 @@ log = logging.getLogger(__name__)
 FRAME_PREDICTIONS = "predictions_frames.csv"
 VIDEO_PREDICTIONS = "predictions_videos.csv"
 VAL_VIDEO_PREDICTIONS = "predictions_videos_val.csv"  # the best checkpoint on the validation subjects
+SEALED = (FRAME_PREDICTIONS, VIDEO_PREDICTIONS)  # what a CV reads of a fold run (result_from_run); the kept model too
 
 
 @dataclass(frozen=True)
@@ -218,6 +232,21 @@ class LeaveSigtermToSubmitit(pl.Callback):
         original = trainer._signal_connector._original_handlers.get(signal.SIGTERM)
         if original is not None:
             signal.signal(signal.SIGTERM, original)
+
+
+class StopWhenLeaseLost(pl.Callback):
+    """Ends training at the next step once the fold's heartbeat has seen its attempt taken over by another job
+    (`fold_lease.LeaseLost` raised in the loop: an error, not a stop that Lightning would end the fit on as if done)."""
+
+    def __init__(self, heartbeat: fold_lease.Heartbeat) -> None:
+        self.heartbeat = heartbeat
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        self.heartbeat.check()
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        self.heartbeat.check()
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -493,11 +522,13 @@ def log_threshold_fallback(fold: int, fallback: str) -> None:
 
 
 def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path,
-               keep_model: bool = False, settings: DeviceSettings | None = None) -> FoldResult:
+               keep_model: bool = False, settings: DeviceSettings | None = None,
+               callbacks: Sequence[pl.Callback] = ()) -> FoldResult:
     """Train on the fold's training subjects, select on its validation subjects, test once on its test subjects.
 
     `settings`: precision and channels_last as resolved on this device (`resolve_here` when None), tagged on the
-    run. Logs epoch curves, test metrics and artifacts to the active MLflow run.
+    run. `callbacks` join the fit (the fold job's lease check). Logs epoch curves, test metrics and artifacts to the
+    active MLflow run.
     """
     started = time.time()
     times = StepTimes()
@@ -520,7 +551,7 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     # a frame model, or an end-to-end clip model, trains here; a two-stage head afterwards, on the frame model
     if not (head.two_stage and skips_first_stage(cfg)):
         with times("fit"):
-            fitted = fit_fold(cfg, module, datamodule, work_dir, settings.precision)
+            fitted = fit_fold(cfg, module, datamodule, work_dir, settings.precision, callbacks)
         with times("validation_repass"):
             validation = validate_fold(fitted, module, datamodule)
         with times("test"):
@@ -567,6 +598,7 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         mlflow.set_tag("threshold_rule", rule)
         log_threshold_fallback(fold, fallback)
         mlflow.log_metrics(metrics)
+        fsync_tree(out)  # the local copies on disk before upload: the work folder is kept until the CV finishes
         mlflow.log_artifacts(str(out))
     if keep_model:
         with times("model_logging"):
@@ -599,26 +631,139 @@ def result_from_run(client: MlflowClient, run) -> FoldResult:
 
 
 def job_owner_tags() -> dict[str, str]:
-    """Where a fold attempt runs: lets a later driver tell a live attempt from a dead one."""
-    tags = {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
+    """Where a fold attempt runs: lets a later driver tell a live attempt from a dead one. The host is this machine's
+    identity (host name, boot id, PID namespace: `fold_lease.machine_identity`), so that a process number is judged
+    only where it means that process."""
+    tags = {HOST_TAG: fold_lease.machine_identity(), PID_TAG: str(os.getpid())}
     slurm_job = fold_lease.own_slurm_job()
     if slurm_job:
         tags[SLURM_JOB_TAG] = slurm_job
     return tags
 
 
+class ArtifactsNotStored(RuntimeError):
+    """What a fold run logged is not in the store as written: the run is not marked FINISHED."""
+
+
+def file_facts(path: Path) -> dict[str, int | str]:
+    """A file's size and SHA-256, as a fold run's stored-artifacts record holds them."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def local_artifact_folder(artifact_uri: str) -> Path | None:
+    """The folder of a file artifact store's run artifacts (file:// or a plain path); None for any other store."""
+    parts = urlsplit(artifact_uri)
+    if parts.scheme == "file":
+        return Path(url2pathname(parts.path))
+    return Path(artifact_uri) if not parts.scheme else None
+
+
+def seal_fold(client: MlflowClient, run_id: str, work_dir: Path, keep_model: bool) -> dict[str, dict]:
+    """Make what a finished fold run is read for safe before it is marked FINISHED: with a file artifact store the
+    uploaded copies flushed to disk (the local ones were, before upload), then the prediction tables the CV
+    aggregates and the kept model (when logged) read back from the store and compared with the local files by size
+    and SHA-256. Returns that record (artifact path -> size, sha256); `ArtifactsNotStored` names a file that differs."""
+    local = {name: work_dir / "artifacts" / name for name in SEALED}
+    if keep_model:
+        local[MODEL_ARTIFACT] = work_dir / Path(MODEL_ARTIFACT).name
+    stored = local_artifact_folder(client.get_run(run_id).info.artifact_uri)
+    if stored is not None and stored.is_dir():
+        fsync_tree(stored, parents=2)  # the run's folder and its experiment's: where a new folder's entry lies
+    record = {}
+    with tempfile.TemporaryDirectory(prefix="painvit-seal-") as tmp:
+        for name, path in local.items():
+            written = file_facts(path)
+            try:
+                copy = Path(client.download_artifacts(run_id, name, tmp))
+            except Exception as error:  # noqa: BLE001 - any store's "not there": said with the file's name
+                raise ArtifactsNotStored(f"run {run_id}: {name} cannot be read back from the store: {error}") from error
+            read = file_facts(copy)
+            if read != written:
+                raise ArtifactsNotStored(f"run {run_id}: {name} reads back as {read['size']} bytes, sha256 "
+                                         f"{read['sha256']}; written as {written['size']} bytes, sha256 "
+                                         f"{written['sha256']} ({path})")
+            record[name] = written
+    return record
+
+
+def unreadable(client: MlflowClient, run: Run) -> str:
+    """Why a FINISHED fold run can no longer be read ("" when it can): a file of its stored-artifacts record that is
+    not in the store at the size it was stored with (a run from before that record: a missing prediction table)."""
+    try:
+        record = json.loads(run.data.tags.get(STORED_ARTIFACTS_TAG) or "{}")
+    except json.JSONDecodeError:
+        record = {}
+    expected: dict[str, int | None] = ({name: int(facts["size"]) for name, facts in record.items()} if record
+                                       else dict.fromkeys(SEALED))
+    listed: dict[str, int | None] = {}
+    for folder in sorted({str(Path(name).parent) for name in expected}):
+        listed.update({info.path: info.file_size for info in
+                       client.list_artifacts(run.info.run_id, None if folder == "." else folder) if not info.is_dir})
+    problems = []
+    for name, size in expected.items():
+        if name not in listed:
+            problems.append(f"{name} is missing")
+        elif size is not None and listed[name] is not None and listed[name] != size:
+            problems.append(f"{name} holds {listed[name]} bytes, {size} when it was stored")
+    return "; ".join(problems)
+
+
+def retire_unreadable(client: MlflowClient, runs: list[Run]) -> list[Run]:
+    """The FINISHED fold runs among `runs` whose artifacts the store no longer holds (`unreadable`), each marked
+    FAILED with the reason (tag `painvit.failed_reason`), so that its fold is trained again rather than counted done
+    on results nobody can read."""
+    retired = []
+    for run in runs:
+        if run.info.status != FINISHED:
+            continue
+        reason = unreadable(client, run)
+        if reason:
+            message = f"its artifacts are no longer in the store ({reason}): the fold is trained again"
+            print(f"fold {run.data.tags.get(FOLD_TAG)}: finished run {run.info.run_id} marked FAILED: {message}",
+                  flush=True)
+            client.set_tag(run.info.run_id, FAILED_REASON_TAG, message)
+            client.set_terminated(run.info.run_id, "FAILED")
+            retired.append(run)
+    return retired
+
+
+def counted_attempts(client: MlflowClient, job: FoldJob) -> list[Run]:
+    """The fold's attempts, newest first, with any FINISHED one whose artifacts are gone retired first."""
+    runs = fold_runs(client, job.parent_run_id, job.fold, job.seed)
+    return fold_runs(client, job.parent_run_id, job.fold, job.seed) if retire_unreadable(client, runs) else runs
+
+
 def run_fold_job(job: FoldJob) -> FoldResult:
-    """Run one fold under its own child run of `job.parent_run_id`; see the module docstring for the rules."""
+    """Run one fold under its own child run of `job.parent_run_id`; see the module docstring for the rules. A job
+    whose attempt is taken over by another job (`fold_lease.LeaseLost`) leaves that attempt unfinished and waits
+    for the fold like any other job: it returns the result of whichever attempt finishes it."""
     client = MlflowClient(job.tracking_uri)
     cfg = OmegaConf.create(job.config)
     # a lease in the store: a fold another machine trains now is waited for, a dead attempt replaced (fold_lease)
     lease_s = float(OmegaConf.select(cfg, "cv.lease_s", default=300))
     owner = fold_lease.new_owner()
-    attempt, finished = fold_lease.acquire(client, job.parent_run_id, job.fold, job.seed, owner, lease_s,
-                                           lambda: fold_runs(client, job.parent_run_id, job.fold, job.seed))
-    if finished is not None:
-        log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished.info.run_id)
-        return result_from_run(client, finished)
+    watch = fold_lease.Watch(lease_s)  # what this job has seen of other attempts, on its own clock
+    while True:
+        attempt, finished = fold_lease.acquire(client, job.parent_run_id, job.fold, job.seed, owner, lease_s,
+                                               lambda: counted_attempts(client, job), watch=watch)
+        if finished is not None:
+            log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished.info.run_id)
+            return result_from_run(client, finished)
+        try:
+            return train_attempt(client, job, cfg, attempt, owner, lease_s)
+        except fold_lease.LeaseLost as lost:
+            print(f"fold {job.fold}{'' if job.seed is None else f' (seed {job.seed})'}: {lost}; this job stopped "
+                  f"without finishing it and waits for the fold", flush=True)
+
+
+def train_attempt(client: MlflowClient, job: FoldJob, cfg: DictConfig, attempt: int, owner: str,
+                  lease_s: float) -> FoldResult:
+    """Attempt `attempt` of the fold, claimed by `owner`: its child run, trained under a heartbeat, sealed, FINISHED.
+    `fold_lease.LeaseLost` when another job took it over meanwhile (the run is then left KILLED, never FINISHED)."""
     parent = client.get_run(job.parent_run_id)
     tags = {k: parent.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed")}
     if job.seed is not None:  # one of several training seeds: the fold is trained with it, and tagged so
@@ -632,22 +777,30 @@ def run_fold_job(job: FoldJob) -> FoldResult:
                                  FOLD_TAG: str(job.fold), ATTEMPT_TAG: str(attempt),
                                  JOB_TRACKING_URI_TAG: job.tracking_uri, **job_owner_tags(),
                                  **fold_lease.lease_tags(owner)})
-    with fold_lease.Heartbeat(client, run.info.run_id, lease_s / 5):  # renewed while the fold trains
-        try:
+    heartbeat = fold_lease.Heartbeat(client, run.info.run_id, lease_s / 5, owner)  # renewed while the fold trains
+    try:
+        with heartbeat:
             mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
             device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
             settings = resolve_on_device(cfg, job.decisions, device.kind)  # decided where the device is known
             log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
             mlflow.set_tags(device.tags)
             result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models,
-                                settings=settings)
-        except BaseException as error:
-            mlflow.log_text(traceback.format_exc(), "traceback.txt")
-            interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
-            mlflow.end_run("KILLED" if interrupted else "FAILED")
-            raise
-    mlflow.end_run(FINISHED)
-    shutil.rmtree(work_dir, ignore_errors=True)  # the model and the tables now live in the tracking store
+                                settings=settings, callbacks=[StopWhenLeaseLost(heartbeat)])
+            heartbeat.check()
+            stored = seal_fold(client, run.info.run_id, work_dir, keep_model=cfg.cv.log_models)
+            mlflow.set_tag(STORED_ARTIFACTS_TAG, json.dumps(stored, sort_keys=True))
+        heartbeat.confirm()  # the run read once more, the heartbeat stopped: a job taken over never finishes it
+    except fold_lease.LeaseLost as lost:
+        mlflow.set_tag(LEASE_LOST_TAG, str(lost))
+        mlflow.end_run("KILLED")
+        raise
+    except BaseException as error:
+        mlflow.log_text(traceback.format_exc(), "traceback.txt")
+        interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
+        mlflow.end_run("KILLED" if interrupted else "FAILED")
+        raise
+    mlflow.end_run(FINISHED)  # the work folder stays: the CV's aggregate step removes it once the CV is FINISHED
     result.run_id, result.seed = run.info.run_id, job.seed
     return result
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from pipeline.runs.fold_job import FoldJob, FoldResult, run_fold_job
+from pipeline.runs.tracking import open_store
 from pipeline.runs.tracking_server import PASSWORD_ENV, USERNAME_ENV, tracking_access_problem, uri_has_credentials
 from pipeline.utils.cpus import available_cpus
 
@@ -119,6 +120,7 @@ def tracking_server(backend_store_uri: str, artifact_root: str, port: int | None
     One worker and no job runner (one driver's fold jobs are all it serves). Stopped at the end of the block, on
     errors and Ctrl-C too; if this process is killed the server dies with it (Linux).
     """
+    open_store(backend_store_uri)  # a new sqlite store is created here, under its lock, not by the server
     port = port or free_port(host)
     command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_store_uri,
                "--default-artifact-root", artifact_root, "--host", host, "--port", str(port), "--workers", "1"]

@@ -11,8 +11,11 @@ the model-training mode, so that address is the way in for a new user.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,8 +57,14 @@ RESUMED_AFTER_EPOCH_TAG = "painvit.resumed_after_epoch"
 ATTEMPT_TAG = "painvit.attempt"
 SLURM_JOBS_TAG = "painvit.slurm_jobs"  # on the parent: fold -> SLURM job id of its submitted task
 JOB_TRACKING_URI_TAG = "painvit.tracking_uri"
-# where a fold attempt runs: lets a later driver tell a live attempt from a dead one
+# where a fold attempt runs: lets a later driver tell a live attempt from a dead one (the host tag holds the host
+# name, boot id and PID namespace: pipeline.runs.fold_lease.machine_identity)
 HOST_TAG, PID_TAG, SLURM_JOB_TAG = "painvit.host", "painvit.pid", "painvit.slurm_job_id"
+# On a fold run: what it stored, read back before it was marked FINISHED (JSON: artifact path -> size and sha256); a
+# FINISHED fold run whose files are no longer there at those sizes is marked FAILED with FAILED_REASON_TAG and its
+# fold trained again. LEASE_LOST_TAG: why an attempt stopped unfinished (another job took its fold over).
+STORED_ARTIFACTS_TAG, FAILED_REASON_TAG = "painvit.stored_artifacts", "painvit.failed_reason"
+LEASE_LOST_TAG = "painvit.lease_lost"
 # precision: on a fold run, what it trained in (resolved on its device); on a parent, the folds' values (comma-joined
 # when they differ). precision_asked: trainer.precision as planned (auto or an explicit value).
 PRECISION_TAG, PRECISION_ASKED_TAG = "precision", "precision_asked"
@@ -76,8 +85,61 @@ def tracking_uri(project_root: Path) -> str:
 
 def store_uri(configured: str | None = None) -> str:
     """The tracking URI a command uses: the config's `mlflow.tracking_uri` when set, else `tracking_uri` of the
-    project."""
-    return configured or tracking_uri(PROJECT_ROOT)
+    project; its store opened through `open_store` (created and migrated once, whoever else opens it now)."""
+    return open_store(configured or tracking_uri(PROJECT_ROOT))
+
+
+_OPENED: set[str] = set()  # the stores this process has opened through open_store
+
+
+def open_store(uri: str) -> str:
+    """`uri`, its store ready for runs: a sqlite store is created and migrated to MLflow's schema once, under an OS
+    lock on `<database>.lock` beside it, before anything of this process uses it; returns `uri`.
+
+    MLflow creates a missing sqlite store's tables the moment a client first opens it, without a lock: two processes
+    opening a new store in the same second both migrate it, and one stops with `table _alembic_tmp_experiments
+    already exists` (or another table, or a duplicate column). Under the lock the first creates it; the others wait,
+    then find it complete. A server URI (or another database) has nothing to do here: its server migrates it.
+    """
+    database = sqlite_file(uri)
+    if database is None or uri in _OPENED:
+        return uri
+    from mlflow import MlflowClient
+
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with store_lock(database):
+        MlflowClient(uri)  # MLflow builds the store (kept for this process): tables created and migrated if missing
+    _OPENED.add(uri)
+    return uri
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a `sqlite:///` URI; None for any other store and for an in-memory database."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    return None if not path or path == ":memory:" else Path(path)
+
+
+@contextlib.contextmanager
+def store_lock(database: Path) -> Iterator[None]:
+    """An exclusive OS lock on `<database>.lock` (released when this process dies). Without the right to create the
+    lock file beside a store that exists (a store read from someone else's folder) there is nothing this process
+    could create or migrate there, and it goes on without the lock."""
+    lock = database.with_name(database.name + ".lock")
+    try:
+        handle = open(lock, "a")
+    except PermissionError:
+        if not database.is_file():
+            raise
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def fold_runs(client: MlflowClient, parent_run_id: str, fold: int | None = None,

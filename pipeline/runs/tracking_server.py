@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pipeline.runs.tracking import open_store
 from pipeline.utils.atomic_io import atomic_path
 
 ADMIN_PASSWORD_ENV = "MLFLOW_AUTH_ADMIN_PASSWORD"  # MLflow's own: the first admin's password
@@ -213,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServerSettingsError as error:
         print(f"server: {error}", file=sys.stderr)
         return 2
+    open_store(args.store)  # a new sqlite store is created here, under its lock, not by the server
     auth = "--app-name" in command
     print(f"MLflow tracking server on http://{args.host}:{args.port} over {args.store} "
           f"({'basic authentication' if auth else 'open: loopback only' if is_loopback(args.host) else 'OPEN'})",

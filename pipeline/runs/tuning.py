@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.storages.journal import JournalFileBackend
 
 from pipeline.data.datamodule import PainDataModule
-from pipeline.runs import launchers, tracking
+from pipeline.runs import fold_lease, launchers, tracking
 from pipeline.runs.cross_validation import Plan, aggregate, identity_lock, launch, plan_cv
 from pipeline.runs.cv_runs import identity_config
 from pipeline.runs.fold_job import (
@@ -252,7 +251,7 @@ def owner_alive(attrs: dict) -> bool:
         return attrs["slurm_job"] in launchers.slurm_states([attrs["slurm_job"]])
     if "host" not in attrs:  # the owner is written right after the ask, under the same lock: abandoned between
         return False
-    if attrs.get("host") == socket.gethostname():
+    if fold_lease.on_this_machine(attrs.get("host")):  # host name, boot id, PID namespace: the pid means that process
         try:
             os.kill(int(attrs.get("pid", 0)), 0)
         except (OSError, ValueError):

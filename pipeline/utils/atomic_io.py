@@ -87,6 +87,17 @@ def fsync_folder(folder: Path) -> None:
             os.close(fd)
 
 
+def fsync_tree(folder: Path, parents: int = 1) -> None:
+    """Flush every file under `folder` and every folder's entries, then the entries of its `parents` nearest parent
+    folders (where a new folder was made): files written in place, not through `atomic_path`, made durable."""
+    folders = [folder, *(path for path in sorted(folder.rglob("*")) if path.is_dir() and not path.is_symlink())]
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            fsync_file(path)
+    for path in [*reversed(folders), *list(folder.parents)[:parents]]:
+        fsync_folder(path)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
