@@ -1,23 +1,32 @@
-"""Which threshold rule to use with few validation subjects: the rules of `eval.threshold` on simulated folds.
+"""Which threshold rule to use, by the number of validation subjects: the rules of `eval.threshold` on simulated folds
+and on the folds of cross-validations that ran.
 
 A fold chooses its decision threshold on its validation subjects' videos and calls its test subjects' videos at it.
-With two validation subjects (the twin's kfold5) the choice is noisy; with 10-13 (BioVid's LOSO and 5-fold folds)
-much less. This simulation asks which rule gives the best test balanced accuracy, on average and in its bad cases,
-over conditions a pain model meets, without touching any real test set:
+The rule to use is the one whose test balanced accuracy falls least short of the best cut on the test videos (its
+regret), under the conditions a pain model meets. The simulation draws them honestly:
 
-- a video's score is sigmoid(shift + b_s + d * (y - 1/2) + e): y its class (0 baseline, 1 pain), d the separation on
-  the logit scale (1, 2, 3: within-person AUROC about 0.76, 0.92, 0.98), b_s ~ N(0, tau) a per-person offset (how
-  much people's baselines differ), e ~ N(0, 1), and `shift` a miscalibration of the whole model (0: 0.5 is the right
-  cut; 1.5: every score sits high, as a model trained with class weights or on another balance can);
-- a fold has n validation subjects (2, 4, 12) with v videos per class each (6 as on the twin, 20 as on BioVid); each
-  rule chooses on them (`pipeline.evaluation.thresholds.threshold_choice`, fallbacks included) and is scored on 200
-  new subjects of the same condition; `best` is the best threshold on that test set (the ceiling, no rule reaches);
-- 400 folds per condition, seeded.
+- a video's score is sigmoid(z), z on the logit scale: a baseline video z ~ shift + b_s - d/2 + N(0, 1), a pain video
+  of a responder z ~ shift + b_s + d/2 + N(0, r) with r the pain class's wider spread (1 or 1.6: pain varies more
+  than rest), a pain video of a non-responder (0 % or 23 % of the people, BioVid's 20 of 87) looks like a baseline
+  one; b_s ~ N(0, tau) a per-person offset (0.5 or 1.5), d the separation (1, 2, 3), `shift` a miscalibration of the
+  whole model (0 or 1.5 logits: every score sits high);
+- the validation videos come from the checkpoint chosen on them, so they separate better than the test videos do:
+  their d is d * (1 + inflation), inflation 0 or 0.5;
+- a fold has n validation subjects (2 as on the twin's kfold5, 4, 12 as on BioVid's folds) with v videos per class
+  each (6 as on the twins, 20 as on BioVid); each rule chooses on them (`threshold_choice`, fallbacks included) and is
+  scored on 100 new subjects of the same condition; regret = the best cut's balanced accuracy on those minus the
+  rule's; `folds` folds per condition, seeded.
 
-Writes reports/threshold_simulation/threshold_simulation.csv (every condition x rule: mean, 10th percentile and sd of
-the test balanced accuracy, mean regret against `best`) and .png, and prints the mean regret per rule and n.
+`--cv RUN_ID` (repeatable) adds the folds of finished cross-validations: each fold's validation videos
+(`predictions_videos_val.csv`) choose, its test videos (`predictions_videos.csv`) score, regret against the best cut on
+them. This reads test videos, so it is for choosing the project's default, never for a run's own threshold.
 
-    .venv/bin/python scripts/threshold_simulation.py [--folds 400] [--out reports/threshold_simulation]
+Writes <out>/threshold_simulation.csv (every condition x rule: mean test balanced accuracy, its 10th percentile,
+mean regret), threshold_regret.csv (mean regret per rule and number of validation subjects, over all conditions and
+over the honest BioVid-like ones), threshold_cv_folds.csv (with --cv) and threshold_simulation.png, and prints the
+regret tables.
+
+    .venv/bin/python scripts/threshold_simulation.py [--folds 200] [--cv <parent run id> ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -36,21 +45,33 @@ sys.path.insert(0, str(ROOT))
 from pipeline.evaluation.thresholds import binary_metrics_at, roc_points, threshold_choice  # noqa: E402
 from pipeline.utils.atomic_io import atomic_write_csv, save_png  # noqa: E402
 
-RULES = ("youden", "equal_error", "median_midpoint", "shrinkage", 0.5)
+RULES = ("youden", "equal_error", "median_midpoint", "logit_midpoint", "shrinkage", 0.5)
 SEPARATIONS = (1.0, 2.0, 3.0)
 SHIFTS = (0.0, 1.5)
 SUBJECT_SPREADS = (0.5, 1.5)
+PAIN_SPREADS = (1.0, 1.6)
+NON_RESPONDERS = (0.0, 20 / 87)
+INFLATIONS = (0.0, 0.5)
 VALIDATION_SUBJECTS = (2, 4, 12)
 VIDEOS_PER_CLASS = (6, 20)
-TEST_SUBJECTS = 200
+TEST_SUBJECTS = 100
+# BioVid-like: unequal spreads, the non-responder mixture and an inflated validation set together
+HONEST = {"pain_spread": 1.6, "non_responders": 20 / 87, "inflation": 0.5}
 
 
-def videos(rng: np.random.Generator, subjects: int, per_class: int, separation: float, shift: float,
-           spread: float) -> tuple[np.ndarray, np.ndarray]:
-    """(labels, scores) of `subjects` people with `per_class` videos of each class."""
+def rule_label(rule: str | float) -> str:
+    return "fixed_0.5" if rule == 0.5 else str(rule)
+
+
+def videos(rng: np.random.Generator, subjects: int, per_class: int, separation: float, shift: float, spread: float,
+           pain_spread: float, non_responders: float) -> tuple[np.ndarray, np.ndarray]:
+    """(labels, scores) of `subjects` people with `per_class` videos of each class (see the module docstring)."""
     offsets = np.repeat(rng.normal(0.0, spread, subjects), 2 * per_class)
+    responds = np.repeat(rng.uniform(size=subjects) >= non_responders, 2 * per_class)
     labels = np.tile(np.repeat([0, 1], per_class), subjects)
-    logits = shift + offsets + separation * (labels - 0.5) + rng.normal(0.0, 1.0, labels.size)
+    pain = (labels == 1) & responds
+    noise = rng.normal(0.0, 1.0, labels.size) * np.where(pain, pain_spread, 1.0)
+    logits = shift + offsets + np.where(pain, separation / 2, -separation / 2) + noise
     return labels, 1.0 / (1.0 + np.exp(-logits))
 
 
@@ -60,78 +81,130 @@ def best_balanced_accuracy(labels: np.ndarray, scores: np.ndarray) -> float:
     return float(np.max((tpr + 1 - fpr) / 2))
 
 
+def rule_regrets(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
+                 n_val: int) -> dict[str, tuple[float, float]]:
+    """Each rule's (test balanced accuracy, regret) when it chooses on `val`."""
+    best = best_balanced_accuracy(*test)
+    out = {}
+    for rule in RULES:
+        value = binary_metrics_at(*test, threshold_choice(*val, rule, n_subjects=n_val).threshold)["balanced_accuracy"]
+        out[rule_label(rule)] = (value, best - value)
+    return out
+
+
 def simulate(folds: int, seed: int = 0) -> pd.DataFrame:
     rows = []
-    conditions = list(itertools.product(SEPARATIONS, SHIFTS, SUBJECT_SPREADS, VALIDATION_SUBJECTS, VIDEOS_PER_CLASS))
-    for index, (separation, shift, spread, n_val, per_class) in enumerate(conditions):
+    conditions = list(itertools.product(SEPARATIONS, SHIFTS, SUBJECT_SPREADS, PAIN_SPREADS, NON_RESPONDERS,
+                                        INFLATIONS, VALIDATION_SUBJECTS, VIDEOS_PER_CLASS))
+    for index, (separation, shift, spread, pain_spread, non_responders, inflation, n_val, per_class) in enumerate(
+            conditions):
         rng = np.random.default_rng([seed, index])
-        results: dict[str, list[float]] = {str(rule): [] for rule in RULES}
-        regrets: dict[str, list[float]] = {str(rule): [] for rule in RULES}
-        fallbacks: dict[str, int] = {str(rule): 0 for rule in RULES}
-        ceiling = []
+        results: dict[str, list[tuple[float, float]]] = {rule_label(rule): [] for rule in RULES}
         for _ in range(folds):
-            val = videos(rng, n_val, per_class, separation, shift, spread)
-            test = videos(rng, TEST_SUBJECTS, per_class, separation, shift, spread)
-            best = best_balanced_accuracy(*test)
-            ceiling.append(best)
-            for rule in RULES:
-                choice = threshold_choice(*val, rule, n_subjects=n_val)
-                value = binary_metrics_at(*test, choice.threshold)["balanced_accuracy"]
-                results[str(rule)].append(value)
-                regrets[str(rule)].append(best - value)
-                fallbacks[str(rule)] += bool(choice.fallback)
-        for rule in RULES:
-            values = np.array(results[str(rule)])
+            val = videos(rng, n_val, per_class, separation * (1 + inflation), shift, spread, pain_spread,
+                         non_responders)
+            test = videos(rng, TEST_SUBJECTS, per_class, separation, shift, spread, pain_spread, non_responders)
+            for rule, value in rule_regrets(val, test, n_val).items():
+                results[rule].append(value)
+        for rule, values in results.items():
+            scores, regrets = np.array(values).T
             rows.append({"separation": separation, "shift": shift, "subject_spread": spread,
-                         "validation_subjects": n_val, "videos_per_class": per_class,
-                         "rule": "fixed_0.5" if rule == 0.5 else rule, "mean": values.mean(),
-                         "p10": np.percentile(values, 10), "sd": values.std(), "best_mean": np.mean(ceiling),
-                         "regret": np.mean(regrets[str(rule)]), "fallbacks": fallbacks[str(rule)] / folds})
+                         "pain_spread": pain_spread, "non_responders": round(non_responders, 3),
+                         "inflation": inflation, "validation_subjects": n_val, "videos_per_class": per_class,
+                         "rule": rule, "mean": scores.mean(), "p10": np.percentile(scores, 10),
+                         "regret": regrets.mean(), "regret_p90": np.percentile(regrets, 90)})
+    return pd.DataFrame(rows)
+
+
+def regret_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Mean regret (points) per rule and number of validation subjects: over every condition, and over the honest
+    BioVid-like ones (`HONEST`) alone."""
+    honest = np.logical_and.reduce([np.isclose(table[key], round(value, 3)) for key, value in HONEST.items()])
+    parts = {"all conditions": table, "BioVid-like (unequal spreads, non-responders, inflated validation)":
+             table[honest]}
+    rows = []
+    for name, part in parts.items():
+        mean = part.groupby(["rule", "validation_subjects"])["regret"].mean().unstack("validation_subjects")
+        worst = part.groupby(["rule", "validation_subjects"])["regret"].max().unstack("validation_subjects")
+        for rule in mean.index:
+            rows.append({"conditions": name, "rule": rule, **{f"mean_{n}": 100 * mean.loc[rule, n] for n in mean},
+                         **{f"worst_{n}": 100 * worst.loc[rule, n] for n in worst}})
+    return pd.DataFrame(rows)
+
+
+def cv_folds(run_ids: list[str], tracking_uri: str | None) -> pd.DataFrame:
+    """Each finished fold of these CVs: each rule chosen on its validation videos, scored on its test videos."""
+    from mlflow import MlflowClient
+
+    from pipeline.runs import tracking
+
+    client = MlflowClient(tracking.store_uri(tracking_uri))
+    rows = []
+    for run_id in run_ids:
+        parent = client.get_run(run_id)
+        for fold, run in sorted(tracking.finished_fold_runs(client, run_id).items()):
+            val = pd.read_csv(client.download_artifacts(run.info.run_id, "predictions_videos_val.csv"))
+            test = pd.read_csv(client.download_artifacts(run.info.run_id, "predictions_videos.csv"))
+            positive = [column for column in val.columns if column.startswith("prob_")][1]
+            pairs = [(frame["label"].to_numpy(dtype=int), frame[positive].to_numpy(dtype=float)) for frame in (val, test)]
+            if len(np.unique(pairs[1][0])) < 2:
+                continue
+            n_val = val["subject_name"].nunique()
+            for rule, (value, regret) in rule_regrets(pairs[0], pairs[1], n_val).items():
+                rows.append({"cv_run": run_id, "cv": parent.info.run_name, "fold": fold, "validation_subjects": n_val,
+                             "test_videos": len(test), "rule": rule, "balanced_accuracy": value, "regret": regret})
     return pd.DataFrame(rows)
 
 
 def plot(table: pd.DataFrame, path: Path) -> Path:
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(11, 4.2))
-    axes = figure.subplots(1, len(SHIFTS) * len(VIDEOS_PER_CLASS), sharey=True)
-    panels = list(itertools.product(SHIFTS, VIDEOS_PER_CLASS))
-    for axis, (shift, per_class) in zip(axes, panels, strict=True):
-        part = table[(table["shift"] == shift) & (table["videos_per_class"] == per_class)]
+    figure = Figure(figsize=(12, 4.2))
+    panels = [("all conditions", table), ("BioVid-like conditions", table[
+        np.logical_and.reduce([np.isclose(table[key], round(value, 3)) for key, value in HONEST.items()])])]
+    axes = figure.subplots(1, len(panels), sharey=True)
+    for axis, (title, part) in zip(axes, panels, strict=True):
         mean = part.groupby(["rule", "validation_subjects"])["regret"].mean().unstack("rule")
         for rule in mean.columns:
             axis.plot(mean.index, 100 * mean[rule], marker="o", label=rule)
         axis.set_xscale("log")
         axis.set_xticks(VALIDATION_SUBJECTS, [str(n) for n in VALIDATION_SUBJECTS])
-        axis.set_title(f"shift {shift:g}, {per_class} videos/class", fontsize=9)
+        axis.set_title(title, fontsize=9)
         axis.set_xlabel("validation subjects")
         axis.grid(alpha=0.3)
     axes[0].set_ylabel("mean regret: best cut's bal. acc. - the rule's (points)")
     axes[-1].legend(fontsize=7)
-    figure.suptitle("Threshold rules on simulated folds (mean over separations and subject spreads)", fontsize=10)
+    figure.suptitle("Threshold rules on simulated folds", fontsize=10)
     save_png(figure, path)
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--folds", type=int, default=400, help="simulated folds per condition")
+    parser.add_argument("--folds", type=int, default=200, help="simulated folds per condition")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cv", action="append", default=[], help="a finished CV's parent run id (repeatable)")
+    parser.add_argument("--tracking-uri", default=None, help="the store of --cv runs (default: the project's)")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "threshold_simulation")
     args = parser.parse_args(argv)
-    table = simulate(args.folds, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
+    table = simulate(args.folds, args.seed)
     atomic_write_csv(args.out / "threshold_simulation.csv", table)
+    regrets = regret_table(table)
+    atomic_write_csv(args.out / "threshold_regret.csv", regrets)
     png = plot(table, args.out / "threshold_simulation.png")
-    summary = table.pivot_table(index="rule", columns=["shift", "validation_subjects"], values="regret",
-                                aggfunc="mean")
-    print("mean regret in balanced-accuracy points (best cut on the test set minus the rule's), by shift and "
-          "validation subjects, averaged over separations, subject spreads and videos per class:")
-    print((100 * summary).round(2).to_string())
-    worst = table.groupby("rule")["regret"].max()
-    print("\nworst condition's mean regret per rule (points): "
-          + ", ".join(f"{rule} {100 * value:.1f}" for rule, value in worst.sort_values().items()))
-    print(f"\n{args.out / 'threshold_simulation.csv'}\n{png}")
+    print("mean (and worst condition's mean) regret in balanced-accuracy points, by validation subjects:")
+    print(regrets.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    if args.cv:
+        folds = cv_folds(args.cv, args.tracking_uri)
+        atomic_write_csv(args.out / "threshold_cv_folds.csv", folds)
+        summary = folds.groupby(["cv", "rule"]).agg(folds=("fold", "nunique"), validation_subjects=(
+            "validation_subjects", "median"), regret=("regret", "mean"), balanced_accuracy=("balanced_accuracy",
+                                                                                            "mean"))
+        summary["regret"] *= 100
+        print("\nfolds of the CVs given (regret in points, against the best cut on each fold's test videos):")
+        print(summary.to_string(float_format=lambda v: f"{v:.3f}"))
+    print(f"\n{args.out / 'threshold_regret.csv'}\n{png}")
     return 0
 
 

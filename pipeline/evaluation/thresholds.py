@@ -8,7 +8,11 @@ decision of its own, made on the validation subjects of the fold (never its test
 - `balanced_accuracy`: the same optimum stated as balanced accuracy (J = 2 * balanced accuracy - 1), kept as its own
   name because that is what a reader looks for; ties go to the threshold nearest 0.5;
 - `equal_error`: the cut point where the false positive rate is nearest the false negative rate;
-- `median_midpoint`: halfway between the class medians of the validation scores;
+- `logit_midpoint`: halfway between the class medians of the validation scores on the logit scale (the probability
+  of the mean of the two medians' logits): the optimal cut between two classes of equal spread wherever the model's
+  probabilities sit, so a shift of calibration moves it as it moves the classes;
+- `median_midpoint`: halfway between the class medians on the probability scale: under a calibration shift it is not
+  the best cut even with unlimited validation data (kept for the CVs that used it);
 - `shrinkage`: Youden's threshold pulled toward 0.5 by the number n of validation subjects, w = n / (n + 10);
 - a number in [0, 1]: that fixed threshold (0.5 reproduces argmax on two classes).
 
@@ -31,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-RULES = ("youden", "balanced_accuracy", "equal_error", "median_midpoint", "shrinkage")
+RULES = ("youden", "balanced_accuracy", "equal_error", "median_midpoint", "logit_midpoint", "shrinkage")
 FALLBACK_THRESHOLD = 0.5
 # why a named rule could not choose (ThresholdChoice.fallback); "" when it chose
 ONE_CLASS = "one class only among the validation videos"
@@ -115,6 +119,8 @@ def threshold_choice(labels: np.ndarray, scores: np.ndarray, rule: str | float =
         return ThresholdChoice(equal_error_threshold(labels, scores))
     if rule == "median_midpoint":
         return ThresholdChoice(median_midpoint_threshold(labels, scores))
+    if rule == "logit_midpoint":
+        return ThresholdChoice(logit_midpoint_threshold(labels, scores))
     # roc_curve's first candidate is +inf (nothing positive), J = 0: never the best once some J > 0
     best = np.flatnonzero(np.isclose(j, j.max()))
     finite = [i for i in best if np.isfinite(candidates[i])]
@@ -199,6 +205,20 @@ def median_midpoint_threshold(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((np.median(scores[labels == 0]) + np.median(scores[labels == 1])) / 2)
 
 
+LOGIT_EPSILON = 1e-6  # probabilities are clipped to [eps, 1 - eps] before the logit: 0 and 1 have none
+
+
+def logit_midpoint_threshold(labels: np.ndarray, scores: np.ndarray) -> float:
+    """The probability halfway between the class medians on the logit scale: sigmoid((median logit of baseline
+    videos + median logit of pain videos) / 2) (0.5 with one class)."""
+    if len(np.unique(labels)) < 2:
+        return FALLBACK_THRESHOLD
+    clipped = np.clip(np.asarray(scores, dtype=float), LOGIT_EPSILON, 1 - LOGIT_EPSILON)
+    logits = np.log(clipped) - np.log1p(-clipped)
+    middle = (np.median(logits[labels == 0]) + np.median(logits[labels == 1])) / 2
+    return float(1.0 / (1.0 + np.exp(-middle)))
+
+
 def shrink(threshold: float, n_subjects: int) -> float:
     """`threshold` pulled toward 0.5 by the number of validation subjects: w * t + (1 - w) * 0.5 with
     w = n / (n + SHRINKAGE_SUBJECTS); two subjects keep a sixth of the move, a BioVid fold's 12 over half."""
@@ -216,6 +236,7 @@ def rule_thresholds(labels: np.ndarray, scores: np.ndarray, n_subjects: int) -> 
     return {"youden": choose_threshold(labels, scores, "youden"),
             "equal_error": equal_error_threshold(labels, scores),
             "median_midpoint": median_midpoint_threshold(labels, scores),
+            "logit_midpoint": logit_midpoint_threshold(labels, scores),
             "shrinkage": shrunk_threshold(labels, scores, n_subjects)}
 
 
@@ -229,7 +250,7 @@ def threshold_spread(val_videos: pd.DataFrame, positive: str, n_resamples: int =
     labels, scores = val_videos["label"].to_numpy(dtype=int), val_videos[positive].to_numpy(dtype=float)
     result = {f"threshold_{rule}": value for rule, value in rule_thresholds(labels, scores, len(groups)).items()}
     rng = np.random.default_rng(random_state)
-    drawn: dict[str, list[float]] = {rule: [] for rule in ("youden", "equal_error", "median_midpoint", "shrinkage")}
+    drawn: dict[str, list[float]] = {key.removeprefix("threshold_"): [] for key in result}
     for _ in range(n_resamples):
         chosen = [groups[i] for i in rng.integers(0, len(groups), len(groups))]
         values = rule_thresholds(np.concatenate([c[0] for c in chosen]), np.concatenate([c[1] for c in chosen]),

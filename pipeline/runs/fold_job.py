@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -662,6 +663,19 @@ def local_artifact_folder(artifact_uri: str) -> Path | None:
     return Path(artifact_uri) if not parts.scheme else None
 
 
+def keep_only_artifacts(work_dir: Path) -> None:
+    """A sealed fold's work folder keeps the local copies of what it stored (`artifacts/`, kilobytes) until the CV
+    is FINISHED; its epoch checkpoints, kept model and embeddings (up to a gigabyte or more a fold: a LOSO CV of a
+    ViT-B/16 would hold about 100 GB) are in the store or no longer needed, and go now."""
+    for path in work_dir.iterdir() if work_dir.is_dir() else ():
+        if path.name == "artifacts":
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def seal_fold(client: MlflowClient, run_id: str, work_dir: Path, keep_model: bool) -> dict[str, dict]:
     """Make what a finished fold run is read for safe before it is marked FINISHED: with a file artifact store the
     uploaded copies flushed to disk (the local ones were, before upload), then the prediction tables the CV
@@ -800,7 +814,8 @@ def train_attempt(client: MlflowClient, job: FoldJob, cfg: DictConfig, attempt: 
         interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
         mlflow.end_run("KILLED" if interrupted else "FAILED")
         raise
-    mlflow.end_run(FINISHED)  # the work folder stays: the CV's aggregate step removes it once the CV is FINISHED
+    mlflow.end_run(FINISHED)
+    keep_only_artifacts(work_dir)  # the rest of the folder goes once the CV is FINISHED (its aggregate step)
     result.run_id, result.seed = run.info.run_id, job.seed
     return result
 
