@@ -132,6 +132,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(call quote,$(PYTHON)) -m venv $(call quote,$(VENV))
 	$(QUOTED_PY) -m pip install --quiet --upgrade pip
 	$(QUOTED_PY) -m pip install -c $(call quote,$(CONSTRAINTS)) -e $(call quote,.[$(EXTRAS)])
+	$(QUOTED_PY) -m pipeline.data.blazeface  # predict's second face detector: its weights file, SHA-256 checked
 	touch $(call quote,$@)
 
 install: $(VENV)/.installed ## create .venv and install the package, its extras and the locked versions of everything

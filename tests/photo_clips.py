@@ -94,6 +94,21 @@ def clip_frames(photo: np.ndarray, clip: PhotoClip,
     return frames
 
 
+def old_photograph(frame: np.ndarray, seed: int = 0, softness: int = 3, contrast: float = 0.5,
+                   grain: float = 12.0) -> np.ndarray:
+    """`frame` as an old black-and-white photograph looks when it is filmed: soft (detail of a picture `softness`
+    times smaller, enlarged), flat (`contrast` about mid-grey) and grainy (Gaussian grain of `grain` grey levels,
+    drawn anew each frame from `seed`)."""
+    height, width = frame.shape[:2]
+    picture = frame.astype(np.float32)
+    if softness > 1:
+        small = cv2.resize(picture, (width // softness, height // softness), interpolation=cv2.INTER_AREA)
+        picture = cv2.resize(small, (width, height), interpolation=cv2.INTER_LINEAR)
+    picture = (picture - 128.0) * contrast + 128.0
+    picture += np.random.default_rng(seed).normal(0.0, grain, (height, width))[..., None]
+    return np.clip(picture, 0, 255).astype(np.uint8)
+
+
 def photo_transform(face_centre: tuple[float, float], roll_deg: float, scale: float,
                     target: tuple[float, float]) -> np.ndarray:
     """The 2 x 3 matrix that puts the photo's face centre at `target`, scaled and rolled (positive: clockwise on

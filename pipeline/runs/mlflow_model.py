@@ -62,7 +62,7 @@ from pipeline.utils.paths import git_commit
 WEIGHTS_ARTIFACT = "weights"
 # What the scoring process must have installed (the package itself brings the rest); pinned to what trained it.
 REQUIREMENTS = ("torch", "torchvision", "timm", "transformers", "albumentations", "opencv-python-headless", "pandas",
-                "numpy", "mtcnn", "joblib", "mlflow", "omegaconf")
+                "numpy", "mtcnn", "joblib", "mlflow", "omegaconf", "ai-edge-litert")
 SCORE_CHUNK = 8  # frames scored between two looks at the request's deadline
 
 
