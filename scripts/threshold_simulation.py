@@ -146,7 +146,8 @@ def cv_folds(run_ids: list[str], tracking_uri: str | None) -> pd.DataFrame:
             val = pd.read_csv(client.download_artifacts(run.info.run_id, "predictions_videos_val.csv"))
             test = pd.read_csv(client.download_artifacts(run.info.run_id, "predictions_videos.csv"))
             positive = [column for column in val.columns if column.startswith("prob_")][1]
-            pairs = [(frame["label"].to_numpy(dtype=int), frame[positive].to_numpy(dtype=float)) for frame in (val, test)]
+            pairs = [(frame["label"].to_numpy(dtype=int), frame[positive].to_numpy(dtype=float))
+                     for frame in (val, test)]
             if len(np.unique(pairs[1][0])) < 2:
                 continue
             n_val = val["subject_name"].nunique()
