@@ -89,6 +89,7 @@ class FinetuneStrategy:
 
     name = "full"
     backbone_fixed = False  # True: the backbone's weights never change, so checkpoints need not hold them
+    on_embeddings = False  # True: fed the backbone's cached embeddings, only the head runs (tiny ops: one thread)
 
     def __init__(self) -> None:
         self.frozen_norms: list[nn.Module] = []
@@ -135,6 +136,8 @@ class FrozenBackbone(FinetuneStrategy):
 
 class FrozenOnEmbeddings(FrozenBackbone):
     """`frozen`, fed the backbone's cached per-crop embeddings instead of images: only the head runs."""
+
+    on_embeddings = True
 
     def forward(self, net: PainNet, inputs: torch.Tensor) -> torch.Tensor:
         return net.head(inputs)

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from pipeline.data.clips import clip_rows, prediction_table
 from pipeline.data.embeddings import EmbeddingTable
 from pipeline.evaluation.metrics import classification_metrics
+from pipeline.utils.cpus import one_torch_thread
 from pipeline.utils.seeds import derived_seed
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,12 @@ def validation_score(head: nn.Module, clips: Clips) -> tuple[float, float]:
 
 def train_head(head: nn.Module, train: Clips, val: Clips, settings: HeadTraining) -> TrainedHead:
     """Train `head` on the training clips; keep the epoch with the best validation score; stop after `patience`
-    epochs without a better one."""
+    epochs without a better one. On one torch thread: a head on embeddings is tiny ops (`one_torch_thread`)."""
+    with one_torch_thread():
+        return _train_head(head, train, val, settings)
+
+
+def _train_head(head: nn.Module, train: Clips, val: Clips, settings: HeadTraining) -> TrainedHead:
     torch.manual_seed(derived_seed(settings.seed, settings.stream, 1 << 30))  # the same dropout draws on a rerun
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     best = TrainedHead(copy.deepcopy(head), -1, -np.inf)

@@ -92,6 +92,7 @@ from pipeline.runs.two_stage import RECORD as TWO_STAGE_RECORD
 from pipeline.runs.two_stage import SecondStage, second_stage, skips_first_stage, write_record
 from pipeline.utils.accelerator import TrainingDevice, training_device
 from pipeline.utils.atomic_io import atomic_path, fsync_tree
+from pipeline.utils.cpus import one_torch_thread
 from pipeline.utils.devices import DeviceSettings, device_settings
 from pipeline.utils.paths import resolve_path
 
@@ -440,7 +441,8 @@ def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataM
     resume_from = work_dir / "last.ckpt"
     if resume_from.is_file():
         log.warning("fold: continuing from the epoch checkpoint %s", resume_from)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from.is_file() else None)
+    with one_torch_thread(module.finetune.on_embeddings):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from.is_file() else None)
     if not best.best_model_path:
         raise RuntimeError(f"no checkpoint was selected on {cfg.trainer.monitor} (was it logged?); "
                            f"refusing to test the last epoch's weights instead")
@@ -454,7 +456,8 @@ def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataM
 def test_fold(fitted: Fitted, module: PainLightningModule,
               datamodule: PainDataModule) -> tuple[pd.DataFrame, Evaluation]:
     """Score the best checkpoint once on the test subjects: per-crop predictions and their evaluation."""
-    fitted.trainer.test(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
+    with one_torch_thread(module.finetune.on_embeddings):
+        fitted.trainer.test(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
     return module.test_predictions, module.test_evaluation
 
 
@@ -464,7 +467,8 @@ def validate_fold(fitted: Fitted, module: PainLightningModule, datamodule: PainD
     otherwise (a fold resumed after its best epoch) the best checkpoint is validated again."""
     if fitted.best_validation is not None:
         return fitted.best_validation
-    fitted.trainer.validate(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
+    with one_torch_thread(module.finetune.on_embeddings):
+        fitted.trainer.validate(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
     return module.val_evaluation
 
 

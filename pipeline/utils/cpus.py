@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.pool import Pool
 from typing import Any
 
@@ -27,3 +28,19 @@ def process_pool(workers: int, initializer: Callable[..., Any] | None = None, in
     """
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     return multiprocessing.get_context(method).Pool(workers, initializer=initializer, initargs=initargs)
+
+
+@contextlib.contextmanager
+def one_torch_thread(when: bool = True) -> Iterator[None]:
+    """One torch thread inside the block (when `when`): training a head on embeddings is thousands of tiny ops, where
+    a second thread only waits for the first, and on a busy CPU each op waits for a descheduled thread (a frozen
+    probe's fold took 45 s on two threads, 7 s on one, on a 2-core machine with another process running)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if when:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
