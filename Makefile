@@ -149,15 +149,15 @@ export: install ## the network of MODEL_URI (default: the champion) as ONNX (FOR
 	$(PY) -m pipeline export $(OVERRIDES) $(if $(MODEL_URI),--model_uri=$(MODEL_URI)) --format=$(FORMAT) \
 		$(if $(OUT),--out=$(OUT))
 
-ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store
-	@$(PY) -m pipeline ui-url --tracking-uri '$(TRACKING_URI)' --host 127.0.0.1 --port $(MLFLOW_PORT)
-	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri $(TRACKING_URI) \
-		--default-artifact-root $(CURDIR)/mlartifacts --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1
+ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store, with a password made for it
+	$(PY) -m pipeline ui --port $(MLFLOW_PORT)
 
-server: install ## MLflow tracking server for fold jobs on other nodes; basic auth unless SERVER_HOST is loopback
+server: export SERVER_STORE := $(SERVER_STORE)
+server: export SERVER_AUTH_DB := $(SERVER_AUTH_DB)
+server: install ## MLflow tracking server for fold jobs on other nodes; basic auth on every host, loopback too
 	$(PY) -m pipeline server --host $(call quote,$(SERVER_HOST)) --port $(SERVER_PORT) \
-		--store $(call quote,$(SERVER_STORE)) --artifacts $(call quote,$(SERVER_ARTIFACTS)) --auth $(SERVER_AUTH) \
-		--auth-db $(call quote,$(SERVER_AUTH_DB)) --auth-config $(call quote,$(SERVER_AUTH_CONFIG)) \
+		--artifacts $(call quote,$(SERVER_ARTIFACTS)) --auth $(SERVER_AUTH) \
+		--auth-config $(call quote,$(SERVER_AUTH_CONFIG)) \
 		--default-permission $(SERVER_DEFAULT_PERMISSION) $(if $(SERVER_WORKERS),--workers $(SERVER_WORKERS)) \
 		$(if $(SERVER_ADMIN_PASSWORD_FILE),--admin-password-file $(call quote,$(SERVER_ADMIN_PASSWORD_FILE))) \
 		$(if $(SERVER_ALLOWED_HOSTS),--allowed-hosts $(call quote,$(SERVER_ALLOWED_HOSTS))) \
