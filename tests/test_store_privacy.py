@@ -148,7 +148,7 @@ def test_a_store_others_can_read_is_refused_with_its_path_and_mode(tiny_base, tm
     base = tmp_path / "project"
     open_raw = tmp_path / "raw"
     shutil.copytree(tiny_base / "raw", open_raw)
-    open_raw.chmod(0o755)
+    subprocess.run(["chmod", "-R", "go+rX", str(open_raw)], check=True)
     settings = [o for o in tiny_overrides(base) if not o.startswith("data.root=")] + [f"data.root={open_raw}"]
     for name, mode in (("mlflow.db", 0o640), ("runs", 0o750), ("mlartifacts", 0o707), ("processed", 0o755)):
         target = base / name
@@ -173,20 +173,21 @@ def test_commands_create_what_other_accounts_cannot_read(tiny_base, stranger, op
     """`make cv` started under umask 022 in a folder others can enter: the crops, the sqlite store, the artifacts
     (the kept model) and the runs folder it creates are this user's alone, and the second account is denied each."""
     open_raw = open_folder / "raw"
-    shutil.copytree(tiny_base / "raw", open_raw)  # the twin itself stays readable: not a store
+    shutil.copytree(tiny_base / "raw", open_raw)
+    subprocess.run(["chmod", "-R", "go+rX", str(open_raw)], check=True)  # the twin readable by all: not a store
     done = _cli(open_folder, "cv", *ONE_FOLD, "cv.log_models=true", raw=open_raw)
     assert done.returncode == 0, done.stderr[-3000:]
     made = [path for path in open_folder.rglob("*") if not path.is_relative_to(open_raw)]
     assert any(path.name == "model.pt" for path in made) and any(path.suffix == ".jpg" for path in made)
-    opened = [path for path in made if path.stat().st_mode & 0o077]
+    opened = [path for path in made if path.is_dir() and path.stat().st_mode & 0o077]
     assert not opened, [f"{path} {stat.filemode(path.stat().st_mode)}" for path in opened]
-    crop = next(path for path in made if path.suffix == ".jpg")
-    model = next(path for path in made if path.name == "model.pt")
-    targets = [open_folder / "mlflow.db", open_folder / "mlartifacts", open_folder / "runs", open_folder / "processed",
-               crop, model]
-    seen = stranger.probe(*targets)
-    assert all(seen[str(target)] == "denied" for target in targets), seen
-    assert seen == {str(t): "denied" for t in targets}
+    # every file made is the owner's alone: through its folders (MLflow copies the model's code file with the
+    # checkout's mode), and the stores, crops and the model themselves
+    seen = stranger.probe(*made)
+    assert set(seen.values()) == {"denied"}, {path: got for path, got in seen.items() if got != "denied"}
+    stores = [open_folder / "mlflow.db", open_folder / "runs", open_folder / "processed"]
+    stores += [path for path in made if path.suffix in (".jpg", ".pt", ".csv", ".ckpt") or path.name == "mlflow.db"]
+    assert not [path for path in stores if path.stat().st_mode & 0o077]
     assert stranger.probe(open_raw)[str(open_raw)].startswith("listed")  # the probe itself sees what it may
 
 
