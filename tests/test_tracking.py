@@ -107,6 +107,9 @@ def test_make_ui_asks_for_a_password_made_for_it(store, tmp_path: Path) -> None:
             assert error.code == 401
         assert auth_call(f"http://127.0.0.1:{port}", "/api/2.0/mlflow/experiments/search", "admin", password,
                          query={"max_results": 1})[0] == 200
+        page = urllib.request.Request(f"http://127.0.0.1:{port}/", headers=_basic(password))
+        with urllib.request.urlopen(page, timeout=10) as answer:  # what the browser gets once logged in
+            assert b"MLflow" in answer.read()
         lines = [_command_line(pid) for pid in os.listdir("/proc") if pid.isdigit()]  # every process's, as ps
         assert any(b"mlflow\0server" in line and f"--port\0{port}\0".encode() in line for line in lines)
         assert not [line for line in lines if password.encode() in line or str(tmp_path).encode() in line]
@@ -117,6 +120,12 @@ def test_make_ui_asks_for_a_password_made_for_it(store, tmp_path: Path) -> None:
             assert probe.connect_ex(("127.0.0.1", port)) != 0  # the server went with it
     finally:
         stop_process_group(ui, grace_s=10)
+
+
+def _basic(password: str) -> dict[str, str]:
+    import base64
+
+    return {"Authorization": "Basic " + base64.b64encode(f"admin:{password}".encode()).decode()}
 
 
 def _command_line(pid: str) -> bytes:
