@@ -264,3 +264,37 @@ def _process_group(pid: str) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def test_slurm_tasks_get_the_runs_credentials_alone_from_a_private_folder(tiny_config, tmp_path,
+                                                                          monkeypatch) -> None:
+    """SLURM hands the submitter's environment to its tasks: what `sbatch` sees (a stand-in on PATH that records its
+    environment; submitit is the real one) holds the run's credentials and none of the driver's secrets, and the
+    driver's own environment is back after. submitit's folder, whose pickles the nodes unpickle, is made 0700 even
+    where it existed open."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    seen = tmp_path / "sbatch.env"
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\nenv > {seen}\necho Submitted batch job 4242\n")
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")  # submitit asks that SLURM is there; never run here
+    for tool in ("sbatch", "srun"):
+        (bin_dir / tool).chmod(0o700)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    admin_password, db_password = secrets.token_urlsafe(12), secrets.token_urlsafe(12)
+    for variable, value in ((ADMIN_PASSWORD_ENV, admin_password), (USERNAME_ENV, "admin"),
+                            (PASSWORD_ENV, admin_password), ("PGPASSWORD", db_password)):
+        monkeypatch.setenv(variable, value)
+    folder = tmp_path / "runs" / "parent" / "slurm"
+    folder.mkdir(parents=True, mode=0o755)
+    folder.chmod(0o755)
+    cfg = tiny_config("launcher=slurm")
+    job = FoldJob({}, 0, "parent", "http://127.0.0.1:5000", str(tmp_path / "fold_0"), decisions=None,  # type: ignore[arg-type]
+                  store_uri="http://127.0.0.1:5000")
+    run_user = {USERNAME_ENV: "painvit-jobs-0000", PASSWORD_ENV: "the run's own"}
+    assert launchers.submit_slurm([job], cfg.launcher, folder, "privacy", run_user) == {0: "4242"}  # one task: no array
+    env = dict(line.split("=", 1) for line in seen.read_text().splitlines() if "=" in line)
+    assert env[USERNAME_ENV] == "painvit-jobs-0000" and env[PASSWORD_ENV] == "the run's own"
+    assert not {ADMIN_PASSWORD_ENV, "PGPASSWORD"} & set(env)
+    assert admin_password not in seen.read_text() and db_password not in seen.read_text()
+    assert os.environ[ADMIN_PASSWORD_ENV] == admin_password and os.environ[PASSWORD_ENV] == admin_password
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and list(folder.glob("*.pkl"))
