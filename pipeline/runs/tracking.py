@@ -16,6 +16,7 @@ import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
+from urllib.request import url2pathname
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -126,7 +127,12 @@ def parse_tune_budget(text: str) -> dict[str, str]:
 
 def artifact_root(project_root: Path) -> str:
     """The file:// URI of `<project>/mlartifacts`, the artifact location given to experiments this project creates."""
-    return (Path(project_root).resolve() / "mlartifacts").as_uri()
+    return artifact_folder(project_root).as_uri()
+
+
+def artifact_folder(project_root: Path) -> Path:
+    """`<project>/mlartifacts`, where the artifacts of this project's experiments live."""
+    return Path(project_root).resolve() / "mlartifacts"
 
 
 def get_or_create_experiment(name: str, artifact_root: str | Path, client: MlflowClient | None = None) -> str:
@@ -260,9 +266,11 @@ def store_paths(cfg: DictConfig) -> list[Path]:
     this user's alone (`pipeline.utils.permissions.refuse_open_stores`); the raw twin and committed fold files are not
     stores."""
     paths = [sqlite_file(store_uri(OmegaConf.select(cfg, "mlflow.tracking_uri")))]
-    artifacts = OmegaConf.select(cfg, "mlflow.artifact_root") or artifact_root(PROJECT_ROOT)
-    if "://" not in str(artifacts) or str(artifacts).startswith("file://"):
-        paths.append(Path(urlsplit(str(artifacts)).path) if "://" in str(artifacts) else resolve_path(artifacts))
+    artifacts = str(OmegaConf.select(cfg, "mlflow.artifact_root") or artifact_root(PROJECT_ROOT))
+    if artifacts.startswith("file://"):
+        paths.append(Path(url2pathname(urlsplit(artifacts).path)))
+    elif "://" not in artifacts:
+        paths.append(resolve_path(artifacts))
     for key in ("cv.work_dir", "tune.storage_dir", "data.processed_dir"):
         value = OmegaConf.select(cfg, key)
         if value:

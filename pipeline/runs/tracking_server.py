@@ -42,6 +42,7 @@ from urllib.parse import urlencode, urlsplit
 
 from pipeline.runs.tracking import (
     DEFAULT_EXPERIMENT,
+    artifact_folder,
     artifact_root,
     find_experiment_id,
     redact_uri,
@@ -370,9 +371,8 @@ def ui_main(argv: Sequence[str] | None = None) -> int:
     if store.startswith(("http://", "https://")):
         print(f"ui: the store is the tracking server {redact_uri(store)}: open its own UI", file=sys.stderr)
         return 2
-    artifacts = Path(urlsplit(artifact_root(PROJECT_ROOT)).path)
     try:
-        refuse_open_stores([path for path in (sqlite_file(store), artifacts) if path is not None])
+        refuse_open_stores([path for path in (sqlite_file(store), artifact_folder(PROJECT_ROOT)) if path is not None])
     except StoreNotPrivate as error:
         print(f"ui: {error}", file=sys.stderr)
         return 2
