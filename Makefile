@@ -194,17 +194,14 @@ export: install ## the network of MODEL_URI= or RUN=<fold or final run> (default
 	$(QUOTED_PY) -m pipeline export $(OVERRIDES) $(call if_set,--model_uri=,MODEL_URI) $(call if_set,--run=,RUN) \
 		$(call quote,--format=$(FORMAT)) $(call if_set,--out=,OUT)
 
-ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store
-	@$(QUOTED_PY) -m pipeline ui-url --tracking-uri $(call quote,$(TRACKING_URI)) --host 127.0.0.1 \
-		--port $(call quote,$(MLFLOW_PORT))
-	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(QUOTED_BIN)/mlflow ui --backend-store-uri $(call quote,$(TRACKING_URI)) \
-		--default-artifact-root $(call quote,$(CURDIR)/mlartifacts) --host 127.0.0.1 --port $(call quote,$(MLFLOW_PORT)) \
-		--workers 1
+ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store, with a password made for it
+	$(QUOTED_PY) -m pipeline ui --port $(call quote,$(MLFLOW_PORT))
 
-server: install ## MLflow tracking server for fold jobs on other nodes; basic auth unless SERVER_HOST is loopback
+server: export SERVER_STORE := $(SERVER_STORE)
+server: export SERVER_AUTH_DB := $(SERVER_AUTH_DB)
+server: install ## MLflow tracking server for fold jobs on other nodes; basic auth on every host, loopback too
 	$(QUOTED_PY) -m pipeline server --host $(call quote,$(SERVER_HOST)) --port $(call quote,$(SERVER_PORT)) \
-		--store $(call quote,$(SERVER_STORE)) --artifacts $(call quote,$(SERVER_ARTIFACTS)) \
-		--auth $(call quote,$(SERVER_AUTH)) --auth-db $(call quote,$(SERVER_AUTH_DB)) \
+		--artifacts $(call quote,$(SERVER_ARTIFACTS)) --auth $(call quote,$(SERVER_AUTH)) \
 		--auth-config $(call quote,$(SERVER_AUTH_CONFIG)) --default-permission $(call quote,$(SERVER_DEFAULT_PERMISSION)) \
 		$(if $(SERVER_WORKERS),--workers $(call quote,$(SERVER_WORKERS))) \
 		$(if $(SERVER_ADMIN_PASSWORD_FILE),--admin-password-file $(call quote,$(SERVER_ADMIN_PASSWORD_FILE))) \

@@ -27,11 +27,14 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline fold-job    JOB.json          run one fold job (what the parallel launcher starts per fold)
     python -m pipeline tune-worker WORKER.json       run one search worker (what `make tune LAUNCHER=parallel` starts)
     python -m pipeline fold-files  write-biovid | check PATH...   regenerate or check committed fold files
-    python -m pipeline server      --store URI --artifacts DIR [--host H --port P ...]   the tracking server
+    python -m pipeline server      --artifacts DIR [--host H --port P ...]   the tracking server (store: $SERVER_STORE)
+    python -m pipeline ui          [--port 5000]     the MLflow UI on loopback, asking for a password made for it
     python -m pipeline ui-url      [--port 5000]     the MLflow UI address of the cross-validation runs page
 
 The Makefile is the front door (`make help`); it turns MODEL=, DATA=, PROTOCOL=, TASK= into these overrides, and
 ARGS="a=1 b='x y'" into one argument --args="a=1 b='x y'" that takes its words' place (split here, not by a shell).
+Every command creates its files under umask 077 (this user's alone), and one whose store, artifact, runs or crops
+folder others can read or write is refused unless PAINVIT_STORE_SHARED_OK=1 (`pipeline.utils.permissions`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.utils.atomic_io import SettingsMismatch
 from pipeline.utils.config import load_config
 from pipeline.utils.logging_setup import setup_logging
+from pipeline.utils.permissions import StoreNotPrivate, private_umask, refuse_open_stores
 
 
 def _data(cfg: DictConfig, **options) -> None:
@@ -172,6 +176,12 @@ def _server(argv: list[str]) -> int:
     return main(argv)
 
 
+def _ui(argv: list[str]) -> int:
+    from pipeline.runs.tracking_server import ui_main
+
+    return ui_main(argv)
+
+
 def _ui_url(argv: list[str]) -> int:
     from pipeline.runs.tracking import main
 
@@ -191,7 +201,8 @@ COMMANDS: dict[str, Callable[..., None]] = {
 }
 # tools with arguments of their own
 TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "tune-worker": _tune_worker,
-                                                "fold-files": _fold_files, "ui-url": _ui_url, "server": _server}
+                                                "fold-files": _fold_files, "ui-url": _ui_url, "server": _server,
+                                                "ui": _ui}
 # config groups a command adds to the defaults list: `make tune` has a `tune` section, `make pretrain` a `pretrain` one
 COMMAND_GROUPS: dict[str, tuple[str, ...]] = {"tune": ("tune=default",), "pretrain": ("pretrain=default",),
                                               "power": ("power=default",)}
@@ -219,6 +230,7 @@ def split_args(arguments: list[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    private_umask()  # everything a command, its servers and its fold jobs create is this user's alone
     if argv and argv[0] in TOOLS:
         return TOOLS[argv[0]](argv[1:])
     if not argv or argv[0] not in COMMANDS:
@@ -241,6 +253,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         options["overrides"] = overrides
     setup_logging()
     cfg = load_config(overrides, groups=COMMAND_GROUPS.get(command, ()))
+    if command != "config":  # a store others can read or write: refused before anything is read or written
+        from pipeline.runs.tracking import store_paths
+
+        try:
+            refuse_open_stores(store_paths(cfg))
+        except StoreNotPrivate as error:
+            print(f"{command}: error: {error}", file=sys.stderr)
+            return 2
     from pipeline.utils.accelerator import GpuUnavailable  # here, not on top: `ui-url` must not import torch
 
     try:

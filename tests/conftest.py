@@ -7,6 +7,11 @@ from pathlib import Path
 import pytest
 
 from pipeline.utils.config import load_config
+from pipeline.utils.permissions import private_umask
+
+# What the tests create in this process (stores, crops, runs) is made as every command of the project makes it (the
+# CLI sets umask 077): a command that a test then starts over those folders would refuse them otherwise.
+private_umask()
 
 
 def tiny_overrides(base: Path, *extra: str) -> list[str]:

@@ -110,6 +110,7 @@ def ensure_munge() -> None:
     for folder in ("/etc/munge", "/var/lib/munge", "/var/log/munge", "/run/munge"):
         os.makedirs(folder, exist_ok=True)
         os.chown(folder, user.pw_uid, user.pw_gid)
+    os.chmod("/run/munge", 0o755)  # munged's socket folder must be open to all (the tests run under umask 077)
     if not MUNGE_KEY.exists():
         MUNGE_KEY.write_bytes(os.urandom(1024))
     os.chown(MUNGE_KEY, user.pw_uid, user.pw_gid)

@@ -1,15 +1,11 @@
-"""The front door: config composition, `python -m pipeline data` / `aug-preview` on a fresh folder, `make ui`."""
+"""The front door: config composition, `python -m pipeline data` / `aug-preview` on a fresh folder."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import cv2
@@ -70,35 +66,6 @@ def test_aug_preview_writes_a_png(tiny_base: Path) -> None:
     assert result.returncode == 0, result.stderr
     image = cv2.imread(str(tiny_base / "reports" / "aug_preview_synthetic_mobilevit_xxs.png"))
     assert image is not None and image.shape[0] > 64 and image.shape[1] > 64
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_make_ui_serves_the_store(tmp_path: Path) -> None:
-    port = free_port()
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'ui.db'}"}
-    server = subprocess.Popen(["make", "--no-print-directory", "ui", f"MLFLOW_PORT={port}"], cwd=PROJECT_ROOT,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    assert response.status == 200
-                    break
-            except OSError:
-                assert server.poll() is None, "make ui exited"
-                assert time.time() < deadline, "the MLflow UI did not come up within 120 s"
-                time.sleep(1)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as response:
-            assert b"MLflow" in response.read()
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
 
 
 def test_notebook_is_valid_and_its_code_compiles() -> None:

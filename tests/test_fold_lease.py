@@ -188,7 +188,7 @@ def test_two_parents_created_at_once_become_one(lease_store) -> None:
         assert client.get_run(kept.info.run_id).info.lifecycle_stage == "active"
 
 
-def test_two_make_cv_at_once_through_one_server_train_every_fold_once(tiny_base, tmp_path) -> None:
+def test_two_make_cv_at_once_through_one_server_train_every_fold_once(tiny_base, tmp_path, monkeypatch) -> None:
     """Two drivers of the same CV (`pipeline cv`, as `make cv` runs it), started together through one tracking
     server, each with its own work and lock folder (two machines). Whichever claims fold 0 is held inside it until
     the other has said that it waits for that fold: the fold leases, not luck, keep them apart. Both finish, with
@@ -202,7 +202,10 @@ def test_two_make_cv_at_once_through_one_server_train_every_fold_once(tiny_base,
     gate = tmp_path / "gate"
     gate.mkdir()
     settings = [o for o in FAST if not o.startswith(("trainer.folds", "trainer.max_epochs", "trainer.patience"))]
-    with tracking_server(f"sqlite:///{tmp_path / 'shared.db'}", str(tmp_path / "shared_artifacts")) as uri:
+    with tracking_server(f"sqlite:///{tmp_path / 'shared.db'}", str(tmp_path / "shared_artifacts")) as server:
+        uri = server.uri
+        for variable, value in server.admin_credentials.items():  # the drivers' and this client's user
+            monkeypatch.setenv(variable, value)
         drivers = {}
         for name in ("a", "b"):
             command = [sys.executable, "-m", "tests.gated_cv", "0", "0", "until", str(gate),
@@ -211,7 +214,8 @@ def test_two_make_cv_at_once_through_one_server_train_every_fold_once(tiny_base,
                                        f"cv.work_dir={tmp_path / name / 'runs'}",
                                        f"reports_dir={tmp_path / name / 'reports'}", "cv.lease_s=20")]
             log = (tmp_path / f"{name}.log").open("w")
-            drivers[name] = (subprocess.Popen(command, cwd=PROJECT_ROOT, env=RUN_ENV, stdout=log,
+            drivers[name] = (subprocess.Popen(command, cwd=PROJECT_ROOT, env={**RUN_ENV,
+                                              **server.admin_credentials}, stdout=log,
                                               stderr=subprocess.STDOUT, text=True), log)
         try:
             deadline = time.monotonic() + 600  # a bound for a broken run, not a guess at how long they take

@@ -50,11 +50,16 @@ def test_a_replaced_file_keeps_its_mode_and_a_private_file_stays_private(tmp_pat
 
 
 def test_fold_job_files_are_private(tmp_path: Path) -> None:
-    """A fold job's JSON holds the tracking URI, which may carry a database password."""
+    """A fold job's JSON is its owner's alone, and reads back as written; the store it names is written without its
+    password (tests/test_store_privacy.py: a tracking URI with one is refused)."""
+    from dataclasses import replace
+
     from pipeline.runs.fold_job import FoldDecisions, FoldJob
 
     weights = {"kind": "random", "ref": "", "sha256": None}
     decisions = FoldDecisions(str(tmp_path / "folds.csv"), "32-true", "vit", weights)
-    job = FoldJob({"a": 1}, 0, "parent", "postgresql://user:secret@db/mlflow", str(tmp_path / "work"), decisions)
+    job = FoldJob({"a": 1}, 0, "parent", "http://127.0.0.1:5000", str(tmp_path / "work"), decisions,
+                  store_uri="postgresql://user:secret@db/mlflow")
     path = job.write(tmp_path / "job.json")
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and FoldJob.read(path) == job
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert FoldJob.read(path) == replace(job, store_uri="postgresql://user:***@db/mlflow")

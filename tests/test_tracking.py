@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -66,22 +65,83 @@ def test_ui_url_opens_the_runs_table_in_model_training_mode() -> None:
     assert tracking.ui_url("127.0.0.1", "5001", None) == "http://127.0.0.1:5001/#/experiments?workflowType=machine_learning"
 
 
-def test_make_ui_prints_the_runs_url_and_runs_one_worker(store) -> None:
-    """`make -n ui` shows the recipe without starting a server; its first line is then run for real."""
+def test_make_ui_asks_for_a_password_made_for_it(store, tmp_path: Path) -> None:
+    """`make ui` over a sqlite store: it prints the runs page's address and where the password is (a file only this
+    user can read, in a 0700 folder); the UI answers 401 without it and 200 with it; no command line of its
+    processes holds the password or the store; the file goes when the UI stops (Ctrl+C)."""
+    import re
+    import signal
+    import socket
+    import stat
+    import time
+    import urllib.error
+    import urllib.request
+
+    from pipeline.runs.launchers import free_port, stop_process_group
+    from pipeline.runs.tracking_server import auth_call
+
+    experiment_id = tracking.get_or_create_experiment("pain-cv", store["artifacts"], client=store["client"])
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_AUTH", "MLFLOW_TRACKING"))}
+    env.update({"MLFLOW_TRACKING_URI": store["uri"], "PYTHONPATH": str(PROJECT_ROOT)})
+    out = tmp_path / "ui.out"
+    with out.open("w") as log:
+        ui = subprocess.Popen(["make", "--no-print-directory", "-o", ".venv/.installed", "ui", f"MLFLOW_PORT={port}"],
+                              cwd=PROJECT_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "password in" not in out.read_text():
+            assert ui.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.5)
+        printed = out.read_text()
+        assert f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs?workflowType=machine_learning" in printed
+        secret = Path(re.search(r"password in (\S+) \(", printed).group(1))
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and stat.S_IMODE(secret.parent.stat().st_mode) == 0o700
+        password = secret.read_text().strip()
+        assert password not in printed
+        search = f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1"
+        try:
+            urllib.request.urlopen(search, timeout=10)
+            raise AssertionError("the UI answered without a password")
+        except urllib.error.HTTPError as error:
+            assert error.code == 401
+        assert auth_call(f"http://127.0.0.1:{port}", "/api/2.0/mlflow/experiments/search", "admin", password,
+                         query={"max_results": 1})[0] == 200
+        page = urllib.request.Request(f"http://127.0.0.1:{port}/", headers=_basic(password))
+        with urllib.request.urlopen(page, timeout=10) as answer:  # what the browser gets once logged in
+            assert b"MLflow" in answer.read()
+        lines = [_command_line(pid) for pid in os.listdir("/proc") if pid.isdigit()]  # every process's, as ps
+        assert any(b"mlflow\0server" in line and f"--port\0{port}\0".encode() in line for line in lines)
+        assert not [line for line in lines if password.encode() in line or str(tmp_path).encode() in line]
+        os.killpg(ui.pid, signal.SIGINT)  # Ctrl+C
+        assert ui.wait(timeout=60) in (0, 2, 130, -signal.SIGINT), out.read_text()[-2000:]  # make: killed by it
+        assert not secret.exists() and not secret.parent.exists()
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0  # the server went with it
+    finally:
+        stop_process_group(ui, grace_s=10)
+
+
+def _basic(password: str) -> dict[str, str]:
+    import base64
+
+    return {"Authorization": "Basic " + base64.b64encode(f"admin:{password}".encode()).decode()}
+
+
+def _command_line(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
+def test_ui_url_answers_without_mlflow(store) -> None:
+    """`python -m pipeline ui-url` (what a script may ask for the address): quick, no mlflow nor torch import."""
     experiment_id = tracking.get_or_create_experiment("pain-cv", store["artifacts"], client=store["client"])
     env = {**os.environ, "MLFLOW_TRACKING_URI": store["uri"]}
-    recipe = subprocess.run(["make", "--no-print-directory", "-n", "ui", "MLFLOW_PORT=5123"], cwd=PROJECT_ROOT,
-                            env=env, capture_output=True, text=True, timeout=60)
-    assert recipe.returncode == 0, recipe.stderr
-    lines = recipe.stdout.replace("\\\n", " ").splitlines()
-    server = next(line for line in lines if "mlflow ui" in line)
-    assert "--workers 1" in server and "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false" in server
-    printer = next(line for line in lines if "-m pipeline ui-url" in line)
-    # The check must be quick: no mlflow (nor torch) import on this path.
     probe = "import sys; from pipeline.cli import main; main(sys.argv[1:]); " \
             "print('mlflow imported' if {'mlflow', 'torch'} & set(sys.modules) else 'mlflow not imported')"
-    args = shlex.split(printer)[shlex.split(printer).index("-m") + 2:]
-    printed = subprocess.run([sys.executable, "-c", probe, *args], cwd=PROJECT_ROOT, env=env,
+    printed = subprocess.run([sys.executable, "-c", probe, "ui-url", "--port", "5123"], cwd=PROJECT_ROOT, env=env,
                              capture_output=True, text=True, timeout=60)
     assert printed.returncode == 0, printed.stderr
     assert f"http://127.0.0.1:5123/#/experiments/{experiment_id}/runs?workflowType=machine_learning" in printed.stdout

@@ -424,7 +424,7 @@ def compare(
     client = MlflowClient(tracking_uri=uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
-        raise ComparisonError(f"no MLflow experiment {experiment!r} at {uri}")
+        raise ComparisonError(f"no MLflow experiment {experiment!r} at {tracking.redact_uri(uri)}")
     experiment_id = found.experiment_id
     where_cvs = (client, [experiment_id], dataset, protocol, task, subject_set, fold_file_sha256, crop_params)
     try:

@@ -66,6 +66,7 @@ from pipeline.runs.fold_job import (
     result_from_run,
     retire_unreadable,
 )
+from pipeline.runs.tracking_server import job_credentials
 from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
 from pipeline.utils.paths import PROJECT_ROOT, git_commit, resolve_path
@@ -118,7 +119,8 @@ class Plan:
     def job(self, fold: int, tracking_uri: str | None = None, seed: int | None = None) -> FoldJob:
         folder = f"fold_{fold}" + (f"_seed_{seed}" if seed is not None else "")
         return FoldJob(OmegaConf.to_container(self.cfg, resolve=True), int(fold), self.parent_run_id,
-                       tracking_uri or self.tracking_uri, str(self.work_dir / folder), self.decisions, seed)
+                       tracking_uri or self.tracking_uri, str(self.work_dir / folder), self.decisions, seed,
+                       store_uri=tracking.redact_uri(self.tracking_uri))
 
 
 @contextlib.contextmanager
@@ -301,14 +303,16 @@ def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Prog
     if launcher.name == "local":
         return launchers.launch_local([plan.job(fold, seed=seed) for fold in pending], report)
     if launcher.name == "parallel":
-        if plan.tracking_uri.startswith("sqlite:"):  # several writers: through a server, never the file itself
+        if not plan.tracking_uri.startswith(("http://", "https://")):  # several writers: through a private server
             artifact_root = client.get_experiment(plan.experiment_id).artifact_location
-            with launchers.tracking_server(plan.tracking_uri, artifact_root) as uri:
-                print(f"MLflow server for the fold jobs: {uri} (over {plan.tracking_uri})")
-                return launchers.launch_parallel([plan.job(fold, uri, seed) for fold in pending], launcher.jobs,
-                                                 report, result_of)
+            with launchers.tracking_server(plan.tracking_uri, artifact_root,
+                                           experiment_ids=[plan.experiment_id]) as server:
+                print(f"MLflow server for the fold jobs: {server.uri} (over {tracking.redact_uri(plan.tracking_uri)}"
+                      f", its own user for them)")
+                return launchers.launch_parallel([plan.job(fold, server.uri, seed) for fold in pending],
+                                                 launcher.jobs, report, result_of, server.credentials)
         return launchers.launch_parallel([plan.job(fold, seed=seed) for fold in pending], launcher.jobs, report,
-                                         result_of)
+                                         result_of, job_credentials(plan.tracking_uri, [plan.experiment_id]))
     # slurm
     parent = client.get_run(plan.parent_run_id)
     jobs_tag = tracking.SLURM_JOBS_TAG + (f".seed_{seed}" if seed is not None else "")
@@ -319,7 +323,8 @@ def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Prog
     if to_submit:
         name = f"painvit-{plan.cfg.model.name}-{plan.parent_run_id[:8]}"
         new = launchers.submit_slurm([plan.job(fold, seed=seed) for fold in to_submit], launcher,
-                                     plan.work_dir / "slurm", name + (f"-seed{seed}" if seed is not None else ""))
+                                     plan.work_dir / "slurm", name + (f"-seed{seed}" if seed is not None else ""),
+                                     job_credentials(plan.tracking_uri, [plan.experiment_id]))
         submitted.update(new)
         queued.update(new)
         client.set_tag(plan.parent_run_id, jobs_tag, launchers.job_ids_tag(submitted))
@@ -352,8 +357,8 @@ def run_cv(cfg: DictConfig) -> dict:
         auto = " (each fold resolves it on its device)" if plan.decisions.precision == "auto" else ""
         print(f"cross-validation: {name}, {len(plan.fold_ids)} folds{seeds}{resumed}, launcher {cfg.launcher.name}, "
               f"precision {plan.decisions.precision}{auto}")
-        print(f"MLflow: {tracking_uri} (experiment {cfg.mlflow.experiment}, parent run {plan.parent_run_id}); "
-              f"`make ui` to review")
+        print(f"MLflow: {tracking.redact_uri(tracking_uri)} (experiment {cfg.mlflow.experiment}, parent run "
+              f"{plan.parent_run_id}); `make ui` to review")
         try:
             outcome = launch(plan, client) if len(plan.done) < len(plan.units) else launchers.LaunchOutcome()
         except BaseException:

@@ -87,6 +87,8 @@ from pipeline.runs.tracking import (
     SLURM_JOB_TAG,
     STORED_ARTIFACTS_TAG,
     fold_runs,
+    redact_uri,
+    uri_has_credentials,
 )
 from pipeline.runs.two_stage import RECORD as TWO_STAGE_RECORD
 from pipeline.runs.two_stage import SecondStage, second_stage, skips_first_stage, write_record
@@ -161,10 +163,16 @@ class FoldJob:
     work_dir: str  # the fold's own folder: epoch checkpoints (for resuming) and the kept model before upload
     decisions: FoldDecisions
     seed: int | None = None  # cv.seeds: this training seed instead of the config's `seed` (tagged on the child run)
+    store_uri: str = ""  # the store the records live in (behind a launcher's server), tagged; "": tracking_uri
 
     def write(self, path: Path) -> Path:
-        with atomic_path(path, mode=0o600) as tmp:  # owner only: the tracking URI may hold a database password
-            tmp.write_text(json.dumps(asdict(self)))
+        """The job as JSON, owner only; no password in it: a tracking URI with one is refused (a job reaches its
+        server with the credentials in its environment), and the store URI is written redacted."""
+        if uri_has_credentials(self.tracking_uri):
+            raise ValueError(f"fold job {path}: the tracking URI {redact_uri(self.tracking_uri)} carries a password, "
+                             f"and a job file holds none")
+        with atomic_path(path, mode=0o600) as tmp:
+            tmp.write_text(json.dumps({**asdict(self), "store_uri": redact_uri(self.store_uri)}))
         return path
 
     @classmethod
@@ -793,7 +801,8 @@ def train_attempt(client: MlflowClient, job: FoldJob, cfg: DictConfig, attempt: 
     run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=name,
                            tags={**tags, PARENT_TAG: job.parent_run_id, RUN_KIND_TAG: FOLD_RUN,
                                  FOLD_TAG: str(job.fold), ATTEMPT_TAG: str(attempt),
-                                 JOB_TRACKING_URI_TAG: job.tracking_uri, **job_owner_tags(),
+                                 JOB_TRACKING_URI_TAG: redact_uri(job.store_uri or job.tracking_uri),
+                                 **job_owner_tags(),
                                  **fold_lease.lease_tags(owner)})
     heartbeat = fold_lease.Heartbeat(client, run.info.run_id, lease_s / 5, owner)  # renewed while the fold trains
     try:

@@ -3,7 +3,9 @@ machine, one GPU or a share of the cores each) and `slurm` (one array task per f
 
 Every launcher takes the same `FoldJob`s and reports fold state changes through one callback, so the driver
 prints the same lines whatever runs the folds. Fold jobs write to MLflow themselves; with several writers that
-must be a tracking server, never one sqlite file shared between processes (`tracking_server`).
+must be a tracking server, never one sqlite file shared between processes: the parallel launcher puts a private
+server in front of any database store (`tracking_server`: basic authentication on loopback too, the jobs' own user).
+A fold job's environment holds no credential but the ones made for its run (`job_environment`), on SLURM too.
 """
 
 from __future__ import annotations
@@ -20,16 +22,28 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from pipeline.runs.fold_job import FoldJob, FoldResult, run_fold_job
-from pipeline.runs.tracking import open_store
-from pipeline.runs.tracking_server import PASSWORD_ENV, USERNAME_ENV, tracking_access_problem, uri_has_credentials
+from pipeline.runs.tracking import open_store, redact_uri, uri_has_credentials
+from pipeline.runs.tracking_server import (
+    ADMIN_PASSWORD_ENV,
+    ADMIN_USERNAME_ENV,
+    ARTIFACT_ROOT_ENV,
+    BACKEND_STORE_ENV,
+    PASSWORD_ENV,
+    USERNAME_ENV,
+    make_run_user,
+    private_server_environment,
+    tracking_access_problem,
+    without_credentials,
+)
 from pipeline.utils.cpus import available_cpus
+from pipeline.utils.permissions import PRIVATE_UMASK
 
 log = logging.getLogger(__name__)
 LAUNCHERS = ("local", "parallel", "slurm")
@@ -57,7 +71,7 @@ def check_launcher(launcher: DictConfig, tracking_uri: str) -> None:
     """Refuse, before any work, a launcher that cannot run here."""
     if launcher.name not in LAUNCHERS:
         raise LauncherError(f"unknown launcher {launcher.name!r}; known: {', '.join(LAUNCHERS)}")
-    if uri_has_credentials(tracking_uri):  # the URI goes into job files and run tags
+    if tracking_uri.startswith(("http://", "https://")) and uri_has_credentials(tracking_uri):  # into job files
         raise LauncherError(f"the tracking URI carries a user or password; it is written into job files and run tags. "
                             f"Use {USERNAME_ENV} and {PASSWORD_ENV} (MLflow reads them) and a URI without them")
     if launcher.name != "slurm":
@@ -68,9 +82,10 @@ def check_launcher(launcher: DictConfig, tracking_uri: str) -> None:
     if not tracking_uri.startswith(("http://", "https://")):
         raise LauncherError(
             f"LAUNCHER=slurm needs an MLflow tracking server that the compute nodes reach, but the tracking URI is "
-            f"{tracking_uri!r}: a sqlite file must not be written by several nodes (and is unsafe on NFS). Start "
-            f"one on the login node, e.g. `make server SERVER_HOST=0.0.0.0 SERVER_STORE=postgresql://...` (see the "
-            f"README), then `export MLFLOW_TRACKING_URI=http://<login-node>:5000` and run `make cv` again.")
+            f"{redact_uri(tracking_uri)!r}: a sqlite file must not be written by several nodes (and is unsafe on "
+            f"NFS). Start one on the login node, e.g. `make server SERVER_HOST=0.0.0.0 "
+            f"SERVER_STORE=postgresql://...` (see the README), then "
+            f"`export MLFLOW_TRACKING_URI=http://<login-node>:5000` and run `make cv` again.")
     problem = tracking_access_problem(tracking_uri)
     if problem:
         raise LauncherError(f"LAUNCHER=slurm: {problem}")
@@ -112,32 +127,68 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _private_child() -> None:
+    """In a server started here: what it creates (a new sqlite store, its journal, artifacts) is this user's alone,
+    whatever umask the caller had; and it dies with its parent (Linux)."""
+    os.umask(PRIVATE_UMASK)
+    if sys.platform == "linux":
+        _die_with_parent()
+
+
+@dataclass
+class TrackingServer:
+    """A private tracking server of one run: its address, the credentials its fold jobs get (a user made for the
+    run; empty when no experiment was named), its admin (for the owner alone: `make ui`) and its 0700 folder."""
+
+    uri: str
+    credentials: dict[str, str]
+    admin: tuple[str, str]
+    folder: Path
+    process: subprocess.Popen
+
+    @property
+    def admin_credentials(self) -> dict[str, str]:
+        return {USERNAME_ENV: self.admin[0], PASSWORD_ENV: self.admin[1]}
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+
 @contextlib.contextmanager
 def tracking_server(backend_store_uri: str, artifact_root: str, port: int | None = None,
-                    host: str = "127.0.0.1", timeout_s: float = 120) -> Iterator[str]:
-    """An MLflow tracking server over `backend_store_uri` for as long as the block runs; yields its http URI.
+                    host: str = "127.0.0.1", timeout_s: float = 120, experiment_ids: Sequence[str] = (),
+                    default_permission: str = "NO_PERMISSIONS") -> Iterator[TrackingServer]:
+    """A private MLflow tracking server over `backend_store_uri` for as long as the block runs.
 
-    One worker and no job runner (one driver's fold jobs are all it serves). Stopped at the end of the block, on
-    errors and Ctrl-C too; if this process is killed the server dies with it (Linux).
+    MLflow's basic-auth app on loopback too (other accounts on this machine reach 127.0.0.1): users and settings in a
+    0700 folder of its own, a random admin password, and a user made for the run with EDIT on `experiment_ids`,
+    whose credentials are what the fold jobs get (`job_environment`). The store URI, the artifact root and every
+    secret reach the server through its environment, never its command line (`ps` shows that to everyone); what it
+    creates is this user's alone. One worker and no job runner (one driver's fold jobs are all it serves). Stopped at
+    the end of the block, on errors and Ctrl-C too; if this process is killed the server dies with it (Linux).
     """
     open_store(backend_store_uri)  # a new sqlite store is created here, under its lock, not by the server
     port = port or free_port(host)
-    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_store_uri,
-               "--default-artifact-root", artifact_root, "--host", host, "--port", str(port), "--workers", "1"]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    folder = Path(tempfile.mkdtemp(prefix="painvit-server-"))  # 0700, this user's
+    secrets_env = private_server_environment(folder, default_permission)
+    command = [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port), "--workers", "1",
+               "--app-name", "basic-auth"]
+    env = {**without_credentials(os.environ), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+           BACKEND_STORE_ENV: backend_store_uri, ARTIFACT_ROOT_ENV: artifact_root, **secrets_env}
+    admin = (secrets_env[ADMIN_USERNAME_ENV], secrets_env[ADMIN_PASSWORD_ENV])
     started = time.time()
     # its log goes to a file: a pipe nobody reads would fill up with access lines and stall the server
-    server_log = tempfile.NamedTemporaryFile(prefix="mlflow-server-", suffix=".log", delete=False)
-    server = subprocess.Popen(command, env=env, stdout=server_log, stderr=subprocess.STDOUT,
-                              preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-                              start_new_session=True)
-    server_log.close()
+    server_log = folder / "server.log"
+    with open(server_log, "wb") as log_file:
+        server = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                  preexec_fn=_private_child, start_new_session=True)
     uri = f"http://{host}:{port}"
+    shown = redact_uri(backend_store_uri)
     try:
         while True:
             if server.poll() is not None:
-                raise RuntimeError(f"the MLflow server on {uri} exited with code {server.returncode}: "
-                                   f"{_log_tail(Path(server_log.name), 30)}")
+                raise RuntimeError(f"the MLflow server on {uri} over {shown} exited with code {server.returncode}: "
+                                   f"{_log_tail(server_log, 30)}")
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
                     if response.status == 200:
@@ -145,11 +196,12 @@ def tracking_server(backend_store_uri: str, artifact_root: str, port: int | None
             if time.time() - started > timeout_s:
                 raise RuntimeError(f"the MLflow server on {uri} did not answer within {timeout_s:.0f} s")
             time.sleep(0.5)
-        log.info("MLflow server %s over %s answered after %.1f s", uri, backend_store_uri, time.time() - started)
-        yield uri
+        credentials = make_run_user(uri, admin, experiment_ids) if experiment_ids else {}
+        log.info("MLflow server %s over %s answered after %.1f s", uri, shown, time.time() - started)
+        yield TrackingServer(uri, credentials, admin, folder, server)
     finally:
         stop_process_group(server, grace_s=15)
-        Path(server_log.name).unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def visible_gpus() -> list[str]:
@@ -184,7 +236,16 @@ def job_slots(n_jobs: int | None, gpus: list[str], cpus: list[int]) -> list[dict
     return slots
 
 
-def _start_job(job: FoldJob, slot: dict[str, str]) -> tuple[subprocess.Popen, Path]:
+def job_environment(slot: Mapping[str, str], credentials: Mapping[str, str],
+                    environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A fold job's (or search worker's) environment: this one less every credential (an admin's password, a
+    database password, the driver's tracking credentials), plus its slot (GPU, cores) and the credentials made for
+    its run."""
+    return {**without_credentials(os.environ if environ is None else environ), **slot, **credentials}
+
+
+def _start_job(job: FoldJob, slot: dict[str, str],
+               credentials: Mapping[str, str]) -> tuple[subprocess.Popen, Path]:
     work_dir = Path(job.work_dir)
     spec = job.write(work_dir.parent / f"fold_{job.fold}.json")
     log_path = work_dir.parent / f"fold_{job.fold}.log"
@@ -198,8 +259,8 @@ def _start_job(job: FoldJob, slot: dict[str, str]) -> tuple[subprocess.Popen, Pa
 
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen([sys.executable, "-m", "pipeline", "fold-job", str(spec)],
-                                   env={**os.environ, **slot}, stdout=log_file, stderr=subprocess.STDOUT,
-                                   preexec_fn=prepare_child)
+                                   env=job_environment(slot, credentials), stdout=log_file,
+                                   stderr=subprocess.STDOUT, preexec_fn=prepare_child)
     return process, log_path
 
 
@@ -211,8 +272,10 @@ def _log_tail(path: Path, lines: int = 15) -> str:
 
 
 def launch_parallel(jobs: list[FoldJob], n_jobs: int | None, report: Report,
-                    result_of: Callable[[int], FoldResult | None]) -> LaunchOutcome:
-    """Up to n_jobs fold processes at once (`python -m pipeline fold-job <job.json>`), each in its own slot."""
+                    result_of: Callable[[int], FoldResult | None],
+                    credentials: Mapping[str, str] | None = None) -> LaunchOutcome:
+    """Up to n_jobs fold processes at once (`python -m pipeline fold-job <job.json>`), each in its own slot, with
+    `credentials` (the tracking server's user for the run) as their only secret."""
     slots = job_slots(n_jobs, visible_gpus(), sorted(_cpu_ids()))
     queue, running, outcome = list(jobs), {}, LaunchOutcome()
     for job in queue:
@@ -222,7 +285,7 @@ def launch_parallel(jobs: list[FoldJob], n_jobs: int | None, report: Report,
         while queue or running:
             while queue and free:
                 job, slot = queue.pop(0), free.pop(0)
-                process, log_path = _start_job(job, slots[slot])
+                process, log_path = _start_job(job, slots[slot], credentials or {})
                 running[job.fold] = (process, slot, log_path)
                 report(job.fold, "running", f"pid {process.pid}, log {log_path}")
             time.sleep(0.5)
@@ -286,6 +349,9 @@ def slurm_executor(launcher: DictConfig, folder: Path, name: str):
     """A submitit executor with every site-specific setting taken from `configs/launcher/slurm.yaml`."""
     import submitit
 
+    # submitit's pickles there are unpickled on the node: anyone who could write there would run code as this user
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.chmod(0o700)
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
     parameters = {"timeout_min": launcher.time_min, "cpus_per_task": launcher.cpus_per_task,
                   "tasks_per_node": 1, "nodes": 1, "name": name,
@@ -304,10 +370,26 @@ def slurm_executor(launcher: DictConfig, folder: Path, name: str):
     return executor
 
 
-def submit_slurm(jobs: list[FoldJob], launcher: DictConfig, folder: Path, name: str) -> dict[int, str]:
-    """Submit the folds as one SLURM array; returns fold -> SLURM job id (`<array>_<task>`)."""
+@contextlib.contextmanager
+def submission_environment(credentials: Mapping[str, str]) -> Iterator[None]:
+    """os.environ as the SLURM tasks are to get it, for as long as the block submits them (sbatch hands the
+    submitter's environment to its tasks): `job_environment`'s, then restored."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(job_environment({}, credentials, saved))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def submit_slurm(jobs: list[FoldJob], launcher: DictConfig, folder: Path, name: str,
+                 credentials: Mapping[str, str] | None = None) -> dict[int, str]:
+    """Submit the folds as one SLURM array, with `credentials` as the tasks' only secret; returns fold -> SLURM job
+    id (`<array>_<task>`)."""
     executor = slurm_executor(launcher, folder, name)
-    with executor.batch():
+    with submission_environment(credentials or {}), executor.batch():
         submitted = [executor.submit(SlurmFoldTask(job)) for job in jobs]
     return {job.fold: str(handle.job_id) for job, handle in zip(jobs, submitted, strict=True)}
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import pandas as pd
 
+from pipeline.runs.tracking import redact_uri
 from pipeline.utils.paths import git_commit
 
 CANDIDATE, CHAMPION = "candidate", "champion"
@@ -108,7 +109,7 @@ def cv_subjects(fold_file, frames: pd.DataFrame, classes) -> pd.DataFrame:
 def run_url(tracking_uri: str, experiment_id: str, run_id: str, host: str = "127.0.0.1", port: int | str = 5000) -> str:
     """A run page that opens in the UI's "Model training" view (`make ui` serves it)."""
     if tracking_uri.startswith(("http://", "https://")):
-        base = tracking_uri.rstrip("/")
+        base = redact_uri(tracking_uri).rstrip("/")
     else:
         base = f"http://{host}:{port}"
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType={UI_WORKFLOW}"

@@ -18,8 +18,12 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
+from urllib.request import url2pathname
 
-from pipeline.utils.paths import PROJECT_ROOT
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.utils.paths import PROJECT_ROOT, resolve_path
 
 if TYPE_CHECKING:  # mlflow takes seconds to import; `python -m pipeline ui-url` must answer at once
     from mlflow import MlflowClient
@@ -56,7 +60,7 @@ FINISHED = "FINISHED"
 RESUMED_AFTER_EPOCH_TAG = "painvit.resumed_after_epoch"
 ATTEMPT_TAG = "painvit.attempt"
 SLURM_JOBS_TAG = "painvit.slurm_jobs"  # on the parent: fold -> SLURM job id of its submitted task
-JOB_TRACKING_URI_TAG = "painvit.tracking_uri"
+JOB_TRACKING_URI_TAG = "painvit.tracking_uri"  # on a fold run: the store it logged to (redact_uri)
 # where a fold attempt runs: lets a later driver tell a live attempt from a dead one (the host tag holds the host
 # name, boot id and PID namespace: pipeline.runs.fold_lease.machine_identity)
 HOST_TAG, PID_TAG, SLURM_JOB_TAG = "painvit.host", "painvit.pid", "painvit.slurm_job_id"
@@ -186,7 +190,12 @@ def parse_tune_budget(text: str) -> dict[str, str]:
 
 def artifact_root(project_root: Path) -> str:
     """The file:// URI of `<project>/mlartifacts`, the artifact location given to experiments this project creates."""
-    return (Path(project_root).resolve() / "mlartifacts").as_uri()
+    return artifact_folder(project_root).as_uri()
+
+
+def artifact_folder(project_root: Path) -> Path:
+    """`<project>/mlartifacts`, where the artifacts of this project's experiments live."""
+    return Path(project_root).resolve() / "mlartifacts"
 
 
 def get_or_create_experiment(name: str, artifact_root: str | Path, client: MlflowClient | None = None) -> str:
@@ -267,8 +276,58 @@ def main(argv: list[str] | None = None) -> None:
     experiment_id = find_experiment_id(uri, args.experiment)
     url = ui_url(args.host, args.port, experiment_id)
     if experiment_id is None:
-        print(f"No experiment '{args.experiment}' in {uri} yet (`make cv` creates it). MLflow UI: {url}")
+        print(f"No experiment '{args.experiment}' in {redact_uri(uri)} yet (`make cv` creates it). MLflow UI: {url}")
     else:
         print(f"Cross-validation runs of '{args.experiment}': {url}")
     print("Open that address once the server logs 'Application startup complete'. Stop with Ctrl+C.", flush=True)
 
+
+
+# Query parameters of a URI whose values are secrets (`postgresql://h/db?password=...`), lower case.
+SECRET_QUERY_KEYS = frozenset({"password", "passwd", "pwd", "pass", "token", "access_token", "secret",
+                               "client_secret", "api_key", "apikey", "sas_token", "sig"})
+REDACTED = "***"
+
+
+def redact_uri(uri: str) -> str:
+    """`uri` as it may be printed, logged, tagged or written into a job file: the password of `user:password@` and
+    the values of secret query parameters replaced by ***, whatever the scheme (postgresql, mysql, http, ...); the
+    user name, host and path stay. The one place this rule lives: every URI the project shows goes through it."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:  # not a URI at all (an unbalanced [ in the host): show nothing of it
+        return REDACTED
+    netloc = parts.netloc
+    userinfo, at, host = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.partition(':')[0]}:{REDACTED}@{host}"
+    query = "&".join(
+        f"{key}={REDACTED}" if sep and key.lower() in SECRET_QUERY_KEYS else f"{key}{sep}{value}"
+        for key, sep, value in (item.partition("=") for item in parts.query.split("&"))
+    ) if parts.query else ""
+    if netloc == parts.netloc and query == parts.query:
+        return uri
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def uri_has_credentials(uri: str) -> bool:
+    """A URI of any scheme with a password in it (`postgresql://u:pw@db/x`, `http://user:pass@host`, `?password=`)."""
+    return redact_uri(uri) != uri
+
+
+def store_paths(cfg: DictConfig) -> list[Path]:
+    """What a command with this config writes its records and crops into: the sqlite store, the artifact folder,
+    the runs folder (checkpoints, job files, submitit's pickles), the Optuna journals and the face crops. Each must be
+    this user's alone (`pipeline.utils.permissions.refuse_open_stores`); the raw twin and committed fold files are not
+    stores."""
+    paths = [sqlite_file(store_uri(OmegaConf.select(cfg, "mlflow.tracking_uri")))]
+    artifacts = str(OmegaConf.select(cfg, "mlflow.artifact_root") or artifact_root(PROJECT_ROOT))
+    if artifacts.startswith("file://"):
+        paths.append(Path(url2pathname(urlsplit(artifacts).path)))
+    elif "://" not in artifacts:
+        paths.append(resolve_path(artifacts))
+    for key in ("cv.work_dir", "tune.storage_dir", "data.processed_dir"):
+        value = OmegaConf.select(cfg, key)
+        if value:
+            paths.append(resolve_path(value))
+    return [path for path in paths if path is not None]

@@ -60,6 +60,7 @@ from pipeline.runs.fold_job import (
     job_owner_tags,
     resolve_here,
 )
+from pipeline.runs.tracking_server import job_credentials
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text, save_png
 from pipeline.utils.config import CONFIG_DIR
@@ -342,7 +343,12 @@ class TuneWorker:
     worker: int = 0
 
     def write(self, path: Path) -> Path:
-        with atomic_path(path, mode=0o600) as tmp:  # owner only: the tracking URI may hold a password
+        """The worker as JSON, owner only; a tracking URI with a password is refused (the worker reaches its server
+        with the credentials in its environment)."""
+        if tracking.uri_has_credentials(self.tracking_uri):
+            raise ValueError(f"search worker {path}: the tracking URI {tracking.redact_uri(self.tracking_uri)} "
+                             f"carries a password, and a job file holds none")
+        with atomic_path(path, mode=0o600) as tmp:
             tmp.write_text(json.dumps(asdict(self)))
         return path
 
@@ -495,26 +501,31 @@ def launch_workers(cfg: DictConfig, worker: TuneWorker, client: MlflowClient, ex
     if launcher.name == "slurm":
         folder = Path(worker.work_dir) / "slurm"
         executor = launchers.slurm_executor(launcher, folder, f"painvit-tune-{cfg.model.name}")
-        with executor.batch():
+        credentials = job_credentials(worker.tracking_uri, [experiment_id])
+        with launchers.submission_environment(credentials), executor.batch():
             handles = [executor.submit(SlurmTuneTask(replace(worker, worker=k))) for k in range(n_jobs)]
         print(f"submitted {n_jobs} search worker(s) to SLURM: {', '.join(str(h.job_id) for h in handles)}")
         for handle in handles:
             handle.result()
         return
     uri = worker.tracking_uri
-    server: contextlib.AbstractContextManager[str] = contextlib.nullcontext(uri)
-    if uri.startswith("sqlite:"):  # several writers: through a server, never the sqlite file itself
-        server = launchers.tracking_server(uri, client.get_experiment(experiment_id).artifact_location)
+    if uri.startswith(("http://", "https://")):
+        server: contextlib.AbstractContextManager = contextlib.nullcontext(None)
+    else:  # several writers: through a private server, never the database itself
+        server = launchers.tracking_server(uri, client.get_experiment(experiment_id).artifact_location,
+                                           experiment_ids=[experiment_id])
     with server as served:
+        credentials = served.credentials if served else job_credentials(uri, [experiment_id])
         slots = launchers.job_slots(n_jobs, launchers.visible_gpus(), sorted(os.sched_getaffinity(0)))
         processes = []
         for k, slot in enumerate(slots):
-            spec = replace(worker, worker=k, tracking_uri=served).write(Path(worker.work_dir) / f"worker_{k}.json")
+            spec = replace(worker, worker=k, tracking_uri=served.uri if served else uri).write(
+                Path(worker.work_dir) / f"worker_{k}.json")
             log_path = Path(worker.work_dir) / f"worker_{k}.log"
             with open(log_path, "ab") as log_file:
                 processes.append((subprocess.Popen([sys.executable, "-m", "pipeline", "tune-worker", str(spec)],
-                                                   env={**os.environ, **slot}, stdout=log_file,
-                                                   stderr=subprocess.STDOUT), log_path))
+                                                   env=launchers.job_environment(slot, credentials),
+                                                   stdout=log_file, stderr=subprocess.STDOUT), log_path))
             print(f"search worker {k}: pid {processes[-1][0].pid}, log {log_path}", flush=True)
         try:
             for process, log_path in processes:
