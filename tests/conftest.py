@@ -36,13 +36,12 @@ def tiny_overrides(base: Path, *extra: str) -> list[str]:
 
 
 def loader_config(**changes):
-    """The `loader` group of configs/config.yaml as a LoaderConfig, with test-sized changes."""
-    from omegaconf import OmegaConf
-
+    """The `loader` section of configs/config.yaml as a LoaderConfig, with test-sized changes. Composed (its crop
+    settings refer to the dataset's `data.loader`) with BioVid's data config, whose every-crop setting keeps the
+    tests' tiny folders whole."""
     from pipeline.data.datamodule import LoaderConfig
-    from pipeline.utils.config import CONFIG_DIR
 
-    return LoaderConfig.from_config(OmegaConf.load(CONFIG_DIR / "config.yaml").loader, **changes)
+    return LoaderConfig.from_config(load_config(["data=biovid"]).loader, **changes)
 
 
 @pytest.fixture(scope="session")
