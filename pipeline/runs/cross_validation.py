@@ -53,7 +53,16 @@ from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource
 from pipeline.runs import cv_runs, fold_lease, launchers, registry, tracking
 from pipeline.runs.environment import library_versions, log_environment
-from pipeline.runs.fold_job import FoldDecisions, FoldJob, FoldResult, check_head, decide, result_from_run
+from pipeline.runs.fold_job import (
+    FoldDecisions,
+    FoldJob,
+    FoldResult,
+    augmentation_label,
+    check_head,
+    decide,
+    finetune_tags,
+    result_from_run,
+)
 from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
 from pipeline.utils.paths import PROJECT_ROOT, git_commit, resolve_path
@@ -172,6 +181,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
                                     and cfg.trainer.limit_val_batches is None).lower(),
                     tracking.PRECISION_ASKED_TAG: decisions.precision, "model_family": decisions.model_family,
                     "cpu": cpu_description(), **device_tags(cfg), **library_versions(), **weights.as_tags(),
+                    **finetune_tags(cfg),  # with whether augment.* was applied (a frozen head on plain embeddings)
                     **subject_set_tags(fold_file),
                     "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped)),
                     **registry.standard_tags("make cv")}
@@ -386,6 +396,7 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
     client.set_tag(plan.parent_run_id, tracking.HEADLINE_TAG, HEADLINE)  # the number to quote beside the literature
     client.set_terminated(plan.parent_run_id, tracking.FINISHED)
     table = print_table(results, summary)
+    print(f"augmentation: {augmentation_label(plan.cfg)}")
     registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.cfg.model.name}: video-level test "
                           f"scores per fold", table.rename_axis("").reset_index())
     return summary
