@@ -499,13 +499,17 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
 
 def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondStage, weights: dict, path: Path,
                     **extra) -> Path:
-    """A two-stage fold's clip model (`ClipNet`) as a self-describing file: the head's settings in its meta."""
-    meta = model_meta(stage.net, model_name=cfg.model.name, img_size=cfg.model.img_size,
+    """A two-stage fold's clip model (`ClipNet`) as a self-describing file: the frame backbone as its strategy keeps
+    it (`for_keeping`, as `keep_fold_model` does: LoRA's adapters merged into a plain backbone, which an unmerged one
+    is not, so it would not load), the trained temporal head, and the head's settings in its meta."""
+    frame_net = module.finetune.for_keeping(module.model)  # the best checkpoint's, as second_stage loaded it
+    net = ClipNet(frame_net.backbone, stage.net.head)
+    meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
                       loader=OmegaConf.to_container(cfg.loader), weights=weights,
                       finetune=FinetuneConfig.from_model_config(cfg.model).label,
                       head=OmegaConf.to_container(cfg.model.head), **extra)
-    return save_model_file(stage.net, meta, path)
+    return save_model_file(net, meta, path)
 
 
 def log_threshold_fallback(fold: int, fallback: str) -> None:
