@@ -38,7 +38,6 @@ from pipeline.data.exclusions import (
 from pipeline.data.prepare import prepare_data, read_fold_file, subject_set_tags
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import (
-    calibration_metrics,
     classification_metrics,
     decided_confusions,
     decided_per_subject,
@@ -47,7 +46,7 @@ from pipeline.evaluation.metrics import (
     plot_roc,
     summarize_folds,
 )
-from pipeline.evaluation.statistics import subject_intervals, subject_scores
+from pipeline.evaluation.statistics import calibration_intervals, subject_intervals, subject_scores
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource
@@ -396,10 +395,30 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
     client.set_tag(plan.parent_run_id, tracking.HEADLINE_TAG, HEADLINE)  # the number to quote beside the literature
     client.set_terminated(plan.parent_run_id, tracking.FINISHED)
     table = print_table(results, summary)
+    calibration = calibration_line(summary, len(results))
+    client.set_tag(plan.parent_run_id, "calibration_note", calibration)
+    print(calibration)
     print(f"augmentation: {augmentation_label(plan.cfg)}")
     registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.cfg.model.name}: video-level test "
                           f"scores per fold", table.rename_axis("").reset_index())
     return summary
+
+
+def calibration_line(summary: dict[str, float], n_models: int) -> str:
+    """Brier and ECE of the pooled test videos with their subject-bootstrap intervals, said to mix the fold models
+    (each calls its videos on its own probability scale), beside the mean and sd over folds of each fold's own."""
+    def pooled(name: str) -> str:
+        key = f"pooled/video_{name}"
+        return (f"{summary.get(key, np.nan):.3f} [{summary.get(f'{key}_ci95_low', np.nan):.3f}, "
+                f"{summary.get(f'{key}_ci95_high', np.nan):.3f}]")
+
+    def per_fold(name: str) -> str:
+        mean, sd = (summary.get(f"cv/video_{name}_{kind}", np.nan) for kind in ("mean", "std"))
+        return f"{mean:.3f} +- {sd:.3f}"
+
+    return (f"calibration, pooled test videos: Brier {pooled('brier')}, ECE {pooled('ece')} (95 % subject bootstrap; "
+            f"pooling mixes the {n_models} fold models' probability scales); mean over folds of each fold's own: "
+            f"Brier {per_fold('brier')}, ECE {per_fold('ece')}")
 
 
 def record_precisions(client: MlflowClient, run_id: str, fold_runs: list) -> str:
@@ -445,8 +464,8 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     summary.update({f"pooled/frame_{k}": v for k, v in pooled_frame.items()})
     summary.update(pooled_at_threshold(videos, class_names))
     summary.update(pooled_argmax(videos, class_names))
-    summary.update({f"pooled/video_{k}": v for k, v in calibration_metrics(
-        videos["label"].to_numpy(), videos[prob_columns].to_numpy()).items()})
+    # with subject-bootstrap intervals; pooled over the fold models (cv/video_brier_mean, _ece_mean: per fold)
+    summary.update({f"pooled/video_{k}": v for k, v in calibration_intervals(videos, class_names).items()})
     summary.update(tested_counts(videos, resolve_path(cfg.fold_file), sorted({r.fold for r in results})))
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
@@ -471,7 +490,9 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
         if len(class_names) == 2 and videos["label"].nunique() == 2:
             plot_roc(videos["label"].to_numpy(), videos[prob_columns[1]].to_numpy(), out / "roc_video_pooled.png",
                      "all test videos")
-        plot_reliability({"all test videos": (videos["label"].to_numpy(), videos[prob_columns].to_numpy())},
+        n_models = len({(r.fold, r.seed) for r in results})
+        plot_reliability({f"all test videos ({n_models} fold models pooled)":
+                          (videos["label"].to_numpy(), videos[prob_columns].to_numpy())},
                          out / "reliability_video_pooled.png")
         decided_per_subject(videos).to_csv(out / "accuracy_per_subject.csv", index=False)
         subject_scores(videos, class_names).to_csv(out / "scores_per_subject.csv", index=False)
