@@ -49,7 +49,7 @@ from pipeline.evaluation.metrics import (
 from pipeline.evaluation.statistics import calibration_intervals, subject_intervals, subject_scores
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
-from pipeline.models.weights import WeightsSource
+from pipeline.models.weights import WeightsSource, weights_provenance
 from pipeline.runs import cv_runs, fold_lease, launchers, registry, tracking
 from pipeline.runs.environment import library_versions, log_environment
 from pipeline.runs.fold_job import (
@@ -85,6 +85,32 @@ def warn_from_scratch(model_name: str, source: WeightsSource) -> None:
                f"cope better with little data. Scores are not comparable with fine-tuned runs; provide weights "
                f"with WEIGHTS=/path or pretrained=true to fine-tune.")
     log.warning(message)
+
+
+def check_pretraining_people(weights: WeightsSource, folds: pd.DataFrame, fold_file: Path) -> dict[str, str]:
+    """A WEIGHTS= file's provenance (`make pretrain`'s `<file>.json`) names the people it was trained on; one of them
+    among the fold file's subjects is refused, named with both files, before anything trains: a fold would test
+    someone its starting point has seen. A file without provenance, or with one that names nobody, is used with a
+    warning that nothing could be checked. Returns the `pretraining_people` tag that says which it was."""
+    if weights.kind != "file":
+        return {}
+    sidecar, provenance = weights_provenance(weights.ref)
+    identities = ((provenance or {}).get("pool") or {}).get("identities")
+    if identities is None:
+        why = f"no provenance file {sidecar}" if provenance is None else f"{sidecar} names no pool identities"
+        log.warning("WEIGHTS=%s: %s, so nothing could be checked about the people these weights were trained on; "
+                    "make sure none of them is among the subjects of %s", weights.ref, why, fold_file)
+        return {"pretraining_people": f"unchecked: {why}"}
+    subjects = set(folds["subject_name"])
+    shared = sorted({str(name) for name in identities} & subjects)
+    if shared:
+        raise SystemExit(
+            f"error: the starting weights {weights.ref} were trained on {len(shared)} of the subjects of {fold_file} "
+            f"({', '.join(shared[:10])}{', ...' if len(shared) > 10 else ''}; listed in their provenance {sidecar}): "
+            f"a fold would test people its starting point has seen. Pretrain on a pool apart from this dataset "
+            f"(make pretrain DATA=<this dataset> checks it) or start from other weights")
+    return {"pretraining_people": f"checked: none of the {len(identities)} identities in {sidecar.name} is among "
+                                  f"the {len(subjects)} subjects of {fold_file.name}"}
 
 
 @dataclass
@@ -160,6 +186,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     decisions = decide(cfg, fold_file)
     weights = decisions.weights_source
     warn_from_scratch(cfg.model.name, weights)
+    people_checked = check_pretraining_people(weights, folds, fold_file)  # a WEIGHTS= file's people: none tested
 
     artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
         PROJECT_ROOT)
@@ -181,6 +208,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
                     tracking.PRECISION_ASKED_TAG: decisions.precision, "model_family": decisions.model_family,
                     "cpu": cpu_description(), **device_tags(cfg), **library_versions(), **weights.as_tags(),
                     **finetune_tags(cfg),  # with whether augment.* was applied (a frozen head on plain embeddings)
+                    **people_checked,
                     **subject_set_tags(fold_file),
                     "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped)),
                     **registry.standard_tags("make cv")}
