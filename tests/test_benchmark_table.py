@@ -39,8 +39,8 @@ def test_table_has_five_task_rows_and_the_published_ones_apart(tiny_base: Path, 
     for column in ("accuracy at threshold", "argmax accuracy"):  # one fold only
         assert all("[" in text and "(incomplete)" in text for text in table[f"mobilevit_xxs: {column}"])
     # the default kfold5 twin: nothing published is comparable, and what was tested is stated
-    assert "no published result is comparable with this run (5-fold (subject-grouped), 87 subjects" in out
-    assert result["comparable"].empty
+    assert "no published result is comparable with this run (synthetic, 5-fold (subject-grouped)" in out
+    assert result["comparable"].empty and result["shape"].empty
     assert (result["facts"]["subjects tested"].astype(int) > 0).all()
     assert (result["facts"]["training subjects per fold"] != "-").all()
 
@@ -63,8 +63,10 @@ def test_table_has_five_task_rows_and_the_published_ones_apart(tiny_base: Path, 
 
 
 def test_the_67_set_says_where_it_comes_from() -> None:
-    assert "20 who showed no facial response" in describe_subject_set("responders67")
-    assert "face crops" in describe_subject_set("all87_usable")
+    assert "20 who showed no facial response" in describe_subject_set("responders67", "biovid")
+    assert "face crops" in describe_subject_set("all87_usable", "biovid")
+    # the BioVid-scale twin's sets carry BioVid's names, not its people
+    assert describe_subject_set("all87", "synthetic87").startswith("synthetic people under the subject names of")
 
 
 def test_a_literature_row_of_another_width_is_an_error(tmp_path: Path) -> None:
@@ -75,28 +77,38 @@ def test_a_literature_row_of_another_width_is_an_error(tmp_path: Path) -> None:
         read_literature(path)
 
 
-def report_for(store: dict, protocol: str) -> dict:
-    """`make table`'s tables from the finished CVs of one protocol in the conftest store (no training)."""
+def report_for(store: dict, protocol: str, dataset: str = "synthetic", subject_set: str = "all",
+               subjects_tested: int | None = None) -> dict:
+    """`make table`'s tables from the finished CVs of one protocol in the conftest store (no training), as if run on
+    `dataset` with `subject_set` and, when given, `subjects_tested` subjects tested by every CV."""
     client = store["client"]
     tasks = ["bl1_vs_pa4", "five_class"]
     rows = pd.DataFrame([project_row("mobilevit_xxs", task, client.get_run(store["runs"][(protocol, task)]))
                          for task in tasks])
-    return build_report(rows, ["mobilevit_xxs"], tasks, "synthetic", protocol, "all")
+    if subjects_tested is not None:
+        rows["subjects_tested"] = subjects_tested
+    return build_report(rows, ["mobilevit_xxs"], tasks, dataset, protocol, subject_set)
 
 
-def test_kfold5_has_no_comparable_published_row_and_loso_has_the_loso87_ones(finished_cv_store) -> None:
+LOSO_87_VIDEO = {"Werner et al.", "Gkikas & Tsiknakis", "Gkikas et al.", "Zhi & Wan"}
+
+
+def test_kfold5_has_no_comparable_published_row_and_a_twins_loso_none_either(finished_cv_store) -> None:
+    # the 20-person twin under LOSO (its subject set `all` once stood for Part A's 87): nothing is comparable
+    loso = report_for(finished_cv_store, "loso")
+    assert loso["comparable"].empty
     kfold = report_for(finished_cv_store, "kfold5")
-    assert kfold["comparable"].empty
-    assert any(note.startswith("no published result is comparable with this run (5-fold (subject-grouped), 87 "
-                               "subjects") for note in kfold["notes"])
+    assert kfold["comparable"].empty and kfold["shape"].empty
+    assert any(note.startswith("no published result is comparable with this run (synthetic, 5-fold (subject-grouped)")
+               for note in kfold["notes"])
     assert len(kfold["other"]) == len(read_literature())  # every row shown, apart
 
-    loso = report_for(finished_cv_store, "loso")
-    comparable = loso["comparable"]
-    assert len(comparable) and (comparable.protocol == "loso").all() and (comparable.subjects == "87").all()
-    assert set(comparable.authors) == {"Werner et al.", "Gkikas & Tsiknakis", "Gkikas et al.", "Zhi & Wan"}
+    # the LOSO papers have the twin's protocol shape, listed apart with the reason
+    shape = loso["shape"]
+    assert set(shape.authors) == LOSO_87_VIDEO and (shape.protocol == "loso").all()
+    assert "not BioVid" in loso["reason"] and any("NOT comparable" in note for note in loso["notes"])
     # video + physiology, an unconfirmed protocol and a participant-mixed split stay apart
-    assert (comparable.modality == "video").all() and "video+ECG" in set(loso["other"].modality)
+    assert (shape.modality == "video").all() and "video+ECG" in set(loso["other"].modality)
     assert {"unknown", "participant-mixed"} <= set(loso["other"].protocol)
     assert "papers that train a LOSO fold on all 86" in loso["notes"][0]
 
@@ -110,6 +122,24 @@ def test_kfold5_has_no_comparable_published_row_and_loso_has_the_loso87_ones(fin
     assert facts["unusable subjects"].tolist() == ["0", "1: 020101_m_30"]
     assert kfold["facts"]["skipped folds"].tolist() == ["none", "4"]
     assert kfold["facts"]["training subjects per fold"][0] == "12-13"
+
+
+def test_only_a_biovid_run_of_the_papers_tested_subjects_is_comparable(finished_cv_store) -> None:
+    # the BioVid-scale twin, BioVid's 87 names and subject set all87, 87 tested: a twin is never comparable
+    twin87 = report_for(finished_cv_store, "loso", "synthetic87", "all87", subjects_tested=87)
+    assert twin87["comparable"].empty
+    assert set(twin87["shape"].authors) == LOSO_87_VIDEO
+    assert "synthetic87 dataset, not BioVid" in twin87["reason"]
+
+    # BioVid, 87 subjects tested under LOSO: the LOSO 87 video-only papers are comparable
+    biovid = report_for(finished_cv_store, "loso", "biovid", "all87", subjects_tested=87)
+    assert set(biovid["comparable"].authors) == LOSO_87_VIDEO and biovid["shape"].empty
+    assert (biovid["comparable"].subjects == "87").all() and (biovid["comparable"].modality == "video").all()
+
+    # BioVid, but face detection lost two subjects: 85 tested is not the papers' 87
+    fewer = report_for(finished_cv_store, "loso", "biovid", "all87_usable", subjects_tested=85)
+    assert fewer["comparable"].empty and set(fewer["shape"].authors) == LOSO_87_VIDEO
+    assert "BL1 vs PA4: 85 tested, the papers 87" in fewer["reason"]
 
 
 def test_a_literature_row_without_citation_or_with_a_range_is_an_error(tmp_path: Path) -> None:

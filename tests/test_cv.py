@@ -81,6 +81,11 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
     pooled = pd.read_csv(client.download_artifacts(parent.info.run_id, "predictions_videos_all_folds.csv"))
     assert parent.data.metrics["pooled/video_brier"] == pytest.approx(((pooled.prob_PA4 - pooled.label) ** 2).mean())
     assert 0 <= parent.data.metrics["pooled/video_ece"] <= 1
+    for name in ("brier", "ece"):  # subject-bootstrap intervals, said to pool the fold models, beside the fold mean
+        low, value, high = (parent.data.metrics[f"pooled/video_{name}{end}"] for end in ("_ci95_low", "", "_ci95_high"))
+        assert 0 <= low <= value <= high
+        assert f"cv/video_{name}_mean" in parent.data.metrics
+    assert "mixes the 2 fold models" in tags["calibration_note"] and "mean over folds" in tags["calibration_note"]
     assert parent.data.metrics["data/subjects_tested"] == pooled.subject_name.nunique()
     assert parent.data.metrics["data/videos_tested"] == len(pooled)
     assert parent.data.metrics["pooled/video_accuracy_argmax"] == pytest.approx((pooled.pred == pooled.label).mean())
@@ -178,10 +183,10 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
 def test_compare_writes_table_and_plot(cv_runs, tiny_config, capsys) -> None:
     cfg = tiny_config(*FAST, "compare.allow_incomplete=true")  # two folds of five: a smoke comparison
     result = run_compare(cfg)
-    printed = capsys.readouterr().out
-    assert "SMOKE COMPARISON (compare.allow_incomplete=true)" in printed
+    out = capsys.readouterr().out
+    assert "SMOKE COMPARISON (compare.allow_incomplete=true)" in out
     # every pair comes with the smallest difference its test could have detected (80 % power, Holm's first step)
-    assert "the smallest difference this test detects with 80% power is +-" in printed
+    assert "the smallest difference this test detects with 80% power is +-" in out
     assert result["subjects_paired"]["mde80"].notna().all() and (result["subjects_paired"]["mde80"] >= 0).all()
     summary = pd.read_csv(result["paths"]["summary"])
     assert set(summary.model) == {"mobilevit_xxs", "resnet10t"}
@@ -195,6 +200,18 @@ def test_compare_writes_table_and_plot(cv_runs, tiny_config, capsys) -> None:
                             & (finite.value <= finite.ci95_high) & (finite.ci95_high <= 1)).all()
     paired = pd.read_csv(result["paths"]["subjects_paired"])
     assert (paired.n_subjects > 0).all() and (paired.p_holm.dropna() >= paired.p_value.dropna()).all()
+    # calibration: pooled over each CV's fold models with subject-bootstrap intervals, the fold models' mean beside
+    calibration = pd.read_csv(result["paths"]["calibration"]).set_index("model")
+    assert "calibration of the pooled test videos, 95 % subject-bootstrap intervals (pooled over" in out
+    client, parents = runs_of(cfg, "cv")
+    for name in ("brier", "ece"):
+        assert ((calibration[f"{name}_ci95_low"] <= calibration[name])
+                & (calibration[name] <= calibration[f"{name}_ci95_high"])).all()
+        for model in calibration.index:
+            parent = next(r for r in parents if r.data.tags["model"] == model and r.info.status == "FINISHED")
+            assert calibration.loc[model, name] == pytest.approx(parent.data.metrics[f"pooled/video_{name}"])
+            assert calibration.loc[model, f"{name}_mean_over_folds"] == pytest.approx(
+                parent.data.metrics[f"cv/video_{name}_mean"])
 
 
 def test_compare_refuses_mismatched_folds(cv_runs, tiny_config, tmp_path: Path) -> None:

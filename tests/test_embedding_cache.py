@@ -68,6 +68,33 @@ def test_an_entry_is_built_once_rebuilt_for_a_changed_key_and_refused_when_corru
         entry(backbone, processed)
 
 
+def augmentation_runs(cfg) -> tuple:
+    """The newest finished CV parent of `cfg` and its first fold run."""
+    from mlflow import MlflowClient
+
+    from pipeline.runs import cv_runs, tracking
+
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    parent = cv_runs.finished_cv(client, cfg)
+    return parent, tracking.fold_runs(client, parent.info.run_id)[0]
+
+
+def test_a_frozen_cv_with_cached_views_says_how_many(tiny_config, processed_copy: Path, tmp_path: Path, capsys,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    processed = tmp_path / "processed"
+    shutil.copytree(processed_copy, processed, ignore=shutil.ignore_patterns("embeddings"))
+    cfg = tiny_config(*FROZEN, "trainer.max_epochs=1", "augment=light", "cache.views=2",
+                      f"data.processed_dir={processed}", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+                      f"mlflow.artifact_root={tmp_path / 'art'}", f"cv.work_dir={tmp_path / 'runs'}")
+    with caplog.at_level(logging.INFO, logger="pipeline.runs.fold_job"):
+        run_cv(cfg)
+    said = "2 augmented view(s) per crop (frozen embeddings, cache.views=2, drawn with augment.*)"
+    assert f"augmentation: {said}" in capsys.readouterr().out  # the CV's printed summary
+    assert any(said in record.getMessage() for record in caplog.records)  # the fold's line
+    for run in augmentation_runs(cfg):
+        assert (run.data.tags["augment_applied"], run.data.tags["augmentation"]) == ("true", said)
+
+
 def fold_metrics(summary: dict) -> dict[str, float]:
     return {key: value for key, value in summary.items() if key.startswith(("cv/", "pooled/"))}
 
@@ -81,12 +108,20 @@ def test_a_frozen_cv_reads_embeddings_only_builds_them_once_and_scores_as_from_i
         first = run_cv(tiny_config(*cached))
         built = [r for r in caplog.records if r.getMessage().startswith("building embeddings")]
         assert len(built) == 1
+        # trained without augmentation (cache.views=0): the runs say so beside the augment.* params they keep
+        parent, fold = augmentation_runs(tiny_config(*cached))
+        for run in (parent, fold):
+            assert run.data.tags["augment_applied"] == "false", run.data.tags
+            assert run.data.tags["augmentation"].startswith("none (frozen embeddings, cache.views=0")
+        assert "augment.affine" in parent.data.params  # kept for the run's identity (augment=none: null)
         caplog.clear()
         shutil.rmtree(processed_copy / "crops")  # from now on, no image can be read
         second = run_cv(tiny_config(*cached, "cv.resume=never"))
         assert not [r for r in caplog.records if r.getMessage().startswith("building embeddings")]
         assert [r for r in caplog.records if r.getMessage().startswith("embeddings of mobilevit_xxs read")]
     from_images = run_cv(tiny_config(*FROZEN, *store, "cache.embeddings=false"))
+    assert all(run.data.tags["augment_applied"] == "true"
+               for run in augmentation_runs(tiny_config(*FROZEN, *store, "cache.embeddings=false")))
     assert fold_metrics(first) and fold_metrics(first).keys() == fold_metrics(from_images).keys()
     for key, value in fold_metrics(from_images).items():
         assert first[key] == pytest.approx(value, abs=1e-5, nan_ok=True), key

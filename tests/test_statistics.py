@@ -6,7 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from pipeline.evaluation.metrics import calibration_metrics
 from pipeline.evaluation.statistics import (
+    calibration_intervals,
     holm,
     paired_permutation_test,
     seed_aware_difference_interval,
@@ -130,3 +132,30 @@ def test_the_summed_counts_bootstrap_equals_resampling_the_videos_themselves() -
         }
         for metric, (low, high) in slow.items():
             assert (fast[f"{metric}_ci95_low"], fast[f"{metric}_ci95_high"]) == pytest.approx((low, high), abs=1e-12)
+
+
+def test_calibration_intervals_are_the_subject_bootstrap_of_brier_and_ece() -> None:
+    """calibration_intervals sums the resampled subjects' Brier terms and reliability-bin parts; resampling their
+    videos and computing Brier and ECE from them (`calibration_metrics` through `subject_bootstrap`, the same
+    generator) gives the very same intervals, for two and five classes. The values are calibration_metrics' of all
+    videos and lie in their intervals; with every video one subject's there is nothing to resample."""
+    for seed, names in ((0, ("BL1", "PA4")), (1, ("BL1", "PA1", "PA2", "PA3", "PA4"))):
+        rng = np.random.default_rng(seed)
+        k = len(names)
+        rows = [{"subject_name": f"s{s}", "label": int(rng.integers(0, k)),
+                 **dict(zip([f"prob_{n}" for n in names], rng.dirichlet(np.ones(k)), strict=True))}
+                for s in range(9) for _ in range(int(rng.integers(1, 7)))]
+        videos = pd.DataFrame(rows)
+        columns = [f"prob_{n}" for n in names]
+        fast = calibration_intervals(videos, names, n_resamples=300)
+        assert {m: fast[m] for m in ("brier", "ece")} == pytest.approx(
+            calibration_metrics(videos["label"].to_numpy(), videos[columns].to_numpy()), abs=1e-12)
+        arrays = [(g["label"].to_numpy(), g[columns].to_numpy()) for _, g in videos.groupby("subject_name")]
+        for metric in ("brier", "ece"):
+            low, high = subject_bootstrap(arrays, lambda y, p, m=metric: calibration_metrics(y, p)[m],
+                                          n_resamples=300)
+            assert (fast[f"{metric}_ci95_low"], fast[f"{metric}_ci95_high"]) == pytest.approx((low, high), abs=1e-12)
+            assert low <= fast[metric] <= high and low < high
+        one = calibration_intervals(videos.assign(subject_name="s0"), names)
+        assert one["brier"] == pytest.approx(fast["brier"])
+        assert np.isnan(one["brier_ci95_low"]) and np.isnan(one["ece_ci95_high"])

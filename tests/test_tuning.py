@@ -267,3 +267,67 @@ def test_a_frozen_trial_reads_the_embedding_cache_and_still_never_the_test_subje
     roles = fold_subjects(read_folds(Path(cfg.fold_file)), 0)
     seen = set().union(*(set(datamodule.frames(role)["subject_name"]) for role in ("train", "val", "test")))
     assert seen == set(roles["train"]) | set(roles["val"]) and not seen & set(roles["test"])
+
+
+def test_a_strategy_key_that_names_no_strategy_is_an_error(tmp_path: Path, monkeypatch) -> None:
+    """A search space's `strategies` keys are `model.finetune` values (STRATEGY_NAMES): ViT-B/16's file once keyed its
+    frozen override `linear_probe`, so frozen studies searched backbone settings that do nothing."""
+    from pipeline.runs import tuning
+    from pipeline.utils.config import CONFIG_DIR
+
+    for path in (CONFIG_DIR / "tune" / "spaces").glob("*.yaml"):  # every shipped space, with every strategy's changes
+        for strategy in ("full", "frozen", "top_blocks", "lora"):
+            extra = ["model.finetune_blocks=1"] if strategy == "top_blocks" else []
+            load_space(load_config([f"model.finetune={strategy}", f"tune.space={path.stem}", *extra],
+                                   groups=("tune=default",)))
+    (tmp_path / "default.yaml").write_text((CONFIG_DIR / "tune" / "spaces" / "default.yaml").read_text())
+    (tmp_path / "probe.yaml").write_text("extends: default\nstrategies:\n  linear_probe:\n"
+                                         "    model.optim.backbone_lr: null\n")
+    monkeypatch.setattr(tuning, "SPACES_DIR", tmp_path)
+    cfg = load_config(["model.finetune=frozen", "tune.space=probe"], groups=("tune=default",))
+    with pytest.raises(tuning.TuneError, match=r"probe.yaml: strategies key\(s\) 'linear_probe' name no fine-tuning "
+                                               r"strategy; model.finetune is one of full, frozen, top_blocks, lora"):
+        load_space(cfg)
+
+
+def test_a_frozen_study_searches_neither_backbone_settings_nor_augmentation_it_does_not_apply() -> None:
+    def keys(*overrides: str) -> set[str]:
+        return {p.key for p in load_space(load_config(["model=vit_b16", *overrides], groups=("tune=default",)))
+                .parameters}
+
+    full, frozen = keys(), keys("model.finetune=frozen")
+    assert {"model.optim.backbone_lr", "model.optim.layer_decay", "augment.affine.p"} <= full
+    backbone = {"model.optim.backbone_lr", "model.optim.layer_decay", "model.optim.freeze_backbone_epochs"}
+    assert not frozen & backbone and not any(key.startswith("augment.") for key in frozen)  # plain embeddings
+    assert "model.optim.head_lr" in frozen
+    # with augmented views in the cache, or on images, augment.* is applied and searched again
+    assert "augment.affine.p" in keys("model.finetune=frozen", "cache.views=2")
+    assert "augment.affine.p" in keys("model.finetune=frozen", "cache.embeddings=false")
+
+
+def test_the_study_key_holds_the_weights_sha256_not_their_path(tiny_base: Path, tmp_path: Path) -> None:
+    """A weights file changed in place is a new study; the same file at another path is the same study."""
+    import shutil
+
+    import torch
+
+    from pipeline.models.backbones import create_backbone
+    from pipeline.runs.pretrain import backbone_state
+    from pipeline.runs.tuning import search_key
+
+    def save(seed: int, path: Path) -> Path:
+        torch.manual_seed(seed)
+        backbone, _ = create_backbone("mobilevit_xxs", pretrained=False, img_size=32)
+        torch.save(backbone_state(backbone), path)
+        return path
+
+    def key_for(path: Path) -> str:
+        cfg = tune_config(tiny_base, "model.pretrained=true", f"model.weights={path}")
+        return search_key(cfg, load_space(cfg), "f" * 64, decide(cfg, Path(cfg.fold_file)))
+
+    weights = save(0, tmp_path / "start.pt")
+    first = key_for(weights)
+    moved = shutil.copy(weights, tmp_path / "elsewhere.pt")
+    assert key_for(Path(moved)) == first  # the same file at another path: the same study
+    save(1, weights)  # other weights at the same path
+    assert key_for(weights) != first

@@ -9,10 +9,14 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import pytest
+import pytorch_lightning as pl
+import torch
 from mlflow import MlflowClient
 
+from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.fold_files import fold_subjects, read_folds
 from pipeline.data.prepare import fold_file_path
+from pipeline.data.tasks import get_task
 from pipeline.models.backbones import create_model
 from pipeline.models.embedding_cache import state_dict_sha256
 from pipeline.models.model_file import load_model_file
@@ -95,3 +99,32 @@ def test_the_cv_identity_holds_the_head_and_keeps_older_frame_cvs(tiny_config) -
     gru = config_sha256(tiny_config(*FAST, "model.head.name=gru"))
     assert len({config_sha256(linear), gru, config_sha256(tiny_config(*FAST, "model.head.name=transformer")),
                 config_sha256(tiny_config(*FAST, "model.head.name=gru", "model.head.mode=end_to_end"))}) == 4
+
+
+def test_a_two_stage_lora_folds_kept_model_loads_and_scores_as_in_the_fold(tiny_config, store, tmp_path: Path) -> None:
+    """The kept clip model of a LoRA frame model holds the backbone with its adapters merged (as a kept frame model
+    does): it loads (`load_model_file`) and scores the fold's test videos as the fold did."""
+    cfg = tiny_config(*FAST, "model.head.name=gru", "model.finetune=lora", store)
+    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
+    with mlflow.start_run(experiment_id=get_or_create_experiment("two-stage-tests", Path(cfg.mlflow.artifact_root))):
+        result = train_fold(cfg, 0, decide(cfg, fold_file_path(cfg)), tmp_path, keep_model=True)
+        run_id = mlflow.active_run().info.run_id
+    kept, meta = load_model_file(run_id, cfg.mlflow.tracking_uri)
+    assert isinstance(kept, ClipNet) and meta["finetune"] == "lora_r8" and meta["head"]["mode"] == "two_stage"
+    assert not any("lora_" in name for name in kept.state_dict())  # merged: a plain backbone
+    # the fold's test clips as images (the evaluation transform, the clip's crops in time order), through the kept model
+    data = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, get_task(cfg.task.name),
+                          kept.backbone.data_config, {}, LoaderConfig.from_config(cfg.loader), clips=True)
+    data.setup()
+    rows = data.prediction_rows("test")
+    with torch.no_grad():
+        scored = torch.cat([torch.softmax(kept(clips), dim=1) for clips, _, _ in data.test_dataloader()]).numpy()
+    fold = result.video_predictions.set_index(["subject_name", "sample_name"])
+    expected = fold.loc[list(zip(rows["subject_name"], rows["sample_name"], strict=True)), ["prob_BL1", "prob_PA4"]]
+    np.testing.assert_allclose(scored, expected.to_numpy(), atol=1e-5)
+    # and the adapters are in it: the merged attention weights are not the ones the fold's backbone started from
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)  # as build_fold seeds the network it builds
+    start, _ = create_model(cfg.model.name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
+    started = start.backbone.state_dict()
+    attention = [name for name in kept.backbone.state_dict() if name.endswith("attn.qkv.weight")]
+    assert attention and any(not torch.equal(kept.backbone.state_dict()[name], started[name]) for name in attention)

@@ -6,8 +6,10 @@ accuracy and balanced accuracy at each fold's validation threshold (argmax for f
 within-subject AUROC, each with its 95 % subject-bootstrap interval, beside the argmax accuracy (and macro-F1 for
 five classes), and what was tested (subjects, videos, unusable subjects, skipped folds, training subjects per fold).
 Published rows come from a committed file (configs/literature/, one cited result a row) and are written apart, in
-two groups: comparable with the run (same task, protocol and subject count, video only, decided per video) and other
-protocols; they are never mixed into this project's rows.
+three groups, never mixed into this project's rows: comparable with the run (a run on BioVid itself, same task and
+protocol, as many subjects tested as the paper's, video only, decided per video); the same protocol shape (same task,
+protocol and input, but a run that is not comparable: another dataset such as a synthetic twin, or another number
+of tested subjects), listed with the reason; and other protocols.
 
     python -m pipeline table [key=value ...] --models="vit_b16 cvt_13" [--tasks="bl1_vs_pa4 five_class"]
 """
@@ -53,8 +55,11 @@ LABELS = {"accuracy": "accuracy at threshold", "accuracy_argmax": "argmax accura
 # what was tested (cross_validation.tested_counts), per (backbone, task)
 FACTS = {"subjects_tested": "data/subjects_tested", "videos_tested": "data/videos_tested",
          "train_subjects_min": "data/train_subjects_min", "train_subjects_max": "data/train_subjects_max"}
-# the published subject count a subject set stands for; the twin's full set stands for Part A's 87 (structure only)
-PUBLISHED_SUBJECTS = {"all87": 87, "responders67": 67, "all": 87}
+# only a run on BioVid Part A itself can be set beside BioVid papers: a twin (the 20-person one, or the BioVid-scale
+# `synthetic87` under BioVid's 87 subject names) has BioVid's structure, never its people
+BIOVID = "biovid"
+BIOVID_SUBJECT_SETS = {"all87": "BioVid Part A's 87 participants", "responders67": "BioVid's 67 facial responders"}
+GROUPS = {"comparable": "comparable", "shape": "same protocol shape (not comparable)", "other": "other protocols"}
 SUBJECT_SETS = {
     "all": "every participant of the synthetic twin",
     "all87": "all 87 participants of BioVid Part A",
@@ -64,10 +69,14 @@ SUBJECT_SETS = {
 }
 
 
-def describe_subject_set(name: str) -> str:
-    """What a subject set holds, for the line every table prints."""
+def describe_subject_set(name: str, dataset: str) -> str:
+    """What a subject set holds, for the line every table prints; a BioVid set of another dataset (the BioVid-scale
+    twin) is said to be synthetic people under BioVid's names."""
     base = name.removesuffix("_usable")
     text = SUBJECT_SETS.get(base, name)
+    if dataset != BIOVID and base in BIOVID_SUBJECT_SETS:
+        text = (f"synthetic people under the subject names of {BIOVID_SUBJECT_SETS[base]} (dataset {dataset}: not "
+                f"BioVid's people or videos)")
     return text + (" (only those with face crops; the fold file's sidecar names the others)" if base != name else "")
 
 
@@ -104,20 +113,43 @@ def read_literature(path: Path = LITERATURE) -> pd.DataFrame:
     return table[LITERATURE_COLUMNS]
 
 
-def published_subjects(subject_set: str) -> int | None:
-    """The published subject count a run's subject set matches; None for a set no paper used (`*_usable`)."""
-    return PUBLISHED_SUBJECTS.get(subject_set)
+def tested_subjects(rows: pd.DataFrame) -> dict[str, set[int]]:
+    """Per task, the subject counts this project's runs of it tested (`data/subjects_tested`: the subjects of the
+    CV's pooled test videos); a pending run or one that did not record it adds -1 (never a published count)."""
+    counts: dict[str, set[int]] = {}
+    for row in rows.itertuples():
+        value = getattr(row, "subjects_tested", float("nan"))
+        counts.setdefault(row.task, set()).add(-1 if pd.isna(value) else int(value))
+    return counts
 
 
-def split_literature(literature: pd.DataFrame, tasks: Sequence[str], protocol: str,
-                     subject_set: str) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Published rows of these tasks: (comparable, other protocols). Comparable: same task, same protocol, the
-    subject count the run's subject set stands for, video only, decided per video. Everything else is shown apart."""
+def split_literature(literature: pd.DataFrame, tasks: Sequence[str], protocol: str, dataset: str,
+                     tested: dict[str, set[int]]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Published rows of these tasks: (comparable, same protocol shape, other protocols).
+
+    Same shape: same task and protocol, video only, decided per video. Comparable: of the same shape, and the run is
+    on BioVid (`dataset == "biovid"`) and every run of the task tested exactly the paper's number of subjects
+    (`tested`, from `tested_subjects`). A twin never is, whatever its subject set is named."""
     rows = literature[literature["task"].isin(tasks)].reset_index(drop=True)
-    subjects = published_subjects(subject_set)
-    same = ((rows["protocol"] == protocol) & (rows["subjects"] == str(subjects)) & (rows["modality"] == "video")
-            & (rows["decision_level"] == "video"))
-    return rows[same].reset_index(drop=True), rows[~same].reset_index(drop=True)
+    shape = ((rows["protocol"] == protocol) & (rows["modality"] == "video") & (rows["decision_level"] == "video"))
+    counts_match = pd.Series([tested.get(row.task, set()) == {int(row.subjects)} if str(row.subjects).isdigit()
+                              else False for row in rows.itertuples()], index=rows.index, dtype=bool)
+    comparable = shape & counts_match & (dataset == BIOVID)
+    return (rows[comparable].reset_index(drop=True), rows[shape & ~comparable].reset_index(drop=True),
+            rows[~shape].reset_index(drop=True))
+
+
+def not_comparable_reason(dataset: str, tested: dict[str, set[int]], shape: pd.DataFrame) -> str:
+    """Why the rows of the same protocol shape are not comparable: the dataset, else the tested subject counts."""
+    if dataset != BIOVID:
+        return (f"this run is on the {dataset} dataset, not BioVid: a twin has BioVid's layout and protocol, not its "
+                f"people, so no BioVid paper's number is comparable with it")
+    parts = []
+    for task, part in shape.groupby("task", sort=False):
+        ours = ", ".join(str(n) if n >= 0 else "not recorded" for n in sorted(tested.get(task, {-1})))
+        papers = ", ".join(sorted(set(part.subjects)))
+        parts.append(f"{TASK_LABELS.get(task, task)}: {ours} tested, the papers {papers}")
+    return f"this run tested other subject counts than the papers ({'; '.join(parts)})"
 
 
 def published_view(rows: pd.DataFrame) -> pd.DataFrame:
@@ -227,22 +259,27 @@ def training_note(rows: pd.DataFrame, protocol: str) -> str:
 def build_report(rows: pd.DataFrame, models: Sequence[str], tasks: Sequence[str], dataset: str, protocol: str,
                  subject_set: str, literature: pd.DataFrame | None = None) -> dict:
     """The tables of `make table` from the project rows (`project_row`): this project's numbers, what was tested,
-    and the published rows split into comparable ones and other protocols."""
+    and the published rows in three groups (`split_literature`): comparable, same protocol shape, other."""
     literature = read_literature() if literature is None else literature
-    comparable, other = split_literature(literature, tasks, protocol, subject_set)
-    subjects = published_subjects(subject_set)
-    matched = (f"{PROTOCOL_LABELS.get(protocol, protocol)}, {subjects} subjects, video only" if subjects
-               else f"{PROTOCOL_LABELS.get(protocol, protocol)} on subject set {subject_set}, which no paper used")
+    tested = tested_subjects(rows)
+    comparable, shape, other = split_literature(literature, tasks, protocol, dataset, tested)
+    counts = sorted({n for task in tasks for n in tested.get(task, set()) if n >= 0})
+    matched = (f"{dataset}, {PROTOCOL_LABELS.get(protocol, protocol)}, "
+               f"{'/'.join(map(str, counts)) or 'no'} subjects tested (subject set {subject_set}), video only")
+    reason = not_comparable_reason(dataset, tested, shape) if len(shape) else ""
     notes = [training_note(rows, protocol)]
     if not len(comparable):
-        notes.append(f"no published result is comparable with this run ({matched}): the published rows below use "
-                     f"other protocols, subject counts or inputs")
-    if dataset == "synthetic":
-        notes.append("the synthetic twin only has BioVid's structure: its numbers say nothing about BioVid, whatever "
-                     "the protocol")
+        notes.append(f"no published result is comparable with this run ({matched}): "
+                     + (reason or "the published rows below use other protocols, subject counts or inputs"))
+    if len(shape):
+        notes.append(f"published rows of the same protocol shape are listed apart as NOT comparable: {reason}")
+    if dataset != BIOVID:
+        notes.append(f"the {dataset} dataset only has BioVid's structure: its numbers say nothing about BioVid, "
+                     f"whatever the protocol or subject set")
     kinds = sorted({kind for kind in rows.get("interval", pd.Series(dtype=str)) if kind})
     return {"ours": wide_table(rows, models, tasks), "facts": facts_table(rows), "comparable": comparable,
-            "other": other, "matched": matched, "notes": notes, "interval": ", ".join(kinds) or "subject bootstrap"}
+            "shape": shape, "other": other, "matched": matched, "reason": reason, "notes": notes,
+            "interval": ", ".join(kinds) or "subject bootstrap"}
 
 
 def to_markdown(table: pd.DataFrame) -> str:
@@ -257,7 +294,7 @@ def plot_table(ours: pd.DataFrame, published: pd.DataFrame, title: str, path: Pa
     top, bottom = figure.subplots(2, 1, gridspec_kw={"height_ratios": [len(ours) + 1, max(1, len(published)) + 1]})
     for axes, table, heading, colour in ((top, ours, title, "white"),
                                          (bottom, published, "published results (not this project's numbers; "
-                                          "group: comparable with this run or other protocols)",
+                                          "group: comparable, same protocol shape (not comparable), other protocols)",
                                           "#eeeeee")):
         axes.axis("off")
         axes.set_title(heading, fontsize=9, loc="left")
@@ -295,9 +332,10 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
     rows = pd.DataFrame(rows)
     report = build_report(rows, model_names, task_names, cfg.data.name, cfg.protocol.name, cfg.data.subject_set)
     ours, facts = report["ours"], report["facts"]
-    comparable, other = published_view(report["comparable"]), published_view(report["other"])
+    views = {group: published_view(report[group]) for group in GROUPS}
 
-    subject_set = f"subject set {cfg.data.subject_set}: {describe_subject_set(cfg.data.subject_set)}"
+    subject_set = (f"subject set {cfg.data.subject_set}: "
+                   f"{describe_subject_set(cfg.data.subject_set, cfg.data.name)}")
     title = (f"this project: {cfg.data.name}, {PROTOCOL_LABELS.get(cfg.protocol.name, cfg.protocol.name)}, "
              f"{subject_set}.\nPooled test videos, in percent, [95 % CI: {report['interval']}]; accuracy at each "
              f"fold's validation threshold (argmax for five classes) beside argmax accuracy")
@@ -310,32 +348,36 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
         label = "tuned in a SHARED study (OPTIMISTIC)" if scope == "shared" else "tuned per fold"
         title = title.replace("this project:", f"this project, {label} (make tune):", 1)
     paths = {"markdown": out_dir / f"{stem}.md", "csv": out_dir / f"{stem}.csv", "png": out_dir / f"{stem}.png"}
-    markdown = "\n\n".join([
-        f"## {title.replace(chr(10), ' ')}", to_markdown(ours), "### What was tested", to_markdown(facts),
-        *(f"- {note}" for note in report["notes"]),
-        f"## Published results comparable with this run ({report['matched']}; not this project's numbers; accuracy "
-        f"in percent at each method's own decision rule)",
-        to_markdown(comparable) if len(comparable) else "(none)",
-        "## Published results under other protocols, subject counts or inputs (shown apart: not comparable)",
-        to_markdown(other) if len(other) else "(none for these tasks)"])
+    headings = {
+        "comparable": f"Published results comparable with this run ({report['matched']}; not this project's numbers; "
+                      f"accuracy in percent at each method's own decision rule)",
+        "shape": f"Published results of the same protocol shape, NOT comparable with this run ({report['reason']})",
+        "other": "Published results under other protocols, subject counts or inputs (shown apart: not comparable)"}
+    shown = [group for group in GROUPS if group != "shape" or len(views[group])]  # no empty "same shape" group
+    parts = [f"## {title.replace(chr(10), ' ')}", to_markdown(ours), "### What was tested", to_markdown(facts),
+             *(f"- {note}" for note in report["notes"])]
+    for group in shown:
+        parts += [f"## {headings[group]}", to_markdown(views[group]) if len(views[group]) else "(none)"]
+    markdown = "\n\n".join(parts)
     with atomic_path(paths["markdown"], suffix=".md") as tmp:
         Path(tmp).write_text(markdown + "\n")
-    published = pd.concat([report["comparable"].assign(comparable=True), report["other"].assign(comparable=False)],
-                          ignore_index=True)
+    published = pd.concat([report[group].assign(comparable=group == "comparable", group=GROUPS[group])
+                           for group in GROUPS], ignore_index=True)
     long = pd.concat([rows.assign(source="this project", protocol=cfg.protocol.name, subjects=cfg.data.subject_set,
                                   dataset=cfg.data.name),
                       published.rename(columns={"method": "model"}).assign(source="published")],
                      ignore_index=True)
     atomic_write_csv(paths["csv"], long)
-    plot_table(ours, pd.concat([comparable.assign(group="comparable"), other.assign(group="other protocols")],
-                               ignore_index=True), title, paths["png"])
+    plot_table(ours, pd.concat([views[group].assign(group=GROUPS[group]) for group in GROUPS], ignore_index=True),
+               title, paths["png"])
 
     experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, resolve_path(cfg.mlflow.artifact_root)
                                                       if cfg.mlflow.artifact_root else tracking.artifact_root(
                                                           PROJECT_ROOT), client=client)
     run = client.create_run(experiment_id, run_name=stem, tags={
         "painvit.run_kind": "table", "dataset": cfg.data.name, "protocol": cfg.protocol.name,
-        "subject_set": cfg.data.subject_set, "subject_set_description": describe_subject_set(cfg.data.subject_set)})
+        "subject_set": cfg.data.subject_set,
+        "subject_set_description": describe_subject_set(cfg.data.subject_set, cfg.data.name)})
     for key, value in {"models": ",".join(model_names), "tasks": ",".join(task_names),
                        **{f"parent_run_id.{r.model}.{r.task}": r.parent_run_id for r in rows.itertuples()}}.items():
         client.log_param(run.info.run_id, key, value)
@@ -347,13 +389,12 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
     print(facts.to_string(index=False))
     for note in report["notes"]:
         print(f"- {note}")
-    print(f"\npublished results comparable with this run ({report['matched']}; not this project's numbers):")
-    print(comparable.to_string(index=False) if len(comparable) else "(none)")
-    print("\npublished results under other protocols, subject counts or inputs (not comparable):")
-    print(other.to_string(index=False) if len(other) else "(none)")
+    for group in shown:
+        print(f"\n{headings[group]}:")
+        print(views[group].to_string(index=False) if len(views[group]) else "(none)")
     print(f"\nused {subject_set}")
     for name, path in paths.items():
         print(f"{name}: {path}")
     print(f"MLflow table run {run.info.run_id}")
-    return {"rows": rows, "table": ours, "facts": facts, "comparable": report["comparable"], "other": report["other"],
-            "published": published, "paths": paths, "run_id": run.info.run_id}
+    return {"rows": rows, "table": ours, "facts": facts, "comparable": report["comparable"], "shape": report["shape"],
+            "other": report["other"], "published": published, "paths": paths, "run_id": run.info.run_id}

@@ -26,9 +26,11 @@ from matplotlib.ticker import EngFormatter, LogLocator, MaxNLocator, NullFormatt
 from mlflow import MlflowClient
 from mlflow.entities import Run, RunStatus
 
-from pipeline.evaluation.metrics import calibration_metrics, plot_reliability
+from pipeline.evaluation.metrics import plot_reliability
 from pipeline.evaluation.statistics import (
+    CALIBRATION_METRICS,
     SUBJECT_METRICS,
+    calibration_intervals,
     decided_by,
     holm,
     minimum_detectable_effect,
@@ -474,7 +476,7 @@ def compare(
     atomic_write_csv(paths["paired"], paired)
     atomic_write_csv(paths["folds"], scores)
     videos = {model: table for model, run in runs.items() if (table := pooled_videos(client, run)) is not None}
-    subjects = subject_scores_table = subject_paired = None
+    subjects = subject_scores_table = subject_paired = calibration = None
     if len(videos) >= 2:
         subjects, subject_scores_table, subject_paired = subject_tables(videos)
         for name, table in (("subjects", subjects), ("subject_scores", subject_scores_table),
@@ -486,11 +488,12 @@ def compare(
     if videos:  # calibration of each backbone's pooled video probabilities, and its reliability diagram
         curves = {model: (table["label"].to_numpy(), table[[c for c in table.columns if c.startswith("prob_")]]
                           .to_numpy()) for model, table in videos.items()}
-        calibration = pd.DataFrame([{"model": model, **calibration_metrics(*curve)} for model, curve in curves.items()])
+        calibration = calibration_table(client, runs, videos)
         paths["calibration"] = out_dir / f"{stem}_calibration.csv"
         atomic_write_csv(paths["calibration"], calibration)
         paths["reliability"] = out_dir / f"{stem}_reliability.png"
-        plot_reliability(curves, paths["reliability"], "pooled test videos: reliability of the probabilities")
+        plot_reliability(curves, paths["reliability"], "pooled test videos (each CV's fold models pooled): "
+                         "reliability of the probabilities")
     if len(videos) == 1:
         logger.warning("only %s has pooled test videos (%s): no subject-level intervals or tests", next(iter(videos)),
                        POOLED_VIDEOS)
@@ -561,7 +564,30 @@ def compare(
         "complete": complete,
         "differences": differences,
         "cost": costs,
+        "calibration": calibration,
     }
+
+
+CALIBRATION_NOTE = "pooled over the CV's fold models, each with its own probability scale"
+
+
+def calibration_table(client: MlflowClient, runs: Mapping[str, Run],
+                      videos: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
+    """Per CV with pooled test videos: Brier and ECE of those videos with their subject-bootstrap intervals
+    (`statistics.calibration_intervals`), and beside them the mean over folds of each fold model's own
+    (`test/video_brier`, `test/video_ece` of its fold runs): pooling mixes the fold models."""
+    rows = []
+    for model, table in videos.items():
+        class_names = [column.removeprefix("prob_") for column in table.columns if column.startswith("prob_")]
+        pooled = calibration_intervals(table, class_names)
+        folds = fold_scores(client, runs[model], [f"test/video_{name}" for name in CALIBRATION_METRICS], model)
+        row = {"model": model, "n_subjects": table["subject_name"].nunique(), "n_folds": len(folds)}
+        for name in CALIBRATION_METRICS:
+            row.update({name: pooled[name], f"{name}_ci95_low": pooled[f"{name}_ci95_low"],
+                        f"{name}_ci95_high": pooled[f"{name}_ci95_high"],
+                        f"{name}_mean_over_folds": float(folds[f"test/video_{name}"].mean())})
+        rows.append({**row, "note": CALIBRATION_NOTE})
+    return pd.DataFrame(rows)
 
 
 def cost_lines(costs: pd.DataFrame) -> str:
@@ -650,6 +676,10 @@ def run_compare(cfg, tuned: str | None = None) -> dict:
                   f"({row.n_subjects} subjects)")
     else:
         print(f"no subject-level intervals or tests: fewer than two of these CVs logged {POOLED_VIDEOS}")
+    if result["calibration"] is not None:
+        print(f"calibration of the pooled test videos, 95 % subject-bootstrap intervals ({CALIBRATION_NOTE}; the "
+              f"mean over folds of each fold model's own beside it):")
+        print(result["calibration"].drop(columns="note").to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(cost_lines(result["cost"]))
     for name, path in result["paths"].items():
         if isinstance(path, dict):  # one plot per metric

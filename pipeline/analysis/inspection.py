@@ -46,6 +46,7 @@ from pipeline.analysis.regions import region_score
 from pipeline.data.augment import denormalize
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.fold_files import fold_file_sha256
+from pipeline.data.prepare import is_twin
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import aggregate_videos, summarize_folds
 from pipeline.models.backbones import PainNet, create_model
@@ -59,7 +60,6 @@ from pipeline.utils.paths import resolve_path
 log = logging.getLogger(__name__)
 
 PREFIX = "inspect"
-IMAGES_TO_MLFLOW = ("synthetic",)  # datasets whose face images may be logged to MLflow; every other stays on disk
 GRID_PER_CASE = 2  # videos per (pain / no pain) x (right / wrong) case in the grid image
 
 # A region mask for one test crop: (frame-table row, the model's data config, crop fraction) -> boolean mask over the
@@ -398,7 +398,8 @@ def inspect_cv(cfg: DictConfig, run_id: str | None = None, untrained: bool = Fal
     parent_id = parent.info.run_id
     tags, params = parent.data.tags, parent.data.params
     dataset = tags.get("dataset", cfg.data.name)
-    images_allowed = dataset in IMAGES_TO_MLFLOW and cfg.data.name in IMAGES_TO_MLFLOW
+    # face images go to MLflow only for a twin's drawn faces; recordings of people (BioVid) stay on disk
+    images_allowed = dataset == cfg.data.name and is_twin(cfg)
     fold_file = resolve_path(cfg.fold_file)
     if not fold_file.is_file() or fold_file_sha256(fold_file) != tags.get("fold_file_sha256"):
         raise InspectionError(f"the fold file {fold_file} is not the one cross-validation {parent_id} ran on "

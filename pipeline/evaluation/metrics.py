@@ -313,21 +313,32 @@ def plot_training_curves(history: pd.DataFrame, path: str | os.PathLike) -> None
 CALIBRATION_BINS = 10
 
 
-def reliability_bins(labels: np.ndarray, probs: np.ndarray,
-                     n_bins: int = CALIBRATION_BINS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per equal-width probability bin: (count, mean predicted probability, observed frequency).
+def calibration_terms(labels: np.ndarray, probs: np.ndarray,
+                      n_bins: int = CALIBRATION_BINS) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per video, what every calibration number sums: its Brier term, its reliability bin, its confidence and its
+    outcome (`calibration_metrics`, `reliability_bins`, and the subject bootstrap's resamples of them).
 
-    Two classes: the pain (class 1) probability against how often the video is pain. More classes: the top class's
-    probability (the confidence) against how often the top class is right. Bin b holds [b / n, (b + 1) / n), the last
-    one also 1.0; empty bins have NaN means.
+    Two classes: the pain (class 1) probability against whether the video is pain; Brier term (p - is pain)^2. More
+    classes: the top class's probability (the confidence) against whether the top class is right; Brier term the
+    sum over classes of (probability - one-hot)^2. Bin b holds [b / n, (b + 1) / n), the last one also 1.0.
     """
     labels = np.asarray(labels).astype(int)
     probs = np.asarray(probs, dtype=float)
     if probs.shape[1] == 2:
         confidence, outcome = probs[:, 1], (labels == 1).astype(float)
+        brier = (confidence - outcome) ** 2
     else:
         confidence, outcome = probs.max(axis=1), (probs.argmax(axis=1) == labels).astype(float)
+        brier = np.sum((probs - np.eye(probs.shape[1])[labels]) ** 2, axis=1)
     index = np.minimum(np.floor(confidence * n_bins).astype(int), n_bins - 1)
+    return brier, index, confidence, outcome
+
+
+def reliability_bins(labels: np.ndarray, probs: np.ndarray,
+                     n_bins: int = CALIBRATION_BINS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per equal-width probability bin (`calibration_terms`): (count, mean predicted probability, observed
+    frequency); empty bins have NaN means."""
+    _, index, confidence, outcome = calibration_terms(labels, probs, n_bins)
     counts = np.bincount(index, minlength=n_bins)
     with np.errstate(invalid="ignore", divide="ignore"):
         mean_probability = np.bincount(index, weights=confidence, minlength=n_bins) / counts
@@ -335,25 +346,26 @@ def reliability_bins(labels: np.ndarray, probs: np.ndarray,
     return counts, mean_probability, frequency
 
 
-def calibration_metrics(labels: np.ndarray, probs: np.ndarray, n_bins: int = CALIBRATION_BINS) -> dict[str, float]:
-    """Brier score and expected calibration error (ECE) of video probabilities.
+def expected_calibration_error(counts: np.ndarray, confidence_sums: np.ndarray,
+                               outcome_sums: np.ndarray) -> np.ndarray:
+    """ECE from per-bin sums over the videos (last axis: the bins; leading axes, e.g. bootstrap resamples, kept):
+    the share-weighted |observed frequency - mean probability|, i.e. sum over bins of |outcomes - confidences| over
+    the videos."""
+    return np.abs(outcome_sums - confidence_sums).sum(axis=-1) / counts.sum(axis=-1)
 
-    Brier: two classes, the mean of (pain probability - is pain)^2; more classes, the mean over videos of the sum
-    over classes of (probability - one-hot)^2. ECE: over `n_bins` equal-width bins (`reliability_bins`), the mean
-    of |observed frequency - mean probability| weighted by each bin's share of the videos. Both 0 when perfect.
+
+def calibration_metrics(labels: np.ndarray, probs: np.ndarray, n_bins: int = CALIBRATION_BINS) -> dict[str, float]:
+    """Brier score and expected calibration error (ECE) of video probabilities (`calibration_terms`).
+
+    Brier: the mean over videos of the Brier term. ECE: over `n_bins` equal-width bins, the mean of
+    |observed frequency - mean probability| weighted by each bin's share of the videos. Both 0 when perfect.
     """
     labels = np.asarray(labels).astype(int)
-    probs = np.asarray(probs, dtype=float)
     if len(labels) == 0:
         return {"brier": float("nan"), "ece": float("nan")}
-    if probs.shape[1] == 2:
-        brier = float(np.mean((probs[:, 1] - (labels == 1)) ** 2))
-    else:
-        brier = float(np.mean(np.sum((probs - np.eye(probs.shape[1])[labels]) ** 2, axis=1)))
-    counts, mean_probability, frequency = reliability_bins(labels, probs, n_bins)
-    filled = counts > 0
-    ece = float(np.sum(counts[filled] * np.abs(frequency[filled] - mean_probability[filled])) / counts.sum())
-    return {"brier": brier, "ece": ece}
+    brier, index, confidence, outcome = calibration_terms(labels, probs, n_bins)
+    sums = [np.bincount(index, weights=weights, minlength=n_bins) for weights in (None, confidence, outcome)]
+    return {"brier": float(np.mean(brier)), "ece": float(expected_calibration_error(*sums))}
 
 
 def plot_reliability(curves: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str | os.PathLike,

@@ -19,12 +19,16 @@ import pandas as pd
 from scipy import stats
 from sklearn.metrics import roc_auc_score
 
+from pipeline.evaluation.metrics import CALIBRATION_BINS, calibration_terms, expected_calibration_error
+
 CONFIDENCE = 0.95
 N_BOOTSTRAP = 2000
 N_PERMUTATIONS = 9999  # above 2**13 subjects' sign flips; fewer subjects are enumerated exactly
 RANDOM_STATE = 0  # fixed: the same predictions give the same interval and p-value on every run
 # The subject-level metrics: pooled over the resampled subjects' videos (the first two), mean over subjects (AUROC).
 SUBJECT_METRICS = ("accuracy_at_threshold", "balanced_accuracy_at_threshold", "within_subject_auroc")
+# Calibration of the pooled video probabilities, with the same subject bootstrap (`calibration_intervals`)
+CALIBRATION_METRICS = ("brier", "ece")
 
 
 def decisions(videos: pd.DataFrame) -> np.ndarray:
@@ -184,6 +188,44 @@ def subject_intervals(videos: pd.DataFrame, class_names: Sequence[str], metrics:
     for name, (value, values, statistic) in estimates.items():
         if metrics is not None and name not in metrics:
             continue
+        low, high = _count_bootstrap(values, statistic, **options) if np.isfinite(value) else (np.nan, np.nan)
+        result.update({name: value, f"{name}_ci95_low": low, f"{name}_ci95_high": high})
+    return result
+
+
+def calibration_intervals(videos: pd.DataFrame, class_names: Sequence[str], n_bins: int = CALIBRATION_BINS,
+                          **options) -> dict[str, float]:
+    """Brier score and ECE of the pooled videos (`metrics.calibration_metrics`) with their subject-bootstrap
+    intervals: `brier`, `brier_ci95_low`, `brier_ci95_high`, `ece`, ...; the draws of `subject_intervals`.
+
+    A resample of subjects sums its subjects' parts (videos and Brier terms; per reliability bin videos,
+    confidences and outcomes), so it needs no video table per resample. The videos of a cross-validation come from
+    its fold models, each with its own probability scale: pooled calibration mixes those models, and is no fold
+    model's calibration.
+    """
+    prob_columns = [f"prob_{name}" for name in class_names]
+    brier, index, confidence, outcome = calibration_terms(videos["label"].to_numpy(dtype=int),
+                                                          videos[prob_columns].to_numpy(dtype=float), n_bins)
+    _, subject = np.unique(videos["subject_name"].to_numpy(), return_inverse=True)
+    n_subjects = int(subject.max()) + 1 if len(subject) else 0
+    totals = np.zeros((n_subjects, 2))  # per subject: videos, summed Brier terms
+    np.add.at(totals, (subject, 0), 1.0)
+    np.add.at(totals, (subject, 1), brier)
+    bins = np.zeros((n_subjects, 3, n_bins))  # per subject and bin: videos, summed confidences, summed outcomes
+    for part, weights in enumerate((np.ones(len(index)), confidence, outcome)):
+        np.add.at(bins, (subject, part, index), weights)
+
+    def brier_of(picked: np.ndarray) -> np.ndarray:
+        summed = picked.sum(axis=-2)
+        return summed[..., 1] / summed[..., 0]
+
+    def ece_of(picked: np.ndarray) -> np.ndarray:
+        summed = picked.sum(axis=-3)
+        return expected_calibration_error(summed[..., 0, :], summed[..., 1, :], summed[..., 2, :])
+
+    result = {}
+    for name, values, statistic in (("brier", totals, brier_of), ("ece", bins, ece_of)):
+        value = float(statistic(values)) if n_subjects else float("nan")
         low, high = _count_bootstrap(values, statistic, **options) if np.isfinite(value) else (np.nan, np.nan)
         result.update({name: value, f"{name}_ci95_low": low, f"{name}_ci95_high": high})
     return result

@@ -16,6 +16,10 @@ so an entry with another key is never read: a changed key part builds a new entr
 (`<processed_dir>/embeddings/<backbone>-<key>.npz`, with `.json` beside it: the key and the SHA-256 of the arrays),
 are written atomically (arrays first, the JSON last), and are checked on read: a file whose hash differs from its
 JSON is refused with its name, never used.
+
+Without views (`cache.views=0`, the default) a frozen head trains on the plain embedding every epoch: no training
+augmentation at all, whatever `augment.*` says. Its runs keep those settings as params (identity) and say that they
+were not applied (tags `augment_applied=false`, `augmentation`: `pipeline.runs.fold_job.augmentation_label`).
 """
 
 from __future__ import annotations
@@ -227,8 +231,9 @@ def ensure_embeddings(backbone: Backbone, processed_dir: Path, *, crop_fraction:
                  time.time() - started)
         return CachedEmbeddings(table, arrays, False, time.time() - started)
     rows = used_rows(read_frame_table(processed_dir), from_s, frames_per_video)
-    log.info("building embeddings of %s for %d crops (%d augmented views each) into %s", backbone.name, len(rows),
-             settings.views, arrays)
+    log.info("building embeddings of %s for %d crops (%s) into %s", backbone.name, len(rows),
+             f"{settings.views} augmented views each" if settings.views else "plain only: training will not augment",
+             arrays)
     table = build_entry(backbone, rows, processed_dir, crop_fraction, augment, settings, progress, workers)
     seconds = time.time() - started
     write_entry(table, key, arrays, record, seconds)

@@ -8,6 +8,7 @@ run says which weights it started from.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import warnings
@@ -153,6 +154,28 @@ def weight_file(weights: str | os.PathLike) -> Path:
             f"weights folder {path} must hold exactly one weight file ({', '.join(WEIGHT_SUFFIXES)}); found: {found}"
         )
     return candidates[0]
+
+
+def provenance_path(weights_file: str | os.PathLike) -> Path:
+    """Where a weights file's provenance lies: `<file>.json` beside it (`<stem>.json`), as `make pretrain` writes it
+    (the pool, every identity in it, the target, the SHA-256)."""
+    return Path(weights_file).with_suffix(".json")
+
+
+def weights_provenance(weights_file: str | os.PathLike) -> tuple[Path, dict | None]:
+    """A weights file's provenance file and its content; None when there is none. One that cannot be read as a JSON
+    object is an error naming it (IncompatibleWeights): it would otherwise pass for a file without provenance."""
+    path = provenance_path(weights_file)
+    if not path.is_file():
+        return path, None
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise IncompatibleWeights(f"{path}: the provenance of {weights_file} cannot be read ({error}); fix or "
+                                  f"remove it") from error
+    if not isinstance(content, dict):
+        raise IncompatibleWeights(f"{path}: the provenance of {weights_file} is not a JSON object")
+    return path, content
 
 
 def sha256_of_file(path: str | os.PathLike) -> str:

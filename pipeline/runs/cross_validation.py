@@ -42,7 +42,6 @@ from pipeline.data.exclusions import (
 from pipeline.data.prepare import prepare_data, read_fold_file, subject_set_tags
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import (
-    calibration_metrics,
     classification_metrics,
     decided_confusions,
     decided_per_subject,
@@ -51,18 +50,20 @@ from pipeline.evaluation.metrics import (
     plot_roc,
     summarize_folds,
 )
-from pipeline.evaluation.statistics import subject_intervals, subject_scores
+from pipeline.evaluation.statistics import calibration_intervals, subject_intervals, subject_scores
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
-from pipeline.models.weights import WeightsSource
+from pipeline.models.weights import WeightsSource, weights_provenance
 from pipeline.runs import cv_runs, fold_lease, launchers, registry, tracking
 from pipeline.runs.environment import library_versions, log_environment
 from pipeline.runs.fold_job import (
     FoldDecisions,
     FoldJob,
     FoldResult,
+    augmentation_label,
     check_head,
     decide,
+    finetune_tags,
     result_from_run,
     retire_unreadable,
 )
@@ -90,6 +91,32 @@ def warn_from_scratch(model_name: str, source: WeightsSource) -> None:
                f"cope better with little data. Scores are not comparable with fine-tuned runs; provide weights "
                f"with WEIGHTS=/path or pretrained=true to fine-tune.")
     log.warning(message)
+
+
+def check_pretraining_people(weights: WeightsSource, folds: pd.DataFrame, fold_file: Path) -> dict[str, str]:
+    """A WEIGHTS= file's provenance (`make pretrain`'s `<file>.json`) names the people it was trained on; one of them
+    among the fold file's subjects is refused, named with both files, before anything trains: a fold would test
+    someone its starting point has seen. A file without provenance, or with one that names nobody, is used with a
+    warning that nothing could be checked. Returns the `pretraining_people` tag that says which it was."""
+    if weights.kind != "file":
+        return {}
+    sidecar, provenance = weights_provenance(weights.ref)
+    identities = ((provenance or {}).get("pool") or {}).get("identities")
+    if identities is None:
+        why = f"no provenance file {sidecar}" if provenance is None else f"{sidecar} names no pool identities"
+        log.warning("WEIGHTS=%s: %s, so nothing could be checked about the people these weights were trained on; "
+                    "make sure none of them is among the subjects of %s", weights.ref, why, fold_file)
+        return {"pretraining_people": f"unchecked: {why}"}
+    subjects = set(folds["subject_name"])
+    shared = sorted({str(name) for name in identities} & subjects)
+    if shared:
+        raise SystemExit(
+            f"error: the starting weights {weights.ref} were trained on {len(shared)} of the subjects of {fold_file} "
+            f"({', '.join(shared[:10])}{', ...' if len(shared) > 10 else ''}; listed in their provenance {sidecar}): "
+            f"a fold would test people its starting point has seen. Pretrain on a pool apart from this dataset "
+            f"(make pretrain DATA=<this dataset> checks it) or start from other weights")
+    return {"pretraining_people": f"checked: none of the {len(identities)} identities in {sidecar.name} is among "
+                                  f"the {len(subjects)} subjects of {fold_file.name}"}
 
 
 @dataclass
@@ -166,6 +193,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     decisions = decide(cfg, fold_file)
     weights = decisions.weights_source
     warn_from_scratch(cfg.model.name, weights)
+    people_checked = check_pretraining_people(weights, folds, fold_file)  # a WEIGHTS= file's people: none tested
 
     artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
         PROJECT_ROOT)
@@ -186,6 +214,8 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
                                     and cfg.trainer.limit_val_batches is None).lower(),
                     tracking.PRECISION_ASKED_TAG: decisions.precision, "model_family": decisions.model_family,
                     "cpu": cpu_description(), **device_tags(cfg), **library_versions(), **weights.as_tags(),
+                    **finetune_tags(cfg),  # with whether augment.* was applied (a frozen head on plain embeddings)
+                    **people_checked,
                     **subject_set_tags(fold_file),
                     "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped)),
                     **registry.standard_tags("make cv")}
@@ -406,6 +436,10 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
     client.set_terminated(plan.parent_run_id, tracking.FINISHED)
     remove_fold_folders(plan.work_dir)
     table = print_table(results, summary)
+    calibration = calibration_line(summary, len(results))
+    client.set_tag(plan.parent_run_id, "calibration_note", calibration)
+    print(calibration)
+    print(f"augmentation: {augmentation_label(plan.cfg)}")
     registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.cfg.model.name}: video-level test "
                           f"scores per fold", table.rename_axis("").reset_index())
     return summary
@@ -420,6 +454,23 @@ def remove_fold_folders(work_dir: Path) -> None:
                 shutil.rmtree(folder)
             except OSError as error:
                 log.warning("the fold work folder %s was not removed: %s", folder, error)
+
+
+def calibration_line(summary: dict[str, float], n_models: int) -> str:
+    """Brier and ECE of the pooled test videos with their subject-bootstrap intervals, said to mix the fold models
+    (each calls its videos on its own probability scale), beside the mean and sd over folds of each fold's own."""
+    def pooled(name: str) -> str:
+        key = f"pooled/video_{name}"
+        return (f"{summary.get(key, np.nan):.3f} [{summary.get(f'{key}_ci95_low', np.nan):.3f}, "
+                f"{summary.get(f'{key}_ci95_high', np.nan):.3f}]")
+
+    def per_fold(name: str) -> str:
+        mean, sd = (summary.get(f"cv/video_{name}_{kind}", np.nan) for kind in ("mean", "std"))
+        return f"{mean:.3f} +- {sd:.3f}"
+
+    return (f"calibration, pooled test videos: Brier {pooled('brier')}, ECE {pooled('ece')} (95 % subject bootstrap; "
+            f"pooling mixes the {n_models} fold models' probability scales); mean over folds of each fold's own: "
+            f"Brier {per_fold('brier')}, ECE {per_fold('ece')}")
 
 
 def record_precisions(client: MlflowClient, run_id: str, fold_runs: list) -> str:
@@ -465,8 +516,8 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     summary.update({f"pooled/frame_{k}": v for k, v in pooled_frame.items()})
     summary.update(pooled_at_threshold(videos, class_names))
     summary.update(pooled_argmax(videos, class_names))
-    summary.update({f"pooled/video_{k}": v for k, v in calibration_metrics(
-        videos["label"].to_numpy(), videos[prob_columns].to_numpy()).items()})
+    # with subject-bootstrap intervals; pooled over the fold models (cv/video_brier_mean, _ece_mean: per fold)
+    summary.update({f"pooled/video_{k}": v for k, v in calibration_intervals(videos, class_names).items()})
     summary.update(tested_counts(videos, resolve_path(cfg.fold_file), sorted({r.fold for r in results})))
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
@@ -491,7 +542,9 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
         if len(class_names) == 2 and videos["label"].nunique() == 2:
             plot_roc(videos["label"].to_numpy(), videos[prob_columns[1]].to_numpy(), out / "roc_video_pooled.png",
                      "all test videos")
-        plot_reliability({"all test videos": (videos["label"].to_numpy(), videos[prob_columns].to_numpy())},
+        n_models = len({(r.fold, r.seed) for r in results})
+        plot_reliability({f"all test videos ({n_models} fold models pooled)":
+                          (videos["label"].to_numpy(), videos[prob_columns].to_numpy())},
                          out / "reliability_video_pooled.png")
         decided_per_subject(videos).to_csv(out / "accuracy_per_subject.csv", index=False)
         subject_scores(videos, class_names).to_csv(out / "scores_per_subject.csv", index=False)

@@ -371,10 +371,35 @@ def uses_embedding_cache(cfg: DictConfig) -> bool:
     return cfg.model.finetune == "frozen" and bool(cfg.cache.embeddings)
 
 
+def augmentation_applied(cfg: DictConfig) -> bool:
+    """Whether training applies the `augment.*` settings. Not for a frozen head on cached embeddings without
+    augmented views (`cache.views=0`: the plain embedding every epoch), nor for a frozen backbone's two-stage head
+    (it trains on plain embeddings); the settings stay in the run's params, as part of its identity."""
+    if skips_first_stage(cfg) and HeadConfig.from_config(cfg.model.head).two_stage:
+        return False
+    return not (uses_embedding_cache(cfg) and int(cfg.cache.views) == 0)
+
+
+def augmentation_label(cfg: DictConfig) -> str:
+    """What augmentation training saw, in words: the `augmentation` tag and the fold's and the CV's lines."""
+    views = int(cfg.cache.views)
+    two_stage = HeadConfig.from_config(cfg.model.head).two_stage
+    if skips_first_stage(cfg) and two_stage:
+        return "none (frozen backbone: the two-stage head trains on plain embeddings; augment.* not applied)"
+    if uses_embedding_cache(cfg):
+        return ("none (frozen embeddings, cache.views=0; augment.* not applied)" if views == 0 else
+                f"{views} augmented view(s) per crop (frozen embeddings, cache.views={views}, drawn with augment.*)")
+    if two_stage:
+        return "augment.* on the frame model's images (the two-stage head trains on plain embeddings)"
+    return "augment.* on the images"
+
+
 def finetune_tags(cfg: DictConfig) -> dict[str, str]:
-    """What trains, as tags: the strategy's label (full, frozen, top_blocks2, lora_r8) and whether embeddings fed it."""
+    """What trains, as tags: the strategy's label (full, frozen, top_blocks2, lora_r8), whether embeddings fed it,
+    and whether the `augment.*` settings (logged as params either way) were applied, in words."""
     return {"finetune": FinetuneConfig.from_model_config(cfg.model).label,
-            "embedding_cache": str(uses_embedding_cache(cfg)).lower()}
+            "embedding_cache": str(uses_embedding_cache(cfg)).lower(),
+            "augment_applied": str(augmentation_applied(cfg)).lower(), "augmentation": augmentation_label(cfg)}
 
 
 @dataclass
@@ -516,13 +541,17 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
 
 def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondStage, weights: dict, path: Path,
                     **extra) -> Path:
-    """A two-stage fold's clip model (`ClipNet`) as a self-describing file: the head's settings in its meta."""
-    meta = model_meta(stage.net, model_name=cfg.model.name, img_size=cfg.model.img_size,
+    """A two-stage fold's clip model (`ClipNet`) as a self-describing file: the frame backbone as its strategy keeps
+    it (`for_keeping`, as `keep_fold_model` does: LoRA's adapters merged into a plain backbone, which an unmerged one
+    is not, so it would not load), the trained temporal head, and the head's settings in its meta."""
+    frame_net = module.finetune.for_keeping(module.model)  # the best checkpoint's, as second_stage loaded it
+    net = ClipNet(frame_net.backbone, stage.net.head)
+    meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
                       loader=OmegaConf.to_container(cfg.loader), weights=weights,
                       finetune=FinetuneConfig.from_model_config(cfg.model).label,
                       head=OmegaConf.to_container(cfg.model.head), **extra)
-    return save_model_file(stage.net, meta, path)
+    return save_model_file(net, meta, path)
 
 
 def log_threshold_fallback(fold: int, fallback: str) -> None:
@@ -551,9 +580,9 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         mlflow.set_tags(settings.tags())
         module, datamodule, weights = build_fold(cfg, fold, decisions, settings)
         counts = parameter_counts(module.model)
-        log.info("fold %d: %s, %d of %d parameters trainable (backbone %d of %d)", fold, module.finetune.name,
-                 counts["parameters_trainable"], counts["parameters_total"], counts["backbone_parameters_trainable"],
-                 counts["backbone_parameters"])
+        log.info("fold %d: %s, %d of %d parameters trainable (backbone %d of %d); augmentation: %s", fold,
+                 module.finetune.name, counts["parameters_trainable"], counts["parameters_total"],
+                 counts["backbone_parameters_trainable"], counts["backbone_parameters"], augmentation_label(cfg))
         mlflow.log_params(counts)
         mlflow.set_tags(finetune_tags(cfg))
         mlflow.log_input(subjects_dataset(split_videos(datamodule), f"{cfg.data.name}-{cfg.task.name}-fold{fold}"),

@@ -16,8 +16,14 @@ Pools (`pretrain.pool`):
   `crop_path` relative to the crops folder, `identity`, and the target columns). Identities that are subjects of the
   CV dataset are refused by name.
 
+Either way the CV dataset's participants must be known (`dataset_roster`: its frame table, samples table, committed
+subject list or generator); a dataset whose participants cannot be read is refused with the reason. The identities
+go into the provenance, and `make cv WEIGHTS=<file>` refuses weights whose pool shares a person with its fold file
+(`pipeline.runs.cross_validation.check_pretraining_people`), whatever `DATA` was at `make pretrain`.
+
 Targets (`pretrain.target`): `au`, the per-frame action-unit intensities (the twin's ground truth under
-`synthetic_regions/`: AU4, AU6/7, AU9/10, AU43; a folder's numeric columns, or `pretrain.folder.target_columns`),
+`synthetic_regions/`: AU4, AU6/7, AU9/10, AU43, read on the resting clips (BL1) only, `AU_CLASSES`: on its pain
+clips they are the pain intensity under another name; a folder's numeric columns, or `pretrain.folder.target_columns`),
 learnt by mean squared error, or `identity`, who it is, learnt by cross-entropy. Expressions are the pain signal's
 neighbours: the best video-only BioVid results pretrain on faces and expressions before fine-tuning on pain.
 
@@ -27,6 +33,8 @@ answering the training mean (or the most common identity's share), say whether t
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -50,7 +58,7 @@ from pipeline.data.face_crops import preprocess
 from pipeline.data.frame_dataset import FrameDataset
 from pipeline.data.prepare import preprocess_config, synthetic_config, synthetic_fingerprint
 from pipeline.models.backbones import CvtBackbone, PainNet, TimmBackbone, create_backbone
-from pipeline.models.weights import sha256_of_file
+from pipeline.models.weights import provenance_path, sha256_of_file
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text
 from pipeline.utils.devices import precision_for
@@ -58,6 +66,10 @@ from pipeline.utils.paths import git_commit, resolve_path
 
 log = logging.getLogger(__name__)
 AU_COLUMNS = ("au4", "au6_7", "au9_10", "au43")  # the twin's per-frame action units (synthetic_regions/)
+# The clips a twin's AU target is read on: the resting face (BL1) only. On the pain clips the twin's action units
+# are the pain intensity times a weight plus noise, so an AU target there is the pain target under another name; at
+# rest they are what the face does unprompted (fidgeting of brows, cheeks and nose, blinks).
+AU_CLASSES = ("BL1",)
 TARGETS = ("au", "identity")
 POOLS = ("synthetic", "folder")
 # what makes a synthetic person recognisable: every drawn trait but the running number and the pain response
@@ -83,8 +95,10 @@ class Pool:
 
 
 def pool_config(cfg: DictConfig) -> Any:
-    """The pool's generator config: `pretrain.synthetic` over the twin's look (difficulty)."""
-    return synthetic_config(cfg.pretrain.synthetic, difficulty=cfg.data.synthetic.difficulty)
+    """The pool's generator config: `pretrain.synthetic` over the twin's look (difficulty) when the CV dataset is a
+    twin; over the preset's own look for a recorded dataset (BioVid has no `data.synthetic`)."""
+    difficulty = OmegaConf.select(cfg, "data.synthetic.difficulty", default=None)
+    return synthetic_config(cfg.pretrain.synthetic, **({"difficulty": difficulty} if difficulty else {}))
 
 
 def look(subject: Any) -> tuple:
@@ -98,32 +112,61 @@ def shared_identities(pool_subjects: list, dataset_subjects: list) -> list[str]:
     return [s.subject_name for s in pool_subjects if s.subject_name in names or look(s) in looks]
 
 
-def dataset_subject_names(cfg: DictConfig) -> set[str]:
-    """The CV dataset's participants by name: its frame table's, else its samples table's (none before make data)."""
-    frames = resolve_path(cfg.data.processed_dir) / "frames.csv"
-    if frames.is_file():
-        return set(pd.read_csv(frames, usecols=["subject_name"], dtype=str)["subject_name"])
-    root = cfg.data.root
-    samples = resolve_path(root) / SAMPLES_CSV if root else None
-    if samples is not None and samples.is_file():
-        return set(pd.read_csv(samples, sep="\t", usecols=["subject_name"], dtype=str)["subject_name"])
-    return set()
+@dataclass(frozen=True)
+class Roster:
+    """The CV dataset's participants: their names, and for a twin its generated people (for the look check)."""
+
+    names: frozenset[str]
+    generated: tuple  # the twin generator's subjects; empty for a recorded dataset (BioVid)
+    sources: tuple[str, ...]  # where the names were read
 
 
-def check_apart(cfg: DictConfig, pool_subjects: list) -> None:
-    """Refuse a synthetic pool that shares a person with the CV dataset (by name, and for the twin by look)."""
+def dataset_roster(cfg: DictConfig) -> Roster:
+    """Every participant of the CV dataset that can be read: its frame table, its samples table, the committed
+    subject list beside its fold files (`<manifest_dir>/subjects.csv`: BioVid's 87 without BIOVID_ROOT) and, for a
+    twin (a `data.synthetic` section), its generator. A dataset none of which can be read is refused with the
+    reason: a pool cannot be checked apart from people nobody can name."""
     from pipeline.data.synthetic import make_subjects
 
-    others = make_subjects(synthetic_config(cfg.data.synthetic)) if cfg.data.name == "synthetic" else []
-    shared = shared_identities(pool_subjects, others)
-    named = dataset_subject_names(cfg) & {s.subject_name for s in pool_subjects}
+    names: set[str] = set()
+    sources, missing = [], []
+    frames = resolve_path(cfg.data.processed_dir) / "frames.csv"
+    root = resolve_path(cfg.data.root) if cfg.data.root else None
+    committed = resolve_path(cfg.data.manifest_dir) / "subjects.csv"
+    for path, separator in ((frames, ","), (root / SAMPLES_CSV if root else None, "\t"), (committed, ",")):
+        if path is not None and path.is_file():
+            names |= set(pd.read_csv(path, sep=separator, usecols=["subject_name"], dtype=str)["subject_name"])
+            sources.append(str(path))
+        elif path is not None:
+            missing.append(f"no {path}")
+    if root is None:
+        missing.append("data.root is not set (BIOVID_ROOT=)")
+    section = OmegaConf.select(cfg, "data.synthetic", default=None)
+    generated = tuple(make_subjects(synthetic_config(section))) if section is not None else ()
+    if generated:
+        names |= {subject.subject_name for subject in generated}
+        sources.append(f"the {cfg.data.name} generator (seed {section.seed})")
+    if not names:
+        raise PretrainError(f"the {cfg.data.name} dataset's participants cannot be read ({'; '.join(missing)}), so "
+                            f"the pretraining pool cannot be checked apart from them: run `make data` for it first, "
+                            f"or give its root (BIOVID_ROOT=)")
+    return Roster(frozenset(names), generated, tuple(sources))
+
+
+def check_apart(cfg: DictConfig, pool_subjects: list) -> Roster:
+    """Refuse a synthetic pool that shares a person with the CV dataset (by name, and for a twin by look)."""
+    roster = dataset_roster(cfg)
+    shared = shared_identities(pool_subjects, list(roster.generated))
+    named = roster.names & {s.subject_name for s in pool_subjects}
     shared = sorted(set(shared) | named)
     if shared:
         raise PretrainError(
             f"the pretraining pool shares {len(shared)} identit{'y' if len(shared) == 1 else 'ies'} with the "
             f"{cfg.data.name} dataset the backbone will be fine-tuned on ({', '.join(shared[:5])}"
             f"{', ...' if len(shared) > 5 else ''}): a pretrained starting point must not have seen its people. "
-            f"Choose another pretrain.synthetic.seed (the twin's is {cfg.data.synthetic.seed}).")
+            f"Choose another pretrain.synthetic.seed"
+            + (f" (the twin's is {cfg.data.synthetic.seed})." if roster.generated else "."))
+    return roster
 
 
 # --- the pools -------------------------------------------------------------------------------------------------------
@@ -135,17 +178,21 @@ def synthetic_pool(cfg: DictConfig, progress: bool = True) -> Pool:
 
     config = pool_config(cfg)
     subjects = make_subjects(config)
-    check_apart(cfg, subjects)  # before anything is generated
-    pool_dir = resolve_path(cfg.pretrain.pool_dir) / f"seed{config.seed}_{cfg.pretrain.synthetic.preset}"
+    roster = check_apart(cfg, subjects)  # before anything is generated
+    # one folder per generator config: a pool of other settings is another folder, never a refused resume
+    digest = hashlib.sha256(json.dumps(dataclasses.asdict(config), sort_keys=True).encode()).hexdigest()[:8]
+    pool_dir = resolve_path(cfg.pretrain.pool_dir) / f"seed{config.seed}_{cfg.pretrain.synthetic.preset}_{digest}"
     raw, processed = pool_dir / "raw", pool_dir / "processed"
     print(f"pretraining pool: {len(subjects)} synthetic identities (seed {config.seed}, none of them in the "
           f"{cfg.data.name} dataset) -> {pool_dir}", flush=True)
-    generate(raw, config, workers=cfg.data.synthetic.workers, progress=progress)
+    generate(raw, config, workers=OmegaConf.select(cfg, "data.synthetic.workers", default=None), progress=progress)
     samples, _ = load_samples(raw, subject_set="all")
+    if cfg.pretrain.target == "au":  # the resting clips only (AU_CLASSES): the others are not cropped for it
+        samples = samples[samples["class_name"].isin(AU_CLASSES)].reset_index(drop=True)
     source = synthetic_fingerprint(raw)
     result = preprocess(samples, processed, preprocess_config(cfg), workers=cfg.preprocess.workers,
                         progress=progress, device=cfg.preprocess.device, source=source)
-    rows = result.frames[["crop_path", "subject_name", "sample_name", "frame_index"]].rename(
+    rows = result.frames[["crop_path", "subject_name", "sample_name", "class_name", "frame_index"]].rename(
         columns={"subject_name": "identity"})
     targets = ["identity"]
     if cfg.pretrain.target == "au":  # each crop's frame in its video's ground truth
@@ -162,9 +209,14 @@ def synthetic_pool(cfg: DictConfig, progress: bool = True) -> Pool:
     provenance = {"kind": "synthetic", "seed": config.seed, "preset": cfg.pretrain.synthetic.preset,
                   "difficulty": config.difficulty, "folder": str(pool_dir),
                   "generator_sha256": source.removeprefix("synthetic:"),
-                  "checked_apart_from": f"{cfg.data.name} (by name"
-                                        f"{' and look' if cfg.data.name == 'synthetic' else ''})"}
-    return Pool(rows, processed, targets, provenance)
+                  "classes": sorted(set(rows["class_name"])),
+                  "checked_apart_from": apart_from(cfg, roster, "name and look" if roster.generated else "name")}
+    return Pool(rows.drop(columns="class_name"), processed, targets, provenance)
+
+
+def apart_from(cfg: DictConfig, roster: Roster, how: str) -> str:
+    """What the pool was checked apart from, for its provenance: the dataset, how many people, from where."""
+    return f"{cfg.data.name}: {len(roster.names)} participants by {how} ({'; '.join(roster.sources)})"
 
 
 def folder_pool(cfg: DictConfig) -> Pool:
@@ -181,7 +233,8 @@ def folder_pool(cfg: DictConfig) -> Pool:
     if missing:
         raise PretrainError(f"{labels_csv}: no column(s) {', '.join(missing)} (needs crop_path, identity, targets)")
     labels["identity"] = labels["identity"].astype(str)
-    shared = sorted(set(labels["identity"]) & dataset_subject_names(cfg))
+    roster = dataset_roster(cfg)
+    shared = sorted(set(labels["identity"]) & roster.names)
     if shared:
         raise PretrainError(f"{labels_csv}: identities {', '.join(shared[:5])} are subjects of the {cfg.data.name} "
                             "dataset the backbone will be fine-tuned on; a pretraining pool must not hold its people")
@@ -203,7 +256,8 @@ def folder_pool(cfg: DictConfig) -> Pool:
         rows = rows.join(labels[chosen].astype(float))
         targets = chosen
     return Pool(rows, crops, targets, {"kind": "folder", "crops_dir": str(crops), "labels_csv": str(labels_csv),
-                                "labels_sha256": sha256_of_file(labels_csv)})
+                                "labels_sha256": sha256_of_file(labels_csv),
+                                "checked_apart_from": apart_from(cfg, roster, "name")})
 
 
 # --- training --------------------------------------------------------------------------------------------------------
@@ -344,9 +398,11 @@ def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
     trainer = pl.Trainer(max_epochs=epochs, accelerator=cfg.trainer.accelerator, devices=1, precision=precision,
                          logger=False, enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=progress, num_sanity_val_steps=0)
+    classes = pool.provenance.get("classes")
     print(f"pretraining {cfg.model.name} ({img_size} px, from "
-          f"{source.kind} weights) on {len(train_set)} crops of {training['identity'].nunique()} identities, "
-          f"target {p.target} ({n_outputs} outputs), {epochs} epoch(s), {precision}", flush=True)
+          f"{source.kind} weights) on {len(train_set)} crops of {training['identity'].nunique()} identities"
+          f"{' (clips ' + ', '.join(classes) + ')' if classes else ''}, target {p.target} ({n_outputs} outputs), "
+          f"{epochs} epoch(s), {precision}", flush=True)
     started = time.perf_counter()
     trainer.fit(module, train_loader, val_loader)
     seconds = time.perf_counter() - started
@@ -369,9 +425,9 @@ def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
         "precision": precision, "git_commit": git_commit(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": OmegaConf.to_container(p, resolve=True),
     }
-    atomic_write_text(path.with_suffix(".json"), json.dumps(provenance, indent=2, default=str) + "\n")
+    atomic_write_text(provenance_path(path), json.dumps(provenance, indent=2, default=str) + "\n")
     print(f"held-out loss {provenance['held_out_loss']:.4f} against {baseline:.4f} for always answering the "
           f"training {'shares' if classify else 'mean'}; {seconds:.1f} s of training")
-    print(f"weights: {path}\n         (provenance: {path.with_suffix('.json')})\n"
+    print(f"weights: {path}\n         (provenance: {provenance_path(path)})\n"
           f"use it:  make cv MODEL={cfg.model.name} WEIGHTS={path}")
     return path

@@ -48,12 +48,15 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.storages.journal import JournalFileBackend
 
 from pipeline.data.datamodule import PainDataModule
+from pipeline.models.finetune import STRATEGY_NAMES
 from pipeline.runs import fold_lease, launchers, tracking
 from pipeline.runs.cross_validation import Plan, aggregate, identity_lock, launch, plan_cv
 from pipeline.runs.cv_runs import identity_config
 from pipeline.runs.fold_job import (
     FoldDecisions,
     FoldJob,
+    augmentation_applied,
+    augmentation_label,
     build_fold,
     finetune_tags,
     fit_fold,
@@ -158,13 +161,19 @@ def _space_entries(name: str, seen: tuple[str, ...] = ()) -> tuple[dict, dict, l
     if raw.get("extends"):
         parameters, strategies, sources = _space_entries(str(raw["extends"]), (*seen, name))
     parameters = {**parameters, **(raw.get("parameters") or {})}
+    wrong = sorted(set(raw.get("strategies") or {}) - set(STRATEGY_NAMES))
+    if wrong:  # a key no `model.finetune` takes would never apply: its study would search settings that do nothing
+        raise TuneError(f"{path}: strategies key(s) {', '.join(map(repr, wrong))} name no fine-tuning strategy; "
+                        f"model.finetune is one of {', '.join(STRATEGY_NAMES)}")
     for strategy, extra in (raw.get("strategies") or {}).items():
         strategies[strategy] = {**strategies.get(strategy, {}), **(extra or {})}
     return parameters, strategies, [*sources, str(path)]
 
 
 def load_space(cfg: DictConfig) -> SearchSpace:
-    """The search space for `cfg`: its backbone's file (or `tune.space`), with the fine-tuning strategy's changes."""
+    """The search space for `cfg`: its backbone's file (or `tune.space`), with the fine-tuning strategy's changes.
+    A run whose training applies no augmentation (a frozen head on plain cached embeddings, `augmentation_applied`)
+    does not search `augment.*`: those settings would change nothing it trains on."""
     name = cfg.tune.space
     if name == "auto":
         name = cfg.model.name if (SPACES_DIR / f"{cfg.model.name}.yaml").is_file() else "default"
@@ -173,9 +182,12 @@ def load_space(cfg: DictConfig) -> SearchSpace:
     if strategy is not None and strategy in strategies:
         entries = {**entries, **strategies[strategy]}
     source = " + ".join(sources) + (f" (strategy {strategy})" if strategy in strategies else "")
+    unaugmented = not augmentation_applied(cfg)
+    if unaugmented:
+        source += f" (augment.* not searched: {augmentation_label(cfg)})"
     parameters = []
     for key, spec in entries.items():
-        if spec is None:  # removed by a backbone file or a strategy
+        if spec is None or (unaugmented and key.startswith("augment.")):  # removed, or nothing it would change
             continue
         if OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
             raise TuneError(f"{source}: parameter {key} is not a key of the composed config")
@@ -551,14 +563,18 @@ class TunedPlan(Plan):
         return replace(job, config=OmegaConf.to_container(with_params(job.config, self.fold_params[int(fold)])))
 
 
-def search_key(cfg: DictConfig, space: SearchSpace, fold_file_sha256: str) -> str:
+def search_key(cfg: DictConfig, space: SearchSpace, fold_file_sha256: str, decisions: FoldDecisions) -> str:
     """What makes two searches the same study: the settings (without the trial budget, so a rerun with more trials
-    continues the study), the search space and the fold file."""
+    continues the study), the search space, the fold file and the starting weights by what they are (the plan's
+    SHA-256, or `random`), not by where the file lies: a file changed in place is another study, the same file
+    moved is the same one."""
     config = identity_config(cfg)
     config.get("tune", {}).pop("trials", None)
     config.get("tune", {}).pop("max_failures", None)
-    text = json.dumps({"config": config, "space": space.sha256, "folds": fold_file_sha256}, sort_keys=True,
-                      default=str)
+    config.get("model", {}).pop("weights", None)
+    weights = decisions.weights_source
+    text = json.dumps({"config": config, "space": space.sha256, "folds": fold_file_sha256,
+                       "weights": weights.sha256 or weights.kind}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -689,7 +705,7 @@ def run_tune(cfg: DictConfig) -> dict:
         if plan.finished:
             print(f"tuned cross-validation {plan.parent_run_id} already finished with these settings")
             return dict(client.get_run(plan.parent_run_id).data.metrics)
-        key = search_key(cfg, space, cv_run.data.tags["fold_file_sha256"])
+        key = search_key(cfg, space, cv_run.data.tags["fold_file_sha256"], plan.decisions)
         names = study_names(key, cfg.tune.scope, plan.fold_ids)
         storage_file = storage_path(cfg, key)
         tuning = find_tuning_run(client, plan.experiment_id, plan.parent_run_id)
