@@ -277,8 +277,10 @@ def test_kept_model_reloads_and_gives_the_same_test_predictions(cv_runs, tiny_co
     fold = int(child.data.tags["fold"])
     task = get_task(meta["task"])
     datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), fold, task,
-                                net.backbone.data_config, {}, loader_config(num_workers=0))
-    datamodule.setup()
+                                net.backbone.data_config, {}, loader_config(num_workers=0, **{
+                                    key: meta["loader"][key] for key in ("frames_per_video", "from_s", "crop_fraction")
+                                    if key in meta["loader"]}))
+    datamodule.setup()  # fed as the kept model's own record says it was trained and tested
     with torch.no_grad():
         probs = torch.cat([net(images).softmax(1) for images, _, _ in datamodule.test_dataloader()])
     logged = pd.read_csv(client.download_artifacts(child.info.run_id, "predictions_frames.csv"))
