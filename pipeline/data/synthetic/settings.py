@@ -113,7 +113,7 @@ PRESETS: dict[str, SyntheticConfig] = {
     "full": SyntheticConfig(n_subjects=87, samples_per_class=20, width=1388, height=1038),
     # BioVid's people (names, the 20 non-responders), so Part A's committed fold files apply; fewer clips per class
     # than Part A's 20, so that `make data` of it stays within minutes on a laptop
-    "biovid87": SyntheticConfig(n_subjects=BIOVID_SUBJECTS, samples_per_class=6, width=320, height=240,
+    "biovid87": SyntheticConfig(n_subjects=BIOVID_SUBJECTS, samples_per_class=5, width=320, height=240,
                                 roster="biovid"),
 }
 NO_RESPONSE = (0.0,) * len(CLASS_NAMES)
