@@ -39,8 +39,10 @@ SERVING_OUT = PROJECT_ROOT / "requirements" / "serving.txt"
 PROJECT_NAME = "painvit"
 BUILD_TOOLS = ("pip", "setuptools", "wheel")  # not in `pip freeze`; the hashed lock installs them too
 # What a served model needs besides what its code names (pipeline.runs.mlflow_model.REQUIREMENTS): the scoring server
-# `make serve` runs (uvicorn: MLflow's FastAPI app), the LoRA-free loading of kept models (accelerate's empty weights)
-SERVING_EXTRA = ("uvicorn", "accelerate")
+# `make serve` runs (uvicorn: MLflow's FastAPI app), kept models loaded without initialisation (accelerate), the
+# config the serving limits are read from (hydra-core), and what MLflow and the project import on that path when
+# installed (pyarrow, attrs, defusedxml): tests/test_lock.py records every distribution loading and scoring imports
+SERVING_EXTRA = ("uvicorn", "accelerate", "hydra-core", "pyarrow", "attrs", "defusedxml")
 # MLflow's full distribution brings its UI and tracking server (docker, gunicorn, Flask, alembic ...): a served model
 # needs only its skinny part, which holds the pyfunc loader and the scoring server
 SERVING_SWAPS = {"mlflow": "mlflow-skinny"}
@@ -192,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def hashed_header(python: str) -> list[str]:
-    return ["# What `make install` (and CI) installs: `pip install --require-hashes --no-deps -r requirements/lock.txt`,",
+    return ["# What `make install` (and CI) installs: "
+            "`pip install --require-hashes --no-deps -r requirements/lock.txt`,",
             "# then the project with --no-deps. The versions of constraints.txt, each with the SHA-256 of the file",
             "# this machine's indexes serve for it; pip refuses any other file. Written by `make lock`; not by hand.",
             *header(python)[-1:]]

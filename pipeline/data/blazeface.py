@@ -22,8 +22,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import subprocess
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 import cv2
