@@ -21,6 +21,7 @@ from pipeline.evaluation.graded import (
     graded_table,
     level_confusion,
     ordinal_decision,
+    pain_probability,
     spearman_within_subject,
     write_level_confusion,
 )
@@ -113,6 +114,10 @@ def test_ordinal_decision_and_expected_level_read_level_probabilities() -> None:
     probs = np.array([[0.6, 0.2, 0.1, 0.05, 0.05], [0.1, 0.1, 0.1, 0.3, 0.4], [0.2, 0.2, 0.2, 0.2, 0.2]])
     assert ordinal_decision(probs).tolist() == [0, 3, 2]  # the median level: P(level > k) > 0.5 counted
     np.testing.assert_allclose(expected_level(probs), probs @ np.arange(K))
+    np.testing.assert_allclose(pain_probability(probs, 1), 1 - probs[:, 0])
+    np.testing.assert_allclose(pain_probability(probs, 4), probs[:, 4])
+    with pytest.raises(ValueError, match="pain level 5 outside 1..4"):
+        pain_probability(probs, 5)
 
 
 def test_the_level_ordered_confusion_is_written_as_a_table_and_a_png(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from pipeline.models.ordinal import (
     OutputConfig,
     RegressionHead,
     build_output_head,
+    output_probabilities,
     task_levels,
 )
 from pipeline.runs.cv_runs import identity_config
@@ -142,6 +143,12 @@ def test_regression_decodes_to_the_rounded_clipped_level_and_a_monotone_pain_sco
     assert float(head.pain_probability(torch.tensor([[0.5]]), 1)) == pytest.approx(0.5)
     levels = torch.tensor([0, 0, 1, 2, 3, 4])
     assert float(head.loss(outputs, levels)) == pytest.approx(float(((outputs[:, 0] - levels) ** 2).mean()))
+    probs = head.level_probabilities(outputs)
+    assert (probs >= 0).all()
+    torch.testing.assert_close(probs.sum(dim=1), torch.ones(len(outputs)))
+    torch.testing.assert_close(head.pain_probability(outputs, 1), 1 - probs[:, 0])
+    # the count of cut points passed is the rounded level (away from exact halves)
+    assert ((head.cumulative(outputs) > 0.5).sum(dim=1) == head.predicted_level(outputs)).all()
     huber = RegressionHead(2, K, "huber", 1.0)
     assert float(huber.loss(torch.tensor([[3.0]]), torch.tensor([0]))) == pytest.approx(2.5)  # linear past delta
 
@@ -161,6 +168,14 @@ def test_graded_tasks_are_biovid_levels_in_order_and_others_are_refused_by_name(
     assert task_levels(Task("reversed", ("PA4", "PA1")), OutputConfig.from_config(None)) == 2  # softmax: any task
     with pytest.raises(ValueError, match="pain_level=2 is not a level of task 'bl1_vs_pa4'"):
         task_levels(TASKS["bl1_vs_pa4"], OutputConfig("ordinal", "corn", pain_level=2))
+
+
+def test_output_probabilities_are_the_softmax_of_a_linear_head_and_the_level_probabilities_of_the_others() -> None:
+    features = torch.randn(4, 6)
+    linear = nn.Linear(6, K)
+    torch.testing.assert_close(output_probabilities(linear, linear(features)), linear(features).softmax(dim=1))
+    for head in (CoralHead(6, K), CornHead(6, K), RegressionHead(6, K, "mse")):
+        torch.testing.assert_close(output_probabilities(head, head(features)), head.level_probabilities(head(features)))
 
 
 def test_the_output_group_composes_each_head_and_refuses_unknown_methods() -> None:
@@ -200,14 +215,15 @@ def test_the_default_output_and_personalisation_leave_a_runs_identity_as_it_was(
     assert identity_config(load_config([*overrides, "model/output=ordinal"])) != before  # a setting of its own
 
 
-@pytest.mark.parametrize("head_class", [CoralHead, CornHead])
-def test_an_ordinal_model_exports_to_onnx_and_onnx_runtime_gives_its_level_probabilities(
-        head_class: type[OrdinalHead], tmp_path: Path) -> None:
+@pytest.mark.parametrize("output", ["coral", "corn", "regression"])
+def test_an_ordinal_model_exports_to_onnx_and_onnx_runtime_gives_its_level_probabilities(output: str,
+                                                                                        tmp_path: Path) -> None:
     import onnxruntime
 
     torch.manual_seed(0)
     backbone = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
-    head = head_class(8, K)
+    config = OutputConfig("regression", loss="mse") if output == "regression" else OutputConfig("ordinal", output)
+    head = build_output_head(config, 8, K)
     _randomise(head, 1.0, 3)
     net = nn.Sequential(backbone, LevelProbabilities(head)).eval()
     path = tmp_path / "ordinal.onnx"

@@ -83,6 +83,16 @@ def ordinal_decision(probs: np.ndarray) -> np.ndarray:
     return (above > 0.5).sum(axis=1)
 
 
+def pain_probability(probs: np.ndarray, level: int) -> np.ndarray:
+    """P(level >= `level`) from level probabilities (N, K): an ordinal model's binary pain score of a video (its
+    frames' mean level probabilities), what the threshold rules take; at level 1 it is 1 - P(BL1), the rule of a
+    binary softmax model."""
+    probs = np.asarray(probs, dtype=float)
+    if not 1 <= level < probs.shape[1]:
+        raise ValueError(f"pain level {level} outside 1..{probs.shape[1] - 1}")
+    return probs[:, level:].sum(axis=1)
+
+
 def expected_level(probs: np.ndarray) -> np.ndarray:
     """The mean level under the level probabilities (N, K): a graded score for Spearman."""
     probs = np.asarray(probs, dtype=float)

@@ -10,7 +10,8 @@ its decoding.
   samples of level >= k; P(level > k) is the product of the conditional probabilities (the product rule), so it too
   never rises with k.
 - regression: one unit whose target is the level index (MSE or Huber); decoded as the rounded, clipped level, and
-  the binary pain score as a logistic function of the predicted intensity (monotone: more intensity, more pain).
+  as a cumulative logit with fixed cut points halfway between levels, so that it too gives level probabilities and
+  a pain score P(level >= t) = sigmoid(intensity - t + 1/2), monotone in the intensity.
 
 Decoding gives what the project's aggregation and threshold paths take: the level probabilities are the `prob_<class>`
 columns (a video's mean of them is again a distribution), and the pain probability at level t is P(level >= t), which
@@ -98,32 +99,36 @@ def levels_from_cumulative(cumulative: torch.Tensor) -> torch.Tensor:
     return torch.cat([ones, cumulative], dim=1) - torch.cat([cumulative, torch.zeros_like(ones)], dim=1)
 
 
-class OrdinalHead(nn.Module):
-    """A head over K ordered levels that gives K-1 logits, one per task "level > k"; decoding is shared."""
+class LevelHead(nn.Module):
+    """A head over K ordered levels, decoded through P(level > k) for k = 0..K-2; the decoding is shared."""
 
     n_levels: int
 
-    def cumulative(self, logits: torch.Tensor) -> torch.Tensor:
+    def cumulative(self, outputs: torch.Tensor) -> torch.Tensor:
         """P(level > k), (N, K-1), non-increasing in k."""
         raise NotImplementedError
 
-    def loss(self, logits: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    def loss(self, outputs: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def level_probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+    def level_probabilities(self, outputs: torch.Tensor) -> torch.Tensor:
         """P(level = k), (N, K): the `prob_<class>` columns."""
-        return levels_from_cumulative(self.cumulative(logits))
+        return levels_from_cumulative(self.cumulative(outputs))
 
-    def predicted_level(self, logits: torch.Tensor) -> torch.Tensor:
+    def predicted_level(self, outputs: torch.Tensor) -> torch.Tensor:
         """The number of tasks "level > k" with P(level > k) > 0.5 (CORAL's rule; for CORN with its product rule's
         probabilities)."""
-        return (self.cumulative(logits) > 0.5).sum(dim=1)
+        return (self.cumulative(outputs) > 0.5).sum(dim=1)
 
-    def pain_probability(self, logits: torch.Tensor, level: int) -> torch.Tensor:
+    def pain_probability(self, outputs: torch.Tensor, level: int) -> torch.Tensor:
         """P(level >= `level`), the binary pain probability at a chosen level (1: any pain, 1 - P(BL1))."""
         if not 1 <= level < self.n_levels:
             raise ValueError(f"pain level {level} outside 1..{self.n_levels - 1}")
-        return self.cumulative(logits)[:, level - 1]
+        return self.cumulative(outputs)[:, level - 1]
+
+
+class OrdinalHead(LevelHead):
+    """An ordinal head: K-1 logits, one per task "level > k"."""
 
 
 class CoralHead(OrdinalHead):
@@ -182,8 +187,11 @@ class CornHead(OrdinalHead):
         return (terms * subset).sum() / subset.sum().clamp_min(1.0)
 
 
-class RegressionHead(nn.Module):
-    """One unit predicting the level index (intensity); MSE or Huber loss."""
+class RegressionHead(LevelHead):
+    """One unit predicting the level index (intensity); MSE or Huber loss. Decoded as a cumulative logit with fixed
+    cut points halfway between levels, P(level > k) = sigmoid(intensity - k - 1/2): the level probabilities are a
+    distribution (the `prob_<class>` columns, as an ordinal head's), and the pain probability at level t,
+    sigmoid(intensity - t + 1/2), grows with the intensity and is 0.5 where the rounded level reaches t."""
 
     def __init__(self, in_features: int, n_levels: int, loss: str, huber_delta: float | None = None) -> None:
         super().__init__()
@@ -202,6 +210,10 @@ class RegressionHead(nn.Module):
         """The predicted intensity (N,), on the level scale."""
         return outputs[:, 0]
 
+    def cumulative(self, outputs: torch.Tensor) -> torch.Tensor:
+        cut_points = torch.arange(self.n_levels - 1, device=outputs.device, dtype=outputs.dtype) + 0.5
+        return torch.sigmoid(outputs[:, :1] - cut_points)
+
     def loss(self, outputs: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
         target = levels.to(outputs.dtype)
         if self.loss_name == "mse":
@@ -209,15 +221,9 @@ class RegressionHead(nn.Module):
         return F.huber_loss(self.intensity(outputs), target, delta=float(self.huber_delta))
 
     def predicted_level(self, outputs: torch.Tensor) -> torch.Tensor:
-        """The rounded intensity, clipped to 0..K-1."""
+        """The rounded intensity, clipped to 0..K-1 (the count of cut points passed, but at exact halves, which
+        round to even)."""
         return torch.round(self.intensity(outputs)).clamp(0, self.n_levels - 1).long()
-
-    def pain_probability(self, outputs: torch.Tensor, level: int) -> torch.Tensor:
-        """A score in (0, 1), increasing with the intensity, 0.5 halfway between level - 1 and `level` (where the
-        rounded level reaches `level`): sigmoid(intensity - level + 1/2)."""
-        if not 1 <= level < self.n_levels:
-            raise ValueError(f"pain level {level} outside 1..{self.n_levels - 1}")
-        return torch.sigmoid(self.intensity(outputs) - (level - 0.5))
 
 
 def build_output_head(config: OutputConfig, in_features: int, n_levels: int) -> nn.Module:
@@ -230,11 +236,19 @@ def build_output_head(config: OutputConfig, in_features: int, n_levels: int) -> 
     return RegressionHead(in_features, n_levels, str(config.loss), config.huber_delta)
 
 
-class LevelProbabilities(nn.Module):
-    """An ordinal head that outputs its level probabilities: what an exported (ONNX) or served model returns, so
-    that a runtime reads `prob_<class>` as it does of a softmax model."""
+def output_probabilities(head: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
+    """The `prob_<class>` of a batch of any output head: softmax of a `Linear(D, K)`'s logits (what a fold scores
+    now), the level probabilities of an ordinal or regression head. Where an evaluation step calls `softmax`."""
+    if isinstance(head, LevelHead):
+        return head.level_probabilities(outputs)
+    return outputs.softmax(dim=1)
 
-    def __init__(self, head: OrdinalHead) -> None:
+
+class LevelProbabilities(nn.Module):
+    """An ordinal or regression head that outputs its level probabilities: what an exported (ONNX) or served model
+    returns, so that a runtime reads `prob_<class>` as it does of a softmax model."""
+
+    def __init__(self, head: LevelHead) -> None:
         super().__init__()
         self.head = head
 
