@@ -22,6 +22,7 @@ from pipeline.data.personalise import (
     subject_normalise,
 )
 from pipeline.data.tasks import CLASS_NAMES
+from pipeline.evaluation.statistics import common_videos
 from pipeline.utils.config import load_config
 
 CROPS = 3
@@ -155,3 +156,23 @@ def test_the_personalise_group_composes_each_protocol_and_none_is_the_default() 
         "subject_normalised"
     with pytest.raises(ValueError, match="personalise=baseline needs personalise.k >= 1"):
         PersonaliseConfig.from_config(load_config(["personalise=baseline", "personalise.k=0"]).personalise)
+
+
+def test_a_baseline_cv_and_a_plain_one_are_paired_on_the_videos_both_tested() -> None:
+    frames = frame_table(n_subjects=3, seed=6)
+    videos = frames.drop_duplicates(["subject_name", "sample_name"]).drop(columns=["frame_index", "crop_path"])
+    rows, is_bl1 = label_free_rows(videos)
+    split = select_baseline(rows, is_bl1, k=2, seed=0)
+    plain = videos.assign(label=videos["class_id"].gt(0).astype(int))
+    personalised = plain.loc[split.remaining.index]  # its references were not tested
+    paired, record = common_videos({"plain": plain, "baseline_k2": personalised})
+
+    def keys(table: pd.DataFrame) -> set[tuple[str, str]]:
+        return set(map(tuple, table[["subject_name", "sample_name"]].to_numpy()))
+
+    assert keys(paired["plain"]) == keys(paired["baseline_k2"]) == keys(personalised)
+    references = set(map(tuple, split.reference[["subject_name", "sample_name"]].to_numpy()))
+    assert references and not references & keys(paired["plain"])  # the references are left out of both
+    assert record.set_index("cv").to_dict("index") == {
+        "plain": {"n_videos": 60, "n_common_videos": 54, "n_dropped_videos": 6},
+        "baseline_k2": {"n_videos": 54, "n_common_videos": 54, "n_dropped_videos": 0}}
