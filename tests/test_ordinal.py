@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from pipeline.data.tasks import TASKS, Task, graded_levels
@@ -209,7 +210,9 @@ def _configs_without_the_new_groups(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("overrides", [[], ["model=mobilevit_s", "task=five_class", "protocol=loso"]])
 def test_the_default_output_and_personalisation_leave_a_runs_identity_as_it_was(overrides: list[str],
                                                                                tmp_path: Path) -> None:
-    before = identity_config(load_config(overrides, config_dir=_configs_without_the_new_groups(tmp_path)))
+    composed_before = load_config(overrides, config_dir=_configs_without_the_new_groups(tmp_path))
+    before = identity_config(composed_before)
+    assert OmegaConf.to_container(load_config(overrides)) == OmegaConf.to_container(composed_before)  # every key
     assert identity_config(load_config(overrides)) == before
     assert identity_config(load_config([*overrides, "model/output=softmax", "personalise=none"])) == before
     assert identity_config(load_config([*overrides, "model/output=ordinal"])) != before  # a setting of its own
