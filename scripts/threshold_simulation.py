@@ -199,9 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cv:
         folds = cv_folds(args.cv, args.tracking_uri)
         atomic_write_csv(args.out / "threshold_cv_folds.csv", folds)
-        summary = folds.groupby(["cv", "rule"]).agg(folds=("fold", "nunique"), validation_subjects=(
-            "validation_subjects", "median"), regret=("regret", "mean"), balanced_accuracy=("balanced_accuracy",
-                                                                                            "mean"))
+        # runs of one label (a power study's repeats, a head's two modes) are separate CVs: each fold counts once
+        folds = folds.assign(cv_fold=folds["cv_run"] + ":" + folds["fold"].astype(str))
+        overall = folds.assign(cv="all CVs given")
+        summary = pd.concat([folds, overall]).groupby(["cv", "rule"]).agg(
+            cvs=("cv_run", "nunique"), folds=("cv_fold", "nunique"),
+            validation_subjects=("validation_subjects", "median"), regret=("regret", "mean"),
+            balanced_accuracy=("balanced_accuracy", "mean"))
         summary["regret"] *= 100
         print("\nfolds of the CVs given (regret in points, against the best cut on each fold's test videos):")
         print(summary.to_string(float_format=lambda v: f"{v:.3f}"))
