@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from pipeline.analysis.power import clopper_pearson, run_power
+from pipeline.analysis.power import clopper_pearson, run_power, study_key
 from pipeline.evaluation.statistics import minimum_detectable_effect
 from pipeline.utils.config import load_config
 
@@ -50,7 +50,7 @@ def test_make_power_repeats_a_comparison_over_twins_and_resumes(tmp_path: Path, 
     cfg = load_config(overrides, groups=("power=default",))
     summary = run_power(cfg, overrides)
     out = tmp_path / "reports" / "power" / "null"
-    repeats = pd.read_csv(out / "repeats.csv")
+    repeats = pd.read_csv(out / "repeats.csv", dtype={"study": str})
     assert len(repeats) == 1 and repeats.seed.tolist() == [1000] and repeats.n_subjects.iloc[0] == 26
     assert summary["repeats"] == 1 and summary["measures"] == "type-I error"
     assert summary["rate_ci95_high"] == pytest.approx(clopper_pearson(summary["rejections"], 1)[1])
@@ -60,3 +60,8 @@ def test_make_power_repeats_a_comparison_over_twins_and_resumes(tmp_path: Path, 
     capsys.readouterr()
     run_power(cfg, overrides)  # done before: nothing is trained again
     assert "== null twin" not in capsys.readouterr().out
+    # a record's row is counted only for its own study: another backbone or its weights over the same seeds is not
+    base = [o for o in overrides if not o.startswith(("power.", "task=", "data="))]
+    assert repeats.study.iloc[0] == study_key(cfg.power, base)
+    assert study_key(cfg.power, [*base, "model.weights=/elsewhere.pt"]) != study_key(cfg.power, base)
+    assert study_key(cfg.power, list(reversed(base))) == study_key(cfg.power, base)

@@ -17,6 +17,7 @@ exact binomial interval. Repeats already done (in `<reports>/power/<effect>/repe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -42,7 +43,7 @@ from pipeline.utils.paths import PROJECT_ROOT, resolve_path
 
 log = logging.getLogger(__name__)
 EXPERIMENT = "pain-power"  # every repeat's CVs and comparisons live in this experiment, apart from real work
-REPEAT_COLUMNS = ["effect", "seed", "task", "a", "b", "n_subjects", "value_a", "value_b", "mean_diff",
+REPEAT_COLUMNS = ["study", "effect", "seed", "task", "a", "b", "n_subjects", "value_a", "value_b", "mean_diff",
                   "diff_ci95_low", "diff_ci95_high", "p_value", "p_holm", "mde80", "rejected", "seconds"]
 # the generator settings that make each effect, reported as its planted size
 PLANTED = {"null": ("class_intensity", "burst_amplitude", "resting_au_sd"), "temporal": ("burst_amplitude", "burst_s",
@@ -74,6 +75,15 @@ def twin_overrides(power: DictConfig, seed: int, classes: Sequence[str]) -> list
     return [f"data.synthetic.effect='{effect_settings(power).twin}'", f"data.synthetic.seed={seed}",
             f"data.synthetic.classes=[{','.join(classes)}]", f"data.root={folder / 'raw'}",
             f"data.processed_dir={folder / 'processed'}", f"mlflow.experiment={EXPERIMENT}"]
+
+
+def study_key(power: DictConfig, base: Sequence[str]) -> str:
+    """What makes repeats of one study: the effect's pair and twin, the settings every repeat shares and the
+    command's own overrides (the backbone, its weights, ...), hashed. A record's rows of another study (another
+    MODEL= or WEIGHTS= over the same seeds) are never counted as this one's."""
+    described = {"effect": effect_name(power), "entry": OmegaConf.to_container(effect_settings(power)),
+                 "common": list(power.common), "alpha": float(power.alpha), "base": sorted(base)}
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def planted_size(cfg: DictConfig, effect: str) -> dict:
@@ -114,7 +124,8 @@ def run_repeat(power: DictConfig, base: Sequence[str], seed: int, out_dir: Path)
     if not power.keep_data:
         shutil.rmtree(resolve_path(cfg.data.processed_dir).parent, ignore_errors=True)
     low, high = sorted((sign * row.diff_ci95_low, sign * row.diff_ci95_high))
-    return {"effect": effect_name(power), "seed": seed, "task": entry.task, "a": entry.a.label, "b": entry.b.label,
+    return {"study": study_key(power, base), "effect": effect_name(power), "seed": seed, "task": entry.task,
+            "a": entry.a.label, "b": entry.b.label,
             "n_subjects": int(row.n_subjects), "value_a": float(values[(labels["a"], PRIMARY_METRIC)]),
             "value_b": float(values[(labels["b"], PRIMARY_METRIC)]), "mean_diff": sign * float(row.mean_diff),
             "diff_ci95_low": low, "diff_ci95_high": high, "p_value": float(row.p_value),
@@ -171,12 +182,18 @@ def run_power(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict:
     base = [o for o in overrides if not o.startswith(("power.", "task=", "data="))]
     out_dir = resolve_path(cfg.reports_dir) / "power" / effect_name(power)
     record = out_dir / "repeats.csv"
-    done = pd.read_csv(record) if record.is_file() else pd.DataFrame(columns=REPEAT_COLUMNS)
+    done = pd.read_csv(record, dtype={"study": str}) if record.is_file() else pd.DataFrame(columns=REPEAT_COLUMNS)
+    if "study" not in done:  # a record written before repeats named their study: none of its rows is this one's
+        done.insert(0, "study", "")
+    study = study_key(power, base)
+    ours = done["study"] == study
     seeds = [int(power.seed) + r for r in range(int(power.repeats))]
     print(f"power: {effect_name(power)} twin, {entry.a.label} against {entry.b.label} on {entry.task}, {len(seeds)} "
-          f"repeats ({int(done['seed'].isin(seeds).sum())} done before); record {record}", flush=True)
+          f"repeats ({int((ours & done['seed'].isin(seeds)).sum())} done before); study {study}; record {record}"
+          + (f" ({int((~ours).sum())} rows of other studies there, not counted)" if (~ours).any() else ""),
+          flush=True)
     for seed in seeds:
-        if seed in set(done["seed"]):
+        if seed in set(done.loc[done["study"] == study, "seed"]):
             continue
         row = run_repeat(power, base, seed, out_dir)
         done = pd.concat([done, pd.DataFrame([row])], ignore_index=True)
@@ -185,7 +202,7 @@ def run_power(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict:
               f"[{row['diff_ci95_low']:+.3f}, {row['diff_ci95_high']:+.3f}], p_holm {row['p_holm']:.3g}"
               f"{' REJECTED' if row['rejected'] else ''}; mde80 {row['mde80']:.3f} ({row['seconds']:.0f} s)",
               flush=True)
-    repeats = done[done["seed"].isin(seeds)].sort_values("seed", ignore_index=True)
+    repeats = done[(done["study"] == study) & done["seed"].isin(seeds)].sort_values("seed", ignore_index=True)
     first = load_config([*base, *power.common, f"task={entry.task}",
                          *twin_overrides(power, seeds[0], get_task(entry.task).classes)])
     summary = summarise(repeats, power, planted_size(first, effect_name(power)))
