@@ -19,7 +19,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 
-from pipeline.models.backbones import create_model
+from pipeline.models.factory import create_model
 from pipeline.models.finetune import FinetuneConfig, parameter_counts, strategy_for
 from pipeline.runs.cross_validation import run_cv
 from pipeline.runs.embed import run_embed

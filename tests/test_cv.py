@@ -165,7 +165,7 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
     checkpoint = torch.load(tmp_path / "best.ckpt", map_location="cpu", weights_only=True)
     assert checkpoint["epoch"] == result.best_epoch
 
-    from pipeline.models.backbones import create_model
+    from pipeline.models.factory import create_model
 
     task = get_task(cfg.task.name)
     net, _ = create_model(cfg.model.name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)

@@ -8,7 +8,8 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from pipeline.models.backbones import PainNet, create_model
+from pipeline.models.backbones import PainNet
+from pipeline.models.factory import create_model
 from pipeline.models.finetune import FinetuneConfig, LoraSettings, merged_copy, parameter_counts, strategy_for
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule, parameter_groups
 from pipeline.models.model_file import load_model_file, model_meta, save_model_file

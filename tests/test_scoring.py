@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.models.backbones import create_model
+from pipeline.models.factory import create_model
 from pipeline.models.model_file import model_meta
 from pipeline.models.scoring import CropSettings, FrameScorer, follow_one_face
 from tests.photo_clips import PhotoClip, astronaut, clip_frames

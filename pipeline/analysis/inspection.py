@@ -49,7 +49,8 @@ from pipeline.data.fold_files import fold_file_sha256
 from pipeline.data.prepare import is_twin
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import aggregate_videos, summarize_folds
-from pipeline.models.backbones import PainNet, create_model
+from pipeline.models.backbones import PainNet
+from pipeline.models.factory import create_model
 from pipeline.models.introspection import vit_of
 from pipeline.models.model_file import load_model_file
 from pipeline.runs import cv_runs, tracking

@@ -60,13 +60,14 @@ from pipeline.evaluation.metrics import (
     plot_training_curves,
 )
 from pipeline.evaluation.thresholds import decide_fold, rule_name, threshold_spread
-from pipeline.models.backbones import PainNet, create_model, model_family, weights_source
+from pipeline.models.backbones import PainNet, model_family, weights_source
 from pipeline.models.callbacks import FreezeBackbone, KeepBestValidation, ResumableEarlyStopping, SeedEachBatch
 from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings
-from pipeline.models.finetune import FinetuneConfig, parameter_counts, strategy_for
+from pipeline.models.factory import clip_model, create_model
+from pipeline.models.finetune import FinetuneConfig, FinetuneStrategy, parameter_counts, strategy_for
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import MODEL_ARTIFACT, model_meta, save_model_file
-from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
+from pipeline.models.temporal_heads import ClipNet, HeadConfig
 from pipeline.models.weights import WeightsSource
 from pipeline.runs import fold_lease
 from pipeline.runs.mlflow_model import log_fold_model
@@ -280,11 +281,14 @@ def class_weights_for(setting, train_labels: np.ndarray, n_classes: int) -> list
     return weights
 
 
-def build_network(cfg: DictConfig, n_classes: int, decisions: FoldDecisions) -> PainNet:
-    """The backbone + head with the initial weights the plan chose, or an error saying why this machine differs."""
+def build_network(cfg: DictConfig, n_classes: int, decisions: FoldDecisions, *, head: HeadConfig | None = None,
+                  strategy: FinetuneStrategy | None = None, channels_last: bool = False) -> PainNet | ClipNet:
+    """The network (`pipeline.models.factory.create_model`: a frame model, or a clip model under `head`, prepared for
+    `strategy`) with the initial weights the plan chose, or an error saying why this machine differs."""
     planned = decisions.weights_source
-    net, loaded = create_model(cfg.model.name, n_classes=n_classes, pretrained=planned.kind != "random",
-                               weights=planned.ref if planned.kind == "file" else None, img_size=cfg.model.img_size)
+    net, loaded = create_model(cfg.model.name, n_classes, pretrained=planned.kind != "random",
+                               weights=planned.ref if planned.kind == "file" else None, img_size=cfg.model.img_size,
+                               head=head, strategy=strategy, channels_last=channels_last)
     if (loaded.kind, loaded.sha256) != (planned.kind, planned.sha256):
         raise DecisionNotHonoured(f"{cfg.model.name}: the plan chose weights {planned.kind} {planned.ref} (sha256 "
                                   f"{planned.sha256}), this machine found {loaded.kind} {loaded.ref} (sha256 "
@@ -304,20 +308,15 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     (`pipeline.deployment.final_model`) read its train / validation split the same way."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = get_task(cfg.task.name)
-    net: PainNet | ClipNet = build_network(cfg, task.n_classes, decisions)
     finetune = FinetuneConfig.from_model_config(cfg.model)
     head = check_head(cfg)
-    if head.end_to_end:  # the backbone runs on every frame of a clip and trains through the temporal head
-        net = ClipNet(net.backbone, build_temporal_head(head, net.backbone.num_features, task.n_classes))
     # a frozen backbone's features are the same in every fold: read them from the embedding cache (built if missing)
     cached = uses_embedding_cache(cfg)
     strategy = strategy_for(finetune, embeddings=cached)
-    strategy.prepare(net)
     channels_last = not cached and (settings or resolve_here(cfg, decisions)).channels_last
-    if channels_last:
-        net = net.to(memory_format=torch.channels_last)
-        if isinstance(net, ClipNet):
-            net.channels_last = True
+    # end to end: the backbone runs on every frame of a clip and trains through the temporal head
+    net = build_network(cfg, task.n_classes, decisions, head=head if head.end_to_end else None, strategy=strategy,
+                        channels_last=channels_last)
     fold_file = Path(decisions.fold_file)
     processed_dir = resolve_path(cfg.data.processed_dir)
     loader = LoaderConfig.from_config(cfg.loader)
@@ -545,7 +544,7 @@ def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondS
     it (`for_keeping`, as `keep_fold_model` does: LoRA's adapters merged into a plain backbone, which an unmerged one
     is not, so it would not load), the trained temporal head, and the head's settings in its meta."""
     frame_net = module.finetune.for_keeping(module.model)  # the best checkpoint's, as second_stage loaded it
-    net = ClipNet(frame_net.backbone, stage.net.head)
+    net = clip_model(frame_net.backbone, stage.net.head)
     meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
                       loader=OmegaConf.to_container(cfg.loader), weights=weights,

@@ -43,6 +43,7 @@ from pipeline.models.embedding_cache import (
     state_dict_sha256,
     write_entry,
 )
+from pipeline.models.factory import clip_model
 from pipeline.models.head_training import HeadTraining, clip_predictions, embedded_clips, train_head
 from pipeline.models.lightning_module import PainLightningModule
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head, head_parameters
@@ -148,7 +149,7 @@ def second_stage(cfg: DictConfig, fold: int, module: PainLightningModule, datamo
     validation = evaluate_predictions(clip_predictions(trained.head, clips["val"], names), names, **aggregation)
     predictions = clip_predictions(trained.head, clips["test"], names)
     evaluation = evaluate_predictions(predictions, names, **aggregation)
-    net = ClipNet(module.model.backbone, trained.head)
+    net = clip_model(module.model.backbone, trained.head)
     return SecondStage(net, validation, predictions, evaluation, trained.history, trained.best_epoch,
                        trained.best_score, facts)
 
