@@ -14,9 +14,11 @@ $(foreach name,$(.VARIABLES),$(if $(filter command,$(origin $(name))),$(call fre
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# The lock: exact versions of every package, written by `make lock` from an environment whose tests passed.
+# The locks, written by `make lock` from an environment whose tests passed: every package's version and the SHA-256
+# of its file (lock.txt: what install installs, pip refusing any other file), the versions alone (constraints.txt: for
+# `pip install -c` where another build of a package is wanted), and what a served model needs (serving.txt).
+LOCK := requirements/lock.txt
 CONSTRAINTS := requirements/constraints.txt
-EXTRAS := test,notebooks,bench,dev
 
 MODEL ?= vit_b16
 DATA ?= synthetic
@@ -128,18 +130,19 @@ help: ## list the targets
 	@echo "           TASKS= (table: default all five)"
 	@echo "           RUN= (inspect: a parent run id) UNTRAINED= (inspect: 1 = untrained baseline) IMG= BATCH= (calc)"
 
-$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(call quote,$(PYTHON)) -m venv $(call quote,$(VENV))
-	$(QUOTED_PY) -m pip install --quiet --upgrade pip
-	$(QUOTED_PY) -m pip install -c $(call quote,$(CONSTRAINTS)) -e $(call quote,.[$(EXTRAS)])
+	$(QUOTED_PY) -m pip install --quiet --require-hashes --no-deps -r $(call quote,$(LOCK))
+	$(QUOTED_PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(QUOTED_PY) -m pip check
 	$(QUOTED_PY) -m pipeline.data.blazeface  # predict's second face detector: its weights file, SHA-256 checked
 	touch $(call quote,$@)
 
-install: $(VENV)/.installed ## create .venv and install the package, its extras and the locked versions of everything
+install: $(VENV)/.installed ## create .venv: every locked package, each file checked against its SHA-256, then the project
 
-lock: ## rewrite the lock requirements/constraints.txt from .venv (pip freeze; after make test passes)
+lock: ## rewrite the locks in requirements/ from .venv (versions, SHA-256s, the served model's part; after make test)
 	@test -x $(QUOTED_PY) || { echo $(call quote,no $(VENV): run make install first) >&2; exit 2; }
-	$(QUOTED_PY) scripts/lock.py --out $(call quote,$(CONSTRAINTS))
+	$(QUOTED_PY) scripts/lock.py --out $(call quote,$(CONSTRAINTS)) --hashed-out $(call quote,$(LOCK))
 	touch $(call quote,$(VENV)/.installed)
 
 data: install ## prepare a dataset: DATA=synthetic (generated) or DATA=biovid BIOVID_ROOT=/path/to/PartA

