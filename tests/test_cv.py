@@ -125,7 +125,7 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
         threshold = child.data.metrics["test/threshold"]
         rule = cfg.eval.threshold  # the configured rule, on the validation videos alone
         assert threshold == pytest.approx(choose_threshold(val.label.to_numpy(), val.prob_PA4.to_numpy(), rule,
-                                                           n_subjects=val.subject_name.nunique()))
+                                                           n_subjects=val.subject_name.nunique()).threshold)
         assert child.data.params["threshold_rule"] == rule
         assert (videos.decision == (videos.prob_PA4 >= threshold)).all()
         assert child.data.metrics["test/video_accuracy_at_threshold"] == pytest.approx(

@@ -32,9 +32,9 @@ def test_a_seeded_clip_model_draws_the_weights_of_its_parts_built_in_order() -> 
 
 
 def test_a_linear_head_is_a_frame_model_and_the_strategy_is_prepared() -> None:
+    frozen = FinetuneConfig("frozen", None, LoraSettings(8, 16.0, 0.0, ".*"), cache_embeddings=False)
     net, _ = create_model("mobilevit_xxs", 2, img_size=32, head=HeadConfig(name="linear", **SIZES),
-                          strategy=strategy_for(FinetuneConfig("frozen", None, LoraSettings(8, 16.0, 0.0, ".*"))),
-                          channels_last=True)
+                          strategy=strategy_for(frozen), channels_last=True)
     assert isinstance(net, PainNet)
     assert not any(p.requires_grad for p in net.backbone.parameters())  # frozen: the strategy ran on it
     assert all(p.requires_grad for p in net.head.parameters())

@@ -31,7 +31,6 @@ from pipeline.runs.cv_runs import latest_finished_cvs as latest_cvs
 from pipeline.runs.fold_job import decide, resolve_here
 from pipeline.runs.tuning import (
     CHOSEN_ARTIFACT,
-    TRIAL_STATE_TAG,
     TuneWorker,
     load_space,
     make_pruner,
@@ -199,7 +198,7 @@ def test_pruning_stops_a_trial_below_the_median(tiny_base: Path, tmp_path: Path)
     with pytest.raises(optuna.TrialPruned):
         objective(worker, load_space(cfg), trial, 0)
     (child,) = client.search_runs([experiment], f"tags.`{tracking.PARENT_TAG}` = '{run.info.run_id}'")
-    assert child.data.tags[TRIAL_STATE_TAG] == "PRUNED" and child.data.metrics["epochs_trained"] == 1
+    assert child.data.tags[tracking.TRIAL_STATE_TAG] == "PRUNED" and child.data.metrics["epochs_trained"] == 1
     assert len(client.get_metric_history(child.info.run_id, "val/loss")) == 1
     here = resolve_here(cfg, decide(cfg, Path(cfg.fold_file)))
     assert (child.data.tags["precision_asked"], child.data.tags["precision"]) == ("auto", here.precision)

@@ -85,7 +85,7 @@ def test_final_model_is_registered_with_its_source_and_threshold(chain) -> None:
     videos = pd.read_csv(client.download_artifacts(run.info.run_id, "predictions_val_videos.csv"))
     assert set(videos.subject_name) == set(split.subject_name[split.role == "val"])
     expected = choose_threshold((videos.label == 1).astype(int), videos.prob_PA4, cfg.eval.threshold,
-                                n_subjects=videos.subject_name.nunique())
+                                n_subjects=videos.subject_name.nunique()).threshold
     assert run.data.metrics["threshold"] == pytest.approx(expected)
     # a second `make final` with the same settings trains nothing: it names the finished run
     assert run_final(cfg)["run_id"] == final["run_id"]

@@ -375,7 +375,7 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
                                                       if cfg.mlflow.artifact_root else tracking.artifact_root(
                                                           PROJECT_ROOT), client=client)
     run = client.create_run(experiment_id, run_name=stem, tags={
-        "painvit.run_kind": "table", "dataset": cfg.data.name, "protocol": cfg.protocol.name,
+        tracking.RUN_KIND_TAG: tracking.TABLE_RUN, "dataset": cfg.data.name, "protocol": cfg.protocol.name,
         "subject_set": cfg.data.subject_set,
         "subject_set_description": describe_subject_set(cfg.data.subject_set, cfg.data.name)})
     for key, value in {"models": ",".join(model_names), "tasks": ",".join(task_names),

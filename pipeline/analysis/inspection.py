@@ -382,7 +382,7 @@ def log_parent(client: MlflowClient, parent_id: str, inspections: list[FoldInspe
     summary = {key: value for key, value in summary.items() if np.isfinite(value)}
     now = int(time.time() * 1000)
     client.log_batch(parent_id, metrics=[Metric(key, value, now, 0) for key, value in summary.items()])
-    client.set_tag(parent_id, "painvit.inspect_images",
+    client.set_tag(parent_id, tracking.INSPECT_IMAGES_TAG,
                    "mlflow and disk" if images_allowed else f"disk only ({out_root})")
     return summary
 

@@ -276,3 +276,25 @@ def source_cv(client: MlflowClient, cfg: DictConfig, run_id: str | None = None) 
                          f"data.synthetic.*): run `make cv MODEL={cfg.model.name}` first, or name one with "
                          f"RUN=<parent run id>")
     return runs[label]
+
+
+def final_runs(client: MlflowClient, experiment_id: str, key: str) -> list[Run]:
+    """The final-model runs (`make final`) of one source CV and final settings (their `FINAL_KEY_TAG`), newest
+    first: a finished one is what a second `make final` names, a RUNNING one a killed attempt."""
+    query = (f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.FINAL_RUN}' and "
+             f"tags.`{tracking.FINAL_KEY_TAG}` = {quoted(key, 'final key')}")
+    return client.search_runs([experiment_id], query, order_by=["attribute.start_time DESC"])
+
+
+def tuning_run_of(client: MlflowClient, experiment_id: str, cv_run_id: str) -> Run | None:
+    """The newest search (`make tune`'s TUNING_RUN) of the tuned CV `cv_run_id`, or None."""
+    query = (f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.TUNING_RUN}' and "
+             f"tags.`{tracking.TUNED_CV_RUN_TAG}` = {quoted(cv_run_id, 'run id')}")
+    runs = client.search_runs([experiment_id], query, order_by=["attribute.start_time DESC"], max_results=1)
+    return runs[0] if runs else None
+
+
+def running_children(client: MlflowClient, experiment_id: str, parent_run_id: str) -> list[Run]:
+    """The child runs of `parent_run_id` still marked RUNNING (a stopped worker's trials, a killed job's folds)."""
+    query = f"tags.`{tracking.PARENT_TAG}` = {quoted(parent_run_id, 'run id')} and attributes.status = 'RUNNING'"
+    return list(client.search_runs([experiment_id], query))

@@ -92,7 +92,7 @@ from pipeline.runs.tracking import (
     uri_has_credentials,
 )
 from pipeline.runs.two_stage import RECORD as TWO_STAGE_RECORD
-from pipeline.runs.two_stage import SecondStage, second_stage, skips_first_stage, write_record
+from pipeline.runs.two_stage import SecondStage, second_stage, write_record
 from pipeline.utils.accelerator import TrainingDevice, training_device
 from pipeline.utils.atomic_io import atomic_path, fsync_tree
 from pipeline.utils.cpus import one_torch_thread
@@ -308,10 +308,10 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     (`pipeline.deployment.final_model`) read its train / validation split the same way."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = get_task(cfg.task.name)
-    finetune = FinetuneConfig.from_model_config(cfg.model)
+    finetune = FinetuneConfig.from_config(cfg)
     head = check_head(cfg)
     # a frozen backbone's features are the same in every fold: read them from the embedding cache (built if missing)
-    cached = uses_embedding_cache(cfg)
+    cached = finetune.reads_cache
     strategy = strategy_for(finetune, embeddings=cached)
     channels_last = not cached and (settings or resolve_here(cfg, decisions)).channels_last
     # end to end: the backbone runs on every frame of a clip and trains through the temporal head
@@ -358,34 +358,31 @@ def embedding_variant(datamodule_class: type[PainDataModule]) -> type[EmbeddingD
 def check_head(cfg: DictConfig) -> HeadConfig:
     """The config's head, checked against its fine-tuning strategy (also before a CV plans anything)."""
     head = HeadConfig.from_config(cfg.model.head)
-    if head.end_to_end and cfg.model.finetune == "frozen":
+    if head.end_to_end and FinetuneConfig.from_config(cfg).backbone_fixed:
         raise ValueError("model.head.mode=end_to_end trains the backbone through the head, but model.finetune=frozen "
                          "fixes it: a frozen backbone's head over time is model.head.mode=two_stage (it reads cached "
                          "embeddings and skips the first stage)")
     return head
 
 
-def uses_embedding_cache(cfg: DictConfig) -> bool:
-    """A frozen backbone trains its head on cached embeddings unless cache.embeddings=false."""
-    return cfg.model.finetune == "frozen" and bool(cfg.cache.embeddings)
-
-
 def augmentation_applied(cfg: DictConfig) -> bool:
     """Whether training applies the `augment.*` settings. Not for a frozen head on cached embeddings without
     augmented views (`cache.views=0`: the plain embedding every epoch), nor for a frozen backbone's two-stage head
     (it trains on plain embeddings); the settings stay in the run's params, as part of its identity."""
-    if skips_first_stage(cfg) and HeadConfig.from_config(cfg.model.head).two_stage:
+    finetune = FinetuneConfig.from_config(cfg)
+    if finetune.backbone_fixed and HeadConfig.from_config(cfg.model.head).two_stage:
         return False
-    return not (uses_embedding_cache(cfg) and int(cfg.cache.views) == 0)
+    return not (finetune.reads_cache and int(cfg.cache.views) == 0)
 
 
 def augmentation_label(cfg: DictConfig) -> str:
     """What augmentation training saw, in words: the `augmentation` tag and the fold's and the CV's lines."""
     views = int(cfg.cache.views)
     two_stage = HeadConfig.from_config(cfg.model.head).two_stage
-    if skips_first_stage(cfg) and two_stage:
+    finetune = FinetuneConfig.from_config(cfg)
+    if finetune.backbone_fixed and two_stage:
         return "none (frozen backbone: the two-stage head trains on plain embeddings; augment.* not applied)"
-    if uses_embedding_cache(cfg):
+    if finetune.reads_cache:
         return ("none (frozen embeddings, cache.views=0; augment.* not applied)" if views == 0 else
                 f"{views} augmented view(s) per crop (frozen embeddings, cache.views={views}, drawn with augment.*)")
     if two_stage:
@@ -396,8 +393,8 @@ def augmentation_label(cfg: DictConfig) -> str:
 def finetune_tags(cfg: DictConfig) -> dict[str, str]:
     """What trains, as tags: the strategy's label (full, frozen, top_blocks2, lora_r8), whether embeddings fed it,
     and whether the `augment.*` settings (logged as params either way) were applied, in words."""
-    return {"finetune": FinetuneConfig.from_model_config(cfg.model).label,
-            "embedding_cache": str(uses_embedding_cache(cfg)).lower(),
+    finetune = FinetuneConfig.from_config(cfg)
+    return {"finetune": finetune.label, "embedding_cache": str(finetune.reads_cache).lower(),
             "augment_applied": str(augmentation_applied(cfg)).lower(), "augmentation": augmentation_label(cfg)}
 
 
@@ -534,7 +531,7 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
     meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
                       loader=OmegaConf.to_container(cfg.loader), weights=weights,
-                      finetune=FinetuneConfig.from_model_config(cfg.model).label, **extra)
+                      finetune=FinetuneConfig.from_config(cfg).label, **extra)
     return save_model_file(net, meta, path)
 
 
@@ -548,7 +545,7 @@ def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondS
     meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
                       loader=OmegaConf.to_container(cfg.loader), weights=weights,
-                      finetune=FinetuneConfig.from_model_config(cfg.model).label,
+                      finetune=FinetuneConfig.from_config(cfg).label,
                       head=OmegaConf.to_container(cfg.model.head), **extra)
     return save_model_file(net, meta, path)
 
@@ -590,7 +587,7 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     history: list[dict] = []  # the frame model's epochs (none when a frozen backbone skips the first stage)
     best_path, stage = None, None
     # a frame model, or an end-to-end clip model, trains here; a two-stage head afterwards, on the frame model
-    if not (head.two_stage and skips_first_stage(cfg)):
+    if not (head.two_stage and FinetuneConfig.from_config(cfg).backbone_fixed):
         with times("fit"):
             fitted = fit_fold(cfg, module, datamodule, work_dir, settings.precision, callbacks)
         with times("validation_repass"):
