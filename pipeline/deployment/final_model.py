@@ -35,7 +35,6 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.data.datamodule import PainDataModule
 from pipeline.data.fold_files import read_folds, stratified_sample, subject_strata
 from pipeline.evaluation.thresholds import binary_metrics_at, threshold_scores, video_threshold
-from pipeline.models.finetune import FinetuneConfig
 from pipeline.models.temporal_heads import HeadConfig
 from pipeline.runs import cv_runs, tracking
 from pipeline.runs.cv_runs import CvNotFound
@@ -189,19 +188,9 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
 def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, run_id: str, source, split_path: Path,
                 work_dir: Path) -> dict:
     """Train, choose the threshold, keep and log the model, register it; inside the active final run."""
-    from pipeline.runs.fold_job import (
-        build_fold,
-        decide,
-        fit_fold,
-        keep_clip_model,
-        keep_fold_model,
-        resolve_here,
-        test_fold,
-    )
+    from pipeline.runs.fold_job import build_fold, decide, resolve_here, train
     from pipeline.runs.mlflow_model import log_mlflow_model, model_config
-    from pipeline.runs.two_stage import second_stage
 
-    head = HeadConfig.from_config(train_cfg.model.head)
     for chunk in cv_runs.chunks(list(cv_runs.identity_params(train_cfg).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
     mlflow.log_text(OmegaConf.to_yaml(train_cfg), "config.yaml")
@@ -210,20 +199,17 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     settings = resolve_here(train_cfg, decisions)  # precision and channels_last: this machine's device decides
     print(settings.line)
     mlflow.set_tags(settings.tags())
-    module, datamodule, weights = build_fold(train_cfg, 0, decisions, settings, datamodule_class=FinalDataModule)
+    built = build_fold(train_cfg, 0, decisions, settings, datamodule_class=FinalDataModule)
+    module, datamodule, weights = built
     used = split_videos(datamodule, ("train", "val"))
     mlflow.log_input(subjects_dataset(used, f"{train_cfg.data.name}-{train_cfg.task.name}-final"), context="training")
-    fitted = None
-    if not (head.two_stage and FinetuneConfig.from_config(train_cfg).backbone_fixed):
-        fitted = fit_fold(train_cfg, module, datamodule, work_dir, settings.precision)
-        _, evaluation = test_fold(fitted, module, datamodule)
-    stage = None
-    if head.two_stage:  # the chosen temporal head, trained on the frame model's embeddings as the CV's folds did
-        stage = second_stage(train_cfg, 0, module, datamodule, fitted.best_path if fitted else None, work_dir)
-        evaluation = stage.validation
-    best_epoch = stage.best_epoch if stage else fitted.best_epoch if fitted else -1
-    epochs_trained = len(stage.history) if stage else len(fitted.history) if fitted else 0
-    best_score = stage.best_score if stage else fitted.best_score if fitted else float("nan")
+    # the fold's path: its test split is the held-out validation subjects, scored once (a two-stage head on them too)
+    trained = train(train_cfg, 0, decisions, work_dir, settings, datamodule_class=FinalDataModule, scored=("test",),
+                    built=built)
+    evaluation = trained.held_out
+    best_epoch = int(trained.selected.get("best_epoch", -1))
+    epochs_trained = int(trained.selected.get("epochs_trained", 0))
+    best_score = float(trained.selected.get("best_val_score", float("nan")))
     class_names = list(module.class_names)
     videos = evaluation.video_predictions
     rule = threshold_rule(train_cfg, cfg)
@@ -237,11 +223,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
         videos.to_csv(Path(tmp) / "predictions_val_videos.csv", index=False)
         mlflow.log_artifact(str(Path(tmp) / "predictions_val_videos.csv"))
     kept = {"final": True, "best_epoch": best_epoch, "threshold": threshold, "source_cv_run": source.info.run_id}
-    if stage is not None:
-        model_path = keep_clip_model(train_cfg, module, stage, weights, work_dir / "model.pt", **kept)
-    else:
-        assert fitted is not None
-        model_path = keep_fold_model(train_cfg, module, fitted.best_path, weights, work_dir / "model.pt", **kept)
+    model_path = trained.keep(train_cfg, work_dir / "model.pt", **kept)
     mlflow.log_artifact(str(model_path), "model")
     name = registered_name(train_cfg.model.name, train_cfg.task.name)
     metadata = {"source_cv_run": source.info.run_id, "final_run": run_id, "git_commit": git_commit(),

@@ -2,12 +2,13 @@
 
 search -> choose -> cross-validate:
 - **search**: one Optuna study per outer fold (`tune.scope=per_fold`, the default). A trial is a fold job with other
-  settings: `build_fold` and `fit_fold` of `pipeline.runs.fold_job`, on a DataModule whose test split is the fold's
-  validation subjects (`StudyDataModule`), so the fold's test subjects are never read by the study: not as the
-  objective (the best validation score), not as the pruning signal (each epoch's validation score), not as the stopping
-  rule. `tune.scope=shared` runs one study whose trial trains every fold and scores the mean validation score over
-  folds: each fold's chosen settings then depend on models trained on its test subjects, so it is OPTIMISTIC, and
-  every run, tag and line it prints says so.
+  settings: the CV's training path (`fold_job.train`, a two-stage head's second stage included), on a DataModule
+  whose test split is the fold's validation subjects (`StudyDataModule`), so the fold's test subjects are never read
+  by the study: not as the objective (the best validation score of what the CV would keep: a two-stage head's), not
+  as the pruning signal (each epoch's validation score of the fitted network; a frozen backbone's two-stage head has
+  no such epochs and is not pruned), not as the stopping rule. `tune.scope=shared` runs one study whose trial trains
+  every fold and scores the mean validation score over folds: each fold's chosen settings then depend on models
+  trained on its test subjects, so it is OPTIMISTIC, and every run, tag and line it prints says so.
 - **choose**: each fold's best trial (or the shared study's best for every fold), written on the tuning run.
 - **cross-validate**: the usual CV (`plan_cv`, `launch`, `aggregate`), each fold's job carrying its chosen settings;
   its parent is a CV run tagged as tuned, with the budget (trials, scope, search-space hash) `make compare` matches.
@@ -54,13 +55,13 @@ from pipeline.runs.cv_runs import identity_config
 from pipeline.runs.fold_job import (
     FoldDecisions,
     FoldJob,
+    Trained,
     augmentation_applied,
     augmentation_label,
-    build_fold,
     finetune_tags,
-    fit_fold,
     job_owner_tags,
     resolve_here,
+    train,
 )
 from pipeline.runs.tracking_server import job_credentials
 from pipeline.utils.accelerator import announce_device
@@ -379,11 +380,15 @@ def train_trial(worker: TuneWorker, trial: optuna.Trial, fold: int, params: dict
         mlflow.log_params({"fold": fold, "trial": trial.number, **params})
         settings = resolve_here(cfg, decisions)  # precision and channels_last decided on this worker's device
         mlflow.set_tags({**settings.tags(), **finetune_tags(cfg)})  # a frozen trial reads the embedding cache
-        module, datamodule, _ = build_fold(cfg, fold, decisions, settings, datamodule_class=StudyDataModule)
         reporter = ReportToTrial(trial, cfg.trainer.monitor, step_offset, report)
-        fitted = fit_fold(cfg, module, datamodule, work_dir, settings.precision, extra_callbacks=[reporter])
-        mlflow.log_metrics({"tune/value": fitted.best_score, "best_epoch": fitted.best_epoch,
-                            "epochs_trained": len(fitted.history)})
+        # the CV's training path on the study's subjects, second stage included: the value is the validation score of
+        # what the tuned CV would keep (a two-stage head's, after its frame model's epochs fed the pruner)
+        trained = train(cfg, fold, decisions, work_dir, settings, datamodule_class=StudyDataModule,
+                        callbacks=[reporter], scored=())
+        value = trial_value(cfg, trained)
+        mlflow.log_metrics({"tune/value": value, "best_epoch": trained.selected["best_epoch"],
+                            "epochs_trained": trained.selected["epochs_trained"],
+                            **({"tune/frame_model_epochs": len(trained.history)} if trained.stage else {})})
         mlflow.set_tag(tracking.TRIAL_STATE_TAG, "PRUNED" if reporter.pruned_at is not None else "COMPLETE")
     except BaseException as error:
         mlflow.log_text(traceback.format_exc(), "traceback.txt")
@@ -394,7 +399,15 @@ def train_trial(worker: TuneWorker, trial: optuna.Trial, fold: int, params: dict
         shutil.rmtree(work_dir, ignore_errors=True)  # epoch checkpoints of a trial are not kept
     mlflow.end_run(tracking.FINISHED)
     del run
-    return fitted.best_score, reporter.pruned_at
+    return value, reporter.pruned_at
+
+
+def trial_value(cfg: DictConfig, trained: Trained) -> float:
+    """A trial's value in the study's direction (`trainer.monitor_mode`): the best validation score of what the CV
+    would keep. A second stage's head scores higher-better (validation video AUROC, or minus the loss), so a study
+    that minimises gets it negated."""
+    score = float(trained.selected["best_val_score"])
+    return -score if trained.stage is not None and cfg.trainer.monitor_mode == "min" else score
 
 
 def objective(worker: TuneWorker, space: SearchSpace, trial: optuna.Trial, fold: int | None) -> float:
