@@ -136,7 +136,7 @@ def cv_folds(run_ids: list[str], tracking_uri: str | None) -> pd.DataFrame:
     """Each finished fold of these CVs: each rule chosen on its validation videos, scored on its test videos."""
     from mlflow import MlflowClient
 
-    from pipeline.runs import tracking
+    from pipeline.runs.store import tracking
 
     client = MlflowClient(tracking.store_uri(tracking_uri))
     rows = []

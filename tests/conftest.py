@@ -133,7 +133,7 @@ def finished_cv_store(tmp_path_factory: pytest.TempPathFactory):
     LOSO over the twin's 20 subjects): a finished cross-validation for tests that read one, without training."""
     from mlflow import MlflowClient
 
-    from pipeline.runs.tracking import get_or_create_experiment
+    from pipeline.runs.store.tracking import get_or_create_experiment
 
     root = tmp_path_factory.mktemp("finished_cv")
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")

@@ -22,9 +22,9 @@ from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import load_model_file
 from pipeline.runs.cross_validation import identity_lock, plan_cv, run_cv
-from pipeline.runs.environment import FREEZE_ARTIFACT
 from pipeline.runs.fold_job import decide, train_fold
-from pipeline.runs.tracking import get_or_create_experiment
+from pipeline.runs.store.environment import FREEZE_ARTIFACT
+from pipeline.runs.store.tracking import get_or_create_experiment
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.paths import resolve_path
 from tests.conftest import loader_config

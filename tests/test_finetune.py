@@ -150,7 +150,7 @@ def test_bad_settings_are_refused() -> None:
 
 
 def test_compare_names_strategies_and_weights_files_apart() -> None:
-    from pipeline.runs.cv_runs import cv_label
+    from pipeline.runs.store.cv_runs import cv_label
 
     assert cv_label({"model": "vit_b16", "finetune": "full", "weights_source": "random"}) == "vit_b16"
     assert cv_label({"model": "vit_b16"}) == "vit_b16"  # a CV from before strategies existed

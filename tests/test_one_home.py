@@ -9,7 +9,7 @@ from pathlib import Path
 from pipeline.utils.paths import PROJECT_ROOT
 
 PACKAGE = PROJECT_ROOT / "pipeline"
-TAG_HOME = PACKAGE / "runs" / "tracking.py"
+TAG_HOME = PACKAGE / "runs" / "store" / "tracking.py"
 STRATEGY_HOME = PACKAGE / "models" / "finetune.py"
 # file formats, not store names: what a kept model file and an embedding-cache record say they are
 FORMATS = {("pipeline/models/model_file.py", "painvit.fold_model/1"),
@@ -35,7 +35,7 @@ def test_every_store_name_lives_in_the_tag_module() -> None:
             continue
         outside += [f"{relative}:{line}: {value!r}" for line, value in string_constants(path)
                     if value.startswith("painvit.") and (relative, value) not in FORMATS]
-    assert outside == [], "tag names outside pipeline/runs/tracking.py:\n" + "\n".join(outside)
+    assert outside == [], "tag names outside pipeline/runs/store/tracking.py:\n" + "\n".join(outside)
 
 
 def test_only_the_strategy_module_reads_a_strategy_name() -> None:

@@ -71,7 +71,7 @@ LAZY_IMPORTS = {
     # DEBT: measurements and comparisons that import what they measure late
     ("pipeline/analysis/benchmarks.py", "pipeline."),
     ("pipeline/analysis/compare.py", "pipeline."),
-    ("pipeline/runs/registry.py", "pipeline.data.fold_files"),
+    ("pipeline/runs/store/registry.py", "pipeline.data.fold_files"),
 }
 
 

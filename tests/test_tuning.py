@@ -25,10 +25,10 @@ from omegaconf import OmegaConf
 
 from pipeline.analysis.compare import VERSUS_UNTUNED, compare
 from pipeline.data.fold_files import fold_subjects, read_folds
-from pipeline.runs import tracking
 from pipeline.runs.cross_validation import run_cv
-from pipeline.runs.cv_runs import latest_finished_cvs as latest_cvs
 from pipeline.runs.fold_job import decide, resolve_here
+from pipeline.runs.store import tracking
+from pipeline.runs.store.cv_runs import latest_finished_cvs as latest_cvs
 from pipeline.runs.tuning import (
     CHOSEN_ARTIFACT,
     TuneWorker,

@@ -23,7 +23,7 @@ from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.runs.cross_validation import run_cv
 from pipeline.runs.launchers import stop_process_group
 from pipeline.runs.mlflow_model import encode_image
-from pipeline.runs.registry import CANDIDATE, CHAMPION, registered_name, run_promote
+from pipeline.runs.store.registry import CANDIDATE, CHAMPION, registered_name, run_promote
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.paths import PROJECT_ROOT
 

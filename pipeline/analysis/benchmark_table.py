@@ -26,8 +26,8 @@ from matplotlib.figure import Figure
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 
-from pipeline.runs import cv_runs, tracking
 from pipeline.runs.cross_validation import run_cv
+from pipeline.runs.store import cv_runs, tracking
 from pipeline.runs.tuning import run_tune
 from pipeline.utils.atomic_io import atomic_path, atomic_write_csv, save_png
 from pipeline.utils.config import load_config

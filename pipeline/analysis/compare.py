@@ -40,7 +40,7 @@ from pipeline.evaluation.statistics import (
     subject_intervals,
     subject_scores,
 )
-from pipeline.runs import cv_runs, tracking
+from pipeline.runs.store import cv_runs, tracking
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import resolve_path
 
@@ -419,7 +419,7 @@ def compare(
 
     Writes `comparison_<dataset>_<protocol>_<task>[_<subject_set>]` `.csv` (summary), `_paired.csv`, `_folds.csv`
     and `_<metric>.png` into `out_dir`, and logs them as an MLflow run tagged `painvit.run_kind=comparison`.
-    The tracking URI defaults to `pipeline.runs.tracking.tracking_uri(<project root>)`.
+    The tracking URI defaults to `pipeline.runs.store.tracking.tracking_uri(<project root>)`.
     """
     metrics = list(metrics)
     uri = tracking.store_uri(tracking_uri)

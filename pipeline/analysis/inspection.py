@@ -53,8 +53,8 @@ from pipeline.models.backbones import PainNet
 from pipeline.models.factory import create_model
 from pipeline.models.introspection import vit_of
 from pipeline.models.model_file import load_model_file
-from pipeline.runs import cv_runs, tracking
-from pipeline.runs.cv_runs import CvNotFound
+from pipeline.runs.store import cv_runs, tracking
+from pipeline.runs.store.cv_runs import CvNotFound
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import resolve_path
 

@@ -36,9 +36,9 @@ from pipeline.data.datamodule import PainDataModule
 from pipeline.data.fold_files import read_folds, stratified_sample, subject_strata
 from pipeline.evaluation.thresholds import binary_metrics_at, threshold_scores, video_threshold
 from pipeline.models.temporal_heads import HeadConfig
-from pipeline.runs import cv_runs, tracking
-from pipeline.runs.cv_runs import CvNotFound
-from pipeline.runs.registry import (
+from pipeline.runs.store import cv_runs, tracking
+from pipeline.runs.store.cv_runs import CvNotFound
+from pipeline.runs.store.registry import (
     describe_run,
     register,
     registered_name,

@@ -69,11 +69,12 @@ from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import MODEL_ARTIFACT
 from pipeline.models.temporal_heads import ClipNet, HeadConfig
 from pipeline.models.weights import WeightsSource
-from pipeline.runs import fold_lease
 from pipeline.runs.head_modes import HeadMode, head_mode
 from pipeline.runs.mlflow_model import log_fold_model
-from pipeline.runs.registry import split_videos, subjects_dataset
-from pipeline.runs.tracking import (
+from pipeline.runs.store import fold_lease
+from pipeline.runs.store.cv_runs import augmentation_label, finetune_tags
+from pipeline.runs.store.registry import split_videos, subjects_dataset
+from pipeline.runs.store.tracking import (
     ATTEMPT_TAG,
     FAILED_REASON_TAG,
     FINISHED,
@@ -363,39 +364,6 @@ def check_head(cfg: DictConfig) -> HeadConfig:
                          "fixes it: a frozen backbone's head over time is model.head.mode=two_stage (it reads cached "
                          "embeddings and skips the first stage)")
     return head
-
-
-def augmentation_applied(cfg: DictConfig) -> bool:
-    """Whether training applies the `augment.*` settings. Not for a frozen head on cached embeddings without
-    augmented views (`cache.views=0`: the plain embedding every epoch), nor for a frozen backbone's two-stage head
-    (it trains on plain embeddings); the settings stay in the run's params, as part of its identity."""
-    finetune = FinetuneConfig.from_config(cfg)
-    if finetune.backbone_fixed and HeadConfig.from_config(cfg.model.head).two_stage:
-        return False
-    return not (finetune.reads_cache and int(cfg.cache.views) == 0)
-
-
-def augmentation_label(cfg: DictConfig) -> str:
-    """What augmentation training saw, in words: the `augmentation` tag and the fold's and the CV's lines."""
-    views = int(cfg.cache.views)
-    two_stage = HeadConfig.from_config(cfg.model.head).two_stage
-    finetune = FinetuneConfig.from_config(cfg)
-    if finetune.backbone_fixed and two_stage:
-        return "none (frozen backbone: the two-stage head trains on plain embeddings; augment.* not applied)"
-    if finetune.reads_cache:
-        return ("none (frozen embeddings, cache.views=0; augment.* not applied)" if views == 0 else
-                f"{views} augmented view(s) per crop (frozen embeddings, cache.views={views}, drawn with augment.*)")
-    if two_stage:
-        return "augment.* on the frame model's images (the two-stage head trains on plain embeddings)"
-    return "augment.* on the images"
-
-
-def finetune_tags(cfg: DictConfig) -> dict[str, str]:
-    """What trains, as tags: the strategy's label (full, frozen, top_blocks2, lora_r8), whether embeddings fed it,
-    and whether the `augment.*` settings (logged as params either way) were applied, in words."""
-    finetune = FinetuneConfig.from_config(cfg)
-    return {"finetune": finetune.label, "embedding_cache": str(finetune.reads_cache).lower(),
-            "augment_applied": str(augmentation_applied(cfg)).lower(), "augmentation": augmentation_label(cfg)}
 
 
 @dataclass

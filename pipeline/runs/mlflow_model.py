@@ -48,7 +48,6 @@ from omegaconf import OmegaConf
 
 from pipeline.models.model_file import load_model_file
 from pipeline.models.scoring import OUTPUT_COLUMNS, CropSettings, FrameScorer
-from pipeline.runs import tracking
 from pipeline.runs.model_trust import CODE_FILE, check_model_folder
 from pipeline.runs.serving_input import (
     FrameRefused,
@@ -58,6 +57,7 @@ from pipeline.runs.serving_input import (
     one_line,
     read_beneath,
 )
+from pipeline.runs.store import tracking
 from pipeline.utils.paths import git_commit
 
 WEIGHTS_ARTIFACT = "weights"

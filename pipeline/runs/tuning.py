@@ -49,21 +49,19 @@ from optuna.storages.journal import JournalFileBackend
 
 from pipeline.data.datamodule import PainDataModule
 from pipeline.models.finetune import STRATEGY_NAMES, FinetuneConfig
-from pipeline.runs import cv_runs, fold_lease, launchers, tracking
+from pipeline.runs import launchers
 from pipeline.runs.cross_validation import Plan, aggregate, identity_lock, launch, plan_cv
-from pipeline.runs.cv_runs import identity_config
 from pipeline.runs.fold_job import (
     FoldDecisions,
     FoldJob,
     Trained,
-    augmentation_applied,
-    augmentation_label,
-    finetune_tags,
     job_owner_tags,
     resolve_here,
     train,
 )
-from pipeline.runs.tracking_server import job_credentials
+from pipeline.runs.store import cv_runs, fold_lease, tracking
+from pipeline.runs.store.cv_runs import augmentation_applied, augmentation_label, finetune_tags, identity_config
+from pipeline.runs.store.tracking_server import job_credentials
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text, save_png
 from pipeline.utils.config import CONFIG_DIR

@@ -69,7 +69,7 @@ FINAL_MODEL, FOLD_MODEL, ENSEMBLE_MODEL = "final", "fold", "fold_ensemble"
 TABLE_RUN = "table"  # `make table`'s run of the papers' comparison (pipeline.analysis.benchmark_table)
 INSPECT_IMAGES_TAG = "painvit.inspect_images"  # on an inspected CV: where `make inspect` put its face images
 FOLD_FILE_TAG = "fold_file_sha256"  # on a CV's parent: the SHA-256 of its fold file (CVs compare on one file only)
-# A fold's lease (pipeline.runs.fold_lease): its owner and heartbeat on the child run, claims as parent params.
+# A fold's lease (pipeline.runs.store.fold_lease): its owner and heartbeat on the child run, claims as parent params.
 LEASE_TAG, HEARTBEAT_TAG = "painvit.lease", "painvit.heartbeat"
 LEASE_PARAM = "painvit.lease"  # prefix of the parent run's claim parameters
 PARENT_TAG = "mlflow.parentRunId"
@@ -81,7 +81,7 @@ ATTEMPT_TAG = "painvit.attempt"
 SLURM_JOBS_TAG = "painvit.slurm_jobs"  # on the parent: fold -> SLURM job id of its submitted task
 JOB_TRACKING_URI_TAG = "painvit.tracking_uri"  # on a fold run: the store it logged to (redact_uri)
 # where a fold attempt runs: lets a later driver tell a live attempt from a dead one (the host tag holds the host
-# name, boot id and PID namespace: pipeline.runs.fold_lease.machine_identity)
+# name, boot id and PID namespace: pipeline.runs.store.fold_lease.machine_identity)
 HOST_TAG, PID_TAG, SLURM_JOB_TAG = "painvit.host", "painvit.pid", "painvit.slurm_job_id"
 # On a fold run: what it stored, read back before it was marked FINISHED (JSON: artifact path -> size and sha256); a
 # FINISHED fold run whose files are no longer there at those sizes is marked FAILED with FAILED_REASON_TAG and its
@@ -91,7 +91,7 @@ LEASE_LOST_TAG = "painvit.lease_lost"
 # precision: on a fold run, what it trained in (resolved on its device); on a parent, the folds' values (comma-joined
 # when they differ). precision_asked: trainer.precision as planned (auto or an explicit value).
 PRECISION_TAG, PRECISION_ASKED_TAG = "precision", "precision_asked"
-# What identifies a cross-validation (pipeline.runs.cv_runs): resume continues the newest CV with these equal.
+# What identifies a cross-validation (pipeline.runs.store.cv_runs): resume continues the newest CV with these equal.
 IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256",
                  "finetune", "initial_weights", "head")
 COMPLETE_TAG = "complete"  # "true" when every fold of the fold file ran, without batch limits
