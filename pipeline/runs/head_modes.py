@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.data.clips import clip_spacing_s
+from pipeline.data.datamodule import PainDataModule
 from pipeline.models.factory import clip_model
 from pipeline.models.finetune import FinetuneConfig
 from pipeline.models.lightning_module import PainLightningModule
@@ -60,7 +62,8 @@ class HeadMode:
     def keep(self, cfg: DictConfig, trained: Trained, path: Path, **extra) -> Path:
         """The network to keep, as a self-describing file: the best checkpoint's."""
         assert trained.best_path is not None, "a mode without a second stage always fits"
-        return keep_fold_model(cfg, trained.module, trained.best_path, trained.weights, path, **extra)
+        return keep_fold_model(cfg, trained.module, trained.best_path, trained.weights, path,
+                               kept_loader(cfg, trained.datamodule), **extra)
 
 
 class FrameHead(HeadMode):
@@ -78,7 +81,8 @@ class TwoStageHead(HeadMode):
 
     def keep(self, cfg: DictConfig, trained: Trained, path: Path, **extra) -> Path:
         assert trained.stage is not None
-        return keep_clip_model(cfg, trained.module, trained.stage, trained.weights, path, **extra)
+        return keep_clip_model(cfg, trained.module, trained.stage, trained.weights, path,
+                               kept_loader(cfg, trained.datamodule), **extra)
 
 
 class EndToEndHead(HeadMode):
@@ -103,8 +107,16 @@ def head_mode(head: HeadConfig) -> HeadMode:
     return FrameHead(head)
 
 
+def kept_loader(cfg: DictConfig, datamodule: PainDataModule) -> dict:
+    """The loader settings a kept model records; a clip model's with its training clips' spacing in seconds."""
+    loader = OmegaConf.to_container(cfg.loader)
+    if HeadConfig.from_config(cfg.model.head).temporal:
+        loader["clip_spacing_s"] = clip_spacing_s(datamodule.frames("train"), int(cfg.loader.clip_frames))
+    return loader
+
+
 def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str, weights: dict, path: Path,
-                    **extra) -> Path:
+                    loader: dict, **extra) -> Path:
     """The best checkpoint's network as a self-describing file (`pipeline.models.model_file`)."""
     state = torch.load(best_path, map_location="cpu", weights_only=True)["state_dict"]
     module.load_state_dict(state, strict=module.strict_loading)  # a fixed backbone is not in the checkpoint
@@ -113,13 +125,13 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
         extra["head"] = OmegaConf.to_container(cfg.model.head)
     meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
-                      loader=OmegaConf.to_container(cfg.loader), weights=weights,
+                      loader=loader, weights=weights,
                       finetune=FinetuneConfig.from_config(cfg).label, **extra)
     return save_model_file(net, meta, path)
 
 
 def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondStage, weights: dict, path: Path,
-                    **extra) -> Path:
+                    loader: dict, **extra) -> Path:
     """A two-stage fold's clip model (`ClipNet`) as a self-describing file: the frame backbone as its strategy keeps
     it (`for_keeping`, as `keep_fold_model` does: LoRA's adapters merged into a plain backbone, which an unmerged one
     is not, so it would not load), the trained temporal head, and the head's settings in its meta."""
@@ -127,7 +139,7 @@ def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondS
     net = clip_model(frame_net.backbone, stage.net.head)
     meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
-                      loader=OmegaConf.to_container(cfg.loader), weights=weights,
+                      loader=loader, weights=weights,
                       finetune=FinetuneConfig.from_config(cfg).label,
                       head=OmegaConf.to_container(cfg.model.head), **extra)
     return save_model_file(net, meta, path)
