@@ -125,7 +125,7 @@ def _final(cfg: DictConfig, **options) -> None:
 
 
 def _promote(cfg: DictConfig, **options) -> None:
-    from pipeline.runs.registry import run_promote
+    from pipeline.runs.store.registry import run_promote
 
     run_promote(cfg, **options)
 
@@ -171,19 +171,19 @@ def _fold_files(argv: list[str]) -> int:
 
 
 def _server(argv: list[str]) -> int:
-    from pipeline.runs.tracking_server import main
+    from pipeline.runs.store.tracking_server import main
 
     return main(argv)
 
 
 def _ui(argv: list[str]) -> int:
-    from pipeline.runs.tracking_server import ui_main
+    from pipeline.runs.store.tracking_server import ui_main
 
     return ui_main(argv)
 
 
 def _ui_url(argv: list[str]) -> int:
-    from pipeline.runs.tracking import main
+    from pipeline.runs.store.tracking import main
 
     main(argv)
     return 0
@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     cfg = load_config(overrides, groups=COMMAND_GROUPS.get(command, ()))
     if command != "config":  # a store others can read or write: refused before anything is read or written
-        from pipeline.runs.tracking import store_paths
+        from pipeline.runs.store.tracking import store_paths
 
         try:
             refuse_open_stores(store_paths(cfg))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 
-from pipeline.models.backbones import create_model
+from pipeline.models.factory import create_model
 from pipeline.models.finetune import FinetuneConfig, parameter_counts, strategy_for
 from pipeline.runs.cross_validation import run_cv
 from pipeline.runs.embed import run_embed
@@ -59,7 +59,7 @@ def main() -> None:
     cfg = load_config([f"model={args.model}", "model.finetune=lora"])
     with torch.device("meta"):
         net, _ = create_model(args.model, img_size=224)
-    strategy_for(FinetuneConfig.from_model_config(cfg.model)).prepare(net)
+    strategy_for(FinetuneConfig.from_config(cfg)).prepare(net)
     counts = parameter_counts(net)
     result["lora_r8_224px"] = {**counts, "trainable_share_of_backbone":
                                counts["backbone_parameters_trainable"] / counts["backbone_parameters"]}

@@ -56,19 +56,16 @@ def save_model(name: str, folder: Path, head: str = "linear") -> tuple[Path, int
     import mlflow
     from omegaconf import OmegaConf
 
-    from pipeline.models.backbones import create_model
+    from pipeline.models.factory import create_model
     from pipeline.models.model_file import model_meta, save_model_file
-    from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
+    from pipeline.models.temporal_heads import HeadConfig
     from pipeline.runs.mlflow_model import CODE_FILE, WEIGHTS_ARTIFACT, model_config, signature
 
     cfg = load_config([f"model={name}", f"model.head.name={head}"])
     torch.manual_seed(0)
-    net, source = create_model(name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
-    extra = {}
-    if head != "linear":
-        config = HeadConfig.from_config(cfg.model.head)
-        net = ClipNet(net.backbone, build_temporal_head(config, net.backbone.num_features, 2))
-        extra["head"] = OmegaConf.to_container(cfg.model.head)
+    config = HeadConfig.from_config(cfg.model.head)
+    net, source = create_model(name, n_classes=2, pretrained=False, img_size=cfg.model.img_size, head=config)
+    extra = {"head": OmegaConf.to_container(cfg.model.head)} if config.temporal else {}
     meta = model_meta(net, model_name=name, img_size=cfg.model.img_size, class_names=["BL1", "PA4"],
                       task="bl1_vs_pa4", loader=dict(cfg.loader), weights=source.as_tags(), **extra)
     weights = save_model_file(net, meta, folder / f"{name}.pt")

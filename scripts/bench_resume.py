@@ -35,7 +35,7 @@ from mlflow import MlflowClient
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.runs import tracking  # noqa: E402
+from pipeline.runs.store import tracking  # noqa: E402
 from pipeline.utils.devices import cpu_description  # noqa: E402
 from tests.conftest import tiny_overrides  # noqa: E402
 

@@ -245,13 +245,13 @@ def with_finetune(cfg: DictConfig, strategy: str) -> DictConfig:
     cfg.model.finetune = strategy
     if strategy == "frozen":
         cfg.cache.embeddings = False
-    FinetuneConfig.from_model_config(cfg.model)  # an unknown strategy fails here, before any data is made
+    FinetuneConfig.from_config(cfg)  # an unknown strategy fails here, before any data is made
     return cfg
 
 
 def bench_key(cfg: DictConfig, args: argparse.Namespace) -> str:
     """The report's key: the backbone, and its strategy's label when strategies were asked for."""
-    return f"{cfg.model.name} {FinetuneConfig.from_model_config(cfg.model).label}" if args.finetune else cfg.model.name
+    return f"{cfg.model.name} {FinetuneConfig.from_config(cfg).label}" if args.finetune else cfg.model.name
 
 
 def plot(report: Mapping[str, Any], path: Path) -> Path:

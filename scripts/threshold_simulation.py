@@ -13,7 +13,7 @@ regret), under the conditions a pain model meets. The simulation draws them hone
 - the validation videos come from the checkpoint chosen on them, so they separate better than the test videos do:
   their d is d * (1 + inflation), inflation 0 or 0.5;
 - a fold has n validation subjects (2 as on the twin's kfold5, 4, 12 as on BioVid's folds) with v videos per class
-  each (6 as on the twins, 20 as on BioVid); each rule chooses on them (`threshold_choice`, fallbacks included) and is
+  each (6 as on the twins, 20 as on BioVid); each rule chooses on them (`choose_threshold`, fallbacks included) and is
   scored on 100 new subjects of the same condition; regret = the best cut's balanced accuracy on those minus the
   rule's; `folds` folds per condition, seeded.
 
@@ -42,7 +42,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.evaluation.thresholds import binary_metrics_at, roc_points, threshold_choice  # noqa: E402
+from pipeline.evaluation.thresholds import binary_metrics_at, choose_threshold, roc_points  # noqa: E402
 from pipeline.utils.atomic_io import atomic_write_csv, save_png  # noqa: E402
 
 RULES = ("youden", "equal_error", "median_midpoint", "logit_midpoint", "shrinkage", 0.5)
@@ -87,7 +87,7 @@ def rule_regrets(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.
     best = best_balanced_accuracy(*test)
     out = {}
     for rule in RULES:
-        value = binary_metrics_at(*test, threshold_choice(*val, rule, n_subjects=n_val).threshold)["balanced_accuracy"]
+        value = binary_metrics_at(*test, choose_threshold(*val, rule, n_subjects=n_val).threshold)["balanced_accuracy"]
         out[rule_label(rule)] = (value, best - value)
     return out
 
@@ -136,7 +136,7 @@ def cv_folds(run_ids: list[str], tracking_uri: str | None) -> pd.DataFrame:
     """Each finished fold of these CVs: each rule chosen on its validation videos, scored on its test videos."""
     from mlflow import MlflowClient
 
-    from pipeline.runs import tracking
+    from pipeline.runs.store import tracking
 
     client = MlflowClient(tracking.store_uri(tracking_uri))
     rows = []

@@ -91,7 +91,7 @@ def untrained_model(tiny_config, tmp_path_factory: pytest.TempPathFactory) -> di
     their input (exit codes, limits), not of their scores. Returns cfg, the model's URI and its local folder."""
     import mlflow
 
-    from pipeline.models.backbones import create_model
+    from pipeline.models.factory import create_model
     from pipeline.models.model_file import model_meta, save_model_file
     from pipeline.runs.mlflow_model import log_mlflow_model, model_config
 
@@ -133,7 +133,7 @@ def finished_cv_store(tmp_path_factory: pytest.TempPathFactory):
     LOSO over the twin's 20 subjects): a finished cross-validation for tests that read one, without training."""
     from mlflow import MlflowClient
 
-    from pipeline.runs.tracking import get_or_create_experiment
+    from pipeline.runs.store.tracking import get_or_create_experiment
 
     root = tmp_path_factory.mktemp("finished_cv")
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")

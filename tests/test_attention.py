@@ -16,7 +16,7 @@ from pipeline.analysis.attention import (
     patch_embedding_components,
     position_embedding_similarity,
 )
-from pipeline.models.backbones import create_model
+from pipeline.models.factory import create_model
 
 
 def test_rollout_equals_the_hand_computation_on_two_layers() -> None:

@@ -19,9 +19,9 @@ from pipeline.models.backbones import (
     PainNet,
     TimmBackbone,
     create_backbone,
-    create_model,
     model_family,
 )
+from pipeline.models.factory import create_model
 
 # small tensors: one torch thread (see conftest.one_torch_thread)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -8,7 +8,6 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeline.analysis.calculator import PUBLISHED, report
-from pipeline.models.backbones import create_model
 from pipeline.models.cost import (
     VIT_PAPER_PARAMS,
     VIT_PRESETS,
@@ -24,6 +23,7 @@ from pipeline.models.cost import (
     vit_parameter_parts,
     vit_shape_of,
 )
+from pipeline.models.factory import create_model
 
 
 def total(parts) -> int:

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from pipeline.models.backbones import create_model
+from pipeline.models.factory import create_model
 from pipeline.models.model_file import load_model_file, model_meta, save_model_file
 from pipeline.models.scoring import WINDOW_COLUMN
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head

@@ -26,8 +26,8 @@ from pipeline.analysis.compare import (
     plot_fold_scores,
     summary_table,
 )
-from pipeline.runs import tracking
-from pipeline.runs.cv_runs import latest_finished_cvs
+from pipeline.runs.store import tracking
+from pipeline.runs.store.cv_runs import latest_finished_cvs
 
 EXPERIMENT = "pain-cv-test"
 N_FOLDS = 5
@@ -346,7 +346,7 @@ def test_only_cvs_on_the_same_crops_are_compared(store) -> None:
 
 
 def test_crop_settings_name_the_twin_look_detector_and_alignment() -> None:
-    from pipeline.runs.cv_runs import crop_settings
+    from pipeline.runs.store.cv_runs import crop_settings
     from pipeline.utils.config import load_config
 
     settings = crop_settings(load_config(["data.align_faces=false"]))
@@ -423,7 +423,7 @@ def test_the_default_cvs_of_every_backbone_are_comparable(dataset: str, tmp_path
     """`make cv MODEL=<each>` with no ARGS, then `make compare`: the configs of every backbone of configs/model/ (and
     a timm name without a file) on one dataset log the same compared settings, so the comparison is not refused."""
     from pipeline.models.weights import RANDOM_INIT
-    from pipeline.runs.cv_runs import planned_settings
+    from pipeline.runs.store.cv_runs import planned_settings
     from pipeline.utils.config import CONFIG_DIR, load_config
 
     fold_file = tmp_path / "folds.csv"  # one fold file for all, as `make data` writes it once per dataset

@@ -22,9 +22,9 @@ from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import load_model_file
 from pipeline.runs.cross_validation import identity_lock, plan_cv, run_cv
-from pipeline.runs.environment import FREEZE_ARTIFACT
 from pipeline.runs.fold_job import decide, train_fold
-from pipeline.runs.tracking import get_or_create_experiment
+from pipeline.runs.store.environment import FREEZE_ARTIFACT
+from pipeline.runs.store.tracking import get_or_create_experiment
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.paths import resolve_path
 from tests.conftest import loader_config
@@ -125,7 +125,7 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
         threshold = child.data.metrics["test/threshold"]
         rule = cfg.eval.threshold  # the configured rule, on the validation videos alone
         assert threshold == pytest.approx(choose_threshold(val.label.to_numpy(), val.prob_PA4.to_numpy(), rule,
-                                                           n_subjects=val.subject_name.nunique()))
+                                                           n_subjects=val.subject_name.nunique()).threshold)
         assert child.data.params["threshold_rule"] == rule
         assert (videos.decision == (videos.prob_PA4 >= threshold)).all()
         assert child.data.metrics["test/video_accuracy_at_threshold"] == pytest.approx(
@@ -165,7 +165,7 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
     checkpoint = torch.load(tmp_path / "best.ckpt", map_location="cpu", weights_only=True)
     assert checkpoint["epoch"] == result.best_epoch
 
-    from pipeline.models.backbones import create_model
+    from pipeline.models.factory import create_model
 
     task = get_task(cfg.task.name)
     net, _ = create_model(cfg.model.name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)

@@ -123,7 +123,7 @@ def test_batches_have_model_shapes_and_task_labels(processed: Path, fold_file: P
             assert labels.dtype == torch.int64 and rows.dtype == torch.int64
             assert len(images) == len(labels) == len(rows) <= loader.batch_size
             # The row index leads back to the frame table, whose class gives the label.
-            expected = [task.label_of(name) for name in table.loc[rows.numpy(), "class_name"]]
+            expected = [task.classes.index(name) for name in table.loc[rows.numpy(), "class_name"]]
             assert labels.tolist() == expected
             seen.extend(rows.tolist())
         assert sorted(seen) == sorted(datamodule.frames(split).index)  # every frame once per epoch

@@ -72,7 +72,7 @@ def augmentation_runs(cfg) -> tuple:
     """The newest finished CV parent of `cfg` and its first fold run."""
     from mlflow import MlflowClient
 
-    from pipeline.runs import cv_runs, tracking
+    from pipeline.runs.store import cv_runs, tracking
 
     client = MlflowClient(cfg.mlflow.tracking_uri)
     parent = cv_runs.finished_cv(client, cfg)

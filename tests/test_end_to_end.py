@@ -16,7 +16,7 @@ from pipeline.models.model_file import load_model_file
 from pipeline.models.temporal_heads import ClipNet
 from pipeline.runs.cross_validation import run_cv
 from pipeline.runs.fold_job import build_fold, decide, train_fold
-from pipeline.runs.tracking import get_or_create_experiment
+from pipeline.runs.store.tracking import get_or_create_experiment
 from tests.test_two_stage import FAST
 
 END_TO_END = (*FAST, "model.head.mode=end_to_end", "loader.batch_size=4", "trainer.limit_train_batches=2")

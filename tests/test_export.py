@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline.deployment.export import export_onnx, onnx_difference
-from pipeline.models.backbones import create_model
+from pipeline.models.factory import create_model
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
 
 

@@ -8,7 +8,8 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from pipeline.models.backbones import PainNet, create_model
+from pipeline.models.backbones import PainNet
+from pipeline.models.factory import create_model
 from pipeline.models.finetune import FinetuneConfig, LoraSettings, merged_copy, parameter_counts, strategy_for
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule, parameter_groups
 from pipeline.models.model_file import load_model_file, model_meta, save_model_file
@@ -21,7 +22,8 @@ TIMM_ATTENTION = r".*\.attn\.(qkv|proj)"
 
 
 def config(strategy: str, blocks: int | None = 2, target: str = TIMM_ATTENTION) -> FinetuneConfig:
-    return FinetuneConfig(strategy, blocks, LoraSettings(rank=4, alpha=8, dropout=0.0, target_modules=target))
+    return FinetuneConfig(strategy, blocks, LoraSettings(rank=4, alpha=8, dropout=0.0, target_modules=target),
+                          cache_embeddings=False)
 
 
 def prepared(name: str, finetune: FinetuneConfig, seed: int = 0) -> tuple[PainNet, PainLightningModule]:
@@ -91,7 +93,7 @@ def test_lora_targets_of_the_configs_fit_vit_and_cvt() -> None:
                                ("cvt_13", ("projection_query", "projection_key", "projection_value",
                                            "attention.output.dense"))):
         cfg = load_config([f"model={model}", "model.finetune=lora"])
-        finetune = FinetuneConfig.from_model_config(cfg.model)
+        finetune = FinetuneConfig.from_config(cfg)
         with torch.device("meta"):
             net, _ = create_model(model, img_size=32)
         strategy_for(finetune).prepare(net)
@@ -130,7 +132,7 @@ def test_vit_b16_lora_rank_8_trains_under_2_percent_of_the_backbone() -> None:
     cfg = load_config(["model=vit_b16", "model.finetune=lora"])
     with torch.device("meta"):
         net, _ = create_model("vit_b16", img_size=224)
-    strategy_for(FinetuneConfig.from_model_config(cfg.model)).prepare(net)
+    strategy_for(FinetuneConfig.from_config(cfg)).prepare(net)
     counts = parameter_counts(net)
     assert counts["backbone_parameters_trainable"] / counts["backbone_parameters"] < 0.02
     assert counts["backbone_parameters_trainable"] == counts["backbone_adapter_parameters"] > 0
@@ -148,7 +150,7 @@ def test_bad_settings_are_refused() -> None:
 
 
 def test_compare_names_strategies_and_weights_files_apart() -> None:
-    from pipeline.runs.cv_runs import cv_label
+    from pipeline.runs.store.cv_runs import cv_label
 
     assert cv_label({"model": "vit_b16", "finetune": "full", "weights_source": "random"}) == "vit_b16"
     assert cv_label({"model": "vit_b16"}) == "vit_b16"  # a CV from before strategies existed

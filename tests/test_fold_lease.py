@@ -12,8 +12,8 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.runs import fold_lease
-from pipeline.runs.tracking import (
+from pipeline.runs.store import fold_lease
+from pipeline.runs.store.tracking import (
     FOLD_RUN,
     FOLD_TAG,
     HOST_TAG,

@@ -9,7 +9,8 @@ from skimage import data
 
 from pipeline.analysis.gradcam import gradcam_layer, gradcam_maps
 from pipeline.data.augment import build_eval_transform
-from pipeline.models.backbones import CvtBackbone, CvtVariant, PainNet, create_model
+from pipeline.models.backbones import CvtBackbone, CvtVariant, PainNet
+from pipeline.models.factory import create_model
 
 
 def face_batch(data_config, n: int = 2) -> torch.Tensor:

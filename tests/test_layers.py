@@ -62,11 +62,11 @@ def test_every_module_of_the_package_is_in_a_layer() -> None:
 def test_deployment_imported_from_runs_breaks_the_contract(tmp_path: Path) -> None:
     shutil.copytree(PROJECT_ROOT / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(PROJECT_ROOT / "pyproject.toml", tmp_path)
-    registry = tmp_path / "pipeline" / "runs" / "registry.py"
+    registry = tmp_path / "pipeline" / "runs" / "store" / "registry.py"
     registry.write_text(registry.read_text() + "\n\nfrom pipeline.deployment import predict  # noqa: E402,F401\n")
     result = lint_imports(tmp_path)
     assert result.returncode != 0
-    assert "pipeline.runs.registry -> pipeline.deployment.predict" in result.stdout
+    assert "pipeline.runs.store.registry -> pipeline.deployment.predict" in result.stdout
 
 
 def imports_of(path: Path) -> list[tuple[str, list[str], bool]]:

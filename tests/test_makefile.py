@@ -204,10 +204,10 @@ def model_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     import mlflow
     from mlflow import MlflowClient
 
-    from pipeline.models.backbones import create_model
+    from pipeline.models.factory import create_model
     from pipeline.models.model_file import model_meta, save_model_file
-    from pipeline.runs import tracking
     from pipeline.runs.mlflow_model import log_mlflow_model, model_config
+    from pipeline.runs.store import tracking
     from pipeline.utils.config import load_config
 
     own = tmp_path_factory.mktemp("make export")  # a space: the store's path travels through ARGS quoted

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.models import model_file
-from pipeline.models.backbones import create_model
+from pipeline.models.factory import create_model
 from pipeline.models.model_file import load_model_file, model_meta, save_model_file
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
 

@@ -24,7 +24,7 @@ from pipeline.deployment.predict import run_predict, sampled_frames
 from pipeline.runs.launchers import stop_process_group
 from pipeline.runs.mlflow_model import load_scorer
 from pipeline.runs.model_trust import FORMER_CODE_FILES, RETIRED_CODE_FILES, UntrustedModel, check_model_folder
-from pipeline.runs.registry import CHAMPION, registered_name
+from pipeline.runs.store.registry import CHAMPION, registered_name
 from pipeline.utils.paths import PROJECT_ROOT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

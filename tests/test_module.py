@@ -12,8 +12,8 @@ from pipeline.data.datamodule import PainDataModule
 from pipeline.data.frame_dataset import FrameDataset
 from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
-from pipeline.models.backbones import create_model
 from pipeline.models.callbacks import FreezeBackbone, ResumableEarlyStopping
+from pipeline.models.factory import create_model
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule, parameter_groups, warmup_cosine
 from pipeline.utils.paths import resolve_path
 from tests.conftest import loader_config

@@ -26,13 +26,14 @@ from pipeline.data.augment import (
 )
 from pipeline.deployment.export import export_scorer, run_export
 from pipeline.deployment.predict import load_scorer, sampled_frames
-from pipeline.models.backbones import DataConfig, create_model
+from pipeline.models.backbones import DataConfig
+from pipeline.models.factory import create_model
 from pipeline.models.model_file import model_meta, save_model_file
 from pipeline.models.scoring import FrameScorer
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
-from pipeline.runs import tracking
 from pipeline.runs.cross_validation import run_cv
 from pipeline.runs.mlflow_model import WEIGHTS_ARTIFACT, build_scorer
+from pipeline.runs.store import tracking
 from tests import onnx_contract_client
 from tests.onnx_contract_client import ContractRuntime, network_input
 

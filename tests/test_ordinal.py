@@ -26,7 +26,7 @@ from pipeline.models.ordinal import (
     output_probabilities,
     task_levels,
 )
-from pipeline.runs.cv_runs import identity_config
+from pipeline.runs.store.cv_runs import identity_config
 from pipeline.utils.config import CONFIG_DIR, load_config
 
 K = 5
@@ -244,7 +244,7 @@ def test_an_ordinal_model_exports_to_onnx_and_onnx_runtime_gives_its_level_proba
 
 def test_a_backbones_pain_net_with_an_ordinal_head_goes_through_the_projects_export_unchanged(tmp_path: Path) -> None:
     from pipeline.deployment.export import export_onnx, onnx_difference
-    from pipeline.models.backbones import create_model
+    from pipeline.models.factory import create_model
 
     torch.manual_seed(0)
     net, _ = create_model("mobilevit_xxs", n_classes=K, pretrained=False, img_size=32)

@@ -7,12 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.models.backbones import create_model
+from pipeline.models.factory import create_model
 from pipeline.models.model_file import model_meta
-from pipeline.models.scoring import CropSettings, FrameScorer, follow_one_face
+from pipeline.models.scoring import CropSettings, FaceFollower, FrameScorer
 from tests.photo_clips import PhotoClip, astronaut, clip_frames
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def follow_one_face(found_per_frame, max_jump: float = 1.0, reacquire_after: int = 10) -> list:
+    """`FaceFollower` over a whole sequence, as `make predict` steps it frame by frame."""
+    follower = FaceFollower(max_jump, reacquire_after)
+    return [follower.step(found) for found in found_per_frame]
 
 
 def scorer(min_face_fraction: float) -> FrameScorer:

@@ -1,5 +1,5 @@
 """A new sqlite store opened by several processes at the same moment: created and migrated once, under the lock
-beside it (`pipeline.runs.tracking.open_store`), and every process goes on with it."""
+beside it (`pipeline.runs.store.tracking.open_store`), and every process goes on with it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from pipeline.runs import tracking
+from pipeline.runs.store import tracking
 from pipeline.utils.paths import PROJECT_ROOT
 
 # One process as a command opens the store: the tracking URI through store_uri, then a read and a write. Each says
@@ -19,7 +19,7 @@ OPENER = """
 import sys, time
 from pathlib import Path
 from mlflow import MlflowClient
-from pipeline.runs import tracking
+from pipeline.runs.store import tracking
 uri, ready, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 ready.write_text("ready")
 while not go.exists():

@@ -15,7 +15,7 @@ from pipeline.evaluation.thresholds import (
     decide_fold,
     parse_rule,
     rule_name,
-    threshold_choice,
+    video_threshold,
 )
 
 CLASSES = ("BL1", "PA4")
@@ -44,8 +44,8 @@ def test_the_threshold_is_the_validation_one_not_the_test_one() -> None:
     """Validation and test have different best thresholds: the fold uses the validation one, whatever test holds."""
     val = videos([0, 0, 1, 1], [0.20, 0.30, 0.40, 0.50], "v")
     test = videos([0, 0, 1, 1], [0.70, 0.75, 0.85, 0.90], "t")
-    best_on_val = choose_threshold(val["label"], val["prob_PA4"], "youden")
-    best_on_test = choose_threshold(test["label"], test["prob_PA4"], "youden")
+    best_on_val = choose_threshold(val["label"], val["prob_PA4"], "youden").threshold
+    best_on_test = choose_threshold(test["label"], test["prob_PA4"], "youden").threshold
     assert best_on_val != best_on_test
     threshold, _, metrics, _ = decide_fold(val, test, CLASSES, "youden")
     assert threshold == best_on_val
@@ -87,10 +87,10 @@ def test_validation_scores_that_cannot_choose_fall_back_to_one_half_and_say_why(
     threshold, decided, metrics, fallback = decide_fold(inverted, test, CLASSES, "youden")
     assert threshold == 0.5 and fallback == NO_BETTER_THAN_CHANCE and metrics["threshold_fallback"] == 1.0
     assert decided["decision"].tolist() == [0, 1, 0, 1]  # at 0.5, not "all pain"
-    assert threshold_choice([0, 0, 1], [0.1, 0.2, 0.9], "youden") == (0.9, "")  # J = 1 there: it chose
-    assert threshold_choice([1, 1, 1], [0.1, 0.2, 0.9], "youden") == (0.5, ONE_CLASS)
-    assert threshold_choice([0, 1, 0, 1], [0.3] * 4, "balanced_accuracy") == (0.5, ALL_EQUAL)
-    assert threshold_choice([0, 1], [0.2, 0.7], 0.6) == (0.6, "")  # a fixed threshold never falls back
+    assert choose_threshold([0, 0, 1], [0.1, 0.2, 0.9], "youden") == (0.9, "")  # J = 1 there: it chose
+    assert choose_threshold([1, 1, 1], [0.1, 0.2, 0.9], "youden") == (0.5, ONE_CLASS)
+    assert choose_threshold([0, 1, 0, 1], [0.3] * 4, "balanced_accuracy") == (0.5, ALL_EQUAL)
+    assert choose_threshold([0, 1], [0.2, 0.7], 0.6) == (0.6, "")  # a fixed threshold never falls back
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a real file store: no database to migrate for one run
     mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
@@ -164,7 +164,7 @@ def test_every_measured_rule_is_selectable_and_decides_at_its_own_threshold() ->
                      videos([0, 1, 0, 1], [0.60, 0.75, 0.64, 0.95], "b")])
     test = videos([0, 0, 1, 1], [0.58, 0.67, 0.72, 0.91], "t")
     labels, scores = val["label"].to_numpy(), val["prob_PA4"].to_numpy()
-    youden = choose_threshold(labels, scores, "youden")
+    youden = choose_threshold(labels, scores, "youden").threshold
     expected = {"equal_error": equal_error_threshold(labels, scores),
                 "median_midpoint": median_midpoint_threshold(labels, scores),
                 "shrinkage": shrink(youden, 2)}
@@ -179,4 +179,26 @@ def test_every_measured_rule_is_selectable_and_decides_at_its_own_threshold() ->
         inverted = val.assign(prob_PA4=1 - val["prob_PA4"], prob_BL1=val["prob_PA4"])
         assert decide_fold(inverted, test, CLASSES, rule)[3] == NO_BETTER_THAN_CHANCE
     with pytest.raises(ValueError, match="number of validation subjects"):
-        threshold_choice(labels, scores, "shrinkage")
+        choose_threshold(labels, scores, "shrinkage")
+
+
+def test_one_decision_with_the_rule_the_config_gives() -> None:
+    """Folds, final models and trials choose with `video_threshold`; no function of the module has a rule of its
+    own to fall back on (configs/config.yaml's eval.threshold is the one default)."""
+    import inspect
+
+    from pipeline.evaluation import thresholds
+
+    for function in (thresholds.choose_threshold, thresholds.video_threshold, thresholds.decide_fold):
+        assert inspect.signature(function).parameters["rule"].default is inspect.Parameter.empty, function
+    val = pd.concat([videos([0, 0, 1, 1], [0.2, 0.4, 0.6, 0.9], "a"), videos([0, 1], [0.3, 0.8], "b")])
+    for rule in ("youden", "median_midpoint", "logit_midpoint", "shrinkage", 0.3):
+        assert decide_fold(val, val, CLASSES, rule).threshold == video_threshold(val, CLASSES, rule).threshold
+    # more classes: a final model's pain-or-not threshold, on 1 - P(first class), the score a served model cuts
+    five = ("BL1", "PA1", "PA2", "PA3", "PA4")
+    probs = np.array([[0.7, 0.1, 0.1, 0.05, 0.05], [0.6, 0.1, 0.1, 0.1, 0.1], [0.2, 0.1, 0.1, 0.1, 0.5],
+                      [0.1, 0.1, 0.1, 0.2, 0.5]])
+    multi = pd.DataFrame({"subject_name": ["a", "a", "b", "b"], "label": [0, 0, 2, 4],
+                          **{f"prob_{name}": probs[:, i] for i, name in enumerate(five)}})
+    chosen = video_threshold(multi, five, "median_midpoint")
+    assert chosen.threshold == pytest.approx(((0.3 + 0.4) / 2 + (0.8 + 0.9) / 2) / 2) and chosen.fallback == ""

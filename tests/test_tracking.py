@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.runs import tracking
+from pipeline.runs.store import tracking
 from pipeline.utils.paths import PROJECT_ROOT
 
 
@@ -78,7 +78,7 @@ def test_make_ui_asks_for_a_password_made_for_it(store, tmp_path: Path) -> None:
     import urllib.request
 
     from pipeline.runs.launchers import free_port, stop_process_group
-    from pipeline.runs.tracking_server import auth_call
+    from pipeline.runs.store.tracking_server import auth_call
 
     experiment_id = tracking.get_or_create_experiment("pain-cv", store["artifacts"], client=store["client"])
     port = free_port()

@@ -21,7 +21,7 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.runs.cross_validation import run_cv
 from pipeline.runs.launchers import stop_process_group
-from pipeline.runs.tracking_server import (
+from pipeline.runs.store.tracking_server import (
     JOB_USER_PREFIX,
     PASSWORD_ENV,
     USERNAME_ENV,

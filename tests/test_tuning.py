@@ -25,13 +25,12 @@ from omegaconf import OmegaConf
 
 from pipeline.analysis.compare import VERSUS_UNTUNED, compare
 from pipeline.data.fold_files import fold_subjects, read_folds
-from pipeline.runs import tracking
 from pipeline.runs.cross_validation import run_cv
-from pipeline.runs.cv_runs import latest_finished_cvs as latest_cvs
 from pipeline.runs.fold_job import decide, resolve_here
+from pipeline.runs.store import tracking
+from pipeline.runs.store.cv_runs import latest_finished_cvs as latest_cvs
 from pipeline.runs.tuning import (
     CHOSEN_ARTIFACT,
-    TRIAL_STATE_TAG,
     TuneWorker,
     load_space,
     make_pruner,
@@ -199,10 +198,33 @@ def test_pruning_stops_a_trial_below_the_median(tiny_base: Path, tmp_path: Path)
     with pytest.raises(optuna.TrialPruned):
         objective(worker, load_space(cfg), trial, 0)
     (child,) = client.search_runs([experiment], f"tags.`{tracking.PARENT_TAG}` = '{run.info.run_id}'")
-    assert child.data.tags[TRIAL_STATE_TAG] == "PRUNED" and child.data.metrics["epochs_trained"] == 1
+    assert child.data.tags[tracking.TRIAL_STATE_TAG] == "PRUNED" and child.data.metrics["epochs_trained"] == 1
     assert len(client.get_metric_history(child.info.run_id, "val/loss")) == 1
     here = resolve_here(cfg, decide(cfg, Path(cfg.fold_file)))
     assert (child.data.tags["precision_asked"], child.data.tags["precision"]) == ("auto", here.precision)
+
+
+def test_a_two_stage_trial_trains_and_scores_the_head_the_cv_would_keep(tiny_base: Path, tmp_path: Path) -> None:
+    """A tuned two-stage CV searches the head it trains: its trial runs the fold's training path, second stage
+    included, and its value is the head's best validation score (higher-better, negated for a study that minimises
+    the frame model's validation loss), not the frame model's."""
+    cfg = tune_config(tiny_base, "loader.clip_frames=3", "model.head.name=gru", "model.head.hidden=8",
+                      "model.head.epochs=3", "model.head.patience=2", "trainer.max_epochs=2",
+                      f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    experiment = tracking.get_or_create_experiment("tune-tests", tmp_path / "art", client=client)
+    run = client.create_run(experiment, tags={tracking.RUN_KIND_TAG: tracking.TUNING_RUN})
+    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.RandomSampler(seed=0))
+    worker = TuneWorker(OmegaConf.to_container(cfg, resolve=True), [("s", 0)], [0], "", run.info.run_id,
+                        cfg.mlflow.tracking_uri, str(tmp_path / "work"), asdict(decide(cfg, Path(cfg.fold_file))))
+    value = objective(worker, load_space(cfg), study.ask(), 0)
+    (child,) = client.search_runs([experiment], f"tags.`{tracking.PARENT_TAG}` = '{run.info.run_id}'")
+    metrics = child.data.metrics
+    assert child.data.tags[tracking.TRIAL_STATE_TAG] == "COMPLETE"
+    assert metrics["tune/frame_model_epochs"] == 2  # the frame model's epochs (its val/loss fed the pruner) ...
+    assert 1 <= metrics["epochs_trained"] <= 3  # ... then the head's, which the value scores
+    assert len(client.get_metric_history(child.info.run_id, "val/loss")) == 2
+    assert value == metrics["tune/value"] and -1.0 <= value <= 0.0  # minus the head's validation AUROC (or loss)
 
 
 def test_every_backbone_has_a_search_space_that_starts_at_its_configured_settings() -> None:

@@ -17,13 +17,13 @@ from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.fold_files import fold_subjects, read_folds
 from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
-from pipeline.models.backbones import create_model
 from pipeline.models.embedding_cache import state_dict_sha256
+from pipeline.models.factory import create_model
 from pipeline.models.model_file import load_model_file
 from pipeline.models.temporal_heads import ClipNet
-from pipeline.runs.cv_runs import config_sha256
 from pipeline.runs.fold_job import decide, train_fold
-from pipeline.runs.tracking import get_or_create_experiment
+from pipeline.runs.store.cv_runs import config_sha256
+from pipeline.runs.store.tracking import get_or_create_experiment
 from pipeline.utils.paths import resolve_path
 
 FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",

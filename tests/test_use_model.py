@@ -23,7 +23,7 @@ from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.runs.cross_validation import run_cv
 from pipeline.runs.launchers import stop_process_group
 from pipeline.runs.mlflow_model import encode_image
-from pipeline.runs.registry import CANDIDATE, CHAMPION, registered_name, run_promote
+from pipeline.runs.store.registry import CANDIDATE, CHAMPION, registered_name, run_promote
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.paths import PROJECT_ROOT
 
@@ -85,7 +85,7 @@ def test_final_model_is_registered_with_its_source_and_threshold(chain) -> None:
     videos = pd.read_csv(client.download_artifacts(run.info.run_id, "predictions_val_videos.csv"))
     assert set(videos.subject_name) == set(split.subject_name[split.role == "val"])
     expected = choose_threshold((videos.label == 1).astype(int), videos.prob_PA4, cfg.eval.threshold,
-                                n_subjects=videos.subject_name.nunique())
+                                n_subjects=videos.subject_name.nunique()).threshold
     assert run.data.metrics["threshold"] == pytest.approx(expected)
     # a second `make final` with the same settings trains nothing: it names the finished run
     assert run_final(cfg)["run_id"] == final["run_id"]

@@ -14,13 +14,8 @@ from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
 from pipeline.course.vit_numpy import vit_forward, weights_from_state_dict
-from pipeline.models.backbones import (
-    VIT_REF_VARIANTS,
-    ReferenceVitBackbone,
-    create_backbone,
-    create_model,
-    weights_source,
-)
+from pipeline.models.backbones import VIT_REF_VARIANTS, ReferenceVitBackbone, create_backbone, weights_source
+from pipeline.models.factory import create_model
 from pipeline.models.lightning_module import OptimConfig, parameter_groups
 from pipeline.models.vit_reference import ReferenceViT, interpolate_position_embeddings
 from pipeline.models.weights import RANDOM_INIT, IncompatibleWeights, WeightsUnavailable
@@ -39,6 +34,21 @@ from tests.test_backbones import (
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SMALL = dict(img_size=40, patch_size=8, embed_dim=24, depth=3, num_heads=3, mlp_ratio=2.0, num_classes=5)
+
+
+def reference_of(model: torch.nn.Module) -> ReferenceViT:
+    """A ReferenceViT with the sizes and (copied) weights of a timm VisionTransformer (class token, no registers,
+    no layer scale, token pooling). Any difference that remains shows up as a state-dict mismatch."""
+    block = model.blocks[0]
+    sizes = dict(img_size=model.patch_embed.img_size[0], patch_size=model.patch_embed.patch_size[0],
+                 embed_dim=model.embed_dim, num_heads=block.attn.num_heads, depth=len(model.blocks),
+                 mlp_dim=block.mlp.fc1.out_features, num_classes=model.num_classes,
+                 in_chans=model.patch_embed.proj.in_channels, qkv_bias=block.attn.qkv.bias is not None,
+                 eps=model.norm.eps)
+    with torch.device("meta"):  # no time spent initialising weights that are replaced at once
+        reference = ReferenceViT(**sizes)
+    reference.load_timm_state_dict({name: tensor.clone() for name, tensor in model.state_dict().items()}, assign=True)
+    return reference
 
 
 def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -68,7 +78,7 @@ def test_reference_vit_gives_timm_vit_b16_logits_in_float64() -> None:
     with torch.device("meta"):  # built without timm's slow initialisation, then every tensor set at random
         timm_model = timm.create_model("vit_base_patch16_224")
     timm_model = _perturbed(timm_model.to_empty(device="cpu").double().eval(), seed=0)
-    reference = ReferenceViT.from_timm(timm_model).eval()
+    reference = reference_of(timm_model).eval()
     assert (reference.num_patches, len(reference.blocks), reference.num_features) == (196, 12, 768)
     assert sum(p.numel() for p in reference.parameters()) == 86_567_656  # ViT-B/16 with a 1000-class head
     images = _images(1, 224, 224)
@@ -108,7 +118,7 @@ def test_reference_vit_refuses_an_image_of_another_grid() -> None:
 
 def test_numpy_forward_crops_to_whole_patches_and_matches_timm_and_the_reference() -> None:
     timm_model = _small_timm_vit(seed=2)
-    reference = ReferenceViT.from_timm(timm_model).eval()
+    reference = reference_of(timm_model).eval()
     images = _images(2, 45, 43)  # 5 whole 8 px patches each way; the last 5 rows and 3 columns are dropped
     cropped = images[..., :40, :40]
     logits = vit_forward(images.permute(0, 2, 3, 1).numpy(), 8, 3, **weights_from_state_dict(timm_model.state_dict()))

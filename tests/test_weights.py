@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from timm.layers import resample_abs_pos_embed
 from transformers import CvtConfig, CvtForImageClassification
 
-from pipeline.models.backbones import CVT_VARIANTS, TIMM_ARCHITECTURES, create_backbone, create_model
+from pipeline.models.backbones import CVT_VARIANTS, TIMM_ARCHITECTURES, create_backbone
+from pipeline.models.factory import create_model
 from pipeline.models.weights import (
     RANDOM_INIT,
     IncompatibleWeights,

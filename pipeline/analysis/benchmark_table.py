@@ -26,8 +26,8 @@ from matplotlib.figure import Figure
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 
-from pipeline.runs import cv_runs, tracking
 from pipeline.runs.cross_validation import run_cv
+from pipeline.runs.store import cv_runs, tracking
 from pipeline.runs.tuning import run_tune
 from pipeline.utils.atomic_io import atomic_path, atomic_write_csv, save_png
 from pipeline.utils.config import load_config
@@ -375,7 +375,7 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
                                                       if cfg.mlflow.artifact_root else tracking.artifact_root(
                                                           PROJECT_ROOT), client=client)
     run = client.create_run(experiment_id, run_name=stem, tags={
-        "painvit.run_kind": "table", "dataset": cfg.data.name, "protocol": cfg.protocol.name,
+        tracking.RUN_KIND_TAG: tracking.TABLE_RUN, "dataset": cfg.data.name, "protocol": cfg.protocol.name,
         "subject_set": cfg.data.subject_set,
         "subject_set_description": describe_subject_set(cfg.data.subject_set, cfg.data.name)})
     for key, value in {"models": ",".join(model_names), "tasks": ",".join(task_names),

@@ -130,7 +130,7 @@ def training_settings(cfg: DictConfig, module: PainLightningModule, datamodule: 
         "frames_per_video": datamodule.frames_per_video,
         "from_s": datamodule.from_s,
         "precision": precision(cfg),
-        "finetune": FinetuneConfig.from_model_config(cfg.model).label,
+        "finetune": FinetuneConfig.from_config(cfg).label,
         "channels_last": module.channels_last,
         "gradient_clip_val": cfg.trainer.gradient_clip_val,
         "seed": datamodule.seed,

@@ -40,14 +40,14 @@ from pipeline.evaluation.statistics import (
     subject_intervals,
     subject_scores,
 )
-from pipeline.runs import cv_runs, tracking
+from pipeline.runs.store import cv_runs, tracking
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import resolve_path
 
 logger = logging.getLogger(__name__)
 VERSUS_UNTUNED = "versus_untuned"  # `make compare TUNED=versus_untuned`: tuned CVs beside their untuned twins
 
-FOLD_FILE_TAG = "fold_file_sha256"
+FOLD_FILE_TAG = tracking.FOLD_FILE_TAG
 DEFAULT_METRICS: tuple[str, ...] = (
     "test/video_accuracy_at_threshold",
     "test/video_balanced_accuracy_at_threshold",
@@ -419,7 +419,7 @@ def compare(
 
     Writes `comparison_<dataset>_<protocol>_<task>[_<subject_set>]` `.csv` (summary), `_paired.csv`, `_folds.csv`
     and `_<metric>.png` into `out_dir`, and logs them as an MLflow run tagged `painvit.run_kind=comparison`.
-    The tracking URI defaults to `pipeline.runs.tracking.tracking_uri(<project root>)`.
+    The tracking URI defaults to `pipeline.runs.store.tracking.tracking_uri(<project root>)`.
     """
     metrics = list(metrics)
     uri = tracking.store_uri(tracking_uri)
@@ -523,9 +523,9 @@ def compare(
     if subject_set:
         tags["subject_set"] = subject_set
     budget = tracking.tune_budget(next(iter(runs.values())))  # tuned CVs: the one budget they share
-    tags.update({f"painvit.tune_{k}": v for k, v in budget.items()})
+    tags.update({f"{tracking.TUNE_TAG_PREFIX}{k}": v for k, v in budget.items()})
     if budget.get("scope") == "shared":
-        tags["painvit.tune_note"] = "OPTIMISTIC: settings chosen by a study shared over folds"
+        tags[tracking.TUNE_NOTE_TAG] = "OPTIMISTIC: settings chosen by a study shared over folds"
     if subject_paired is not None and len(subject_paired):
         tags["correction_family"] = correction_family(subject_paired)[:5000]
     tags["complete"] = str(all(complete.values())).lower()  # false: a smoke comparison of incomplete CVs

@@ -49,11 +49,12 @@ from pipeline.data.fold_files import fold_file_sha256
 from pipeline.data.prepare import is_twin
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.metrics import aggregate_videos, summarize_folds
-from pipeline.models.backbones import PainNet, create_model
+from pipeline.models.backbones import PainNet
+from pipeline.models.factory import create_model
 from pipeline.models.introspection import vit_of
 from pipeline.models.model_file import load_model_file
-from pipeline.runs import cv_runs, tracking
-from pipeline.runs.cv_runs import CvNotFound
+from pipeline.runs.store import cv_runs, tracking
+from pipeline.runs.store.cv_runs import CvNotFound
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import resolve_path
 
@@ -381,7 +382,7 @@ def log_parent(client: MlflowClient, parent_id: str, inspections: list[FoldInspe
     summary = {key: value for key, value in summary.items() if np.isfinite(value)}
     now = int(time.time() * 1000)
     client.log_batch(parent_id, metrics=[Metric(key, value, now, 0) for key, value in summary.items()])
-    client.set_tag(parent_id, "painvit.inspect_images",
+    client.set_tag(parent_id, tracking.INSPECT_IMAGES_TAG,
                    "mlflow and disk" if images_allowed else f"disk only ({out_root})")
     return summary
 

@@ -29,9 +29,6 @@ class Task:
     def is_binary(self) -> bool:
         return self.n_classes == 2
 
-    def label_of(self, class_name: str) -> int:
-        return self.classes.index(class_name)
-
     def label_map(self) -> dict[str, int]:
         return {name: label for label, name in enumerate(self.classes)}
 

@@ -5,7 +5,7 @@ The CV said how well these settings do on unseen people; the final model uses th
 CV's own `config.yaml` (only where and how it runs comes from the current command), and the CV's parent run is
 recorded as its source. A seeded, stratified share of whole subjects (`final.val_fraction`) is held out: early
 stopping and checkpoint selection read it, as in a fold, and the decision threshold is chosen on its videos with the
-evaluation rule (`eval.threshold`, Youden's J where the config has none).
+evaluation rule (`eval.threshold`) by the function a fold uses (`thresholds.video_threshold`).
 
 Design: the final model is a fold whose test subjects are its validation subjects. Its split file has train and val
 roles only (a fold file needs a test role, and these subjects must not be tested on twice under two names), and
@@ -34,12 +34,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.datamodule import PainDataModule
 from pipeline.data.fold_files import read_folds, stratified_sample, subject_strata
-from pipeline.data.tasks import no_pain_index
-from pipeline.evaluation.thresholds import binary_metrics_at, choose_threshold
+from pipeline.evaluation.thresholds import binary_metrics_at, threshold_scores, video_threshold
 from pipeline.models.temporal_heads import HeadConfig
-from pipeline.runs import cv_runs, tracking
-from pipeline.runs.cv_runs import CvNotFound
-from pipeline.runs.registry import (
+from pipeline.runs.store import cv_runs, tracking
+from pipeline.runs.store.cv_runs import CvNotFound
+from pipeline.runs.store.registry import (
     describe_run,
     register,
     registered_name,
@@ -108,9 +107,10 @@ def training_config(cfg: DictConfig, client: MlflowClient, source_run_id: str) -
 
 
 def threshold_rule(train_cfg: DictConfig, cfg: DictConfig) -> str | float:
-    """The evaluation rule of the source CV, else of the current config, else Youden's J."""
+    """The evaluation rule of the source CV (`eval.threshold`), else the current config's (a CV from before the
+    setting existed): configs/config.yaml holds the one default."""
     rule = OmegaConf.select(train_cfg, "eval.threshold", default=None)
-    return rule if rule is not None else OmegaConf.select(cfg, "eval.threshold", default="youden")
+    return rule if rule is not None else cfg.eval.threshold
 
 
 def final_key(source_run_id: str, val_fraction: float, seed: int) -> str:
@@ -138,17 +138,15 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
     subjects = sorted(set(read_folds(fold_file)["subject_name"]))
     key = final_key(source_id, float(cfg.final.val_fraction), int(cfg.final.seed))
     work_dir = resolve_path(cfg.cv.work_dir) / "final" / key
-    previous = client.search_runs([source.info.experiment_id],
-                                  f"tags.`painvit.run_kind` = 'final' and tags.`painvit.final_key` = '{key}'",
-                                  order_by=["attribute.start_time DESC"])
+    previous = cv_runs.final_runs(client, source.info.experiment_id, key)
     finished = [r for r in previous if r.info.status == "FINISHED"]
     if finished and cfg.cv.resume == "auto":
         done = finished[0]
         print(f"final model of {source.info.run_name!r} already trained: run {done.info.run_id}, registered "
-              f"{done.data.tags.get('painvit.registered_model', '-')} version "
-              f"{done.data.tags.get('painvit.registered_version', '-')} (RESUME=never trains a new one)")
+              f"{done.data.tags.get(tracking.REGISTERED_MODEL_TAG, '-')} version "
+              f"{done.data.tags.get(tracking.REGISTERED_VERSION_TAG, '-')} (RESUME=never trains a new one)")
         return {"run_id": done.info.run_id, "metrics": dict(done.data.metrics),
-                "version": done.data.tags.get("painvit.registered_version")}
+                "version": done.data.tags.get(tracking.REGISTERED_VERSION_TAG)}
     if cfg.cv.resume == "never":
         shutil.rmtree(work_dir, ignore_errors=True)
     for old in previous:
@@ -162,8 +160,8 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
 
     tags = {k: source.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed",
                                                        "fold_file_sha256", "weights_source")}
-    tags.update({tracking.RUN_KIND_TAG: tracking.FINAL_RUN, "painvit.final_key": key,
-                 "painvit.source_cv_run": source_id, "painvit.attempt": str(len(previous) + 1),
+    tags.update({tracking.RUN_KIND_TAG: tracking.FINAL_RUN, tracking.FINAL_KEY_TAG: key,
+                 tracking.SOURCE_CV_RUN_TAG: source_id, tracking.ATTEMPT_TAG: str(len(previous) + 1),
                  **standard_tags("make final")})
     model_name, task = train_cfg.model.name, train_cfg.task.name
     mlflow.set_tracking_uri(tracking_uri)
@@ -190,20 +188,9 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
 def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, run_id: str, source, split_path: Path,
                 work_dir: Path) -> dict:
     """Train, choose the threshold, keep and log the model, register it; inside the active final run."""
-    from pipeline.runs.fold_job import (
-        build_fold,
-        decide,
-        fit_fold,
-        keep_clip_model,
-        keep_fold_model,
-        kept_loader,
-        resolve_here,
-        test_fold,
-    )
+    from pipeline.runs.fold_job import build_fold, decide, resolve_here, train
     from pipeline.runs.mlflow_model import log_mlflow_model, model_config
-    from pipeline.runs.two_stage import second_stage, skips_first_stage
 
-    head = HeadConfig.from_config(train_cfg.model.head)
     for chunk in cv_runs.chunks(list(cv_runs.identity_params(train_cfg).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
     mlflow.log_text(OmegaConf.to_yaml(train_cfg), "config.yaml")
@@ -212,28 +199,22 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     settings = resolve_here(train_cfg, decisions)  # precision and channels_last: this machine's device decides
     print(settings.line)
     mlflow.set_tags(settings.tags())
-    module, datamodule, weights = build_fold(train_cfg, 0, decisions, settings, datamodule_class=FinalDataModule)
+    built = build_fold(train_cfg, 0, decisions, settings, datamodule_class=FinalDataModule)
+    module, datamodule, weights = built
     used = split_videos(datamodule, ("train", "val"))
     mlflow.log_input(subjects_dataset(used, f"{train_cfg.data.name}-{train_cfg.task.name}-final"), context="training")
-    fitted = None
-    if not (head.two_stage and skips_first_stage(train_cfg)):
-        fitted = fit_fold(train_cfg, module, datamodule, work_dir, settings.precision)
-        _, evaluation = test_fold(fitted, module, datamodule)
-    stage = None
-    if head.two_stage:  # the chosen temporal head, trained on the frame model's embeddings as the CV's folds did
-        stage = second_stage(train_cfg, 0, module, datamodule, fitted.best_path if fitted else None, work_dir)
-        evaluation = stage.validation
-    best_epoch = stage.best_epoch if stage else fitted.best_epoch if fitted else -1
-    epochs_trained = len(stage.history) if stage else len(fitted.history) if fitted else 0
-    best_score = stage.best_score if stage else fitted.best_score if fitted else float("nan")
+    # the fold's path: its test split is the held-out validation subjects, scored once (a two-stage head on them too)
+    trained = train(train_cfg, 0, decisions, work_dir, settings, datamodule_class=FinalDataModule, scored=("test",),
+                    built=built)
+    evaluation = trained.held_out
+    best_epoch = int(trained.selected.get("best_epoch", -1))
+    epochs_trained = int(trained.selected.get("epochs_trained", 0))
+    best_score = float(trained.selected.get("best_val_score", float("nan")))
     class_names = list(module.class_names)
-    no_pain = no_pain_index(class_names)
     videos = evaluation.video_predictions
-    labels = (videos["label"].to_numpy() != no_pain).astype(int)
-    scores = 1.0 - videos[f"prob_{class_names[no_pain]}"].to_numpy()
     rule = threshold_rule(train_cfg, cfg)
-    threshold = choose_threshold(labels, scores, rule, n_subjects=videos["subject_name"].nunique())
-    at = binary_metrics_at(labels, scores, threshold)
+    threshold = video_threshold(videos, class_names, rule).threshold  # as a fold chooses it, on the held-out videos
+    at = binary_metrics_at(*threshold_scores(videos, class_names), threshold)
     metrics = {**evaluation.metrics(prefix="val/"), **{f"val/video_{k}_at_threshold": v for k, v in at.items()},
                "threshold": threshold, "best_epoch": best_epoch, "epochs_trained": epochs_trained,
                "best_val_score": best_score}
@@ -241,28 +222,23 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     with tempfile.TemporaryDirectory() as tmp:
         videos.to_csv(Path(tmp) / "predictions_val_videos.csv", index=False)
         mlflow.log_artifact(str(Path(tmp) / "predictions_val_videos.csv"))
-    loader = kept_loader(train_cfg, datamodule)
     kept = {"final": True, "best_epoch": best_epoch, "threshold": threshold, "source_cv_run": source.info.run_id}
-    if stage is not None:
-        model_path = keep_clip_model(train_cfg, module, stage, weights, work_dir / "model.pt", loader, **kept)
-    else:
-        assert fitted is not None
-        model_path = keep_fold_model(train_cfg, module, fitted.best_path, weights, work_dir / "model.pt", loader,
-                                     **kept)
+    model_path = trained.keep(train_cfg, work_dir / "model.pt", **kept)
     mlflow.log_artifact(str(model_path), "model")
     name = registered_name(train_cfg.model.name, train_cfg.task.name)
     metadata = {"source_cv_run": source.info.run_id, "final_run": run_id, "git_commit": git_commit(),
                 "model": train_cfg.model.name, "task": train_cfg.task.name, "dataset": train_cfg.data.name,
                 **{f"weights_{k.removeprefix('weights_')}": v for k, v in weights.items()}}
     info = log_mlflow_model(model_path, model_config(train_cfg, class_names, threshold, rule), metadata,
-                          tags={"painvit.kind": "final", "painvit.source_cv_run": source.info.run_id})
+                          tags={tracking.MODEL_KIND_TAG: tracking.FINAL_MODEL,
+                                tracking.SOURCE_CV_RUN_TAG: source.info.run_id})
     version = register(client, info.model_uri, name, run_id, tags={"source_cv_run": source.info.run_id,
                                                                    "threshold": f"{threshold:.4f}"})
     client.update_model_version(name, version.version, description=(
         f"{train_cfg.model.name}, {train_cfg.task.name}: trained on all subjects of {train_cfg.data.name} with the "
         f"settings of CV run {source.info.run_id}; threshold {threshold:.3f} ({rule}) on the held-out validation "
         f"subjects; final run {run_id}."))
-    mlflow.set_tags({"painvit.registered_model": name, "painvit.registered_version": str(version.version)})
+    mlflow.set_tags({tracking.REGISTERED_MODEL_TAG: name, tracking.REGISTERED_VERSION_TAG: str(version.version)})
     table = pd.DataFrame([{"subjects (train / val)": f"{(datamodule.split_summary()['train']['subjects'])} / "
                                                      f"{datamodule.split_summary()['val']['subjects']}",
                            "val video AUROC": metrics.get("val/video_auroc", float("nan")),
@@ -276,7 +252,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
                   "optimistic. The CV's scores are the estimate for new people."])
     if cfg.final.ensemble:
         ensemble = log_fold_ensemble(client, train_cfg, source, run_id, class_names)
-        mlflow.set_tag("painvit.ensemble_version", ensemble)
+        mlflow.set_tag(tracking.ENSEMBLE_VERSION_TAG, ensemble)
         print(f"fold ensemble registered as {name}-folds version {ensemble} (alias candidate)")
     print(f"val video AUROC {metrics.get('val/video_auroc', float('nan')):.3f}, threshold {threshold:.3f} ({rule}), "
           f"best epoch {best_epoch} of {epochs_trained}")
@@ -302,7 +278,8 @@ def log_fold_ensemble(client: MlflowClient, train_cfg: DictConfig, source, run_i
         metadata = {"source_cv_run": source.info.run_id, "final_run": run_id, "folds": sorted(kept),
                     "git_commit": git_commit(), "model": train_cfg.model.name, "task": train_cfg.task.name}
         info = log_mlflow_model(paths[0], model_config(train_cfg, class_names, 0.5, 0.5), metadata,
-                              name="fold_ensemble", tags={"painvit.kind": "fold_ensemble"}, ensemble_paths=paths[1:])
+                              name="fold_ensemble", tags={tracking.MODEL_KIND_TAG: tracking.ENSEMBLE_MODEL},
+                              ensemble_paths=paths[1:])
     name = f"{registered_name(train_cfg.model.name, train_cfg.task.name)}-folds"
     version = register(client, info.model_uri, name, run_id, tags={"source_cv_run": source.info.run_id,
                                                                    "folds": ",".join(map(str, sorted(kept)))})

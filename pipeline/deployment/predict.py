@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 
 from pipeline.data.video import DEFAULT_FPS
 from pipeline.models.scoring import FrameScorer
-from pipeline.runs import tracking
+from pipeline.runs.store import tracking
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import resolve_path
@@ -232,7 +232,7 @@ def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None =
 
     from pipeline.runs import mlflow_model
     from pipeline.runs.model_trust import UntrustedModel
-    from pipeline.runs.registry import champion_uri
+    from pipeline.runs.store.registry import champion_uri
 
     tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)

@@ -35,10 +35,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.runs import tracking
-from pipeline.runs.registry import champion_uri
 from pipeline.runs.serving_input import ServingLimits, cap_opencv_pixels, one_line, opencv_caps_at
-from pipeline.runs.tracking_server import is_loopback
+from pipeline.runs.store import tracking
+from pipeline.runs.store.registry import champion_uri
+from pipeline.runs.store.tracking_server import is_loopback
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

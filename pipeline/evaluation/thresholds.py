@@ -84,18 +84,12 @@ def parse_rule(rule: str | float) -> str | float:
     return value
 
 
-def choose_threshold(labels: np.ndarray, scores: np.ndarray, rule: str | float = "youden",
-                     n_subjects: int | None = None) -> float:
-    """The threshold on `scores` (positive-class probability per video) that `rule` picks on these labels; 0.5 where
-    a named rule cannot choose (see `threshold_choice` for the reason)."""
-    return threshold_choice(labels, scores, rule, n_subjects).threshold
-
-
-def threshold_choice(labels: np.ndarray, scores: np.ndarray, rule: str | float = "youden",
+def choose_threshold(labels: np.ndarray, scores: np.ndarray, rule: str | float,
                      n_subjects: int | None = None) -> ThresholdChoice:
-    """The threshold `rule` picks and, where a named rule cannot choose (one class, all scores equal, best J <= 0),
-    0.5 with the reason. `n_subjects`: how many validation subjects the videos come from (the `shrinkage` rule
-    needs it)."""
+    """The threshold on `scores` (positive-class probability per video) that `rule` picks on these labels and,
+    where a named rule cannot choose (one class, all scores equal, best J <= 0), 0.5 with the reason. `rule` is the
+    config's `eval.threshold` (configs/config.yaml holds its default); `n_subjects`: how many validation subjects the
+    videos come from (the `shrinkage` rule needs it)."""
     rule = parse_rule(rule)
     if rule == "shrinkage" and not n_subjects:
         raise ValueError("the shrinkage rule needs the number of validation subjects")
@@ -129,6 +123,22 @@ def threshold_choice(labels: np.ndarray, scores: np.ndarray, rule: str | float =
     return ThresholdChoice(shrink(youden, int(n_subjects)) if rule == "shrinkage" else youden)
 
 
+def threshold_scores(videos: pd.DataFrame, class_names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """What a threshold cuts: per video, whether it is of a pain class (not the task's first class, its no-pain or
+    lowest one) and its score: the second class's probability on two classes, 1 - P(first class) on more."""
+    labels = (videos["label"].to_numpy() != 0).astype(int)
+    if len(class_names) == 2:
+        return labels, videos[f"prob_{class_names[1]}"].to_numpy()
+    return labels, 1.0 - videos[f"prob_{class_names[0]}"].to_numpy()
+
+
+def video_threshold(val_videos: pd.DataFrame, class_names: Sequence[str], rule: str | float) -> ThresholdChoice:
+    """The one threshold decision, for a fold, a final model and a trial alike: `rule` (`eval.threshold`) applied
+    to the validation videos' `threshold_scores`, never to a test video."""
+    labels, scores = threshold_scores(val_videos, class_names)
+    return choose_threshold(labels, scores, rule, n_subjects=val_videos["subject_name"].nunique())
+
+
 def binary_metrics_at(labels: np.ndarray, scores: np.ndarray, threshold: float) -> dict[str, float]:
     """Accuracy, balanced accuracy, sensitivity (recall of class 1) and specificity (recall of class 0)."""
     labels = np.asarray(labels).astype(int)
@@ -146,8 +156,8 @@ def binary_metrics_at(labels: np.ndarray, scores: np.ndarray, threshold: float) 
 
 
 def decide_fold(val_videos: pd.DataFrame, test_videos: pd.DataFrame, class_names: Sequence[str],
-                rule: str | float = "youden") -> FoldDecision:
-    """The fold's threshold chosen on its validation videos, applied to its test videos.
+                rule: str | float) -> FoldDecision:
+    """The fold's threshold chosen on its validation videos (`video_threshold`), applied to its test videos.
 
     Returns the threshold (NaN for a multiclass task, which decides by argmax), the test videos with the columns
     `threshold` and `decision` (the class each video is called) added, the test metrics at that decision:
@@ -161,10 +171,8 @@ def decide_fold(val_videos: pd.DataFrame, test_videos: pd.DataFrame, class_names
         test_videos["threshold"] = float("nan")
         test_videos["decision"] = test_videos[[f"prob_{name}" for name in class_names]].to_numpy().argmax(axis=1)
         return FoldDecision(float("nan"), test_videos, {})
-    positive = f"prob_{class_names[1]}"
-    threshold, fallback = threshold_choice(val_videos["label"].to_numpy(), val_videos[positive].to_numpy(), rule,
-                                           n_subjects=val_videos["subject_name"].nunique())
-    labels, scores = test_videos["label"].to_numpy(), test_videos[positive].to_numpy()
+    threshold, fallback = video_threshold(val_videos, class_names, rule)
+    labels, scores = threshold_scores(test_videos, class_names)
     test_videos["threshold"] = threshold
     test_videos["decision"] = (scores >= threshold).astype(int)
     metrics = {f"video_{name}_at_threshold": value for name, value in binary_metrics_at(labels, scores,
@@ -228,12 +236,12 @@ def shrink(threshold: float, n_subjects: int) -> float:
 
 def shrunk_threshold(labels: np.ndarray, scores: np.ndarray, n_subjects: int) -> float:
     """Youden's threshold pulled toward 0.5 by the number of validation subjects (`shrink`)."""
-    return shrink(choose_threshold(labels, scores, "youden"), n_subjects)
+    return shrink(choose_threshold(labels, scores, "youden").threshold, n_subjects)
 
 
 def rule_thresholds(labels: np.ndarray, scores: np.ndarray, n_subjects: int) -> dict[str, float]:
     """Each measured rule's threshold on these validation videos (balanced accuracy's equals Youden's)."""
-    return {"youden": choose_threshold(labels, scores, "youden"),
+    return {"youden": choose_threshold(labels, scores, "youden").threshold,
             "equal_error": equal_error_threshold(labels, scores),
             "median_midpoint": median_midpoint_threshold(labels, scores),
             "logit_midpoint": logit_midpoint_threshold(labels, scores),

@@ -149,6 +149,11 @@ class Backbone(nn.Module):
         """
         raise NotImplementedError
 
+    def weights_state(self) -> dict[str, torch.Tensor]:
+        """The weights in the file layout `model.weights=` reads for this adapter (what `make pretrain` writes), on
+        the CPU; an adapter without one says so."""
+        raise NotImplementedError(f"{self.name}: this backbone has no weights file layout that model.weights= reads")
+
 
 class TimmBackbone(Backbone):
     """Any timm model built with num_classes=0, so its forward returns the pooled pre-logits features."""
@@ -173,6 +178,10 @@ class TimmBackbone(Backbone):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
+
+    def weights_state(self) -> dict[str, torch.Tensor]:
+        """The timm model's own state dict (it has no classifier): what timm and `model.weights=` read."""
+        return _on_cpu(self.model.state_dict())
 
     def parameter_groups(self) -> ParameterGroups:
         matcher = self.model.group_matcher(coarse=False) if hasattr(self.model, "group_matcher") else None
@@ -207,6 +216,10 @@ class CvtBackbone(Backbone):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         class_token = self.cvt(pixel_values=images, return_dict=True).cls_token_value  # (B, 1, D)
         return self.layernorm(class_token[:, 0])
+
+    def weights_state(self) -> dict[str, torch.Tensor]:
+        """`cvt.` and `layernorm.` keys: CvtForImageClassification's layout, less its classifier."""
+        return _on_cpu(self.state_dict())
 
     def parameter_groups(self) -> ParameterGroups:
         groups: ParameterGroups = []
@@ -255,6 +268,10 @@ class ReferenceVitBackbone(Backbone):
         groups.append(("norm", list(model.norm.parameters())))
         _check_groups_cover(self, groups)
         return groups
+
+
+def _on_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: value.detach().cpu().contiguous() for key, value in state.items()}
 
 
 class PainNet(nn.Module):
@@ -330,19 +347,6 @@ def _resolve_backbone_weights(name: str, pretrained: bool | str, weights: str | 
         (pretrained_cfg.hf_hub_filename,) if pretrained_cfg and pretrained_cfg.hf_hub_filename else HUB_WEIGHT_FILENAMES
     )
     return resolve_weights(pretrained, weights, model_name=name, hub_repo=hub_repo, hub_filenames=hub_filenames)
-
-
-def create_model(
-    name: str,
-    n_classes: int = 2,
-    *,
-    pretrained: bool | str = False,
-    weights: str | Path | None = None,
-    img_size: int | None = None,
-) -> tuple[PainNet, WeightsSource]:
-    """`create_backbone` plus a fresh Linear(D, n_classes) head."""
-    backbone, source = create_backbone(name, pretrained=pretrained, weights=weights, img_size=img_size)
-    return PainNet(backbone, n_classes), source
 
 
 def _timm_architecture(name: str) -> str:

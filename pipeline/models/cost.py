@@ -27,7 +27,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeline.models.backbones import PainNet, create_model
+from pipeline.models.backbones import PainNet
+from pipeline.models.factory import create_model
 from pipeline.models.introspection import disable_fused_attention, vit_of
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ JSON is refused with its name, never used.
 
 Without views (`cache.views=0`, the default) a frozen head trains on the plain embedding every epoch: no training
 augmentation at all, whatever `augment.*` says. Its runs keep those settings as params (identity) and say that they
-were not applied (tags `augment_applied=false`, `augmentation`: `pipeline.runs.fold_job.augmentation_label`).
+were not applied (tags `augment_applied=false`, `augmentation`: `pipeline.runs.store.cv_runs.augmentation_label`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,26 +216,40 @@ def read_frame_table(processed_dir: Path) -> pd.DataFrame:
 def ensure_embeddings(backbone: Backbone, processed_dir: Path, *, crop_fraction: float,
                       from_s: float | None, frames_per_video: int | None, augment: Any, settings: CacheSettings,
                       progress: bool = False, workers: int | None = None) -> CachedEmbeddings:
-    """The entry for this backbone and these crops: read and checked when it exists, else built and stored.
+    """The shared entry for this backbone and these crops, beside them (`read_or_build`).
 
     The rows of the processed folder's frame table that a loader with `from_s` and `frames_per_video` reads are
     embedded, of every class (so one entry serves every task).
     """
     processed_dir = Path(processed_dir)
-    started = time.time()
     key = cache_key(backbone, state_dict_sha256(backbone), processed_dir, crop_fraction, from_s, frames_per_video,
                     augment, settings)
-    arrays, record = entry_paths(processed_dir, backbone.name, key)
+    return read_or_build(backbone, key, processed_dir,
+                         lambda: used_rows(read_frame_table(processed_dir), from_s, frames_per_video), processed_dir,
+                         crop_fraction=crop_fraction, augment=augment, settings=settings, progress=progress,
+                         workers=workers)
+
+
+def read_or_build(backbone: Backbone, key: dict, folder: Path, rows: Callable[[], pd.DataFrame], processed_dir: Path,
+                  *, crop_fraction: float, augment: Any, settings: CacheSettings, progress: bool,
+                  workers: int | None = None) -> CachedEmbeddings:
+    """The one place embeddings are read or built: the entry of `key` in `folder`'s cache, read and checked where
+    its record exists (`read_entry`: a corrupt one is refused), else the crops of `rows()` embedded and stored.
+    The shared cache beside the crops (`ensure_embeddings`: the frozen probe, a frozen two-stage head, `make embed`)
+    and a fold's own entry of its fine-tuned frame model (`pipeline.runs.two_stage`) both come through here."""
+    started = time.time()
+    arrays, record = entry_paths(Path(folder), backbone.name, key)
     if record.is_file():
         table = read_entry(arrays, record, key)
         log.info("embeddings of %s read from %s (%d crops, %.1f s)", backbone.name, arrays, len(table.rows),
                  time.time() - started)
         return CachedEmbeddings(table, arrays, False, time.time() - started)
-    rows = used_rows(read_frame_table(processed_dir), from_s, frames_per_video)
-    log.info("building embeddings of %s for %d crops (%s) into %s", backbone.name, len(rows),
+    frames = rows()
+    log.info("building embeddings of %s for %d crops (%s) into %s", backbone.name, len(frames),
              f"{settings.views} augmented views each" if settings.views else "plain only: training will not augment",
              arrays)
-    table = build_entry(backbone, rows, processed_dir, crop_fraction, augment, settings, progress, workers)
+    arrays.parent.mkdir(parents=True, exist_ok=True)
+    table = build_entry(backbone, frames, processed_dir, crop_fraction, augment, settings, progress, workers)
     seconds = time.time() - started
     write_entry(table, key, arrays, record, seconds)
     log.info("embeddings of %s built in %.1f s: %s", backbone.name, seconds, arrays)

@@ -55,11 +55,13 @@ class LoraSettings:
 
 @dataclass(frozen=True)
 class FinetuneConfig:
-    """`model.finetune`, `model.finetune_blocks` and `model.lora` as one checked object."""
+    """`model.finetune`, `model.finetune_blocks`, `model.lora` and `cache.embeddings` as one checked object: the one
+    place a strategy's name is read (`backbone_fixed`, `reads_cache` answer what the rest of the code asks of it)."""
 
     strategy: str
     blocks: int | None
     lora: LoraSettings
+    cache_embeddings: bool  # cache.embeddings: a fixed backbone's features read from the embedding cache
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGY_NAMES:
@@ -68,11 +70,23 @@ class FinetuneConfig:
             raise ValueError(f"model.finetune=top_blocks needs model.finetune_blocks >= 1, got {self.blocks}")
 
     @classmethod
-    def from_model_config(cls, model: Mapping[str, Any]) -> FinetuneConfig:
+    def from_config(cls, cfg: Mapping[str, Any]) -> FinetuneConfig:
+        """The strategy of a composed config (its `model` and `cache` groups)."""
+        model = cfg["model"]
         lora = dict(model["lora"])
         return cls(str(model["finetune"]), model.get("finetune_blocks"),
                    LoraSettings(int(lora["rank"]), float(lora["alpha"]), float(lora["dropout"]),
-                                str(lora["target_modules"])))
+                                str(lora["target_modules"])), bool(cfg["cache"]["embeddings"]))
+
+    @property
+    def backbone_fixed(self) -> bool:
+        """The backbone's weights never change (`frozen`): nothing to fine-tune, its features a function of the crop."""
+        return self.strategy == "frozen"
+
+    @property
+    def reads_cache(self) -> bool:
+        """A fixed backbone's head trains on its cached embeddings (unless cache.embeddings=false)."""
+        return self.backbone_fixed and self.cache_embeddings
 
     @property
     def label(self) -> str:
@@ -205,8 +219,8 @@ def merged_copy(net: PainNet) -> PainNet:
 
 
 def strategy_for(config: FinetuneConfig, *, embeddings: bool = False) -> FinetuneStrategy:
-    """The strategy object of `config`; `embeddings`: a frozen run fed cached embeddings."""
-    if config.strategy == "frozen":
+    """The strategy object of `config`; `embeddings`: a frozen run fed cached embeddings (`config.reads_cache`)."""
+    if config.backbone_fixed:
         return FrozenOnEmbeddings() if embeddings else FrozenBackbone()
     if embeddings:
         raise ValueError(f"cached embeddings serve model.finetune=frozen only, not {config.strategy}")

@@ -20,8 +20,9 @@ import torch
 from accelerate import init_empty_weights
 from torch import nn
 
-from pipeline.models.backbones import DataConfig, PainNet, create_model
-from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
+from pipeline.models.backbones import DataConfig, PainNet
+from pipeline.models.factory import create_model
+from pipeline.models.temporal_heads import ClipNet, HeadConfig
 from pipeline.utils.atomic_io import atomic_path
 
 FORMAT = "painvit.fold_model/1"
@@ -74,13 +75,10 @@ def load_model_file(source: str | Path, tracking_uri: str | None = None) -> tupl
 
 def _build_net(meta: dict[str, Any]) -> PainNet | ClipNet:
     """The network `meta` describes, freshly initialised (on the current default device)."""
-    frame_net, _ = create_model(meta["model_name"], n_classes=len(meta["class_names"]), pretrained=False,
-                                img_size=meta["img_size"])
-    if not meta.get("head"):
-        return frame_net
-    head = build_temporal_head(HeadConfig.from_config(meta["head"]), frame_net.backbone.num_features,
-                               len(meta["class_names"]))
-    return ClipNet(frame_net.backbone, head)
+    head = HeadConfig.from_config(meta["head"]) if meta.get("head") else None
+    net, _ = create_model(meta["model_name"], len(meta["class_names"]), pretrained=False, img_size=meta["img_size"],
+                          head=head)
+    return net
 
 
 def _net_without_init(meta: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> PainNet | ClipNet | None:

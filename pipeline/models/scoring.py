@@ -228,13 +228,6 @@ class FaceFollower:
         return pick
 
 
-def follow_one_face(found_per_frame: Sequence[np.ndarray], max_jump: float = 1.0,
-                    reacquire_after: int = 10) -> list[np.ndarray | None]:
-    """`FaceFollower` over a whole sequence."""
-    follower = FaceFollower(max_jump, reacquire_after)
-    return [follower.step(found) for found in found_per_frame]
-
-
 class FaceFinder:
     """Every face of every frame, as `make predict` searches for them: the model's detector (MTCNN with its rotated
     retries, or another registered detector), then, on the frames where it found none, `settings.fallback_detector`.

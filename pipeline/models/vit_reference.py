@@ -178,29 +178,6 @@ class ReferenceViT(nn.Module):
         self.forward(images, trace)
         return trace
 
-    @classmethod
-    def from_timm(cls, model: nn.Module) -> ReferenceViT:
-        """A ReferenceViT with the sizes and (copied) weights of a timm VisionTransformer (class token, no registers,
-        no layer scale, token pooling). Any difference that remains shows up as a state-dict mismatch."""
-        block = model.blocks[0]
-        sizes = dict(
-            img_size=model.patch_embed.img_size[0],
-            patch_size=model.patch_embed.patch_size[0],
-            embed_dim=model.embed_dim,
-            num_heads=block.attn.num_heads,
-            depth=len(model.blocks),
-            mlp_dim=block.mlp.fc1.out_features,
-            num_classes=model.num_classes,
-            in_chans=model.patch_embed.proj.in_channels,
-            qkv_bias=block.attn.qkv.bias is not None,
-            eps=model.norm.eps,
-        )
-        with torch.device("meta"):  # no time spent initialising weights that are replaced at once
-            reference = cls(**sizes)
-        state_dict = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-        reference.load_timm_state_dict(state_dict, assign=True)
-        return reference
-
     def load_timm_state_dict(self, state_dict: Mapping[str, torch.Tensor], assign: bool = False) -> None:
         """Load a timm VisionTransformer's state dict (the names are the same), strictly.
 

@@ -54,20 +54,20 @@ from pipeline.evaluation.statistics import calibration_intervals, subject_interv
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource, weights_provenance
-from pipeline.runs import cv_runs, fold_lease, launchers, registry, tracking
-from pipeline.runs.environment import library_versions, log_environment
+from pipeline.runs import launchers
 from pipeline.runs.fold_job import (
     FoldDecisions,
     FoldJob,
     FoldResult,
-    augmentation_label,
     check_head,
     decide,
-    finetune_tags,
     result_from_run,
     retire_unreadable,
 )
-from pipeline.runs.tracking_server import job_credentials
+from pipeline.runs.store import cv_runs, fold_lease, registry, tracking
+from pipeline.runs.store.cv_runs import augmentation_label, finetune_tags
+from pipeline.runs.store.environment import library_versions, log_environment
+from pipeline.runs.store.tracking_server import job_credentials
 from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
 from pipeline.utils.paths import PROJECT_ROOT, git_commit, resolve_path

@@ -47,7 +47,6 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.plugins.environments import SLURMEnvironment
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
-from pipeline.data.clips import clip_spacing_s
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.embeddings import EmbeddingDataModule
 from pipeline.data.tasks import get_task
@@ -61,18 +60,21 @@ from pipeline.evaluation.metrics import (
     plot_training_curves,
 )
 from pipeline.evaluation.thresholds import decide_fold, rule_name, threshold_spread
-from pipeline.models.backbones import PainNet, create_model, model_family, weights_source
+from pipeline.models.backbones import PainNet, model_family, weights_source
 from pipeline.models.callbacks import FreezeBackbone, KeepBestValidation, ResumableEarlyStopping, SeedEachBatch
 from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings
-from pipeline.models.finetune import FinetuneConfig, parameter_counts, strategy_for
+from pipeline.models.factory import create_model
+from pipeline.models.finetune import FinetuneConfig, FinetuneStrategy, parameter_counts, strategy_for
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
-from pipeline.models.model_file import MODEL_ARTIFACT, model_meta, save_model_file
-from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
+from pipeline.models.model_file import MODEL_ARTIFACT
+from pipeline.models.temporal_heads import ClipNet, HeadConfig
 from pipeline.models.weights import WeightsSource
-from pipeline.runs import fold_lease
+from pipeline.runs.head_modes import HeadMode, head_mode
 from pipeline.runs.mlflow_model import log_fold_model
-from pipeline.runs.registry import split_videos, subjects_dataset
-from pipeline.runs.tracking import (
+from pipeline.runs.store import fold_lease
+from pipeline.runs.store.cv_runs import augmentation_label, finetune_tags
+from pipeline.runs.store.registry import split_videos, subjects_dataset
+from pipeline.runs.store.tracking import (
     ATTEMPT_TAG,
     FAILED_REASON_TAG,
     FINISHED,
@@ -92,7 +94,7 @@ from pipeline.runs.tracking import (
     uri_has_credentials,
 )
 from pipeline.runs.two_stage import RECORD as TWO_STAGE_RECORD
-from pipeline.runs.two_stage import SecondStage, second_stage, skips_first_stage, write_record
+from pipeline.runs.two_stage import SecondStage, second_stage, write_record
 from pipeline.utils.accelerator import TrainingDevice, training_device
 from pipeline.utils.atomic_io import atomic_path, fsync_tree
 from pipeline.utils.cpus import one_torch_thread
@@ -281,11 +283,14 @@ def class_weights_for(setting, train_labels: np.ndarray, n_classes: int) -> list
     return weights
 
 
-def build_network(cfg: DictConfig, n_classes: int, decisions: FoldDecisions) -> PainNet:
-    """The backbone + head with the initial weights the plan chose, or an error saying why this machine differs."""
+def build_network(cfg: DictConfig, n_classes: int, decisions: FoldDecisions, *, head: HeadConfig | None = None,
+                  strategy: FinetuneStrategy | None = None, channels_last: bool = False) -> PainNet | ClipNet:
+    """The network (`pipeline.models.factory.create_model`: a frame model, or a clip model under `head`, prepared for
+    `strategy`) with the initial weights the plan chose, or an error saying why this machine differs."""
     planned = decisions.weights_source
-    net, loaded = create_model(cfg.model.name, n_classes=n_classes, pretrained=planned.kind != "random",
-                               weights=planned.ref if planned.kind == "file" else None, img_size=cfg.model.img_size)
+    net, loaded = create_model(cfg.model.name, n_classes, pretrained=planned.kind != "random",
+                               weights=planned.ref if planned.kind == "file" else None, img_size=cfg.model.img_size,
+                               head=head, strategy=strategy, channels_last=channels_last)
     if (loaded.kind, loaded.sha256) != (planned.kind, planned.sha256):
         raise DecisionNotHonoured(f"{cfg.model.name}: the plan chose weights {planned.kind} {planned.ref} (sha256 "
                                   f"{planned.sha256}), this machine found {loaded.kind} {loaded.ref} (sha256 "
@@ -305,20 +310,15 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     (`pipeline.deployment.final_model`) read its train / validation split the same way."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = get_task(cfg.task.name)
-    net: PainNet | ClipNet = build_network(cfg, task.n_classes, decisions)
-    finetune = FinetuneConfig.from_model_config(cfg.model)
-    head = check_head(cfg)
-    if head.end_to_end:  # the backbone runs on every frame of a clip and trains through the temporal head
-        net = ClipNet(net.backbone, build_temporal_head(head, net.backbone.num_features, task.n_classes))
+    finetune = FinetuneConfig.from_config(cfg)
+    mode = head_mode(check_head(cfg))
     # a frozen backbone's features are the same in every fold: read them from the embedding cache (built if missing)
-    cached = uses_embedding_cache(cfg)
+    cached = finetune.reads_cache
     strategy = strategy_for(finetune, embeddings=cached)
-    strategy.prepare(net)
     channels_last = not cached and (settings or resolve_here(cfg, decisions)).channels_last
-    if channels_last:
-        net = net.to(memory_format=torch.channels_last)
-        if isinstance(net, ClipNet):
-            net.channels_last = True
+    # end to end: the backbone runs on every frame of a clip and trains through the temporal head
+    net = build_network(cfg, task.n_classes, decisions, head=mode.network_head(), strategy=strategy,
+                        channels_last=channels_last)
     fold_file = Path(decisions.fold_file)
     processed_dir = resolve_path(cfg.data.processed_dir)
     loader = LoaderConfig.from_config(cfg.loader)
@@ -333,15 +333,14 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
             embeddings=entry.table, source=entry.path)
     else:
         datamodule = datamodule_class(processed_dir, fold_file, fold, task, net.backbone.data_config, augment, loader,
-                                      seed=cfg.seed, clips=head.end_to_end)
+                                      seed=cfg.seed, clips=mode.clips)
     datamodule.setup()
     train_labels = datamodule.dataset("train").labels  # per crop, or per video for clips
     module = PainLightningModule(
         net, task.classes, OptimConfig(**OmegaConf.to_container(cfg.model.optim)),
         label_smoothing=cfg.trainer.label_smoothing,
         class_weights=class_weights_for(cfg.trainer.class_weights, train_labels, task.n_classes),
-        # a clip model predicts once per video: nothing is left to aggregate
-        aggregation="mean" if head.end_to_end else cfg.trainer.aggregation, topk=cfg.trainer.topk,
+        aggregation=mode.aggregation(cfg), topk=cfg.trainer.topk,
         channels_last=channels_last,
         monitor=cfg.trainer.monitor, finetune=strategy)
     return module, datamodule, decisions.weights_source.as_tags()
@@ -360,47 +359,11 @@ def embedding_variant(datamodule_class: type[PainDataModule]) -> type[EmbeddingD
 def check_head(cfg: DictConfig) -> HeadConfig:
     """The config's head, checked against its fine-tuning strategy (also before a CV plans anything)."""
     head = HeadConfig.from_config(cfg.model.head)
-    if head.end_to_end and cfg.model.finetune == "frozen":
+    if head.end_to_end and FinetuneConfig.from_config(cfg).backbone_fixed:
         raise ValueError("model.head.mode=end_to_end trains the backbone through the head, but model.finetune=frozen "
                          "fixes it: a frozen backbone's head over time is model.head.mode=two_stage (it reads cached "
                          "embeddings and skips the first stage)")
     return head
-
-
-def uses_embedding_cache(cfg: DictConfig) -> bool:
-    """A frozen backbone trains its head on cached embeddings unless cache.embeddings=false."""
-    return cfg.model.finetune == "frozen" and bool(cfg.cache.embeddings)
-
-
-def augmentation_applied(cfg: DictConfig) -> bool:
-    """Whether training applies the `augment.*` settings. Not for a frozen head on cached embeddings without
-    augmented views (`cache.views=0`: the plain embedding every epoch), nor for a frozen backbone's two-stage head
-    (it trains on plain embeddings); the settings stay in the run's params, as part of its identity."""
-    if skips_first_stage(cfg) and HeadConfig.from_config(cfg.model.head).two_stage:
-        return False
-    return not (uses_embedding_cache(cfg) and int(cfg.cache.views) == 0)
-
-
-def augmentation_label(cfg: DictConfig) -> str:
-    """What augmentation training saw, in words: the `augmentation` tag and the fold's and the CV's lines."""
-    views = int(cfg.cache.views)
-    two_stage = HeadConfig.from_config(cfg.model.head).two_stage
-    if skips_first_stage(cfg) and two_stage:
-        return "none (frozen backbone: the two-stage head trains on plain embeddings; augment.* not applied)"
-    if uses_embedding_cache(cfg):
-        return ("none (frozen embeddings, cache.views=0; augment.* not applied)" if views == 0 else
-                f"{views} augmented view(s) per crop (frozen embeddings, cache.views={views}, drawn with augment.*)")
-    if two_stage:
-        return "augment.* on the frame model's images (the two-stage head trains on plain embeddings)"
-    return "augment.* on the images"
-
-
-def finetune_tags(cfg: DictConfig) -> dict[str, str]:
-    """What trains, as tags: the strategy's label (full, frozen, top_blocks2, lora_r8), whether embeddings fed it,
-    and whether the `augment.*` settings (logged as params either way) were applied, in words."""
-    return {"finetune": FinetuneConfig.from_model_config(cfg.model).label,
-            "embedding_cache": str(uses_embedding_cache(cfg)).lower(),
-            "augment_applied": str(augmentation_applied(cfg)).lower(), "augmentation": augmentation_label(cfg)}
 
 
 @dataclass
@@ -525,44 +488,6 @@ def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], pre
     (out / "splits.json").write_text(json.dumps(splits, indent=2, default=str))
 
 
-def kept_loader(cfg: DictConfig, datamodule: PainDataModule) -> dict:
-    """The loader settings a kept model records; a clip model's with its training clips' spacing in seconds."""
-    loader = OmegaConf.to_container(cfg.loader)
-    if HeadConfig.from_config(cfg.model.head).temporal:
-        loader["clip_spacing_s"] = clip_spacing_s(datamodule.frames("train"), int(cfg.loader.clip_frames))
-    return loader
-
-
-def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str, weights: dict, path: Path,
-                    loader: dict, **extra) -> Path:
-    """The best checkpoint's network as a self-describing file (`pipeline.models.model_file`)."""
-    state = torch.load(best_path, map_location="cpu", weights_only=True)["state_dict"]
-    module.load_state_dict(state, strict=module.strict_loading)  # a fixed backbone is not in the checkpoint
-    net = module.finetune.for_keeping(module.model)  # LoRA: the adapters merged, a plain PainNet (or ClipNet)
-    if isinstance(net, ClipNet):  # an end-to-end clip model: its head's settings travel in its meta
-        extra["head"] = OmegaConf.to_container(cfg.model.head)
-    meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
-                      class_names=list(module.class_names), task=cfg.task.name,
-                      loader=loader, weights=weights,
-                      finetune=FinetuneConfig.from_model_config(cfg.model).label, **extra)
-    return save_model_file(net, meta, path)
-
-
-def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondStage, weights: dict, path: Path,
-                    loader: dict, **extra) -> Path:
-    """A two-stage fold's clip model (`ClipNet`) as a self-describing file: the frame backbone as its strategy keeps
-    it (`for_keeping`, as `keep_fold_model` does: LoRA's adapters merged into a plain backbone, which an unmerged one
-    is not, so it would not load), the trained temporal head, and the head's settings in its meta."""
-    frame_net = module.finetune.for_keeping(module.model)  # the best checkpoint's, as second_stage loaded it
-    net = ClipNet(frame_net.backbone, stage.net.head)
-    meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
-                      class_names=list(module.class_names), task=cfg.task.name,
-                      loader=loader, weights=weights,
-                      finetune=FinetuneConfig.from_model_config(cfg.model).label,
-                      head=OmegaConf.to_container(cfg.model.head), **extra)
-    return save_model_file(net, meta, path)
-
-
 def log_threshold_fallback(fold: int, fallback: str) -> None:
     """A fold whose validation videos could not choose a threshold says so: a warning and the tag
     `threshold_fallback` with the reason (the metric `test/threshold_fallback` is 1 for it, 0 otherwise)."""
@@ -572,10 +497,83 @@ def log_threshold_fallback(fold: int, fallback: str) -> None:
         mlflow.set_tag("threshold_fallback", fallback)
 
 
+@dataclass
+class Trained:
+    """What one training kept (`train`): the module and data it trained with, the epochs of its fit, the selected
+    checkpoint's scores, and the second stage's head where its mode has one."""
+
+    module: PainLightningModule
+    datamodule: PainDataModule
+    weights: dict[str, str]  # the initial weights' provenance, as tags
+    mode: HeadMode
+    history: list[dict]  # the fitted network's epochs ([] where a fixed backbone's head skips the fit)
+    best_path: str | None  # the fit's best checkpoint (None: no fit)
+    selected: dict[str, float]  # best_epoch, epochs_trained, best_val_score of what is kept (the head's, two-stage)
+    validation: Evaluation | None  # the kept network on the validation subjects: what the threshold is chosen on
+    predictions: pd.DataFrame | None  # the kept network's test predictions (per crop, or per video for clips)
+    evaluation: Evaluation | None  # their evaluation
+    frame_model_metrics: dict[str, float]  # a two-stage head's frame model on the test subjects (frame_model/test/)
+    stage: SecondStage | None  # the second stage's head, its history and record (two_stage.json)
+
+    @property
+    def held_out(self) -> Evaluation:
+        """The evaluation a threshold is chosen on: the validation's, or where only the test split was scored (a
+        final model, whose test split is its validation subjects) the test's."""
+        chosen = self.validation if self.validation is not None else self.evaluation
+        assert chosen is not None, "the training scored neither split"
+        return chosen
+
+    def keep(self, cfg: DictConfig, path: Path, **extra) -> Path:
+        """The network to keep as a self-describing file, as its head mode keeps it."""
+        return self.mode.keep(cfg, self, path, **extra)
+
+
+def train(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path, settings: DeviceSettings, *,
+          datamodule_class: type[PainDataModule] = PainDataModule, callbacks: Sequence[pl.Callback] = (),
+          scored: Sequence[str] = ("val", "test"), times: StepTimes | None = None,
+          built: tuple[PainLightningModule, PainDataModule, dict] | None = None) -> Trained:
+    """The one training path of a fold, the final model and a tuning trial: build (`build_fold`, through the model
+    factory), fit and select the checkpoint where the head mode fits (`fit_fold`), score the best checkpoint on the
+    splits in `scored` (`val`: re-validated for the threshold, `test`: tested once), then the second stage where the
+    mode has one (its head's validation and test scores replace the frame model's).
+
+    `datamodule_class`: the subjects' roles (a fold's, `final_model.FinalDataModule`'s, a study's); `callbacks` join
+    the fit (a lease check, a trial's pruning); `built`: what `build_fold` returned, where the caller logged it."""
+    times = times or StepTimes()
+    module, datamodule, weights = built or build_fold(cfg, fold, decisions, settings, datamodule_class)
+    mode = head_mode(HeadConfig.from_config(cfg.model.head))
+    history: list[dict] = []
+    best_path, selected, validation, predictions, evaluation = None, {}, None, None, None
+    if mode.trains_first_stage(FinetuneConfig.from_config(cfg)):  # a frame model, or an end-to-end clip model
+        with times("fit"):
+            fitted = fit_fold(cfg, module, datamodule, work_dir, settings.precision, callbacks)
+        if "val" in scored:
+            with times("validation_repass"):
+                validation = validate_fold(fitted, module, datamodule)
+        if "test" in scored:
+            with times("test"):
+                predictions, evaluation = test_fold(fitted, module, datamodule)
+        best_path, history = fitted.best_path, fitted.history
+        selected = {"best_epoch": fitted.best_epoch, "epochs_trained": len(history),
+                    "best_val_score": fitted.best_score}
+    stage, frame_model_metrics = None, {}
+    if mode.second_stage:  # the frame model, fixed, embeds the fold; the temporal head trains on that
+        if evaluation is not None:
+            frame_model_metrics = evaluation.metrics(prefix="frame_model/test/")
+        with times("second_stage"):
+            stage = second_stage(cfg, fold, module, datamodule, best_path, work_dir)
+        validation, predictions, evaluation = stage.validation, stage.predictions, stage.evaluation
+        selected = {"best_epoch": stage.best_epoch, "epochs_trained": len(stage.history),
+                    "best_val_score": stage.best_score}
+    return Trained(module, datamodule, weights, mode, history, best_path, selected, validation, predictions,
+                   evaluation, frame_model_metrics, stage)
+
+
 def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path,
                keep_model: bool = False, settings: DeviceSettings | None = None,
                callbacks: Sequence[pl.Callback] = ()) -> FoldResult:
-    """Train on the fold's training subjects, select on its validation subjects, test once on its test subjects.
+    """Train on the fold's training subjects, select on its validation subjects, test once on its test subjects
+    (`train`); choose the threshold, log and keep what the CV reads.
 
     `settings`: precision and channels_last as resolved on this device (`resolve_here` when None), tagged on the
     run. `callbacks` join the fit (the fold job's lease check). Logs epoch curves, test metrics and artifacts to the
@@ -587,7 +585,8 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     with times("setup"):
         settings = settings or resolve_here(cfg, decisions)
         mlflow.set_tags(settings.tags())
-        module, datamodule, weights = build_fold(cfg, fold, decisions, settings)
+        built = build_fold(cfg, fold, decisions, settings)
+        module, datamodule, weights = built
         counts = parameter_counts(module.model)
         log.info("fold %d: %s, %d of %d parameters trainable (backbone %d of %d); augmentation: %s", fold,
                  module.finetune.name, counts["parameters_trainable"], counts["parameters_total"],
@@ -596,36 +595,18 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         mlflow.set_tags(finetune_tags(cfg))
         mlflow.log_input(subjects_dataset(split_videos(datamodule), f"{cfg.data.name}-{cfg.task.name}-fold{fold}"),
                          context="training")
+    trained = train(cfg, fold, decisions, work_dir, settings, callbacks=callbacks, times=times, built=built)
+    stage, history, selected = trained.stage, trained.history, trained.selected
+    validation, predictions, evaluation = trained.validation, trained.predictions, trained.evaluation
+    assert validation is not None and evaluation is not None and predictions is not None
     head = HeadConfig.from_config(cfg.model.head)
-    history: list[dict] = []  # the frame model's epochs (none when a frozen backbone skips the first stage)
-    best_path, stage = None, None
-    # a frame model, or an end-to-end clip model, trains here; a two-stage head afterwards, on the frame model
-    if not (head.two_stage and skips_first_stage(cfg)):
-        with times("fit"):
-            fitted = fit_fold(cfg, module, datamodule, work_dir, settings.precision, callbacks)
-        with times("validation_repass"):
-            validation = validate_fold(fitted, module, datamodule)
-        with times("test"):
-            predictions, evaluation = test_fold(fitted, module, datamodule)
-        best_path, history = fitted.best_path, fitted.history
-        selected = {"best_epoch": fitted.best_epoch, "epochs_trained": len(history),
-                    "best_val_score": fitted.best_score}
-    frame_model_metrics: dict[str, float] = {}
-    if head.two_stage:  # the frame model, fixed, embeds the fold; the temporal head trains on that
-        if best_path is not None:
-            frame_model_metrics = evaluation.metrics(prefix="frame_model/test/")
-        with times("second_stage"):
-            stage = second_stage(cfg, fold, module, datamodule, best_path, work_dir)
-        validation, predictions, evaluation = stage.validation, stage.predictions, stage.evaluation
-        selected = {"best_epoch": stage.best_epoch, "epochs_trained": len(stage.history),
-                    "best_val_score": stage.best_score}
     head_size = stage.record["head_parameters"] if stage else sum(p.numel() for p in module.model.head.parameters())
     mlflow.log_params({"head": head.label, "head_parameters": head_size})
     with times("threshold"):  # the threshold sees the validation subjects only; the test videos get it as it is
         threshold, evaluation.video_predictions, decided, fallback = decide_fold(
             validation.video_predictions, evaluation.video_predictions, module.class_names, cfg.eval.threshold)
     metrics = {**evaluation.metrics(prefix="test/"), **{f"test/{k}": v for k, v in decided.items()},
-               **selected, **frame_model_metrics}
+               **selected, **trained.frame_model_metrics}
     if np.isfinite(threshold):
         metrics["test/threshold"] = threshold
         # how much each rule's threshold moves over a bootstrap of the validation subjects (test/threshold_ci95_*)
@@ -653,14 +634,9 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         mlflow.log_artifacts(str(out))
     if keep_model:
         with times("model_logging"):
-            target = work_dir / Path(MODEL_ARTIFACT).name
-            if stage is not None:  # the clip model: the fold's frame backbone and its temporal head
-                path = keep_clip_model(cfg, module, stage, weights, target, kept_loader(cfg, datamodule), fold=fold,
-                                       best_epoch=int(selected["best_epoch"]))
-            else:
-                path = keep_fold_model(cfg, module, str(best_path), weights, target, kept_loader(cfg, datamodule),
-                                       fold=fold,
-                                       best_epoch=int(selected["best_epoch"]))
+            # the clip model of a two-stage head: the fold's frame backbone and its temporal head
+            path = trained.keep(cfg, work_dir / Path(MODEL_ARTIFACT).name, fold=fold,
+                                best_epoch=int(selected["best_epoch"]))
             mlflow.log_artifact(str(path), str(Path(MODEL_ARTIFACT).parent))
             log_fold_model(cfg, path, fold, list(module.class_names), weights, threshold, rule)
     mlflow.log_metrics(times.metrics())

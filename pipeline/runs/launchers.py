@@ -29,8 +29,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from pipeline.runs.fold_job import FoldJob, FoldResult, run_fold_job
-from pipeline.runs.tracking import open_store, redact_uri, uri_has_credentials
-from pipeline.runs.tracking_server import (
+from pipeline.runs.store.tracking import open_store, redact_uri, uri_has_credentials
+from pipeline.runs.store.tracking_server import (
     ADMIN_PASSWORD_ENV,
     ADMIN_USERNAME_ENV,
     ARTIFACT_ROOT_ENV,

@@ -57,6 +57,7 @@ from pipeline.runs.serving_input import (
     one_line,
     read_beneath,
 )
+from pipeline.runs.store import tracking
 from pipeline.utils.paths import git_commit
 
 WEIGHTS_ARTIFACT = "weights"
@@ -317,7 +318,8 @@ def log_fold_model(cfg, weights_path: Path, fold: int, class_names: list[str], w
                 "dataset": cfg.data.name, **weights}
     decided = float(threshold) if math.isfinite(threshold) else 0.5  # NaN: no threshold was chosen
     return log_mlflow_model(weights_path, model_config(cfg, class_names, decided, rule), metadata, name=f"fold_{fold}",
-                            tags={"painvit.kind": "fold", "painvit.fold": str(fold)}, with_example=False)
+                            tags={tracking.MODEL_KIND_TAG: tracking.FOLD_MODEL, tracking.MODEL_FOLD_TAG: str(fold)},
+                            with_example=False)
 
 
 def signature():

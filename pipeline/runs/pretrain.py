@@ -57,7 +57,8 @@ from pipeline.data.datamodule import default_num_workers
 from pipeline.data.face_crops import preprocess
 from pipeline.data.frame_dataset import FrameDataset
 from pipeline.data.prepare import preprocess_config, synthetic_config, synthetic_fingerprint
-from pipeline.models.backbones import CvtBackbone, PainNet, TimmBackbone, create_backbone
+from pipeline.models.backbones import Backbone, PainNet
+from pipeline.models.factory import create_model
 from pipeline.models.weights import provenance_path, sha256_of_file
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text
@@ -333,17 +334,12 @@ def baseline_loss(train_targets: np.ndarray, held_targets: np.ndarray, classify:
     return float(((held_targets - train_targets.mean(axis=0)) ** 2).mean())
 
 
-def backbone_state(backbone) -> dict[str, torch.Tensor]:
-    """The backbone's weights in the layout `model.weights=` reads for its family: a timm model's own state dict
-    (no classifier), a CvT's `cvt.` / `layernorm.` keys (CvtForImageClassification's, less the classifier)."""
-    if isinstance(backbone, TimmBackbone):
-        state = backbone.model.state_dict()
-    elif isinstance(backbone, CvtBackbone):
-        state = backbone.state_dict()
-    else:
-        raise PretrainError(f"make pretrain writes timm and CvT backbones; {backbone.name} has no file layout for "
-                            "model.weights= here")
-    return {key: value.detach().cpu().contiguous() for key, value in state.items()}
+def backbone_state(backbone: Backbone) -> dict[str, torch.Tensor]:
+    """The backbone's weights in the layout `model.weights=` reads for its adapter (`Backbone.weights_state`)."""
+    try:
+        return backbone.weights_state()
+    except NotImplementedError as error:
+        raise PretrainError(f"make pretrain writes timm and CvT backbones: {error}") from None
 
 
 def weights_path(cfg: DictConfig, pool: Pool, img_size: int) -> Path:
@@ -376,9 +372,9 @@ def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
                                        for frame in (training, validation))
         n_outputs = len(pool.targets)
     pl.seed_everything(int(cfg.seed), workers=True)
-    backbone, source = create_backbone(cfg.model.name, pretrained=cfg.model.pretrained, weights=cfg.model.weights,
-                                       img_size=cfg.model.img_size)
-    net = PainNet(backbone, n_outputs)
+    net, source = create_model(cfg.model.name, n_outputs, pretrained=cfg.model.pretrained, weights=cfg.model.weights,
+                               img_size=cfg.model.img_size)
+    backbone = net.backbone
     data_config = backbone.data_config
     img_size = int(cfg.model.img_size or data_config.input_size[-1])
     train_set = PoolDataset(training, pool.crops_dir, train_targets,

@@ -2,12 +2,13 @@
 
 search -> choose -> cross-validate:
 - **search**: one Optuna study per outer fold (`tune.scope=per_fold`, the default). A trial is a fold job with other
-  settings: `build_fold` and `fit_fold` of `pipeline.runs.fold_job`, on a DataModule whose test split is the fold's
-  validation subjects (`StudyDataModule`), so the fold's test subjects are never read by the study: not as the
-  objective (the best validation score), not as the pruning signal (each epoch's validation score), not as the stopping
-  rule. `tune.scope=shared` runs one study whose trial trains every fold and scores the mean validation score over
-  folds: each fold's chosen settings then depend on models trained on its test subjects, so it is OPTIMISTIC, and
-  every run, tag and line it prints says so.
+  settings: the CV's training path (`fold_job.train`, a two-stage head's second stage included), on a DataModule
+  whose test split is the fold's validation subjects (`StudyDataModule`), so the fold's test subjects are never read
+  by the study: not as the objective (the best validation score of what the CV would keep: a two-stage head's), not
+  as the pruning signal (each epoch's validation score of the fitted network; a frozen backbone's two-stage head has
+  no such epochs and is not pruned), not as the stopping rule. `tune.scope=shared` runs one study whose trial trains
+  every fold and scores the mean validation score over folds: each fold's chosen settings then depend on models
+  trained on its test subjects, so it is OPTIMISTIC, and every run, tag and line it prints says so.
 - **choose**: each fold's best trial (or the shared study's best for every fold), written on the tuning run.
 - **cross-validate**: the usual CV (`plan_cv`, `launch`, `aggregate`), each fold's job carrying its chosen settings;
   its parent is a CV run tagged as tuned, with the budget (trials, scope, search-space hash) `make compare` matches.
@@ -41,29 +42,26 @@ from typing import Any
 import mlflow
 import numpy as np
 import optuna
-import pandas as pd
 import pytorch_lightning as pl
 from mlflow import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 from optuna.storages.journal import JournalFileBackend
 
 from pipeline.data.datamodule import PainDataModule
-from pipeline.models.finetune import STRATEGY_NAMES
-from pipeline.runs import fold_lease, launchers, tracking
+from pipeline.models.finetune import STRATEGY_NAMES, FinetuneConfig
+from pipeline.runs import launchers
 from pipeline.runs.cross_validation import Plan, aggregate, identity_lock, launch, plan_cv
-from pipeline.runs.cv_runs import identity_config
 from pipeline.runs.fold_job import (
     FoldDecisions,
     FoldJob,
-    augmentation_applied,
-    augmentation_label,
-    build_fold,
-    finetune_tags,
-    fit_fold,
+    Trained,
     job_owner_tags,
     resolve_here,
+    train,
 )
-from pipeline.runs.tracking_server import job_credentials
+from pipeline.runs.store import cv_runs, fold_lease, tracking
+from pipeline.runs.store.cv_runs import augmentation_applied, augmentation_label, finetune_tags, identity_config
+from pipeline.runs.store.tracking_server import job_credentials
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text, save_png
 from pipeline.utils.config import CONFIG_DIR
@@ -74,8 +72,6 @@ SPACES_DIR = CONFIG_DIR / "tune" / "spaces"
 SCOPES = ("per_fold", "shared")
 FINISHED_STATES = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
 OPTIMISTIC = "OPTIMISTIC (shared study: each fold's settings were chosen with models that trained on its test subjects)"
-TRIAL_STATE_TAG = "painvit.trial_state"
-STUDY_TAG = "painvit.study"
 CHOSEN_ARTIFACT = "chosen_params.json"
 
 
@@ -138,14 +134,6 @@ class SearchSpace:
         return values
 
 
-def strategy_name(cfg: DictConfig) -> str | None:
-    """The fine-tuning strategy of `cfg` (`model.finetune`, a name or a group with a `name`), if it has one."""
-    value = OmegaConf.select(cfg, "model.finetune", default=None)
-    if isinstance(value, DictConfig):
-        value = value.get("name")
-    return None if value is None else str(value)
-
-
 def _space_entries(name: str, seen: tuple[str, ...] = ()) -> tuple[dict, dict, list[str]]:
     path = SPACES_DIR / f"{name}.yaml"
     if not path.is_file():
@@ -178,8 +166,8 @@ def load_space(cfg: DictConfig) -> SearchSpace:
     if name == "auto":
         name = cfg.model.name if (SPACES_DIR / f"{cfg.model.name}.yaml").is_file() else "default"
     entries, strategies, sources = _space_entries(str(name))
-    strategy = strategy_name(cfg)
-    if strategy is not None and strategy in strategies:
+    strategy = FinetuneConfig.from_config(cfg).strategy
+    if strategy in strategies:
         entries = {**entries, **strategies[strategy]}
     source = " + ".join(sources) + (f" (strategy {strategy})" if strategy in strategies else "")
     unaugmented = not augmentation_applied(cfg)
@@ -383,29 +371,41 @@ def train_trial(worker: TuneWorker, trial: optuna.Trial, fold: int, params: dict
     run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=f"fold {fold} trial {trial.number}",
                            tags={**tags, tracking.PARENT_TAG: worker.tuning_run_id,
                                  tracking.RUN_KIND_TAG: tracking.TRIAL_RUN, tracking.FOLD_TAG: str(fold),
-                                 tracking.TRIAL_TAG: str(trial.number), STUDY_TAG: trial.study.study_name,
-                                 "painvit.tune_scope": cfg.tune.scope, **job_owner_tags()})
+                                 tracking.TRIAL_TAG: str(trial.number), tracking.STUDY_TAG: trial.study.study_name,
+                                 tracking.TUNE_SCOPE_TAG: cfg.tune.scope, **job_owner_tags()})
     work_dir = Path(worker.work_dir) / f"fold_{fold}" / f"trial_{trial.number}"
     try:
         mlflow.log_params({"fold": fold, "trial": trial.number, **params})
         settings = resolve_here(cfg, decisions)  # precision and channels_last decided on this worker's device
         mlflow.set_tags({**settings.tags(), **finetune_tags(cfg)})  # a frozen trial reads the embedding cache
-        module, datamodule, _ = build_fold(cfg, fold, decisions, settings, datamodule_class=StudyDataModule)
         reporter = ReportToTrial(trial, cfg.trainer.monitor, step_offset, report)
-        fitted = fit_fold(cfg, module, datamodule, work_dir, settings.precision, extra_callbacks=[reporter])
-        mlflow.log_metrics({"tune/value": fitted.best_score, "best_epoch": fitted.best_epoch,
-                            "epochs_trained": len(fitted.history)})
-        mlflow.set_tag(TRIAL_STATE_TAG, "PRUNED" if reporter.pruned_at is not None else "COMPLETE")
+        # the CV's training path on the study's subjects, second stage included: the value is the validation score of
+        # what the tuned CV would keep (a two-stage head's, after its frame model's epochs fed the pruner)
+        trained = train(cfg, fold, decisions, work_dir, settings, datamodule_class=StudyDataModule,
+                        callbacks=[reporter], scored=())
+        value = trial_value(cfg, trained)
+        mlflow.log_metrics({"tune/value": value, "best_epoch": trained.selected["best_epoch"],
+                            "epochs_trained": trained.selected["epochs_trained"],
+                            **({"tune/frame_model_epochs": len(trained.history)} if trained.stage else {})})
+        mlflow.set_tag(tracking.TRIAL_STATE_TAG, "PRUNED" if reporter.pruned_at is not None else "COMPLETE")
     except BaseException as error:
         mlflow.log_text(traceback.format_exc(), "traceback.txt")
-        mlflow.set_tag(TRIAL_STATE_TAG, "FAIL")
+        mlflow.set_tag(tracking.TRIAL_STATE_TAG, "FAIL")
         mlflow.end_run("KILLED" if isinstance(error, KeyboardInterrupt | SystemExit) else "FAILED")
         raise
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)  # epoch checkpoints of a trial are not kept
     mlflow.end_run(tracking.FINISHED)
     del run
-    return fitted.best_score, reporter.pruned_at
+    return value, reporter.pruned_at
+
+
+def trial_value(cfg: DictConfig, trained: Trained) -> float:
+    """A trial's value in the study's direction (`trainer.monitor_mode`): the best validation score of what the CV
+    would keep. A second stage's head scores higher-better (validation video AUROC, or minus the loss), so a study
+    that minimises gets it negated."""
+    score = float(trained.selected["best_val_score"])
+    return -score if trained.stage is not None and cfg.trainer.monitor_mode == "min" else score
 
 
 def objective(worker: TuneWorker, space: SearchSpace, trial: optuna.Trial, fold: int | None) -> float:
@@ -584,13 +584,6 @@ def study_names(key: str, scope: str, folds: list[int]) -> list[tuple[str, int |
     return [(f"{key[:12]}-fold{fold}", fold) for fold in folds]
 
 
-def find_tuning_run(client: MlflowClient, experiment_id: str, cv_run_id: str):
-    query = (f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.TUNING_RUN}' and "
-             f"tags.`painvit.tuned_cv_run_id` = '{cv_run_id}'")
-    runs = client.search_runs([experiment_id], query, order_by=["attribute.start_time DESC"], max_results=1)
-    return runs[0] if runs else None
-
-
 def budget_tags(cfg: DictConfig, space: SearchSpace) -> dict[str, str]:
     trials, scope, space_hash = tracking.TUNE_BUDGET_TAGS
     return {tracking.TUNED_TAG: "true", trials: str(cfg.tune.trials), scope: cfg.tune.scope,
@@ -699,7 +692,7 @@ def run_tune(cfg: DictConfig) -> dict:
         for key, value in {**budget_tags(cfg, space), tracking.TUNE_BUDGET_TAGS[0]: str(cfg.tune.trials)}.items():
             client.set_tag(plan.parent_run_id, key, value)
         if optimistic:
-            client.set_tag(plan.parent_run_id, "painvit.tune_note", OPTIMISTIC)
+            client.set_tag(plan.parent_run_id, tracking.TUNE_NOTE_TAG, OPTIMISTIC)
         if "tuned" not in cv_run.info.run_name:
             client.update_run(plan.parent_run_id, name=f"{cv_run.info.run_name} tuned ({scope_label})")
         if plan.finished:
@@ -708,22 +701,21 @@ def run_tune(cfg: DictConfig) -> dict:
         key = search_key(cfg, space, cv_run.data.tags["fold_file_sha256"], plan.decisions)
         names = study_names(key, cfg.tune.scope, plan.fold_ids)
         storage_file = storage_path(cfg, key)
-        tuning = find_tuning_run(client, plan.experiment_id, plan.parent_run_id)
+        tuning = cv_runs.tuning_run_of(client, plan.experiment_id, plan.parent_run_id)
         if tuning is None:
             tuning = client.create_run(plan.experiment_id, run_name=f"search {cfg.model.name} {cfg.task.name} "
                                        f"({scope_label})", tags={
                                            **{k: cv_run.data.tags.get(k, "") for k in
                                               ("model", "dataset", "protocol", "task", "subject_set", "seed")},
                                            **budget_tags(cfg, space), tracking.RUN_KIND_TAG: tracking.TUNING_RUN,
-                                           "painvit.tuned_cv_run_id": plan.parent_run_id,
-                                           "painvit.study_storage": str(storage_file),
-                                           "painvit.search_space": space.source,
-                                           **({"painvit.tune_note": OPTIMISTIC} if optimistic else {})})
+                                           tracking.TUNED_CV_RUN_TAG: plan.parent_run_id,
+                                           tracking.STUDY_STORAGE_TAG: str(storage_file),
+                                           tracking.SEARCH_SPACE_TAG: space.source,
+                                           **({tracking.TUNE_NOTE_TAG: OPTIMISTIC} if optimistic else {})})
             client.log_text(tuning.info.run_id, OmegaConf.to_yaml(cfg), "config.yaml")
         else:
             client.update_run(tuning.info.run_id, status="RUNNING")
-        for run in client.search_runs([plan.experiment_id], f"tags.`{tracking.PARENT_TAG}` = "
-                                      f"'{tuning.info.run_id}' and attributes.status = 'RUNNING'"):
+        for run in cv_runs.running_children(client, plan.experiment_id, tuning.info.run_id):
             client.set_terminated(run.info.run_id, "KILLED")  # trial runs of a stopped worker
         client.set_tag(plan.parent_run_id, tracking.TUNING_RUN_TAG, tuning.info.run_id)
         print(f"search: {len(names)} stud{'y' if len(names) == 1 else 'ies'} of {cfg.tune.trials} trials "
@@ -768,10 +760,3 @@ def run_tune(cfg: DictConfig) -> dict:
             print(f"note: these test scores are {OPTIMISTIC}")
         print(f"tuned CV parent run {plan.parent_run_id}, search run {tuning.info.run_id}")
         return summary
-
-
-def study_trials(storage_file: str | Path, name: str) -> pd.DataFrame:
-    """Every trial of a study as a table (number, state, value, params_*): for tests and notes."""
-    study = optuna.load_study(study_name=name, storage=open_storage(storage_file))
-    return study.trials_dataframe()
-

@@ -35,14 +35,12 @@ from pipeline.data.fold_files import ROLES
 from pipeline.evaluation.metrics import Evaluation, evaluate_predictions
 from pipeline.models.embedding_cache import (
     CacheSettings,
-    build_entry,
     cache_key,
     ensure_embeddings,
-    entry_paths,
-    read_entry,
+    read_or_build,
     state_dict_sha256,
-    write_entry,
 )
+from pipeline.models.factory import clip_model
 from pipeline.models.head_training import HeadTraining, clip_predictions, embedded_clips, train_head
 from pipeline.models.lightning_module import PainLightningModule
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head, head_parameters
@@ -51,11 +49,6 @@ from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
 RECORD = "two_stage.json"
-
-
-def skips_first_stage(cfg: DictConfig) -> bool:
-    """A frozen backbone has nothing to fine-tune: the head trains on the backbone as built (the probe over time)."""
-    return cfg.model.finetune == "frozen"
 
 
 @dataclass(frozen=True)
@@ -90,30 +83,22 @@ def fold_embeddings(cfg: DictConfig, fold: int, module: PainLightningModule, dat
     trained_on = sorted(datamodule.frames("train")["subject_name"].unique()) if fine_tuned else []
     started = time.time()
     read_back = None  # fine-tuned: whether an earlier attempt of this fold had embedded (a resume in this stage)
-    if fine_tuned:
+    if fine_tuned:  # the fold's own entry, in its work folder: a fold resumed in its second stage reads it back
         rows = pd.concat([datamodule.frames(role) for role in ROLES]).sort_index()
         key = cache_key(backbone, weights_sha256, processed_dir, loader.crop_fraction, loader.from_s,
                         loader.frames_per_video, augment, plain)
         key.update({"frame_model_fold": fold, "frame_model_trained_on": trained_on,
                     "rows": [int(row) for row in rows.index]})
-        arrays, record = entry_paths(work_dir, backbone.name, key)  # <work_dir>/embeddings/
-        read_back = record.is_file()
-        if read_back:  # a fold resumed in its second stage: the entry its first attempt wrote, checked
-            table = read_entry(arrays, record, key)
-            log.info("fold %d: embeddings of its frame model read back from %s", fold, arrays)
-        else:
-            arrays.parent.mkdir(parents=True, exist_ok=True)
-            table = build_entry(backbone, rows, processed_dir, loader.crop_fraction, augment, plain,
-                                progress=sys.stderr.isatty())
-            write_entry(table, key, arrays, record, time.time() - started)
-        source = EmbeddingsSource(table, arrays)
+        entry = read_or_build(backbone, key, work_dir, lambda: rows, processed_dir, crop_fraction=loader.crop_fraction,
+                              augment=augment, settings=plain, progress=sys.stderr.isatty())  # <work_dir>/embeddings/
+        read_back = not entry.built
         cache_identity = {name: key[name] for name in ("weights_sha256", "frame_model_fold", "frame_model_trained_on")}
     else:
         entry = ensure_embeddings(backbone, processed_dir, crop_fraction=loader.crop_fraction, from_s=loader.from_s,
                                   frames_per_video=loader.frames_per_video, augment=augment, settings=plain,
                                   progress=sys.stderr.isatty())
-        source, record = EmbeddingsSource(entry.table, entry.path), entry.path.with_suffix(".json")
-        cache_identity = {"weights_sha256": json.loads(record.read_text())["key"]["weights_sha256"]}
+        cache_identity = {"weights_sha256": weights_sha256}  # the shared entry's key holds the backbone as built
+    source, record = EmbeddingsSource(entry.table, entry.path), entry.path.with_suffix(".json")
     log.info("fold %d: embeddings of its frame model in %.1f s (%s)", fold, time.time() - started, source.path)
     facts = {"fold": fold, "frame_model": "fine-tuned in this fold" if fine_tuned else "frozen, as built",
              "frame_model_weights_sha256": weights_sha256, "frame_model_trained_on": trained_on,
@@ -148,7 +133,7 @@ def second_stage(cfg: DictConfig, fold: int, module: PainLightningModule, datamo
     validation = evaluate_predictions(clip_predictions(trained.head, clips["val"], names), names, **aggregation)
     predictions = clip_predictions(trained.head, clips["test"], names)
     evaluation = evaluate_predictions(predictions, names, **aggregation)
-    net = ClipNet(module.model.backbone, trained.head)
+    net = clip_model(module.model.backbone, trained.head)
     return SecondStage(net, validation, predictions, evaluation, trained.history, trained.best_epoch,
                        trained.best_score, facts)
 

@@ -15,11 +15,11 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from pipeline.runs.tracking import redact_uri
+from pipeline.runs.store.tracking import redact_uri
 from pipeline.utils.paths import git_commit
 
 CANDIDATE, CHAMPION = "candidate", "champion"
-UI_WORKFLOW = "machine_learning"  # the UI's "Model training" mode (pipeline.runs.tracking)
+UI_WORKFLOW = "machine_learning"  # the UI's "Model training" mode (pipeline.runs.store.tracking)
 
 
 def registered_name(model: str, task: str) -> str:
@@ -142,7 +142,7 @@ def run_promote(cfg, version: str | None = None) -> None:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from pipeline.runs import tracking
+    from pipeline.runs.store import tracking
 
     if not version:
         raise SystemExit("promote: say which version, e.g. make promote MODEL=... VERSION=1")

@@ -51,8 +51,27 @@ TUNING_RUN, TRIAL_RUN = "tuning", "trial"
 POWER_RUN = "power"  # `make power`'s summary of one effect's repeated comparisons (pipeline.analysis.power)
 TRIAL_TAG = "painvit.trial"  # the Optuna trial number of a trial run
 TUNED_TAG = "painvit.tuned"  # "true" on a tuned CV's parent; absent on a CV of the hand-picked settings
-TUNE_BUDGET_TAGS = ("painvit.tune_trials", "painvit.tune_scope", "painvit.tune_space_sha256")
+TUNE_TAG_PREFIX = "painvit.tune_"  # a tuned CV's budget tags (and a comparison's copy of them): trials, scope, ...
+TUNE_SCOPE_TAG = f"{TUNE_TAG_PREFIX}scope"  # also on a trial run: the study's scope (per_fold | shared)
+TUNE_BUDGET_TAGS = (f"{TUNE_TAG_PREFIX}trials", TUNE_SCOPE_TAG, f"{TUNE_TAG_PREFIX}space_sha256")
+TUNE_NOTE_TAG = f"{TUNE_TAG_PREFIX}note"  # a shared study's optimism, said on the tuned CV, its search, a comparison
 TUNING_RUN_TAG = "painvit.tuning_run_id"  # on a tuned CV's parent: its search
+TUNED_CV_RUN_TAG = "painvit.tuned_cv_run_id"  # on a search (TUNING_RUN): the tuned CV it chose settings for
+STUDY_STORAGE_TAG, SEARCH_SPACE_TAG = "painvit.study_storage", "painvit.search_space"  # on a search: its journal, space
+TRIAL_STATE_TAG, STUDY_TAG = "painvit.trial_state", "painvit.study"  # on a trial run: Optuna's state, its study
+# A final model (`make final`): a FINAL_RUN keyed by its source CV and final settings, with the registered version.
+FINAL_KEY_TAG, SOURCE_CV_RUN_TAG = "painvit.final_key", "painvit.source_cv_run"
+REGISTERED_MODEL_TAG, REGISTERED_VERSION_TAG = "painvit.registered_model", "painvit.registered_version"
+ENSEMBLE_VERSION_TAG = "painvit.ensemble_version"  # on a final run: the registered version of its fold ensemble
+# On a logged MLflow model: what it is (FINAL_MODEL, FOLD_MODEL, ENSEMBLE_MODEL) and, for a fold's, which fold.
+MODEL_KIND_TAG, MODEL_FOLD_TAG = "painvit.kind", "painvit.fold"
+FINAL_MODEL, FOLD_MODEL, ENSEMBLE_MODEL = "final", "fold", "fold_ensemble"
+TABLE_RUN = "table"  # `make table`'s run of the papers' comparison (pipeline.analysis.benchmark_table)
+INSPECT_IMAGES_TAG = "painvit.inspect_images"  # on an inspected CV: where `make inspect` put its face images
+FOLD_FILE_TAG = "fold_file_sha256"  # on a CV's parent: the SHA-256 of its fold file (CVs compare on one file only)
+# A fold's lease (pipeline.runs.store.fold_lease): its owner and heartbeat on the child run, claims as parent params.
+LEASE_TAG, HEARTBEAT_TAG = "painvit.lease", "painvit.heartbeat"
+LEASE_PARAM = "painvit.lease"  # prefix of the parent run's claim parameters
 PARENT_TAG = "mlflow.parentRunId"
 FOLD_TAG = "fold"
 SEED_TAG = "seed"  # the training seed a fold run used (the config's, or one of cv.seeds)
@@ -62,7 +81,7 @@ ATTEMPT_TAG = "painvit.attempt"
 SLURM_JOBS_TAG = "painvit.slurm_jobs"  # on the parent: fold -> SLURM job id of its submitted task
 JOB_TRACKING_URI_TAG = "painvit.tracking_uri"  # on a fold run: the store it logged to (redact_uri)
 # where a fold attempt runs: lets a later driver tell a live attempt from a dead one (the host tag holds the host
-# name, boot id and PID namespace: pipeline.runs.fold_lease.machine_identity)
+# name, boot id and PID namespace: pipeline.runs.store.fold_lease.machine_identity)
 HOST_TAG, PID_TAG, SLURM_JOB_TAG = "painvit.host", "painvit.pid", "painvit.slurm_job_id"
 # On a fold run: what it stored, read back before it was marked FINISHED (JSON: artifact path -> size and sha256); a
 # FINISHED fold run whose files are no longer there at those sizes is marked FAILED with FAILED_REASON_TAG and its
@@ -72,7 +91,7 @@ LEASE_LOST_TAG = "painvit.lease_lost"
 # precision: on a fold run, what it trained in (resolved on its device); on a parent, the folds' values (comma-joined
 # when they differ). precision_asked: trainer.precision as planned (auto or an explicit value).
 PRECISION_TAG, PRECISION_ASKED_TAG = "precision", "precision_asked"
-# What identifies a cross-validation (pipeline.runs.cv_runs): resume continues the newest CV with these equal.
+# What identifies a cross-validation (pipeline.runs.store.cv_runs): resume continues the newest CV with these equal.
 IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256",
                  "finetune", "initial_weights", "head")
 COMPLETE_TAG = "complete"  # "true" when every fold of the fold file ran, without batch limits
@@ -175,13 +194,13 @@ def tune_budget(run: Run) -> dict[str, str]:
     Two CVs are compared only when their budgets are equal (`make compare`)."""
     if run.data.tags.get(TUNED_TAG) != "true":
         return {}
-    return {tag.removeprefix("painvit.tune_"): run.data.tags.get(tag, "") for tag in TUNE_BUDGET_TAGS}
+    return {tag.removeprefix(TUNE_TAG_PREFIX): run.data.tags.get(tag, "") for tag in TUNE_BUDGET_TAGS}
 
 
 def parse_tune_budget(text: str) -> dict[str, str]:
     """`trials=20,scope=per_fold,space_sha256=<16 hex>` (as `make compare TUNED=...` takes it) as a budget."""
     budget = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
-    expected = {tag.removeprefix("painvit.tune_") for tag in TUNE_BUDGET_TAGS}
+    expected = {tag.removeprefix(TUNE_TAG_PREFIX) for tag in TUNE_BUDGET_TAGS}
     if set(budget) != expected:
         raise ValueError(f"a tuning budget names {', '.join(sorted(expected))} (key=value, comma-separated), "
                          f"not {text!r}; or say `latest`")

@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlencode, urlsplit
 
-from pipeline.runs.tracking import (
+from pipeline.runs.store.tracking import (
     DEFAULT_EXPERIMENT,
     artifact_folder,
     artifact_root,

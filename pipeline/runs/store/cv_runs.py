@@ -11,7 +11,7 @@ Queries (every "find the run" of the project):
   (and, when given, subject set, fold file and crop settings);
 - `source_cv`: `make inspect`'s and `make final`'s, a named parent run, or the newest finished CV of the config's
   backbone on its current fold file and crop settings.
-Tag names come from `pipeline.runs.tracking` only.
+Tag names come from `pipeline.runs.store.tracking` only.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.fold_files import fold_file_sha256
 from pipeline.models.backbones import weights_source
+from pipeline.models.finetune import FinetuneConfig
 from pipeline.models.temporal_heads import HeadConfig
 from pipeline.models.weights import WeightsSource
-from pipeline.runs import tracking
-from pipeline.runs.fold_job import finetune_tags
+from pipeline.runs.store import tracking
 from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,39 @@ class CvNotFound(LookupError):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Identity
+
+
+def augmentation_applied(cfg: DictConfig) -> bool:
+    """Whether training applies the `augment.*` settings. Not for a frozen head on cached embeddings without
+    augmented views (`cache.views=0`: the plain embedding every epoch), nor for a frozen backbone's two-stage head
+    (it trains on plain embeddings); the settings stay in the run's params, as part of its identity."""
+    finetune = FinetuneConfig.from_config(cfg)
+    if finetune.backbone_fixed and HeadConfig.from_config(cfg.model.head).two_stage:
+        return False
+    return not (finetune.reads_cache and int(cfg.cache.views) == 0)
+
+
+def augmentation_label(cfg: DictConfig) -> str:
+    """What augmentation training saw, in words: the `augmentation` tag and the fold's and the CV's lines."""
+    views = int(cfg.cache.views)
+    two_stage = HeadConfig.from_config(cfg.model.head).two_stage
+    finetune = FinetuneConfig.from_config(cfg)
+    if finetune.backbone_fixed and two_stage:
+        return "none (frozen backbone: the two-stage head trains on plain embeddings; augment.* not applied)"
+    if finetune.reads_cache:
+        return ("none (frozen embeddings, cache.views=0; augment.* not applied)" if views == 0 else
+                f"{views} augmented view(s) per crop (frozen embeddings, cache.views={views}, drawn with augment.*)")
+    if two_stage:
+        return "augment.* on the frame model's images (the two-stage head trains on plain embeddings)"
+    return "augment.* on the images"
+
+
+def finetune_tags(cfg: DictConfig) -> dict[str, str]:
+    """What trains, as tags: the strategy's label (full, frozen, top_blocks2, lora_r8), whether embeddings fed it,
+    and whether the `augment.*` settings (logged as params either way) were applied, in words."""
+    finetune = FinetuneConfig.from_config(cfg)
+    return {"finetune": finetune.label, "embedding_cache": str(finetune.reads_cache).lower(),
+            "augment_applied": str(augmentation_applied(cfg)).lower(), "augmentation": augmentation_label(cfg)}
 
 
 def identity_config(cfg: DictConfig) -> dict:
@@ -276,3 +309,25 @@ def source_cv(client: MlflowClient, cfg: DictConfig, run_id: str | None = None) 
                          f"data.synthetic.*): run `make cv MODEL={cfg.model.name}` first, or name one with "
                          f"RUN=<parent run id>")
     return runs[label]
+
+
+def final_runs(client: MlflowClient, experiment_id: str, key: str) -> list[Run]:
+    """The final-model runs (`make final`) of one source CV and final settings (their `FINAL_KEY_TAG`), newest
+    first: a finished one is what a second `make final` names, a RUNNING one a killed attempt."""
+    query = (f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.FINAL_RUN}' and "
+             f"tags.`{tracking.FINAL_KEY_TAG}` = {quoted(key, 'final key')}")
+    return client.search_runs([experiment_id], query, order_by=["attribute.start_time DESC"])
+
+
+def tuning_run_of(client: MlflowClient, experiment_id: str, cv_run_id: str) -> Run | None:
+    """The newest search (`make tune`'s TUNING_RUN) of the tuned CV `cv_run_id`, or None."""
+    query = (f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.TUNING_RUN}' and "
+             f"tags.`{tracking.TUNED_CV_RUN_TAG}` = {quoted(cv_run_id, 'run id')}")
+    runs = client.search_runs([experiment_id], query, order_by=["attribute.start_time DESC"], max_results=1)
+    return runs[0] if runs else None
+
+
+def running_children(client: MlflowClient, experiment_id: str, parent_run_id: str) -> list[Run]:
+    """The child runs of `parent_run_id` still marked RUNNING (a stopped worker's trials, a killed job's folds)."""
+    query = f"tags.`{tracking.PARENT_TAG}` = {quoted(parent_run_id, 'run id')} and attributes.status = 'RUNNING'"
+    return list(client.search_runs([experiment_id], query))

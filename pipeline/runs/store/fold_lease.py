@@ -42,12 +42,11 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 
-from pipeline.runs.tracking import HOST_TAG, PID_TAG, SLURM_JOB_TAG
+from pipeline.runs.store.tracking import HEARTBEAT_TAG, HOST_TAG, LEASE_PARAM, LEASE_TAG, PID_TAG, SLURM_JOB_TAG
 
 log = logging.getLogger(__name__)
-LEASE_TAG = "painvit.lease"  # on a fold's child run: the owner of its lease
-HEARTBEAT_TAG = "painvit.heartbeat"  # on a fold's child run: unix seconds of the last renewal
-LEASE_PARAM = "painvit.lease"  # prefix of the parent run's claim parameters
+# LEASE_TAG (on a fold's child run: the owner of its lease), HEARTBEAT_TAG (there: unix seconds of the last renewal)
+# and LEASE_PARAM (prefix of the parent run's claim parameters) are the store's names (pipeline.runs.store.tracking)
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")  # Linux: new at every boot
 PID_NAMESPACE = Path("/proc/self/ns/pid")  # Linux: its inode names this process's PID namespace
 UNKNOWN = "?"

@@ -1,0 +1,145 @@
+"""How a network's head trains: one small policy per head mode, chosen from `model.head` once, as fine-tuning
+strategies are (`pipeline.models.finetune`), so that the training path (`fold_job.train`) does not branch on the mode.
+
+- `FrameHead` (`model.head.name=linear`): the frame model (backbone + linear head) trains on crops; a video's score
+  aggregates its crops' (`trainer.aggregation`). What is kept: the best checkpoint's frame model.
+- `TwoStageHead` (a temporal head, `model.head.mode=two_stage`): the frame model trains first, unless its backbone
+  is fixed (`model.finetune=frozen`: nothing to fine-tune); then the temporal head trains on that frame model's
+  embeddings (`pipeline.runs.two_stage`). What is kept: the clip model of the frame backbone and the trained head.
+- `EndToEndHead` (`model.head.mode=end_to_end`): the clip model (`ClipNet`) trains through its backbone on clips; it
+  scores a video once, so nothing is left to aggregate. What is kept: the best checkpoint's clip model.
+
+A policy answers what the training path asks: which temporal head the factory builds into the network
+(`network_head`), whether the data are clips (`clips`), how crops' scores are aggregated (`aggregation`), whether a
+Lightning fit trains the network (`trains_first_stage`), whether a second stage follows (`second_stage`), and which
+network is kept (`keep`). A new mode (an ordinal output, a personalised reference: issue 36) is one new subclass
+here and one line in `head_mode`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.data.clips import clip_spacing_s
+from pipeline.data.datamodule import PainDataModule
+from pipeline.models.factory import clip_model
+from pipeline.models.finetune import FinetuneConfig
+from pipeline.models.lightning_module import PainLightningModule
+from pipeline.models.model_file import model_meta, save_model_file
+from pipeline.models.temporal_heads import ClipNet, HeadConfig
+from pipeline.runs.two_stage import SecondStage
+
+if TYPE_CHECKING:
+    from pipeline.runs.fold_job import Trained
+
+
+class HeadMode:
+    """A head mode's policy; its defaults are the frame model's (`FrameHead`), which the other modes change."""
+
+    name = "frame"
+    clips = False  # the datamodule serves whole clips (one item per video), not crops
+    second_stage = False  # a temporal head trains after the fit, on the fitted frame model's embeddings
+
+    def __init__(self, head: HeadConfig) -> None:
+        self.head = head
+
+    def network_head(self) -> HeadConfig | None:
+        """The temporal head the factory builds into the trained network (None: a frame model)."""
+        return None
+
+    def trains_first_stage(self, finetune: FinetuneConfig) -> bool:
+        """Whether a Lightning fit trains the network built here."""
+        return True
+
+    def aggregation(self, cfg: DictConfig) -> str:
+        """How a video's score is made of its crops' (`trainer.aggregation`)."""
+        return str(cfg.trainer.aggregation)
+
+    def keep(self, cfg: DictConfig, trained: Trained, path: Path, **extra) -> Path:
+        """The network to keep, as a self-describing file: the best checkpoint's."""
+        assert trained.best_path is not None, "a mode without a second stage always fits"
+        return keep_fold_model(cfg, trained.module, trained.best_path, trained.weights, path,
+                               kept_loader(cfg, trained.datamodule), **extra)
+
+
+class FrameHead(HeadMode):
+    """The frame model: a linear head per crop, the crops' scores aggregated per video."""
+
+
+class TwoStageHead(HeadMode):
+    """The frame model first (unless its backbone is fixed), then the temporal head on its embeddings."""
+
+    name = "two_stage"
+    second_stage = True
+
+    def trains_first_stage(self, finetune: FinetuneConfig) -> bool:
+        return not finetune.backbone_fixed
+
+    def keep(self, cfg: DictConfig, trained: Trained, path: Path, **extra) -> Path:
+        assert trained.stage is not None
+        return keep_clip_model(cfg, trained.module, trained.stage, trained.weights, path,
+                               kept_loader(cfg, trained.datamodule), **extra)
+
+
+class EndToEndHead(HeadMode):
+    """The clip model trained through its backbone, on clips."""
+
+    name = "end_to_end"
+    clips = True
+
+    def network_head(self) -> HeadConfig | None:
+        return self.head
+
+    def aggregation(self, cfg: DictConfig) -> str:
+        return "mean"  # a clip model predicts once per video: nothing is left to aggregate
+
+
+def head_mode(head: HeadConfig) -> HeadMode:
+    """The policy of `model.head` (checked): the one place the head's mode is read."""
+    if head.end_to_end:
+        return EndToEndHead(head)
+    if head.two_stage:
+        return TwoStageHead(head)
+    return FrameHead(head)
+
+
+def kept_loader(cfg: DictConfig, datamodule: PainDataModule) -> dict:
+    """The loader settings a kept model records; a clip model's with its training clips' spacing in seconds."""
+    loader = OmegaConf.to_container(cfg.loader)
+    if HeadConfig.from_config(cfg.model.head).temporal:
+        loader["clip_spacing_s"] = clip_spacing_s(datamodule.frames("train"), int(cfg.loader.clip_frames))
+    return loader
+
+
+def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str, weights: dict, path: Path,
+                    loader: dict, **extra) -> Path:
+    """The best checkpoint's network as a self-describing file (`pipeline.models.model_file`)."""
+    state = torch.load(best_path, map_location="cpu", weights_only=True)["state_dict"]
+    module.load_state_dict(state, strict=module.strict_loading)  # a fixed backbone is not in the checkpoint
+    net = module.finetune.for_keeping(module.model)  # LoRA: the adapters merged, a plain PainNet (or ClipNet)
+    if isinstance(net, ClipNet):  # an end-to-end clip model: its head's settings travel in its meta
+        extra["head"] = OmegaConf.to_container(cfg.model.head)
+    meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
+                      class_names=list(module.class_names), task=cfg.task.name,
+                      loader=loader, weights=weights,
+                      finetune=FinetuneConfig.from_config(cfg).label, **extra)
+    return save_model_file(net, meta, path)
+
+
+def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondStage, weights: dict, path: Path,
+                    loader: dict, **extra) -> Path:
+    """A two-stage fold's clip model (`ClipNet`) as a self-describing file: the frame backbone as its strategy keeps
+    it (`for_keeping`, as `keep_fold_model` does: LoRA's adapters merged into a plain backbone, which an unmerged one
+    is not, so it would not load), the trained temporal head, and the head's settings in its meta."""
+    frame_net = module.finetune.for_keeping(module.model)  # the best checkpoint's, as second_stage loaded it
+    net = clip_model(frame_net.backbone, stage.net.head)
+    meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
+                      class_names=list(module.class_names), task=cfg.task.name,
+                      loader=loader, weights=weights,
+                      finetune=FinetuneConfig.from_config(cfg).label,
+                      head=OmegaConf.to_container(cfg.model.head), **extra)
+    return save_model_file(net, meta, path)

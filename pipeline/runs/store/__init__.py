@@ -1,0 +1,4 @@
+"""The run store's rules: tag names and run kinds (`tracking`), opening the store, CV identity and every run query
+(`cv_runs`), the model registry (`registry`), the tracking server (`tracking_server`), a fold's lease
+(`fold_lease`) and the environment record (`environment`). Nothing here imports the rest of `pipeline.runs`: what
+trains and what plans build on the store, never the other way (pyproject.toml's contract "the store is below")."""
