@@ -108,13 +108,28 @@ class ContractRuntime:
         probabilities = self.class_probabilities(np.stack([self.network_input(crop) for crop in crops_rgb]))
         return 1.0 - probabilities[:, self.contract["class_names"].index("BL1")]
 
-    def window_pain_probabilities(self, crops_rgb) -> np.ndarray:
-        """A clip model: each crop scored with the clip of the last `clip_frames` crops up to it."""
+    def window_pain_probabilities(self, crops_rgb, times_s=None) -> np.ndarray:
+        """A clip model: each crop scored with a clip of `clip_frames` crops ending with it. With `clip_spacing_s`
+        and the crops' times: for each of the times t, t - s, ..., t - (T - 1) s the nearest crop no older than a
+        spacing before the earliest of them, each crop once, in time order; else the last `clip_frames` crops."""
         length = int(self.contract["clip_frames"])
+        spacing = self.contract.get("clip_spacing_s")
         inputs = [self.network_input(crop) for crop in crops_rgb]
         out = []
         for end in range(1, len(inputs) + 1):
-            clip = np.stack(inputs[max(0, end - length): end])[None]
+            if spacing and times_s is not None:
+                now = float(times_s[end - 1])
+                oldest = now - length * float(spacing)
+                candidates = [i for i in range(end) if float(times_s[i]) >= oldest]
+                picks: list[int] = []
+                for step in reversed(range(length)):
+                    target = now - step * float(spacing)
+                    nearest = min(candidates, key=lambda i: (abs(float(times_s[i]) - target), i))
+                    if not picks or nearest > picks[-1]:
+                        picks.append(nearest)
+            else:
+                picks = list(range(max(0, end - length), end))
+            clip = np.stack([inputs[i] for i in picks])[None]
             out.append(1.0 - self.class_probabilities(clip)[0, self.contract["class_names"].index("BL1")])
         return np.array(out)
 

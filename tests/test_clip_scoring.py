@@ -64,3 +64,27 @@ def test_predict_scores_a_sliding_window_of_the_last_frames_with_a_face(clip_mod
     chunked = pd.concat([scorer.score(frames[:2], follower), scorer.score(frames[2:], follower)], ignore_index=True)
     np.testing.assert_allclose(chunked["pain_probability"], table["pain_probability"], atol=1e-6)
     assert 0 <= scorer.video_score(table) <= 1
+
+
+def test_predict_spaces_a_windows_crops_as_the_training_clips_were(clip_model, tmp_path: Path) -> None:
+    """A clip model that records its training clips' spacing (0.42 s) scored at 5 frames a second: the window at
+    0.8 s holds the crops nearest 0.8, 0.38 and -0.04 s (frames 4, 1 and 0; frame 2 has no face), not the last three
+    with a face."""
+    net, _ = clip_model
+    _, source = create_model("mobilevit_xxs", n_classes=2, pretrained=False, img_size=32)
+    meta = model_meta(net, model_name="mobilevit_xxs", img_size=32, class_names=["BL1", "PA4"], task="bl1_vs_pa4",
+                      loader={"crop_fraction": 1.0, "clip_frames": T, "clip_spacing_s": 0.42},
+                      weights=source.as_tags(), head=HEAD)
+    path = save_model_file(net, meta, tmp_path / "model.pt")
+    scorer = build_scorer({WEIGHTS_ARTIFACT: str(path)}, {"threshold": 0.5, "crop": {"crop_size": 64}})
+    frames = clip_frames(astronaut(), PhotoClip(face_fraction=0.3, n_frames=5))
+    frames[2] = np.full_like(frames[2], 128)
+    table = scorer.score(frames, times_s=[0.2 * i for i in range(5)])
+    # at 0.2 s frames 0 and 1; at 0.6 s the crops nearest 0.6, 0.18 and -0.24 s: frames 3, 1 and 0
+    assert table[WINDOW_COLUMN].tolist()[:2] == [1, 2] and table[WINDOW_COLUMN].tolist()[3:] == [3, 3]
+    follower = scorer.follower()
+    faces = [follower.step(found) for found in scorer.find_faces(frames)]
+    crops = torch.stack([scorer.transform(image=scorer.crop(frames[i], faces[i]))["image"] for i in (0, 1, 4)])
+    with torch.no_grad():
+        expected = net(crops[None]).softmax(dim=1)[0, 1].item()
+    assert table["pain_probability"].iloc[4] == pytest.approx(expected, abs=1e-5)

@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.data.clips import ClipDataset, clip_rows
+from pipeline.data.clips import ClipDataset, clip_rows, clip_spacing_s
 from pipeline.data.datamodule import EpochSampler
 from pipeline.models.backbones import create_backbone
+from pipeline.models.scoring import ClipWindow
 from pipeline.models.temporal_heads import HEADS, ClipNet, HeadConfig, build_temporal_head, head_parameters
 from tests.test_datamodule import FOLDS, make_datamodule, make_processed, write_fold_file
 
@@ -85,6 +86,34 @@ def test_a_clip_is_its_videos_crops_in_time_order(tmp_path: Path) -> None:
             assert len(picked) == length and set(picked["sample_name"]) == {video.sample_name}
             assert np.all(np.diff(picked["time_s"].to_numpy()) >= 0)
             assert picked["time_s"].iloc[0] == frames.loc[frames["sample_name"] == video.sample_name, "time_s"].min()
+
+
+def test_the_clip_spacing_is_the_step_between_a_training_clips_crops(tmp_path: Path) -> None:
+    processed = make_processed(tmp_path)
+    datamodule = make_datamodule(processed, write_fold_file(tmp_path / "folds.csv", FOLDS))
+    frames = datamodule.frames("train")
+    for length in (2, 3):
+        steps = [np.diff(frames.loc[video.rows, "time_s"].to_numpy()).mean()
+                 for video in clip_rows(frames, length).itertuples()]
+        assert clip_spacing_s(frames, length) == pytest.approx(float(np.median(steps)))
+    assert clip_spacing_s(frames, 1) is None  # a clip of one crop has no step
+
+
+def test_a_window_spaces_its_crops_as_training_clips_were_spaced() -> None:
+    """At 5 frames a second with a training spacing of 0.4 s, a window of 3 ends with the newest crop and holds the
+    crops nearest 0.4 s and 0.8 s before it (every other frame), not the last three; fewer at the start."""
+    window = ClipWindow(3, spacing_s=0.4)
+    held = [[int(e) for e in window.add(torch.tensor(float(i)), time_s=i * 0.2)] for i in range(8)]
+    assert held[0] == [0] and held[2] == [0, 2] and held[4] == [0, 2, 4]
+    assert held[7] == [3, 5, 7]
+    # a frame without the face (7): the nearest crop to its time stands in
+    window = ClipWindow(3, spacing_s=0.42)
+    held = [[int(e) for e in window.add(torch.tensor(float(i)), time_s=i * 0.2)] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)]
+    assert held[-1] == [5, 6, 9]
+    # without a spacing (a model kept before it was recorded) or without times (images): the last T crops
+    for window, time_s in ((ClipWindow(3), 1.0), (ClipWindow(3, spacing_s=0.4), None)):
+        held = [[int(e) for e in window.add(torch.tensor(float(i)), time_s)] for i in range(5)]
+        assert held[1] == [0, 1] and held[4] == [2, 3, 4]
 
 
 def test_one_augmentation_draw_for_every_frame_of_a_clip_keyed_by_the_sampler(tmp_path: Path) -> None:

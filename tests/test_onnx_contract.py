@@ -149,7 +149,7 @@ def test_the_contract_alone_makes_square_crops_as_predict_does(folds, tmp_path) 
 
 def test_a_clip_models_contract_gives_its_window_probabilities(tiny_config, tmp_path) -> None:
     """A clip model (a tiny random MobileViT and transformer head, kept and loaded as `make final` keeps one): each
-    crop scored with the clip of the last T crops up to it, from the contract alone."""
+    crop scored with a clip of T crops ending with it, spaced as its training clips were, from the contract alone."""
     cfg = tiny_config()
     torch.manual_seed(0)
     frame_net, source = create_model("mobilevit_xxs", n_classes=2, pretrained=False, img_size=32)
@@ -157,7 +157,8 @@ def test_a_clip_models_contract_gives_its_window_probabilities(tiny_config, tmp_
             "dropout": 0.0, "max_frames": 8, "epochs": 1, "patience": 1}
     net = ClipNet(frame_net.backbone, build_temporal_head(HeadConfig(**head), frame_net.backbone.num_features, 2))
     meta = model_meta(net, model_name="mobilevit_xxs", img_size=32, class_names=["BL1", "PA4"], task="bl1_vs_pa4",
-                      loader={"crop_fraction": 0.8, "clip_frames": 3}, weights=source.as_tags(), head=head)
+                      loader={"crop_fraction": 0.8, "clip_frames": 3, "clip_spacing_s": 0.42},
+                      weights=source.as_tags(), head=head)
     path = save_model_file(net, meta, tmp_path / "model.pt")
     crop = {"crop_size": int(cfg.preprocess.crop_size), "margin": float(cfg.preprocess.margin)}
     scorer = build_scorer({WEIGHTS_ARTIFACT: str(path)}, {"threshold": 0.5, "crop": crop})
@@ -165,13 +166,15 @@ def test_a_clip_models_contract_gives_its_window_probabilities(tiny_config, tmp_
     assert runtime.contract["layout"] == "NTCHW" and runtime.contract["clip_frames"] == 3
     assert runtime.contract["transform"][0]["step"] == "central_crop"
     frames = twin_frames(cfg)
-    table = scorer.score(frames)
+    times = [0.2 * i for i in range(len(frames))]  # 5 frames a second: a window skips crops
+    table = scorer.score(frames, times_s=times)
+    assert runtime.contract["clip_spacing_s"] == 0.42
     follower = scorer.follower()
     faces = [follower.step(found) for found in scorer.find_faces(frames)]
     with_face = [i for i, face in enumerate(faces) if face is not None]
     assert len(with_face) >= 6
     crops = [runtime.aligned_crop(frames[i], np.stack([faces[i][5:10], faces[i][10:15]], axis=1)) for i in with_face]
-    theirs = runtime.window_pain_probabilities(crops)
+    theirs = runtime.window_pain_probabilities(crops, [times[i] for i in with_face])
     np.testing.assert_allclose(theirs, table.pain_probability.iloc[with_face].to_numpy(dtype=float), rtol=0,
                                atol=PROBABILITY_ATOL)
     assert list(runtime.decisions(theirs)) == list(table.pain.iloc[with_face])

@@ -81,6 +81,8 @@ def test_two_stage_never_embeds_a_folds_test_subjects_with_a_model_that_trained_
     kept, meta = record["model"]
     assert isinstance(kept, ClipNet) and meta["head"]["name"] == "gru" and meta["loader"]["clip_frames"] == 3
     assert state_dict_sha256(kept.backbone) == record["frame_model_weights_sha256"]
+    # and the seconds between its training clips' crops, which predict spaces its windows by
+    assert meta["loader"]["clip_spacing_s"] > 0
 
 
 def test_a_frozen_backbone_skips_the_first_stage_and_shares_the_cache(tiny_config, store, tmp_path: Path) -> None:

@@ -28,10 +28,27 @@ def clip_rows(frames: pd.DataFrame, clip_frames: int) -> pd.DataFrame:
         raise ValueError(f"loader.clip_frames must be >= 1, got {clip_frames}")
     videos = []
     for (subject, sample), video in frames.sort_values("time_s", kind="stable").groupby(VIDEO_KEYS, sort=True):
-        picks = np.linspace(0, len(video) - 1, clip_frames).round().astype(int)
+        picks = clip_picks(len(video), clip_frames)
         videos.append({"subject_name": subject, "sample_name": sample, "class_name": video["class_name"].iloc[0],
                        "label": int(video["label"].iloc[0]), "rows": video.index.to_numpy()[picks]})
     return pd.DataFrame(videos)
+
+
+def clip_picks(crops: int, clip_frames: int) -> np.ndarray:
+    """Which of a video's `crops` (in time order) its clip holds: `clip_frames` spread evenly from first to last."""
+    return np.linspace(0, crops - 1, clip_frames).round().astype(int)
+
+
+def clip_spacing_s(frames: pd.DataFrame, clip_frames: int) -> float | None:
+    """The time between consecutive crops of the clips `clip_rows` makes of `frames` (seconds, the median over the
+    videos of each clip's mean step): what a scorer of the kept clip model spaces its windows by. None when no video
+    has two distinct crops."""
+    steps = []
+    for _, video in frames.sort_values("time_s", kind="stable").groupby(VIDEO_KEYS, sort=False):
+        times = video["time_s"].to_numpy(dtype=float)[clip_picks(len(video), clip_frames)]
+        if clip_frames > 1 and times[-1] > times[0]:
+            steps.append((times[-1] - times[0]) / (clip_frames - 1))
+    return float(np.median(steps)) if steps else None
 
 
 def prediction_table(videos: pd.DataFrame) -> pd.DataFrame:

@@ -42,6 +42,22 @@ TASKS: dict[str, Task] = {
 }
 
 
+def graded_levels(task: Task) -> tuple[int, ...]:
+    """The intensity level (BL1 = 0 .. PA4 = 4, the place in CLASS_NAMES) of each of `task`'s classes, in label order:
+    a task is graded when its classes are BioVid's levels in increasing order (five_class, BL1 vs PA4, PA1..PA4), so
+    that label order is intensity order and an ordinal or regression output can take its labels as levels. Any other
+    task is refused, naming its classes."""
+    unknown = [name for name in task.classes if name not in CLASS_NAMES]
+    if unknown:
+        raise ValueError(f"task {task.name!r} is not graded: its classes {', '.join(unknown)} are not BioVid levels "
+                         f"({' < '.join(CLASS_NAMES)})")
+    levels = tuple(CLASS_NAMES.index(name) for name in task.classes)
+    if len(levels) < 2 or levels != tuple(sorted(set(levels))):  # strictly increasing
+        raise ValueError(f"task {task.name!r} is not graded: its classes {', '.join(task.classes)} are not BioVid "
+                         f"levels in increasing order ({' < '.join(CLASS_NAMES)})")
+    return levels
+
+
 def get_task(name: str) -> Task:
     """Look a task up by name, with an error that lists the known ones."""
     try:

@@ -30,14 +30,14 @@ from omegaconf import DictConfig
 
 from pipeline.data.augment import eval_transform_steps
 from pipeline.models.backbones import PainNet
-from pipeline.models.model_file import data_config_of
+from pipeline.models.model_file import clip_spacing_of, data_config_of
 from pipeline.models.scoring import FrameScorer, crop_contract
 from pipeline.models.temporal_heads import ClipNet
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text
 from pipeline.utils.paths import resolve_path
 
 OPSET = 17
-CONTRACT_VERSION = 2  # 2: the face crop and the evaluation transform step by step (1: sizes, mean/std, a name)
+CONTRACT_VERSION = 3  # 3: a clip model's window spacing; 2: the face crop and the evaluation transform step by step
 FORMATS = ("onnx",)
 
 
@@ -94,8 +94,11 @@ def input_contract(scorer: FrameScorer, source: str) -> dict:
     clip = {} if scorer.clip_frames is None else {
         "clip_frames": scorer.clip_frames,
         "max_frames": head.get("max_frames") if head.get("name") == "transformer" else None,  # longest T it takes
-        "windows": f"each crop with a face is scored with the clip of the last {scorer.clip_frames} crops of the face "
-                   f"up to it, in time order (fewer at the start of a video), as one clip of a batch of 1"}
+        "clip_spacing_s": clip_spacing_of(scorer.meta),
+        "windows": f"each crop with a face is scored with a clip of {scorer.clip_frames} crops of the face ending with "
+                   f"it, in time order, as one clip of a batch of 1: the crops nearest the times t, t - s, ... "
+                   f"(s = clip_spacing_s, the spacing of the training clips), among those no older than s before "
+                   f"the earliest, each crop once (fewer at the start of a video); the last crops when it is null"}
     layout = "NTCHW" if clip else "NCHW"
     aggregation = scorer.aggregation + (f" of the top {scorer.topk}" if scorer.aggregation == "topk" else "")
     return {"contract_version": CONTRACT_VERSION, "source": source, "model": scorer.meta.get("model_name"),

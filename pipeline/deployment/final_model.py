@@ -195,6 +195,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
         fit_fold,
         keep_clip_model,
         keep_fold_model,
+        kept_loader,
         resolve_here,
         test_fold,
     )
@@ -236,12 +237,14 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     with tempfile.TemporaryDirectory() as tmp:
         videos.to_csv(Path(tmp) / "predictions_val_videos.csv", index=False)
         mlflow.log_artifact(str(Path(tmp) / "predictions_val_videos.csv"))
+    loader = kept_loader(train_cfg, datamodule)
     kept = {"final": True, "best_epoch": best_epoch, "threshold": threshold, "source_cv_run": source.info.run_id}
     if stage is not None:
-        model_path = keep_clip_model(train_cfg, module, stage, weights, work_dir / "model.pt", **kept)
+        model_path = keep_clip_model(train_cfg, module, stage, weights, work_dir / "model.pt", loader, **kept)
     else:
         assert fitted is not None
-        model_path = keep_fold_model(train_cfg, module, fitted.best_path, weights, work_dir / "model.pt", **kept)
+        model_path = keep_fold_model(train_cfg, module, fitted.best_path, weights, work_dir / "model.pt", loader,
+                                     **kept)
     mlflow.log_artifact(str(model_path), "model")
     name = registered_name(train_cfg.model.name, train_cfg.task.name)
     metadata = {"source_cv_run": source.info.run_id, "final_run": run_id, "git_commit": git_commit(),

@@ -181,7 +181,7 @@ def score_video(scorer: FrameScorer, path: Path, fps: float) -> VideoResult:
     parts = []
     decoding = DecodeReport()
     for indices, times, frames in sampled_frames(path, fps, report=decoding):
-        table = scorer.score(frames, follower)
+        table = scorer.score(frames, follower, times)
         table["frame"] = indices
         table.insert(0, "time_s", times)
         parts.append(table)

@@ -12,7 +12,7 @@ Holm's step-down adjustment is applied to scipy's p-values across every pair and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -325,3 +325,21 @@ def seed_aware_difference_interval(a: np.ndarray, b: np.ndarray, resample_seeds:
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(differences, [tail, 100 - tail])
     return float(low), float(high)
+
+
+def common_videos(videos: Mapping[str, pd.DataFrame]) -> tuple[dict[str, pd.DataFrame], pd.DataFrame]:
+    """Each CV's pooled test videos restricted to the videos (subject_name, sample_name) that every CV tested: how
+    CVs that tested different videos are paired (a personalised CV's reference recordings left its test set, so
+    they are left out of both). The record holds, per CV, its tested videos, the common ones and those dropped."""
+    keys = {label: pd.MultiIndex.from_frame(table[["subject_name", "sample_name"]]) for label, table in videos.items()}
+    indexes = [index.unique() for index in keys.values()]
+    shared = indexes[0]
+    for index in indexes[1:]:
+        shared = shared.intersection(index)
+    restricted, record = {}, []
+    for label, table in videos.items():
+        restricted[label] = table[keys[label].isin(shared)].reset_index(drop=True)
+        tested = keys[label].nunique()
+        record.append({"cv": label, "n_videos": tested, "n_common_videos": len(shared),
+                       "n_dropped_videos": tested - len(shared)})
+    return restricted, pd.DataFrame(record, columns=["cv", "n_videos", "n_common_videos", "n_dropped_videos"])

@@ -6,7 +6,8 @@ pickled classes, so loading a file from someone else's run executes no code): th
 trained on (crop window, crop fraction, crops per clip, mean/std), the weights it started from and where it ran.
 
 A clip model (`ClipNet`: a frame backbone and a temporal head, `pipeline.models.temporal_heads`) carries its head's
-settings in `meta["head"]` and its clip length in `meta["loader"]["clip_frames"]`; a frame model has neither.
+settings in `meta["head"]`, its clip length in `meta["loader"]["clip_frames"]` and the seconds between its training
+clips' crops in `meta["loader"]["clip_spacing_s"]`; a frame model has none of them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pipeline.utils.atomic_io import atomic_path
 
 FORMAT = "painvit.fold_model/1"
 MODEL_ARTIFACT = "model/model.pt"  # where a child run keeps its fold's model
+# the data settings a kept model records; a clip model's also the seconds between its training clips' crops
+LOADER_KEYS = ("crop_fraction", "from_s", "frames_per_video", "clip_frames", "clip_spacing_s")
 
 
 def model_meta(net: PainNet | ClipNet, *, model_name: str, img_size: int | None, class_names: list[str], task: str,
@@ -34,7 +37,7 @@ def model_meta(net: PainNet | ClipNet, *, model_name: str, img_size: int | None,
     data_config = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(net.backbone.data_config).items()}
     return {"model_name": model_name, "architecture": net.backbone.architecture, "img_size": img_size,
             "class_names": list(class_names), "task": task, "data_config": data_config,
-            "loader": {k: loader.get(k) for k in ("crop_fraction", "from_s", "frames_per_video", "clip_frames")},
+            "loader": {k: loader.get(k) for k in LOADER_KEYS if k in loader or k != "clip_spacing_s"},
             "weights": dict(weights), **extra}
 
 
@@ -96,6 +99,13 @@ def _net_without_init(meta: dict[str, Any], state_dict: dict[str, torch.Tensor])
 def clip_frames_of(meta: dict[str, Any]) -> int | None:
     """A clip model's clip length (crops per window); None for a frame model."""
     return int(meta["loader"]["clip_frames"]) if meta.get("head") else None
+
+
+def clip_spacing_of(meta: dict[str, Any]) -> float | None:
+    """The seconds between a clip model's training clips' crops (`loader.clip_spacing_s`, `clips.clip_spacing_s`);
+    None for a frame model or one kept before the spacing was recorded."""
+    value = (meta.get("loader") or {}).get("clip_spacing_s") if meta.get("head") else None
+    return float(value) if value else None
 
 
 def data_config_of(meta: dict[str, Any]) -> DataConfig:

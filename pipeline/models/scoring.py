@@ -40,7 +40,7 @@ from pipeline.data.faces import (
 from pipeline.data.tasks import no_pain_index
 from pipeline.evaluation.aggregation import aggregate_class_probabilities, check_aggregation
 from pipeline.models.backbones import PainNet
-from pipeline.models.model_file import clip_frames_of, data_config_of
+from pipeline.models.model_file import clip_frames_of, clip_spacing_of, data_config_of
 from pipeline.models.temporal_heads import ClipNet
 
 OUTPUT_COLUMNS = ("frame", "face_found", "pain_probability", "pain")
@@ -156,18 +156,55 @@ class Timings:
         return {"detect_s": self.detect / n, "align_s": self.align / n, "network_s": self.network / n}
 
 
+class ClipWindow:
+    """The clip a clip model scores at each crop: T embeddings of the followed face in time order, ending with the
+    newest. With the spacing its training clips had (`spacing_s`: `loader.clip_frames` crops spread over the video,
+    `model_file.clip_spacing_of`) and the crops' times, the window holds the crop nearest each of the times t,
+    t - s, ..., t - (T - 1) s (among the crops no older than a spacing before the earliest of those times), each
+    crop once, so a clip spans what a training clip spanned; at the start of a video it holds fewer. Without a
+    spacing (a model kept before it was recorded) or without times (a sequence of images), the last T crops."""
+
+    def __init__(self, frames: int, spacing_s: float | None = None) -> None:
+        self.frames = int(frames)
+        self.spacing_s = float(spacing_s) if spacing_s else None
+        self.kept: deque[tuple[float, torch.Tensor]] = deque()
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def add(self, embedding: torch.Tensor, time_s: float | None) -> list[torch.Tensor]:
+        """Add the newest crop's embedding (at `time_s` seconds) and return the window ending with it."""
+        if self.spacing_s is None or time_s is None:
+            self.kept.append((float(len(self.kept)), embedding))
+            while len(self.kept) > self.frames:
+                self.kept.popleft()
+            return [kept for _, kept in self.kept]
+        self.kept.append((float(time_s), embedding))
+        span = (self.frames - 1) * self.spacing_s
+        while self.kept and self.kept[0][0] < time_s - span - self.spacing_s:  # older than the earliest target
+            self.kept.popleft()
+        times = np.array([t for t, _ in self.kept])
+        picks: list[int] = []
+        for step in range(self.frames - 1, -1, -1):
+            nearest = int(np.argmin(np.abs(times - (time_s - step * self.spacing_s))))
+            if not picks or nearest > picks[-1]:  # in time order, each crop once
+                picks.append(nearest)
+        return [self.kept[i][1] for i in picks]
+
+
 class FaceFollower:
     """One face per frame, always the same person's: the most plausible face first, then in each frame the detection
     nearest the last followed face (its centre within `max_jump` face sides); a frame where only others are seen has
     no face. After `reacquire_after` frames without the person, the most plausible face is followed again. Keeps its
     state between calls, so a long video can be scored chunk by chunk; for a clip model it also keeps the embeddings
-    of the last `window_frames` frames with the person's face (the sliding window)."""
+    of the person's recent crops (`ClipWindow`)."""
 
-    def __init__(self, max_jump: float = 1.0, reacquire_after: int = 10, window_frames: int = 1) -> None:
+    def __init__(self, max_jump: float = 1.0, reacquire_after: int = 10, window_frames: int = 1,
+                 spacing_s: float | None = None) -> None:
         self.max_jump, self.reacquire_after = max_jump, reacquire_after
         self.previous: np.ndarray | None = None
         self.missing = 0
-        self.window: deque[torch.Tensor] = deque(maxlen=window_frames)
+        self.window = ClipWindow(window_frames, spacing_s)
 
     def step(self, found: np.ndarray) -> np.ndarray | None:
         pick = None
@@ -276,9 +313,10 @@ class FaceFinder:
 class FrameScorer:
     """A kept model plus its crop settings: `score(frames)` -> one row per frame (see `OUTPUT_COLUMNS`).
 
-    A clip model (`ClipNet`) scores a sliding window instead: each frame with a face is scored with the clip of the
-    last T sampled frames with the face (T = the model's `loader.clip_frames`; fewer at the start of a video), so the
-    timeline has one window score per step, and `WINDOW_COLUMN` says how many faces the window held.
+    A clip model (`ClipNet`) scores a sliding window instead: each frame with a face is scored with a clip of T
+    crops of the face ending with it (T = the model's `loader.clip_frames`), spaced in time as its training clips were
+    (`ClipWindow`; fewer at the start of a video), so the timeline has one window score per step, and
+    `WINDOW_COLUMN` says how many crops the window held.
     """
 
     def __init__(self, net: PainNet | ClipNet, meta: dict[str, Any], settings: CropSettings, threshold: float = 0.5,
@@ -346,27 +384,31 @@ class FrameScorer:
         return 1.0 - self.class_probabilities(crops_rgb)[:, self.no_pain_index]
 
     @torch.inference_mode()
-    def window_probabilities(self, crops_rgb: Sequence[np.ndarray], follower: FaceFollower) -> np.ndarray:
-        """A clip model's class probabilities (N, C), one per crop: of the window of the last T crops up to it
-        (the follower's window, carried over from earlier chunks)."""
+    def window_probabilities(self, crops_rgb: Sequence[np.ndarray], follower: FaceFollower,
+                             times_s: Sequence[float] | None = None) -> tuple[np.ndarray, list[int]]:
+        """A clip model's class probabilities (N, C), one per crop: of the window ending with it (`ClipWindow`, the
+        follower's, carried over from earlier chunks), and how many crops each window held."""
         assert isinstance(self.net, ClipNet)
-        out = []
+        out, sizes = [], []
         for start in range(0, len(crops_rgb), self.batch_size):
             batch = torch.stack([self.transform(image=c)["image"] for c in crops_rgb[start:start + self.batch_size]])
-            for embedding in self.net.backbone(batch.to(self.device)).float():
-                follower.window.append(embedding)
-                logits = self.net.forward_embeddings(torch.stack(list(follower.window))[None])
+            for offset, embedding in enumerate(self.net.backbone(batch.to(self.device)).float()):
+                window = follower.window.add(embedding, None if times_s is None else times_s[start + offset])
+                logits = self.net.forward_embeddings(torch.stack(window)[None])
                 out.append(logits.float().softmax(dim=1).cpu().numpy()[0])
-        return np.stack(out) if out else np.empty((0, len(self.class_names)))
+                sizes.append(len(window))
+        return (np.stack(out) if out else np.empty((0, len(self.class_names)))), sizes
 
     def follower(self) -> FaceFollower:
-        return FaceFollower(self.settings.max_jump, self.settings.reacquire_after, self.clip_frames or 1)
+        return FaceFollower(self.settings.max_jump, self.settings.reacquire_after, self.clip_frames or 1,
+                            clip_spacing_of(self.meta))
 
-    def score(self, frames_bgr: Sequence[np.ndarray], follower: FaceFollower | None = None) -> pd.DataFrame:
+    def score(self, frames_bgr: Sequence[np.ndarray], follower: FaceFollower | None = None,
+              times_s: Sequence[float] | None = None) -> pd.DataFrame:
         """One row per frame, in order: frame (position), face_found, pain_probability (NaN without a face),
         pain (probability >= threshold; None without a face) and prob_<class> for each class (what `video_score`
         aggregates). Pass one `follower` to successive calls to follow the same person through a video scored in
-        chunks."""
+        chunks, and the frames' `times_s` (seconds) so a clip model's windows have its training clips' spacing."""
         started = time.perf_counter()
         follower = follower or self.follower()
         faces = [follower.step(found) for found in self.find_faces(frames_bgr)]
@@ -377,9 +419,9 @@ class FrameScorer:
         windows = []
         if self.clip_frames is None:
             class_probs = self.class_probabilities(crops)
-        else:  # the window's size after each crop joins it, then the window's scores
-            windows = [min(len(follower.window) + i + 1, self.clip_frames) for i in range(len(crops))]
-            class_probs = self.window_probabilities(crops, follower)
+        else:  # each crop's window: its scores and how many crops it held
+            crop_times = None if times_s is None else [float(times_s[i]) for i in with_face]
+            class_probs, windows = self.window_probabilities(crops, follower, crop_times)
         finished = time.perf_counter()
         self.timings.detect += detected - started
         self.timings.align += cropped - detected

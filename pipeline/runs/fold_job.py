@@ -47,6 +47,7 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.plugins.environments import SLURMEnvironment
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
+from pipeline.data.clips import clip_spacing_s
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.embeddings import EmbeddingDataModule
 from pipeline.data.tasks import get_task
@@ -520,8 +521,16 @@ def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], pre
     (out / "splits.json").write_text(json.dumps(splits, indent=2, default=str))
 
 
+def kept_loader(cfg: DictConfig, datamodule: PainDataModule) -> dict:
+    """The loader settings a kept model records; a clip model's with its training clips' spacing in seconds."""
+    loader = OmegaConf.to_container(cfg.loader)
+    if HeadConfig.from_config(cfg.model.head).temporal:
+        loader["clip_spacing_s"] = clip_spacing_s(datamodule.frames("train"), int(cfg.loader.clip_frames))
+    return loader
+
+
 def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str, weights: dict, path: Path,
-                    **extra) -> Path:
+                    loader: dict, **extra) -> Path:
     """The best checkpoint's network as a self-describing file (`pipeline.models.model_file`)."""
     state = torch.load(best_path, map_location="cpu", weights_only=True)["state_dict"]
     module.load_state_dict(state, strict=module.strict_loading)  # a fixed backbone is not in the checkpoint
@@ -530,13 +539,13 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
         extra["head"] = OmegaConf.to_container(cfg.model.head)
     meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
-                      loader=OmegaConf.to_container(cfg.loader), weights=weights,
+                      loader=loader, weights=weights,
                       finetune=FinetuneConfig.from_config(cfg).label, **extra)
     return save_model_file(net, meta, path)
 
 
 def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondStage, weights: dict, path: Path,
-                    **extra) -> Path:
+                    loader: dict, **extra) -> Path:
     """A two-stage fold's clip model (`ClipNet`) as a self-describing file: the frame backbone as its strategy keeps
     it (`for_keeping`, as `keep_fold_model` does: LoRA's adapters merged into a plain backbone, which an unmerged one
     is not, so it would not load), the trained temporal head, and the head's settings in its meta."""
@@ -544,7 +553,7 @@ def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondS
     net = clip_model(frame_net.backbone, stage.net.head)
     meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
-                      loader=OmegaConf.to_container(cfg.loader), weights=weights,
+                      loader=loader, weights=weights,
                       finetune=FinetuneConfig.from_config(cfg).label,
                       head=OmegaConf.to_container(cfg.model.head), **extra)
     return save_model_file(net, meta, path)
@@ -642,10 +651,11 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         with times("model_logging"):
             target = work_dir / Path(MODEL_ARTIFACT).name
             if stage is not None:  # the clip model: the fold's frame backbone and its temporal head
-                path = keep_clip_model(cfg, module, stage, weights, target, fold=fold,
+                path = keep_clip_model(cfg, module, stage, weights, target, kept_loader(cfg, datamodule), fold=fold,
                                        best_epoch=int(selected["best_epoch"]))
             else:
-                path = keep_fold_model(cfg, module, str(best_path), weights, target, fold=fold,
+                path = keep_fold_model(cfg, module, str(best_path), weights, target, kept_loader(cfg, datamodule),
+                                       fold=fold,
                                        best_epoch=int(selected["best_epoch"]))
             mlflow.log_artifact(str(path), str(Path(MODEL_ARTIFACT).parent))
             log_fold_model(cfg, path, fold, list(module.class_names), weights, threshold, rule)

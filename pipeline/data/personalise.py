@@ -1,0 +1,233 @@
+"""Personalisation protocols: a person's embeddings seen against that person's own statistics, as pure functions of
+row tables (subject_name, sample_name, ...: one row per crop) and embedding arrays (one row per table row).
+
+Faces differ more between people than one person's BL1 and PA1 do; two protocols take the person out:
+
+- `subject_normalised` (`subject_normalise`): each person's embeddings standardised by that person's own mean and
+  standard deviation over all of their rows. It takes subject ids and features only, so it cannot read a label; a
+  test person's statistics come from their unlabelled test recordings.
+- `baseline` with k (`select_baseline`, `relative_to_reference`): k of a person's BL1 videos (every crop of each) are
+  their resting reference, drawn from (seed, person); they leave the rows the person is tested (or trained) on, and
+  every other crop is seen as its embedding minus the reference mean. The only label read is "which videos are BL1"
+  (a clinician records the resting video first): the selection takes a BL1 mask and refuses a table that carries
+  class or label columns. It draws each person's reference from the rows given for that person, so a training
+  subject's reference comes from their own training videos.
+
+`reference_statistics` is the same reference for a new person (`make predict REFERENCE=<folder>`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pipeline.data.tasks import NO_PAIN
+from pipeline.utils.seeds import derived_seed
+
+MODES = ("none", "subject_normalised", "baseline")
+VIDEO_KEYS = ["subject_name", "sample_name"]
+LABEL_COLUMNS = ("class_name", "class_id", "label")  # what a baseline selection must never be handed
+
+
+@dataclass(frozen=True)
+class PersonaliseConfig:
+    """`personalise` (configs/personalise/): `none` (the default) adds no key, so an absent section is none."""
+
+    mode: str
+    k: int | None = None  # baseline: reference videos per person
+    seed: int | None = None  # baseline: which BL1 videos, drawn per person
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any] | None) -> PersonaliseConfig:
+        """The config's `personalise` section (None or empty: none), checked."""
+        if not section:
+            return cls("none")
+        config = cls(**dict(section))
+        if config.mode not in MODES:
+            raise ValueError(f"personalise.mode={config.mode!r}: expected one of {', '.join(MODES)}")
+        if config.mode == "baseline" and (config.k is None or config.k < 1 or config.seed is None):
+            raise ValueError(f"personalise=baseline needs personalise.k >= 1 and personalise.seed, got k={config.k}, "
+                             f"seed={config.seed}")
+        return config
+
+    @property
+    def label(self) -> str:
+        """How tables and tags name the protocol: none, subject_normalised, baseline_k2."""
+        return f"baseline_k{self.k}" if self.mode == "baseline" else self.mode
+
+
+def _check_features(subjects: np.ndarray, features: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    subjects, features = np.asarray(subjects), np.asarray(features, dtype=float)
+    if features.ndim != 2 or subjects.shape != (len(features),):
+        raise ValueError(f"{what}: expected subjects (N,) and features (N, D), got {subjects.shape} and "
+                         f"{features.shape}")
+    return subjects, features
+
+
+def subject_normalise(subjects: np.ndarray, features: np.ndarray) -> np.ndarray:
+    """Each row's features minus its person's mean, divided by its person's standard deviation (over all of that
+    person's rows, ddof=0). A dimension constant within a person is centred only (divided by 1). Labels are not an
+    argument: they cannot shape the statistics."""
+    subjects, features = _check_features(subjects, features, "subject_normalise")
+    out = np.empty_like(features)
+    for subject in np.unique(subjects):
+        rows = subjects == subject
+        mean, sd = features[rows].mean(axis=0), features[rows].std(axis=0)
+        out[rows] = (features[rows] - mean) / np.where(sd > 0, sd, 1.0)
+    return out
+
+
+@dataclass(frozen=True)
+class BaselineSplit:
+    """A baseline selection: the reference rows, the rows left to test (or train) on, and per person what it cost."""
+
+    reference: pd.DataFrame  # every crop of each chosen BL1 video
+    remaining: pd.DataFrame  # the other rows, in their order
+    videos_lost: pd.DataFrame  # subject_name, n_videos, n_bl1_videos, n_reference_videos, n_remaining_videos
+
+
+def label_free_rows(frames: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray]:
+    """A frame table split into what a baseline selection may see: its rows without the class and label columns,
+    and the BL1 mask (class NO_PAIN), the one label it needs."""
+    missing = [column for column in (*VIDEO_KEYS, "class_name") if column not in frames.columns]
+    if missing:
+        raise ValueError(f"frame table is missing columns {missing}; it has {list(frames.columns)}")
+    is_bl1 = (frames["class_name"] == NO_PAIN).to_numpy()
+    return frames.drop(columns=[column for column in LABEL_COLUMNS if column in frames.columns]), is_bl1
+
+
+def _person_key(subject: str) -> int:
+    """A stable integer of a person's name (the same on every machine and Python run, unlike hash())."""
+    return int.from_bytes(hashlib.sha256(str(subject).encode()).digest()[:8], "big")
+
+
+def select_baseline(rows: pd.DataFrame, is_bl1: Sequence[bool] | np.ndarray, k: int, seed: int) -> BaselineSplit:
+    """Choose k of each person's BL1 videos as their reference, drawn from (seed, person) alone (another person's
+    rows do not change it), and take every crop of those videos out of the rows.
+
+    `rows` (subject_name, sample_name, ...: crops, or one row per video) may not hold class or label columns: the
+    only label this reads is `is_bl1`, one flag per row, the same for every crop of a video. A person with fewer
+    than k BL1 videos is an error that names every such person and their count.
+    """
+    leaked = [column for column in LABEL_COLUMNS if column in rows.columns]
+    if leaked:
+        raise ValueError(f"a baseline selection reads only the BL1 mask, but the rows carry the label columns "
+                         f"{leaked}: pass label_free_rows(frames)")
+    missing = [column for column in VIDEO_KEYS if column not in rows.columns]
+    if missing:
+        raise ValueError(f"baseline rows are missing columns {missing}; they have {list(rows.columns)}")
+    is_bl1 = np.asarray(is_bl1, dtype=bool)
+    if is_bl1.shape != (len(rows),):
+        raise ValueError(f"the BL1 mask has shape {is_bl1.shape}, the rows {len(rows)} rows")
+    if k < 1:
+        raise ValueError(f"personalise.k={k}: a baseline needs at least one reference video per person")
+    videos = rows[VIDEO_KEYS].assign(is_bl1=is_bl1).groupby(VIDEO_KEYS, sort=True)["is_bl1"].agg(["min", "max"])
+    mixed = videos.index[videos["min"] != videos["max"]]
+    if len(mixed):
+        raise ValueError("the BL1 mask differs between crops of one video: "
+                         + ", ".join(f"{subject}/{sample}" for subject, sample in mixed[:10]))
+    chosen, record, short = [], [], []
+    for subject, flags in videos["max"].groupby(level="subject_name", sort=True):
+        bl1_videos = sorted(flags.index.get_level_values("sample_name")[flags.to_numpy()])
+        if len(bl1_videos) < k:
+            short.append(f"{subject} ({len(bl1_videos)})")
+            continue
+        rng = np.random.default_rng(derived_seed(seed, _person_key(subject)))
+        picked = sorted(bl1_videos[int(i)] for i in rng.choice(len(bl1_videos), size=k, replace=False))
+        chosen += [(subject, sample) for sample in picked]
+        record.append({"subject_name": subject, "n_videos": len(flags), "n_bl1_videos": len(bl1_videos),
+                       "n_reference_videos": k, "n_remaining_videos": len(flags) - k})
+    if short:
+        raise ValueError(f"personalise=baseline with k={k}: these people have fewer BL1 videos than k (their count "
+                         f"in brackets): {', '.join(short)}; lower personalise.k or leave them out")
+    in_reference = pd.MultiIndex.from_frame(rows[VIDEO_KEYS]).isin(pd.MultiIndex.from_tuples(chosen,
+                                                                                             names=VIDEO_KEYS))
+    return BaselineSplit(rows[in_reference], rows[~in_reference], pd.DataFrame(
+        record, columns=["subject_name", "n_videos", "n_bl1_videos", "n_reference_videos", "n_remaining_videos"]))
+
+
+def reference_means(subjects: np.ndarray, features: np.ndarray) -> dict[str, np.ndarray]:
+    """Each person's mean reference embedding, from the reference rows' subjects and features."""
+    subjects, features = _check_features(subjects, features, "reference_means")
+    return {str(subject): features[subjects == subject].mean(axis=0) for subject in np.unique(subjects)}
+
+
+def relative_to_reference(subjects: np.ndarray, features: np.ndarray, means: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Each row's features minus its person's reference mean (`reference_means`); a person without one is an error
+    naming them."""
+    subjects, features = _check_features(subjects, features, "relative_to_reference")
+    people = [str(subject) for subject in np.unique(subjects)]
+    without = [person for person in people if person not in means]
+    if without:
+        raise ValueError(f"no baseline reference for {', '.join(without)}")
+    out = np.empty_like(features)
+    for person in people:
+        rows = subjects.astype(str) == person
+        out[rows] = features[rows] - np.asarray(means[person], dtype=float)
+    return out
+
+
+@dataclass(frozen=True)
+class ReferenceStatistics:
+    """A person's resting reference for a new recording: the mean and standard deviation of its embeddings."""
+
+    mean: np.ndarray  # (D,)
+    sd: np.ndarray  # (D,)
+    n_recordings: int
+    n_rows: int
+    folder: Path
+
+    def relative(self, features: np.ndarray) -> np.ndarray:
+        """`features` (N, D) minus the reference mean, as `relative_to_reference` does in a cross-validation."""
+        features = np.asarray(features, dtype=float)
+        if features.ndim != 2 or features.shape[1] != len(self.mean):
+            raise ValueError(f"features of shape {features.shape} against a reference of {len(self.mean)} dimensions "
+                             f"({self.folder})")
+        return features - self.mean
+
+
+NO_REFERENCE = ("this model is personalised (personalise=baseline): it scores a person against their own resting "
+                "recordings; give a folder of them, make predict REFERENCE=<folder of the person's resting "
+                "recordings>")
+
+
+def reference_statistics(folder: str | Path | None,
+                         embed: Callable[[Path], np.ndarray] | None = None) -> ReferenceStatistics:
+    """The reference of `folder`, a person's resting recordings: `.npy` files of embeddings (N, D) or (D,), and any
+    other file (a video, a crop) through `embed` (a path to its embeddings (N, D): make predict's face search, crop
+    and backbone). None, a missing or an empty folder is an error saying what to give."""
+    if folder is None or str(folder).strip() == "":
+        raise ValueError(f"no reference: {NO_REFERENCE}")
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"reference folder {folder} does not exist or is not a folder: {NO_REFERENCE}")
+    files = sorted(path for path in folder.iterdir() if path.is_file() and not path.name.startswith("."))
+    if not files:
+        raise ValueError(f"reference folder {folder} holds no recordings: {NO_REFERENCE}")
+    others = [path.name for path in files if path.suffix != ".npy"]
+    if others and embed is None:
+        raise ValueError(f"reference folder {folder}: {', '.join(others[:5])} are not embeddings (.npy) and no "
+                         f"embedding function was given to read them")
+    parts = []
+    for path in files:
+        if path.suffix == ".npy":
+            loaded = np.load(path, allow_pickle=False)
+        else:
+            assert embed is not None  # checked above: every file that is not .npy goes through it
+            loaded = embed(path)
+        values = np.atleast_2d(np.asarray(loaded, dtype=float))
+        if values.ndim != 2 or len(values) == 0 or not np.isfinite(values).all():
+            raise ValueError(f"reference recording {path}: expected finite embeddings (N, D), got shape "
+                             f"{values.shape}")
+        if parts and values.shape[1] != parts[0].shape[1]:
+            raise ValueError(f"reference recording {path}: {values.shape[1]} dimensions, the folder's first file "
+                             f"{parts[0].shape[1]}")
+        parts.append(values)
+    stacked = np.concatenate(parts)
+    return ReferenceStatistics(stacked.mean(axis=0), stacked.std(axis=0), len(parts), len(stacked), folder)
