@@ -243,14 +243,18 @@ def test_an_ordinal_model_exports_to_onnx_and_onnx_runtime_gives_its_level_proba
 
 
 def test_a_backbones_pain_net_with_an_ordinal_head_goes_through_the_projects_export_unchanged(tmp_path: Path) -> None:
-    from pipeline.deployment.export import export_onnx, onnx_difference
-    from pipeline.models.backbones import create_model
+    """The factory's ordinal frame model exports with its level probabilities as the output (`level_probabilities`)."""
+    from pipeline.deployment.export import export_onnx, onnx_difference, output_name
+    from pipeline.models.factory import create_model
 
     torch.manual_seed(0)
-    net, _ = create_model("mobilevit_xxs", n_classes=K, pretrained=False, img_size=32)
-    net.head = LevelProbabilities(CornHead(net.backbone.num_features, K))  # the seam: the head, nothing else
+    net, _ = create_model("mobilevit_xxs", n_classes=K, pretrained=False, img_size=32,
+                          output=OutputConfig("ordinal", "corn", pain_level=1))
+    assert isinstance(net.head, CornHead) and output_name(net) == "level_probabilities"
     path = export_onnx(net, 32, tmp_path / "corn.onnx")
     assert onnx_difference(net, path, 32, batch=3) < 1e-5
-    with torch.no_grad():
-        probs = net.eval()(torch.randn(2, 3, 32, 32))
-    torch.testing.assert_close(probs.sum(dim=1), torch.ones(2))
+    import onnxruntime
+
+    got = onnxruntime.InferenceSession(str(path)).run(["level_probabilities"],
+                                                     {"image": np.zeros((2, 3, 32, 32), np.float32)})[0]
+    np.testing.assert_allclose(got.sum(axis=1), 1.0, atol=1e-5)
