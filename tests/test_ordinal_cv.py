@@ -23,6 +23,7 @@ from pipeline.models.model_file import load_model_file
 from pipeline.models.ordinal import CoralHead, output_probabilities
 from pipeline.runs import tracking
 from pipeline.runs.cross_validation import run_cv
+from pipeline.runs.cv_runs import cv_label
 from pipeline.utils.paths import resolve_path
 from tests.conftest import loader_config
 from tests.onnx_contract_client import ContractRuntime
@@ -78,6 +79,15 @@ def test_each_fold_and_the_cv_log_graded_metrics_and_level_ordered_confusions(or
     assert {"confusion_levels_pooled.csv", "confusion_levels_pooled.png"} <= stored
 
 
+def test_the_cv_carries_its_output_and_protocol_and_is_named_by_them(ordinal_cv, tiny_config) -> None:
+    tags = ordinal_cv["parent"].data.tags
+    assert (tags["output"], tags["personalise"]) == ("ordinal_coral", "none")
+    assert cv_label(tags) == "mobilevit_xxs ordinal_coral"  # not the label of the backbone's softmax CVs
+    # a personalisation protocol that no fold job applies yet is refused, never trained as a plain CV under its name
+    with pytest.raises(ValueError, match=r"personalise=baseline \(baseline_k1\) is not applied by a fold job"):
+        run_cv(tiny_config(*ORDINAL, "personalise=baseline"))
+
+
 def test_the_kept_ordinal_model_loads_and_gives_the_folds_test_probabilities(ordinal_cv) -> None:
     cfg, client = ordinal_cv["cfg"], ordinal_cv["client"]
     run = ordinal_cv["folds"][0]
@@ -91,7 +101,8 @@ def test_the_kept_ordinal_model_loads_and_gives_the_folds_test_probabilities(ord
                                     if key in meta["loader"]}))
     datamodule.setup()
     with torch.no_grad():
-        probs = torch.cat([output_probabilities(net.head, net(images)) for images, _, _ in datamodule.test_dataloader()])
+        probs = torch.cat([output_probabilities(net.head, net(images))
+                           for images, _, _ in datamodule.test_dataloader()])
     logged = pd.read_csv(client.download_artifacts(run.info.run_id, "predictions_frames.csv"))
     expected = datamodule.frames("test").reset_index(drop=True)
     ours = expected.assign(**{f"ours_{name}": probs[:, i].numpy() for i, name in enumerate(LEVELS)})

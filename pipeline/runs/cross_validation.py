@@ -217,6 +217,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
                     tracking.PRECISION_ASKED_TAG: decisions.precision, "model_family": decisions.model_family,
                     "cpu": cpu_description(), **device_tags(cfg), **library_versions(), **weights.as_tags(),
                     **finetune_tags(cfg),  # with whether augment.* was applied (a frozen head on plain embeddings)
+                    **cv_runs.protocol_tags(cfg),  # output and personalisation protocol (descriptive: not identity)
                     **people_checked,
                     **subject_set_tags(fold_file),
                     "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped)),

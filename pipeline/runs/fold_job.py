@@ -50,6 +50,7 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pipeline.data.clips import clip_spacing_s
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.embeddings import EmbeddingDataModule
+from pipeline.data.personalise import PersonaliseConfig, refuse_unapplied
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.graded import decided_levels, fold_graded_metrics, write_level_confusion
 from pipeline.evaluation.metrics import (
@@ -364,6 +365,7 @@ def check_head(cfg: DictConfig) -> HeadConfig:
     """The config's head, checked against its fine-tuning strategy (also before a CV plans anything)."""
     head = HeadConfig.from_config(cfg.model.head)
     check_frame_output(OutputConfig.from_config(cfg.model.get("output")), head.temporal)
+    refuse_unapplied(PersonaliseConfig.from_config(cfg.get("personalise")))  # not yet applied by a fold: refused
     if head.end_to_end and FinetuneConfig.from_config(cfg).backbone_fixed:
         raise ValueError("model.head.mode=end_to_end trains the backbone through the head, but model.finetune=frozen "
                          "fixes it: a frozen backbone's head over time is model.head.mode=two_stage (it reads cached "
