@@ -99,13 +99,20 @@ class ContractRuntime:
 
     # the network and its output
     def class_probabilities(self, inputs: np.ndarray) -> np.ndarray:
-        logits = self.session.run([self.contract["output"]], {self.contract["input"]: inputs})[0]
+        outputs = self.session.run([self.contract["output"]], {self.contract["input"]: inputs})[0]
+        if self.contract["output"] == "level_probabilities":  # an ordinal or regression model's: read as they are
+            return outputs
+        logits = outputs
         shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
         return shifted / shifted.sum(axis=1, keepdims=True)
 
     def pain_probabilities(self, crops_rgb) -> np.ndarray:
-        """A frame model: each crop's 1 - P(BL1)."""
+        """A frame model: each crop's 1 - P(BL1); an ordinal or regression model's: the sum of its level
+        probabilities over the levels >= its output's pain_level."""
         probabilities = self.class_probabilities(np.stack([self.network_input(crop) for crop in crops_rgb]))
+        settings = self.contract.get("output_settings")  # an ordinal or regression model's output
+        if settings:
+            return probabilities[:, int(settings["pain_level"]):].sum(axis=1)
         return 1.0 - probabilities[:, self.contract["class_names"].index("BL1")]
 
     def window_pain_probabilities(self, crops_rgb, times_s=None) -> np.ndarray:

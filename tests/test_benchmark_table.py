@@ -18,7 +18,7 @@ from pipeline.analysis.benchmark_table import (
     read_literature,
     run_table,
 )
-from tests.conftest import tiny_overrides
+from tests.conftest import make_finished_cv, tiny_overrides
 from tests.test_cv import FAST
 
 
@@ -35,7 +35,8 @@ def test_table_has_five_task_rows_and_the_published_ones_apart(tiny_base: Path, 
 
     table = result["table"]
     assert table["task"].tolist() == ["BL1 vs PA1", "BL1 vs PA2", "BL1 vs PA3", "BL1 vs PA4", "five classes"]
-    assert list(table.columns[1:]) == [f"mobilevit_xxs: {m}" for m in LABELS.values()]
+    assert list(table.columns[1:]) == ["protocol", *(f"mobilevit_xxs: {m}" for m in LABELS.values())]
+    assert set(table["protocol"]) == {"none"}  # a plain CV's protocol
     for column in ("accuracy at threshold", "argmax accuracy"):  # one fold only
         assert all("[" in text and "(incomplete)" in text for text in table[f"mobilevit_xxs: {column}"])
     # the default kfold5 twin: nothing published is comparable, and what was tested is stated
@@ -151,3 +152,26 @@ def test_a_literature_row_without_citation_or_with_a_range_is_an_error(tmp_path:
     path.write_text(header + "\nfive_class,works,Someone,2020,a venue,loso,87,video,video,30-39,secondary,\n")
     with pytest.raises(ValueError, match="line 2: accuracy '30-39' is not one number"):
         read_literature(path)
+
+
+def test_a_personalised_row_says_its_protocol_and_videos_and_is_never_set_beside_published_rows(
+        finished_cv_store) -> None:
+    """BioVid, 87 subjects tested under LOSO, but a baseline_k2 protocol: no paper's row is comparable; the table
+    names the protocol with the videos it tested, and a plain run's rows read `none`."""
+    client = finished_cv_store["client"]
+    experiment_id = finished_cv_store["experiment_id"]
+    tasks = ["bl1_vs_pa4", "five_class"]
+    pooled = {"pooled/video_accuracy_at_threshold": 0.9, "data/subjects_tested": 87, "data/videos_tested": 3306}
+    personal = {task: make_finished_cv(client, experiment_id, "mobilevit_xxs", task, "loso", pooled,
+                                       personalise="baseline_k2") for task in tasks}
+    rows = pd.DataFrame([project_row("mobilevit_xxs", task, client.get_run(personal[task])) for task in tasks])
+    report = build_report(rows, ["mobilevit_xxs"], tasks, "biovid", "loso", "all87")
+    assert report["comparable"].empty and set(report["shape"].authors) == LOSO_87_VIDEO
+    assert "personalised (baseline_k2)" in report["reason"]
+    assert any(note.startswith("personalised protocol (baseline_k2)") for note in report["notes"])
+    assert report["ours"]["protocol"].tolist() == ["baseline_k2, 3306 videos tested"] * 2
+    assert report["facts"]["protocol"].tolist() == ["baseline_k2"] * 2
+    # the same numbers from a plain CV: the papers of its shape are comparable, its protocol `none`
+    plain = report_for(finished_cv_store, "loso", "biovid", "all87", subjects_tested=87)
+    assert set(plain["comparable"].authors) == LOSO_87_VIDEO
+    assert plain["ours"]["protocol"].tolist() == ["none", "none"]

@@ -453,3 +453,111 @@ def test_no_backbone_preset_sets_a_compared_setting() -> None:
     for path in sorted((CONFIG_DIR / "data_model").glob("*.yaml")):
         flat = pd.json_normalize(OmegaConf.to_container(OmegaConf.load(path)), sep=".").columns
         assert not set(flat) & set(SAME_PARAMS), f"{path.name} sets {sorted(set(flat) & set(SAME_PARAMS))}"
+
+
+def pooled_video_table(seed: int, drop_reference: bool) -> pd.DataFrame:
+    """A CV's pooled test videos: 6 subjects, 2 BL1 and 2 PA4 videos each; a baseline_k1 CV's first BL1 video of
+    each subject was its reference and is not among them."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for subject in range(6):
+        for index, label in enumerate((0, 0, 1, 1)):
+            if drop_reference and index == 0:
+                continue
+            pain = float(np.clip(0.5 + 0.3 * (label - 0.5) + rng.normal(0, 0.2), 0.01, 0.99))
+            rows.append({"subject_name": f"s{subject}", "sample_name": f"s{subject}-v{index}", "label": label,
+                         "prob_BL1": 1 - pain, "prob_PA4": pain, "decision": int(pain >= 0.5), "threshold": 0.5})
+    return pd.DataFrame(rows)
+
+
+def test_a_personalised_cv_is_refused_against_a_plain_one_and_paired_on_the_common_videos_when_allowed(
+        store, tmp_path) -> None:
+    """personalise.mode differs: refused by name; allowed (compare.allow_differences=[personalise]): both CVs are
+    paired on the videos both tested (the baseline CV's references left out of the plain one too), said and logged."""
+    client, experiment_id = store["client"], store["experiment_id"]
+    plain = make_cv(client, experiment_id, "vit", random_scores(40), 6_000, dataset="personal")
+    personal = make_cv(client, experiment_id, "vit", random_scores(41), 6_000, dataset="personal",
+                       params={"personalise.mode": "baseline", "personalise.k": "1", "personalise.seed": "0"},
+                       extra_tags={"personalise": "baseline_k1"})
+    for run_id, drop in ((plain, False), (personal, True)):
+        path = tmp_path / run_id / "predictions_videos_all_folds.csv"
+        path.parent.mkdir()
+        pooled_video_table(len(run_id), drop).to_csv(path, index=False)
+        client.log_artifact(run_id, str(path))
+    with pytest.raises(ComparisonError, match=r"personalise\.mode differs \(vit: \(not set\); vit baseline_k1: "
+                                              r"baseline\)") as refused:
+        compare("personal", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT)
+    assert "personalise.k differs" in str(refused.value)
+    result = compare("personal", "loso", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT,
+                     allow_differences=["personalise"])
+    assert set(result["parent_run_ids"]) == {"vit", "vit baseline_k1"}  # the protocol is part of the label
+    record = result["common_videos"].set_index("cv")
+    assert record.loc["vit", "n_videos"] == 24 and record.loc["vit baseline_k1", "n_videos"] == 18
+    assert (record["n_common_videos"] == 18).all() and record.loc["vit", "n_dropped_videos"] == 6
+    assert (result["subjects"]["n_subjects"] == 6).all()
+    tags = client.get_run(result["run_id"]).data.tags
+    assert "personalise.mode differs" in tags["compared_despite"]
+    assert "vit: 18 of its 24 tested videos (6 dropped)" in tags["paired_on"]
+    assert pd.read_csv(result["paths"]["common_videos"]).shape[0] == 2
+
+
+def test_the_output_and_protocol_name_a_cv_and_a_config() -> None:
+    from pipeline.runs.store.cv_runs import config_label, cv_label
+    from pipeline.utils.config import load_config
+
+    assert cv_label({"model": "mobilevit_s"}) == "mobilevit_s"  # a run from before the tags: softmax, none
+    assert cv_label({"model": "mobilevit_s", "output": "softmax", "personalise": "none"}) == "mobilevit_s"
+    assert cv_label({"model": "mobilevit_s", "output": "ordinal_coral"}) == "mobilevit_s ordinal_coral"
+    assert cv_label({"model": "mobilevit_s", "personalise": "baseline_k2"}) == "mobilevit_s baseline_k2"
+    assert config_label(load_config(["model=mobilevit_s"])) == "mobilevit_s"
+    assert config_label(load_config(["model=mobilevit_s", "model/output=ordinal"])) == "mobilevit_s ordinal_coral"
+    assert config_label(load_config(["model=mobilevit_s", "personalise=baseline", "personalise.k=2"])) == \
+        "mobilevit_s baseline_k2"
+
+
+def five_class_videos(seed: int) -> pd.DataFrame:
+    """A five-class CV's pooled test videos: 6 subjects, one video per level, called within a level or two."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for subject in range(6):
+        for level in range(5):
+            called = int(np.clip(level + rng.integers(-2, 3), 0, 4))
+            probs = np.full(5, 0.05)
+            probs[called] = 0.8
+            rows.append({"subject_name": f"s{subject}", "sample_name": f"s{subject}-l{level}", "label": level,
+                         **{f"prob_{name}": p for name, p in zip(("BL1", "PA1", "PA2", "PA3", "PA4"), probs,
+                                                                   strict=True)},
+                         "pred": called, "decision": called})
+    return pd.DataFrame(rows)
+
+
+def test_compare_pairs_on_a_graded_metric_when_asked(store, tmp_path) -> None:
+    """compare.metric=mae: each subject's MAE over levels joins the subject tests as the primary metric; the
+    default comparison's family is unchanged (no mae row); an unknown metric is refused, listing the choices."""
+    client, experiment_id = store["client"], store["experiment_id"]
+    tables = {}
+    for model, seed in (("vit", 50), ("cvt", 51)):
+        run_id = make_cv(client, experiment_id, model, random_scores(seed), 7_000, dataset="graded",
+                         task="five_class")
+        path = tmp_path / run_id / "predictions_videos_all_folds.csv"
+        path.parent.mkdir()
+        tables[model] = five_class_videos(seed)
+        tables[model].to_csv(path, index=False)
+        client.log_artifact(run_id, str(path))
+    where = ("graded", "loso", "five_class", tmp_path)
+    plain = compare(*where, tracking_uri=store["uri"], experiment=EXPERIMENT)
+    assert "mae" not in set(plain["subjects_paired"]["metric"])
+    graded = compare(*where, tracking_uri=store["uri"], experiment=EXPERIMENT, primary="mae")
+    paired = graded["subjects_paired"]
+    assert paired.loc[paired["primary"], "metric"].tolist() == ["mae"]
+    assert len(paired) == len(plain["subjects_paired"]) + 1  # the graded metric joins the family
+    subjects = graded["subjects"].set_index(["model", "metric"])
+    for model, table in tables.items():
+        assert subjects.loc[(model, "mae"), "value"] == pytest.approx((table["label"] - table["decision"]).abs().mean())
+    per_subject = {model: (table["label"] - table["decision"]).abs().groupby(table["subject_name"]).mean()
+                   for model, table in tables.items()}
+    mae = paired.set_index("metric").loc["mae"]
+    assert mae["mean_diff"] == pytest.approx((per_subject[mae["model_a"]] - per_subject[mae["model_b"]]).mean())
+    assert "primary metric: mae" in client.get_run(graded["run_id"]).data.tags["correction_family"]
+    with pytest.raises(ComparisonError, match="compare.metric='kappa': expected one of accuracy_at_threshold"):
+        compare(*where, tracking_uri=store["uri"], experiment=EXPERIMENT, primary="kappa")

@@ -13,6 +13,7 @@ import pytest
 from scipy import stats
 from sklearn.metrics import accuracy_score, cohen_kappa_score, f1_score, mean_absolute_error
 
+from pipeline.evaluation.aggregation import ordinal_decision, pain_probability
 from pipeline.evaluation.graded import (
     CONSTANT_SCORE,
     SINGLE_LEVEL,
@@ -20,8 +21,6 @@ from pipeline.evaluation.graded import (
     graded_metrics,
     graded_table,
     level_confusion,
-    ordinal_decision,
-    pain_probability,
     spearman_within_subject,
     write_level_confusion,
 )

@@ -243,14 +243,43 @@ def test_an_ordinal_model_exports_to_onnx_and_onnx_runtime_gives_its_level_proba
 
 
 def test_a_backbones_pain_net_with_an_ordinal_head_goes_through_the_projects_export_unchanged(tmp_path: Path) -> None:
-    from pipeline.deployment.export import export_onnx, onnx_difference
+    """The factory's ordinal frame model exports with its level probabilities as the output (`level_probabilities`)."""
+    from pipeline.deployment.export import export_onnx, onnx_difference, output_name
     from pipeline.models.factory import create_model
 
     torch.manual_seed(0)
-    net, _ = create_model("mobilevit_xxs", n_classes=K, pretrained=False, img_size=32)
-    net.head = LevelProbabilities(CornHead(net.backbone.num_features, K))  # the seam: the head, nothing else
+    net, _ = create_model("mobilevit_xxs", n_classes=K, pretrained=False, img_size=32,
+                          output=OutputConfig("ordinal", "corn", pain_level=1))
+    assert isinstance(net.head, CornHead) and output_name(net) == "level_probabilities"
     path = export_onnx(net, 32, tmp_path / "corn.onnx")
     assert onnx_difference(net, path, 32, batch=3) < 1e-5
-    with torch.no_grad():
-        probs = net.eval()(torch.randn(2, 3, 32, 32))
-    torch.testing.assert_close(probs.sum(dim=1), torch.ones(2))
+    import onnxruntime
+
+    got = onnxruntime.InferenceSession(str(path)).run(["level_probabilities"],
+                                                     {"image": np.zeros((2, 3, 32, 32), np.float32)})[0]
+    np.testing.assert_allclose(got.sum(axis=1), 1.0, atol=1e-5)
+
+
+def test_an_ordinal_module_trains_on_its_heads_loss_and_refuses_cross_entropy_settings() -> None:
+    """The LightningModule's loss of an ordinal frame model is the head's (CORAL's summed binary cross-entropies),
+    its evaluation probabilities the level probabilities; class weights and label smoothing (cross-entropy's) are
+    refused by name, never silently ignored; a temporal head with an ordinal output is refused."""
+    from pipeline.models.factory import create_model
+    from pipeline.models.lightning_module import OptimConfig, PainLightningModule
+    from pipeline.models.temporal_heads import HeadConfig
+
+    optim = OptimConfig(1e-3, 1e-4, 0.5, 0.0, 0.0, 0)
+    output = OutputConfig("ordinal", "coral", pain_level=1)
+    torch.manual_seed(0)
+    net, _ = create_model("mobilevit_xxs", K, pretrained=False, img_size=32, output=output)
+    module = PainLightningModule(net, TASKS["five_class"].classes, optim)
+    images, levels = torch.randn(3, 3, 32, 32), torch.tensor([0, 2, 4])
+    logits = module(images)
+    assert logits.shape == (3, K - 1)
+    torch.testing.assert_close(module._loss(logits, levels), net.head.loss(logits, levels))
+    for bad in ({"class_weights": [1.0] * K}, {"label_smoothing": 0.1}):
+        with pytest.raises(ValueError, match="trainer.class_weights and trainer.label_smoothing .* CoralHead"):
+            PainLightningModule(net, TASKS["five_class"].classes, optim, **bad)
+    gru = HeadConfig(name="gru", hidden=8, layers=1, attention_heads=2, dropout=0.0, max_frames=8)
+    with pytest.raises(ValueError, match="model.output=ordinal_coral is the output of a frame model"):
+        create_model("mobilevit_xxs", K, pretrained=False, img_size=32, head=gru, output=output)

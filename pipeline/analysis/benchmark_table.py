@@ -9,7 +9,9 @@ Published rows come from a committed file (configs/literature/, one cited result
 three groups, never mixed into this project's rows: comparable with the run (a run on BioVid itself, same task and
 protocol, as many subjects tested as the paper's, video only, decided per video); the same protocol shape (same task,
 protocol and input, but a run that is not comparable: another dataset such as a synthetic twin, or another number
-of tested subjects), listed with the reason; and other protocols.
+of tested subjects), listed with the reason; and other protocols. A personalised CV (`personalise=`, a protocol of
+its own: a person's reference recordings given, and left out of their tests) is shown with its protocol and the
+videos it tested, and no published (plain) row is ever comparable with it.
 
     python -m pipeline table [key=value ...] --models="vit_b16 cvt_13" [--tasks="bl1_vs_pa4 five_class"]
 """
@@ -26,6 +28,7 @@ from matplotlib.figure import Figure
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 
+from pipeline.data.personalise import PersonaliseConfig
 from pipeline.runs.cross_validation import run_cv
 from pipeline.runs.store import cv_runs, tracking
 from pipeline.runs.tuning import run_tune
@@ -124,23 +127,31 @@ def tested_subjects(rows: pd.DataFrame) -> dict[str, set[int]]:
 
 
 def split_literature(literature: pd.DataFrame, tasks: Sequence[str], protocol: str, dataset: str,
-                     tested: dict[str, set[int]]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+                     tested: dict[str, set[int]],
+                     personalised: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Published rows of these tasks: (comparable, same protocol shape, other protocols).
 
     Same shape: same task and protocol, video only, decided per video. Comparable: of the same shape, and the run is
     on BioVid (`dataset == "biovid"`) and every run of the task tested exactly the paper's number of subjects
-    (`tested`, from `tested_subjects`). A twin never is, whatever its subject set is named."""
+    (`tested`, from `tested_subjects`), and no run is personalised (the papers' rows are plain protocols). A twin
+    never is, whatever its subject set is named."""
     rows = literature[literature["task"].isin(tasks)].reset_index(drop=True)
     shape = ((rows["protocol"] == protocol) & (rows["modality"] == "video") & (rows["decision_level"] == "video"))
     counts_match = pd.Series([tested.get(row.task, set()) == {int(row.subjects)} if str(row.subjects).isdigit()
                               else False for row in rows.itertuples()], index=rows.index, dtype=bool)
-    comparable = shape & counts_match & (dataset == BIOVID)
+    comparable = shape & counts_match & (dataset == BIOVID) & (not personalised)
     return (rows[comparable].reset_index(drop=True), rows[shape & ~comparable].reset_index(drop=True),
             rows[~shape].reset_index(drop=True))
 
 
-def not_comparable_reason(dataset: str, tested: dict[str, set[int]], shape: pd.DataFrame) -> str:
-    """Why the rows of the same protocol shape are not comparable: the dataset, else the tested subject counts."""
+def not_comparable_reason(dataset: str, tested: dict[str, set[int]], shape: pd.DataFrame,
+                          personalised: Sequence[str] = ()) -> str:
+    """Why the rows of the same protocol shape are not comparable: a personalised protocol, the dataset, else the
+    tested subject counts."""
+    if personalised:
+        return (f"this run is personalised ({', '.join(personalised)}): each test person's own recordings were used "
+                f"(a reference given, or their statistics), on fewer videos for a baseline; the papers' rows are "
+                f"plain protocols")
     if dataset != BIOVID:
         return (f"this run is on the {dataset} dataset, not BioVid: a twin has BioVid's layout and protocol, not its "
                 f"people, so no BioVid paper's number is comparable with it")
@@ -166,10 +177,13 @@ def published_view(rows: pd.DataFrame) -> pd.DataFrame:
     }, columns=["task", "method", "citation", "protocol", "modality", "accuracy %", "read in"])
 
 
-def project_row(model: str, task: str, run) -> dict:
+def project_row(model: str, task: str, run, protocol: str = "none") -> dict:
     """One backbone on one task: the metrics and their intervals in percent, what was tested, or a note why there
-    is nothing."""
-    row = {"model": model, "task": task, "parent_run_id": run.info.run_id if run else "",
+    is nothing. `protocol`: the personalisation protocol asked for (`PersonaliseConfig.label`); a finished run's
+    own tag wins (a run without one is plain, `none`)."""
+    if run is not None:
+        protocol = run.data.tags.get(tracking.PERSONALISE_TAG) or "none"
+    row = {"model": model, "task": task, "personalise": protocol, "parent_run_id": run.info.run_id if run else "",
            "complete": run.data.tags.get("complete", "") if run else "",
            "unusable_subjects": run.data.tags.get("task_unusable_subjects", "") if run else "",
            "skipped_folds": run.data.tags.get("task_skipped_folds", "") if run else "",
@@ -202,7 +216,8 @@ def cell(row: pd.Series, column: str) -> str:
 def wide_table(rows: pd.DataFrame, models: Sequence[str], tasks: Sequence[str]) -> pd.DataFrame:
     """One row per task (as a paper labels it), one column group per backbone: 'value [95 % CI]' in percent.
     Macro-F1 (without an interval) only for the five-class task."""
-    table = pd.DataFrame({"task": [TASK_LABELS.get(task, task) for task in tasks]})
+    table = pd.DataFrame({"task": [TASK_LABELS.get(task, task) for task in tasks],
+                          "protocol": [protocol_cell(rows[rows["task"] == task]) for task in tasks]})
     for model in models:
         for column, label in LABELS.items():
             cells = []
@@ -221,6 +236,19 @@ def wide_table(rows: pd.DataFrame, models: Sequence[str], tasks: Sequence[str]) 
     return table
 
 
+def protocol_cell(rows: pd.DataFrame) -> str:
+    """The personalisation protocol of a task's rows (`none`: plain), with the videos tested for a personalised one
+    (a baseline's references left the test set: fewer videos than a plain run's)."""
+    cells = []
+    for row in rows.itertuples():
+        protocol = getattr(row, "personalise", "none") or "none"
+        videos = getattr(row, "videos_tested", float("nan"))
+        if protocol != "none":
+            protocol += f", {'?' if pd.isna(videos) else int(videos)} videos tested"
+        cells.append(protocol)
+    return "; ".join(dict.fromkeys(cells)) or "none"
+
+
 def facts_table(rows: pd.DataFrame) -> pd.DataFrame:
     """Per backbone and task: subjects and videos tested, the unusable subjects and skipped folds, and how many
     subjects each fold trained on."""
@@ -235,6 +263,7 @@ def facts_table(rows: pd.DataFrame) -> pd.DataFrame:
 
     return pd.DataFrame([{
         "model": row["model"], "task": TASK_LABELS.get(row["task"], row["task"]),
+        "protocol": row.get("personalise", "none") or "none",
         "subjects tested": number(row["subjects_tested"]), "videos tested": number(row["videos_tested"]),
         "unusable subjects": (f"{len(row['unusable_subjects'].split(','))}: {row['unusable_subjects']}"
                               if row["unusable_subjects"] else "0"),
@@ -262,17 +291,21 @@ def build_report(rows: pd.DataFrame, models: Sequence[str], tasks: Sequence[str]
     and the published rows in three groups (`split_literature`): comparable, same protocol shape, other."""
     literature = read_literature() if literature is None else literature
     tested = tested_subjects(rows)
-    comparable, shape, other = split_literature(literature, tasks, protocol, dataset, tested)
+    personalised = sorted({str(p) for p in rows.get("personalise", pd.Series(dtype=str)) if p and p != "none"})
+    comparable, shape, other = split_literature(literature, tasks, protocol, dataset, tested, bool(personalised))
     counts = sorted({n for task in tasks for n in tested.get(task, set()) if n >= 0})
     matched = (f"{dataset}, {PROTOCOL_LABELS.get(protocol, protocol)}, "
                f"{'/'.join(map(str, counts)) or 'no'} subjects tested (subject set {subject_set}), video only")
-    reason = not_comparable_reason(dataset, tested, shape) if len(shape) else ""
+    reason = not_comparable_reason(dataset, tested, shape, personalised) if len(shape) else ""
     notes = [training_note(rows, protocol)]
     if not len(comparable):
         notes.append(f"no published result is comparable with this run ({matched}): "
                      + (reason or "the published rows below use other protocols, subject counts or inputs"))
     if len(shape):
         notes.append(f"published rows of the same protocol shape are listed apart as NOT comparable: {reason}")
+    if personalised:
+        notes.append(f"personalised protocol ({', '.join(personalised)}): not comparable with plain LOSO or k-fold "
+                     f"numbers, ours or published; a baseline tests fewer videos (the protocol column says how many)")
     if dataset != BIOVID:
         notes.append(f"the {dataset} dataset only has BioVid's structure: its numbers say nothing about BioVid, "
                      f"whatever the protocol or subject set")
@@ -328,7 +361,8 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
                 run_cfg = load_config([*base, *model_overrides(model), f"task={task}"])
                 print(f"== {model} on {task}")
                 run_cv(run_cfg)
-            rows.append(project_row(model, task, cv_runs.finished_cv(client, run_cfg)))
+            asked = PersonaliseConfig.from_config(run_cfg.get("personalise")).label
+            rows.append(project_row(model, task, cv_runs.finished_cv(client, run_cfg), asked))
     rows = pd.DataFrame(rows)
     report = build_report(rows, model_names, task_names, cfg.data.name, cfg.protocol.name, cfg.data.subject_set)
     ours, facts = report["ours"], report["facts"]

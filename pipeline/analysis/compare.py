@@ -9,6 +9,13 @@ tested once, so each backbone has one score per subject from its pooled test vid
 permutation test, Holm-adjusted over every pair and metric (the family is printed; the primary metric is
 `accuracy_at_threshold`). CVs that differ in how they decide, aggregate or sample, or that are incomplete, are
 refused (`check_comparable`).
+
+A personalised CV (`personalise.mode`: subject_normalised, baseline) is a protocol of its own: set against a plain
+one it is refused, naming `personalise.mode`, unless `compare.allow_differences=[personalise]`; then every CV is
+paired on the videos all of them tested (`statistics.common_videos`: a baseline CV's reference recordings left its
+test set, so they are left out of both), and what each CV dropped is printed and logged (`_common_videos.csv`). An
+ordinal or regression output is part of a CV's label (`cv_runs.cv_label`), so softmax and ordinal CVs of one
+backbone are compared with each other as two labels.
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ from matplotlib.ticker import EngFormatter, LogLocator, MaxNLocator, NullFormatt
 from mlflow import MlflowClient
 from mlflow.entities import Run, RunStatus
 
+from pipeline.evaluation.graded import decided_levels, graded_metrics
 from pipeline.evaluation.metrics import plot_reliability
 from pipeline.evaluation.statistics import (
     CALIBRATION_METRICS,
     SUBJECT_METRICS,
     calibration_intervals,
+    common_videos,
     decided_by,
     holm,
     minimum_detectable_effect,
@@ -68,6 +77,11 @@ SUBJECT_PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_subjects", "mean_di
 FAMILY_ALPHA = 0.05  # the family-wise error rate Holm's correction holds
 MDE_POWER = 0.8  # the power the minimum detectable effect (`mde80`) is stated for
 PRIMARY_METRIC = "accuracy_at_threshold"  # pooled/video_accuracy_at_threshold: the one number set beside papers
+# compare.metric may name a graded metric as the primary one instead: then it joins the subject metrics (each
+# subject's mean absolute error over levels of its videos' calls, `graded`), and only then (a default comparison's
+# family of tests is unchanged)
+GRADED_SUBJECT_METRICS = ("mae",)
+PRIMARY_CHOICES = (PRIMARY_METRIC, *(m for m in SUBJECT_METRICS if m != PRIMARY_METRIC), *GRADED_SUBJECT_METRICS)
 POOLED_VIDEOS = "predictions_videos_all_folds.csv"  # a CV parent's pooled test videos (pipeline.runs.cross_validation)
 
 
@@ -124,8 +138,15 @@ def check_same_folds(runs: Mapping[str, Run]) -> None:
 # "(not set)": `cv.seeds` is only logged where several seeds were asked for.
 SAME_TAGS = ("dataset", "task", "protocol", "subject_set", FOLD_FILE_TAG)
 SAME_PARAMS = ("eval.threshold", "cv.seeds", "trainer.aggregation", "trainer.topk", "loader.frames_per_video",
-               "loader.from_s")
+               "loader.from_s", "personalise.mode", "personalise.k")
 NOT_SET = "(not set)"
+PERSONALISE = "personalise"  # compare.allow_differences=[personalise] allows every personalise.* key
+
+
+def is_allowed(key: str, allowed: Sequence[str]) -> bool:
+    """Whether a compared setting may differ: named itself, or its section named (`personalise` for
+    `personalise.mode` and `personalise.k`)."""
+    return key in allowed or key.split(".", 1)[0] in allowed
 
 
 def comparability_problems(runs: Mapping[str, Run | cv_runs.CvSettings], allow_incomplete: bool = False,
@@ -139,7 +160,7 @@ def comparability_problems(runs: Mapping[str, Run | cv_runs.CvSettings], allow_i
     problems = []
     for source, keys in (("tags", SAME_TAGS), ("params", SAME_PARAMS)):
         for key in keys:
-            if key in allowed:
+            if is_allowed(key, allowed):
                 continue
             values = {model: getattr(cv, source).get(key, NOT_SET) for model, cv in settings.items()}
             if len(set(values.values())) > 1:
@@ -202,26 +223,51 @@ def pooled_videos(client: MlflowClient, run: Run) -> pd.DataFrame | None:
     return pd.read_csv(client.download_artifacts(run.info.run_id, POOLED_VIDEOS))
 
 
-def subject_tables(videos: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+def check_primary(primary: str) -> str:
+    """`compare.metric`, the primary metric of the paired tests: one of PRIMARY_CHOICES, else an error listing them."""
+    if primary not in PRIMARY_CHOICES:
+        raise ComparisonError(f"compare.metric={primary!r}: expected one of {', '.join(PRIMARY_CHOICES)}")
+    return primary
+
+
+def graded_subject_scores(videos: pd.DataFrame, class_names: Sequence[str]) -> pd.DataFrame:
+    """Per subject: the mean absolute error over levels of its videos' calls as made (`graded.decided_levels`; the
+    task's classes in level order)."""
+    levels = decided_levels(videos, class_names)
+    errors = (levels["label"] - levels["pred"]).abs()
+    return errors.groupby(levels["subject_name"], sort=True).mean().rename("mae").reset_index()
+
+
+def subject_tables(videos: Mapping[str, pd.DataFrame],
+                   primary: str = PRIMARY_METRIC) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Per model: each subject metric with its subject-bootstrap interval; per subject: the scores; per pair of
-    models and metric: the within-subject permutation test over the subjects both have, Holm-adjusted over all."""
+    models and metric: the within-subject permutation test over the subjects both have, Holm-adjusted over all.
+    `primary` (`compare.metric`): the metric flagged primary; a graded one (`mae`) joins the subject metrics."""
+    graded = primary in GRADED_SUBJECT_METRICS
+    metrics = (*SUBJECT_METRICS, *GRADED_SUBJECT_METRICS) if graded else SUBJECT_METRICS
     intervals, per_subject = [], []
     for model, table in videos.items():
         class_names = [column.removeprefix("prob_") for column in table.columns if column.startswith("prob_")]
         result = subject_intervals(table, class_names)
+        if graded:  # pooled MAE with its subject-bootstrap interval (summed per-subject confusions)
+            result |= {k: v for k, v in graded_metrics(decided_levels(table, class_names), len(class_names)).items()
+                       if k.startswith("mae")}
         n_subjects = table["subject_name"].nunique()
         # a run that logged no decisions was called by argmax: its "at threshold" rows say so
         intervals += [{"model": model, "metric": metric, "value": result[metric], "n_subjects": n_subjects,
                        "decided_by": decided_by(table),
                        "ci95_low": result[f"{metric}_ci95_low"], "ci95_high": result[f"{metric}_ci95_high"]}
-                      for metric in SUBJECT_METRICS]
-        per_subject.append(subject_scores(table, class_names).assign(model=model))
+                      for metric in metrics]
+        scores_of = subject_scores(table, class_names)
+        if graded:
+            scores_of = scores_of.merge(graded_subject_scores(table, class_names), on="subject_name", how="left")
+        per_subject.append(scores_of.assign(model=model))
     scores = pd.concat(per_subject, ignore_index=True) if per_subject else pd.DataFrame()
-    by_seed = {model: seed_scores(table) for model, table in videos.items()}
+    by_seed = {model: seed_scores(table, graded) for model, table in videos.items()}
     several_seeds = any(table["seed"].nunique() > 1 for table in by_seed.values())
     paired = []
     for model_a, model_b in combinations(sorted(videos), 2):
-        for metric in SUBJECT_METRICS:
+        for metric in metrics:
             wide = scores.pivot(index="subject_name", columns="model", values=metric)[[model_a, model_b]].dropna()
             mean_diff, p_value = paired_permutation_test(wide[model_a].to_numpy(), wide[model_b].to_numpy())
             a, b = (by_seed[m].pivot(index="subject_name", columns="seed", values=metric) for m in (model_a, model_b))
@@ -231,7 +277,7 @@ def subject_tables(videos: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd
                            "mean_diff": mean_diff, "diff_ci95_low": low, "diff_ci95_high": high,
                            "interval": "bootstrap over subjects and seeds" if several_seeds else
                            "bootstrap over subjects (trained models fixed)",
-                           "p_value": p_value, "primary": metric == PRIMARY_METRIC})
+                           "p_value": p_value, "primary": metric == primary})
     paired_table = pd.DataFrame(paired, columns=SUBJECT_PAIRED_COLUMNS)
     paired_table["p_holm"] = holm(paired_table["p_value"].to_numpy(dtype=float)) if len(paired_table) else []
     # what the test could have seen: at Holm's strictest level (its first step, alpha / family size), 80 % power
@@ -244,22 +290,29 @@ def subject_tables(videos: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd
     return pd.DataFrame(intervals, columns=SUBJECT_COLUMNS), scores, paired_table
 
 
-def seed_scores(videos: pd.DataFrame) -> pd.DataFrame:
-    """The subject metrics per subject and training seed (one seed, 0, for a CV without `cv.seeds`)."""
+def seed_scores(videos: pd.DataFrame, graded: bool = False) -> pd.DataFrame:
+    """The subject metrics per subject and training seed (one seed, 0, for a CV without `cv.seeds`); `graded`: with
+    each subject's MAE over levels too."""
     class_names = [column.removeprefix("prob_") for column in videos.columns if column.startswith("prob_")]
     if "seed" not in videos.columns:
         videos = videos.assign(seed=0)
-    return pd.concat([subject_scores(part.drop(columns="seed"), class_names).assign(seed=seed)
-                      for seed, part in videos.groupby("seed", sort=True)], ignore_index=True)
+    parts = []
+    for seed, part in videos.groupby("seed", sort=True):
+        scores = subject_scores(part.drop(columns="seed"), class_names)
+        if graded:
+            scores = scores.merge(graded_subject_scores(part, class_names), on="subject_name", how="left")
+        parts.append(scores.assign(seed=seed))
+    return pd.concat(parts, ignore_index=True)
 
 
 def correction_family(paired: pd.DataFrame) -> str:
     """The family Holm's correction runs over, in words."""
     pairs = paired[["model_a", "model_b"]].drop_duplicates()
     metrics = list(dict.fromkeys(paired["metric"]))
+    primary = next(iter(paired.loc[paired["primary"], "metric"]), PRIMARY_METRIC)
     return (f"Holm over {len(paired)} tests: {len(pairs)} pair(s) of backbones ("
             + ", ".join(f"{r.model_a} - {r.model_b}" for r in pairs.itertuples()) + f") x {len(metrics)} metrics ("
-            + ", ".join(metrics) + f"); primary metric: {PRIMARY_METRIC} (pooled/video_accuracy_at_threshold), "
+            + ", ".join(metrics) + f"); primary metric: {primary} (pooled/video_{primary}), "
             f"the others secondary; mde80: the smallest true difference the test detects with {MDE_POWER:.0%} power "
             f"at Holm's first-step level {FAMILY_ALPHA} / {len(paired)}, from the observed per-subject spread")
 
@@ -274,7 +327,7 @@ def plot_subject_intervals(table: pd.DataFrame, path: str | Path) -> None:
         axes.errorbar(range(len(rows)), rows["value"], yerr=np.nan_to_num(errors), fmt="o", capsize=4)
         axes.set_xticks(range(len(rows)), labels=rows["model"], rotation=30)
         axes.set_xlim(-0.5, len(rows) - 0.5)
-        axes.set_ylim(0, 1.02)
+        axes.set_ylim(0, max(1.02, float(np.nanmax(rows["ci95_high"].to_numpy(dtype=float), initial=1.0)) + 0.02))
         axes.set_title(metric.replace("_", " "), fontsize=9)
         axes.grid(alpha=0.3)
     figure.suptitle("pooled test videos, 95 % subject-bootstrap intervals", fontsize=10)
@@ -406,6 +459,7 @@ def compare(
     allow_incomplete: bool = False,
     allow_differences: Sequence[str] = (),
     only: Sequence[str] = (),
+    primary: str = PRIMARY_METRIC,
 ) -> dict:
     """Compare the latest finished CV of every backbone for one dataset/protocol/task, write tables and plots.
 
@@ -415,13 +469,15 @@ def compare(
     `only` keeps the CVs of those labels (`cv_runs.cv_label`) and no others; a label with no CV is an error listing
     the labels there are. `allow_incomplete` makes a smoke comparison of incomplete CVs (marked: tag
     `complete=false`), and settings in `allow_differences` may differ (each is listed in the result's `differences`
-    and the run's tag).
+    and the run's tag). `primary` (`compare.metric`): the paired tests' primary metric (`PRIMARY_CHOICES`; `mae` for
+    a graded task's mean absolute error over levels).
 
     Writes `comparison_<dataset>_<protocol>_<task>[_<subject_set>]` `.csv` (summary), `_paired.csv`, `_folds.csv`
     and `_<metric>.png` into `out_dir`, and logs them as an MLflow run tagged `painvit.run_kind=comparison`.
     The tracking URI defaults to `pipeline.runs.store.tracking.tracking_uri(<project root>)`.
     """
     metrics = list(metrics)
+    check_primary(primary)
     uri = tracking.store_uri(tracking_uri)
     client = MlflowClient(tracking_uri=uri)
     found = client.get_experiment_by_name(experiment)
@@ -455,7 +511,7 @@ def compare(
         )
     check_comparable(runs, allow_incomplete, allow_differences)
     differences = comparability_problems(runs, True, [key for key in (*SAME_TAGS, *SAME_PARAMS)
-                                                      if key not in allow_differences])
+                                                      if not is_allowed(key, allow_differences)])
     complete = {model: run.data.tags.get("complete", "true") == "true" for model, run in runs.items()}
 
     scores = pd.concat([fold_scores(client, run, metrics, label) for label, run in runs.items()], ignore_index=True)
@@ -476,9 +532,14 @@ def compare(
     atomic_write_csv(paths["paired"], paired)
     atomic_write_csv(paths["folds"], scores)
     videos = {model: table for model, run in runs.items() if (table := pooled_videos(client, run)) is not None}
+    common = None
+    if any(difference.startswith(f"{PERSONALISE}.") for difference in differences) and len(videos) >= 2:
+        videos, common = common_videos(videos)  # a personalised CV tested fewer videos: pair on those all tested
+        paths["common_videos"] = out_dir / f"{stem}_common_videos.csv"
+        atomic_write_csv(paths["common_videos"], common)
     subjects = subject_scores_table = subject_paired = calibration = None
     if len(videos) >= 2:
-        subjects, subject_scores_table, subject_paired = subject_tables(videos)
+        subjects, subject_scores_table, subject_paired = subject_tables(videos, primary)
         for name, table in (("subjects", subjects), ("subject_scores", subject_scores_table),
                             ("subjects_paired", subject_paired)):
             paths[name] = out_dir / f"{stem}_{name}.csv"
@@ -531,6 +592,8 @@ def compare(
     tags["complete"] = str(all(complete.values())).lower()  # false: a smoke comparison of incomplete CVs
     if differences:
         tags["compared_despite"] = " | ".join(differences)[:5000]
+    if common is not None:
+        tags["paired_on"] = common_line(common)[:5000]
     comparison_run = client.create_run(experiment_id, tags=tags, run_name=stem)
     run_id = comparison_run.info.run_id
     try:
@@ -565,7 +628,16 @@ def compare(
         "differences": differences,
         "cost": costs,
         "calibration": calibration,
+        "common_videos": common,
     }
+
+
+def common_line(record: pd.DataFrame) -> str:
+    """What pairing on the common videos left out, in words, from `statistics.common_videos`' record."""
+    return "paired on the videos every CV tested: " + "; ".join(
+        f"{row.cv}: {int(row.n_common_videos)} of its {int(row.n_videos)} tested videos ({int(row.n_dropped_videos)} "
+        f"dropped)"
+        for row in record.itertuples())
 
 
 CALIBRATION_NOTE = "pooled over the CV's fold models, each with its own probability scale"
@@ -646,7 +718,8 @@ def run_compare(cfg, tuned: str | None = None) -> dict:
                          else tracking.parse_tune_budget(tuned),
                          allow_incomplete=bool(options.get("allow_incomplete", False)),
                          allow_differences=list(options.get("allow_differences") or []),
-                         only=[str(label) for label in options.get("only") or []])
+                         only=[str(label) for label in options.get("only") or []],
+                         primary=str(options.get("metric") or PRIMARY_METRIC))
     except ComparisonError as error:
         raise SystemExit(f"compare: {error}") from None
     if not all(result["complete"].values()):
@@ -655,6 +728,8 @@ def run_compare(cfg, tuned: str | None = None) -> dict:
               + "; not numbers to publish")
     for difference in result["differences"]:
         print(f"compared although (compare.allow_differences): {difference}")
+    if result["common_videos"] is not None:
+        print(common_line(result["common_videos"]))
     summary = result["summary"]
     wide = summary.pivot_table(index="model", columns="metric", values="mean")
     print("mean over folds (each fold's test subjects; at_threshold: the fold's validation threshold):")

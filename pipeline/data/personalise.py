@@ -62,6 +62,16 @@ class PersonaliseConfig:
         return f"baseline_k{self.k}" if self.mode == "baseline" else self.mode
 
 
+def refuse_unapplied(config: PersonaliseConfig) -> None:
+    """A personalisation protocol is not yet applied by a fold job (its frozen-probe and two-stage paths are the
+    seam left to wire): a CV asked for one is refused before it plans anything, rather than a plain model trained
+    and recorded under the protocol's name."""
+    if config.mode != "none":
+        raise ValueError(f"personalise={config.mode} ({config.label}) is not applied by a fold job yet: the "
+                         f"functions exist (pipeline/data/personalise.py) but no training path calls them, so this "
+                         f"CV would be a plain one under a personalised name; run it with personalise=none")
+
+
 def _check_features(subjects: np.ndarray, features: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
     subjects, features = np.asarray(subjects), np.asarray(features, dtype=float)
     if features.ndim != 2 or subjects.shape != (len(features),):

@@ -16,6 +16,11 @@ A clip model (`ClipNet`: the frame backbone and its temporal head) is exported w
 face's crops in time order in, logits (N, n_classes) out, with N and T free (the scorer's window holds fewer than T
 crops at the start of a video; a transformer head takes T up to its `max_frames`). Its input contract says T and how
 the timeline's windows are made.
+
+A frame model with an ordinal or regression output (`model/output=ordinal|regression`) is exported with its head
+decoding (`ordinal.LevelProbabilities`): its output is `level_probabilities` (N, K), the probabilities of the task's
+levels in class order (non-negative, summing to 1), not logits; the contract's `output` names it and its
+`pain_probability` says how to read it (the sum over the levels >= the model's pain level; at level 1, 1 - P(BL1)).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from omegaconf import DictConfig
 from pipeline.data.augment import eval_transform_steps
 from pipeline.models.backbones import PainNet
 from pipeline.models.model_file import clip_spacing_of, data_config_of
+from pipeline.models.ordinal import LevelHead, LevelProbabilities
 from pipeline.models.scoring import FrameScorer, crop_contract
 from pipeline.models.temporal_heads import ClipNet
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text
@@ -46,6 +52,22 @@ def input_name(net: PainNet | ClipNet) -> str:
     return "clip" if isinstance(net, ClipNet) else "image"
 
 
+LEVEL_OUTPUT = "level_probabilities"  # an ordinal or regression model's ONNX output; a softmax model's is "logits"
+
+
+def exported_network(net: PainNet | ClipNet) -> PainNet | ClipNet:
+    """What is exported of `net`: itself (its logits), or for an ordinal or regression head the same backbone under
+    `LevelProbabilities(head)` (its level probabilities), sharing the weights."""
+    if isinstance(net, PainNet) and isinstance(net.head, LevelHead):
+        return PainNet(net.backbone, net.head.n_levels, LevelProbabilities(net.head))
+    return net
+
+
+def output_name(net: PainNet | ClipNet) -> str:
+    """The ONNX output's name: `level_probabilities` for an ordinal or regression model, else `logits`."""
+    return LEVEL_OUTPUT if isinstance(exported_network(net).head, LevelProbabilities) else "logits"
+
+
 def example_input(net: PainNet | ClipNet, img_size: int, batch: int = 1, frames: int = 2,
                   rng: np.random.Generator | None = None) -> torch.Tensor:
     """A batch of the network's input shape: zeros, or standard-normal draws of `rng`."""
@@ -56,30 +78,31 @@ def example_input(net: PainNet | ClipNet, img_size: int, batch: int = 1, frames:
 
 
 def export_onnx(net: PainNet | ClipNet, img_size: int, path: Path, opset: int = OPSET) -> Path:
-    """Write `net` (eval mode, CPU) as ONNX with input `image` (a clip model: `clip`) and output `logits`; the
-    batch size (and a clip's length) dynamic."""
-    net = net.eval().cpu()
+    """Write `net` (eval mode, CPU) as ONNX with input `image` (a clip model: `clip`) and output `logits` (an ordinal
+    or regression model: `level_probabilities`, `exported_network`); the batch size (and a clip's length) dynamic."""
+    output = output_name(net)
+    net = exported_network(net.eval().cpu())
     name = input_name(net)
     axes = {0: "batch", 1: "frames"} if isinstance(net, ClipNet) else {0: "batch"}
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path, suffix=".onnx") as tmp, torch.no_grad():
         torch.onnx.export(net, (example_input(net, img_size),), str(tmp), input_names=[name],
-                          output_names=["logits"], dynamic_axes={name: axes, "logits": {0: "batch"}},
+                          output_names=[output], dynamic_axes={name: axes, output: {0: "batch"}},
                           opset_version=opset, dynamo=False)
     return path
 
 
 def onnx_difference(net: PainNet | ClipNet, path: Path, img_size: int, batch: int = 3, seed: int = 0,
                     frames: int = 3) -> float:
-    """Largest absolute difference between ONNX Runtime's and PyTorch's logits on a random batch (of clips of
-    `frames` crops for a clip model)."""
+    """Largest absolute difference between ONNX Runtime's and PyTorch's output (logits, or an ordinal model's level
+    probabilities) on a random batch (of clips of `frames` crops for a clip model)."""
     import onnxruntime
 
     inputs = example_input(net, img_size, batch, frames, np.random.default_rng(seed))
     with torch.no_grad():
-        expected = net.eval().cpu()(inputs).numpy()
+        expected = exported_network(net.eval().cpu())(inputs).numpy()
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    got = session.run(["logits"], {input_name(net): inputs.numpy()})[0]
+    got = session.run([output_name(net)], {input_name(net): inputs.numpy()})[0]
     return float(np.abs(got - expected).max())
 
 
@@ -101,17 +124,27 @@ def input_contract(scorer: FrameScorer, source: str) -> dict:
                    f"the earliest, each crop once (fewer at the start of a video); the last crops when it is null"}
     layout = "NTCHW" if clip else "NCHW"
     aggregation = scorer.aggregation + (f" of the top {scorer.topk}" if scorer.aggregation == "topk" else "")
+    output = output_name(scorer.net)
+    level = scorer.output.pain_level
+    if output == LEVEL_OUTPUT:  # an ordinal or regression model: its level probabilities, read as they are
+        pain = (f"sum of level_probabilities over the classes {', '.join(scorer.class_names[level:])} (levels >= "
+                f"{level}; at level 1 this is 1 - P(class 'BL1')); level_probabilities are the task's levels' "
+                f"probabilities in class order, non-negative and summing to 1: no softmax")
+        video = f"aggregated by {aggregation}, then the sum over the levels >= {level}"
+    else:
+        pain = "1 - softmax(logits)[class 'BL1'] (float32 logits)"
+        video = f"aggregated by {aggregation}, then 1 - P(BL1)"
     return {"contract_version": CONTRACT_VERSION, "source": source, "model": scorer.meta.get("model_name"),
-            "input": input_name(scorer.net), "output": "logits", "layout": layout, "dtype": "float32",
+            "input": input_name(scorer.net), "output": output, "layout": layout, "dtype": "float32",
             "channels": "RGB", **clip, "input_size": list(data_config.input_size), "mean": list(data_config.mean),
             "std": list(data_config.std), "crop_fraction": crop_fraction,
             "face_crop": crop_contract(scorer.settings),
             "transform": eval_transform_steps(data_config, crop_fraction, (crop_size, crop_size)),
-            "class_names": scorer.class_names, "pain_probability": "1 - softmax(logits)[class 'BL1'] (float32 logits)",
+            "class_names": scorer.class_names, "pain_probability": pain,
+            **({"output_settings": scorer.output.meta()["output"]} if output == LEVEL_OUTPUT else {}),
             "threshold": scorer.threshold, "decision": "pain when pain_probability >= threshold",
             "video_aggregation": scorer.aggregation, "topk": scorer.topk,
-            "video_score": f"the class probabilities of the video's scored crops (windows of a clip model) "
-                           f"aggregated by {aggregation}, then 1 - P(BL1)"}
+            "video_score": f"the class probabilities of the video's scored crops (windows of a clip model) {video}"}
 
 
 def export_scorer(scorer: FrameScorer, name: str, out_dir: Path) -> Path:

@@ -75,24 +75,6 @@ def macro_f1_of(confusion: np.ndarray) -> np.ndarray:
 METRIC_OF = {"mae": mae_of, "qwk": qwk_of, "accuracy": accuracy_of, "macro_f1": macro_f1_of}
 
 
-def ordinal_decision(probs: np.ndarray) -> np.ndarray:
-    """The level an ordinal model calls from level probabilities (N, K), a video's averaged ones included: the
-    number of k with P(level > k) > 0.5 (CORAL's rule, and CORN's on its product-rule probabilities)."""
-    probs = np.asarray(probs, dtype=float)
-    above = 1.0 - np.cumsum(probs, axis=1)[:, :-1]
-    return (above > 0.5).sum(axis=1)
-
-
-def pain_probability(probs: np.ndarray, level: int) -> np.ndarray:
-    """P(level >= `level`) from level probabilities (N, K): an ordinal model's binary pain score of a video (its
-    frames' mean level probabilities), what the threshold rules take; at level 1 it is 1 - P(BL1), the rule of a
-    binary softmax model."""
-    probs = np.asarray(probs, dtype=float)
-    if not 1 <= level < probs.shape[1]:
-        raise ValueError(f"pain level {level} outside 1..{probs.shape[1] - 1}")
-    return probs[:, level:].sum(axis=1)
-
-
 def expected_level(probs: np.ndarray) -> np.ndarray:
     """The mean level under the level probabilities (N, K): a graded score for Spearman."""
     probs = np.asarray(probs, dtype=float)
@@ -219,3 +201,39 @@ def write_level_confusion(videos: pd.DataFrame, class_names: Sequence[str], fold
     atomic_write_csv(csv_path, table.reset_index())
     plot_confusion(table.to_numpy(), class_names, png_path, title=title)
     return csv_path, png_path
+
+
+def decided_levels(videos: pd.DataFrame, class_names: Sequence[str]) -> pd.DataFrame:
+    """A fold's (or a CV's) test videos as a graded table: `pred` the level each video was called as the call was
+    made (`decision`: the fold's threshold on a binary task, argmax or an ordinal model's `ordinal_decision`;
+    `pred` where there is none) and `score` its expected level under its `prob_<class>` (`class_names` in level
+    order), Spearman's graded score."""
+    probs = videos[[f"prob_{name}" for name in class_names]].to_numpy(dtype=float)
+    called = videos["decision"] if "decision" in videos.columns else videos["pred"]
+    return videos.assign(pred=called.to_numpy(dtype=int), score=expected_level(probs))
+
+
+def _named(metrics: dict[str, float]) -> dict[str, float]:
+    """Graded metrics as a run logs them, `video_<metric>`; accuracy left out (a fold logs `video_accuracy`, and
+    `video_accuracy_at_threshold` for the calls at its threshold, already)."""
+    return {f"video_{name}": value for name, value in metrics.items() if not name.startswith("accuracy")}
+
+
+def fold_graded_metrics(videos: pd.DataFrame, class_names: Sequence[str], **options) -> dict[str, float]:
+    """A fold's graded metrics of its test videos (`decided_levels`), each with its subject-bootstrap interval:
+    `video_mae`, `video_qwk`, `video_macro_f1`, `video_spearman_within_subject` and its counts."""
+    return _named(graded_metrics(decided_levels(videos, class_names), len(class_names), **options))
+
+
+def cv_graded_table(videos: pd.DataFrame, class_names: Sequence[str],
+                    **options) -> tuple[pd.DataFrame, dict[str, float]]:
+    """A CV's test videos of every fold (a `fold` column) as `graded_table` (pooled and per fold), and its pooled
+    rows as the parent run logs them: `pooled/video_<metric>` with `_ci95_low` and `_ci95_high` (subject bootstrap)."""
+    table = graded_table(decided_levels(videos, class_names), len(class_names), **options)
+    summary: dict[str, float] = {}
+    for row in table[table["scope"] == "pooled"].itertuples(index=False):
+        values = {str(row.metric): float(row.value)}
+        if not str(row.metric).startswith(f"{SPEARMAN}_n_"):
+            values |= {f"{row.metric}_ci95_low": float(row.ci95_low), f"{row.metric}_ci95_high": float(row.ci95_high)}
+        summary |= {f"pooled/{name}": value for name, value in _named(values).items()}
+    return table, summary

@@ -16,7 +16,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from sklearn.metrics import accuracy_score, balanced_accuracy_score, f1_score, roc_auc_score, roc_curve
 
-from pipeline.evaluation.aggregation import check_aggregation
+from pipeline.evaluation.aggregation import called_classes, check_aggregation
 from pipeline.utils.atomic_io import save_png
 
 VIDEO_KEYS = ["subject_name", "sample_name"]
@@ -43,9 +43,10 @@ def _require_columns(table: pd.DataFrame, columns: Sequence[str], what: str) -> 
         raise ValueError(f"{what} is missing columns {missing}; it has {list(table.columns)}")
 
 
-def aggregate_videos(frames: pd.DataFrame, method: str = "mean", k: int = 3) -> pd.DataFrame:
+def aggregate_videos(frames: pd.DataFrame, method: str = "mean", k: int = 3, ordinal: bool = False) -> pd.DataFrame:
     """One row per video from per-frame class probabilities, by the rule of `pipeline.evaluation.aggregation`
-    (the one `make predict` applies to a new video); `pred` is the argmax class index."""
+    (the one `make predict` applies to a new video); `pred` is the argmax class index (`ordinal`: the level
+    `aggregation.ordinal_decision` calls from the video's level probabilities)."""
     check_aggregation(method, k)
     _require_columns(frames, [*VIDEO_KEYS, "label"], "frame table")
     prob_columns = probability_columns(frames)
@@ -87,13 +88,14 @@ def aggregate_videos(frames: pd.DataFrame, method: str = "mean", k: int = 3) -> 
 
     videos = labels_per_video[["first"]].rename(columns={"first": "label"}).astype({"label": int})
     videos = videos.join(probs)
-    videos["pred"] = np.argmax(videos[prob_columns].to_numpy(), axis=1)
+    videos["pred"] = called_classes(videos[prob_columns].to_numpy(), ordinal)
     videos["n_frames"] = labels_per_video["size"].astype(int)
     return videos.reset_index()
 
 
-def classification_metrics(labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
-    """Accuracy, balanced accuracy, AUROC and F1 of argmax predictions.
+def classification_metrics(labels: np.ndarray, probs: np.ndarray, preds: np.ndarray | None = None) -> dict[str, float]:
+    """Accuracy, balanced accuracy, AUROC and F1 of argmax predictions (or of the classes `preds` called: an ordinal
+    model's levels).
 
     Binary (two columns): AUROC of class 1's probability and F1 of class 1. Multiclass: macro one-vs-rest AUROC
     over the classes that have both positives and negatives, and macro F1 over the classes seen in labels or
@@ -117,7 +119,7 @@ def classification_metrics(labels: np.ndarray, probs: np.ndarray) -> dict[str, f
     if not np.isfinite(probs).all():
         raise ValueError("probs contain NaN or infinite values")
 
-    preds = probs.argmax(axis=1)
+    preds = probs.argmax(axis=1) if preds is None else np.asarray(preds, dtype=int)
     present = np.unique(labels)
     if n_classes == 2:
         f1 = f1_score(labels, preds, pos_label=1, average="binary", zero_division=0)
@@ -183,23 +185,27 @@ class Evaluation:
 
 
 def evaluate_predictions(
-    frames: pd.DataFrame, class_names: Sequence[str], aggregation: str = "mean", k: int = 3
+    frames: pd.DataFrame, class_names: Sequence[str], aggregation: str = "mean", k: int = 3, ordinal: bool = False
 ) -> Evaluation:
-    """Frame and video metrics for one fold's per-frame predictions; per-subject accuracy is video-level."""
+    """Frame and video metrics for one fold's per-frame predictions; per-subject accuracy is video-level. `ordinal`:
+    the probabilities are an ordinal or regression output's level probabilities, and frames and videos are called
+    by `aggregation.ordinal_decision` instead of argmax."""
     prob_columns = probability_columns(frames, class_names)
     _require_columns(frames, [*VIDEO_KEYS, "label"], "frame table")
     frames = frames[[*VIDEO_KEYS, "label", *prob_columns]]
-    videos = aggregate_videos(frames, method=aggregation, k=k)
+    videos = aggregate_videos(frames, method=aggregation, k=k, ordinal=ordinal)
     frame_labels = frames["label"].to_numpy()
     frame_probs = frames[prob_columns].to_numpy(dtype=float)
+    frame_preds = called_classes(frame_probs, ordinal)
     video_labels = videos["label"].to_numpy()
     n_classes = len(class_names)
     return Evaluation(
-        frame_metrics=classification_metrics(frame_labels, frame_probs),
-        video_metrics=classification_metrics(video_labels, videos[prob_columns].to_numpy(dtype=float)),
+        frame_metrics=classification_metrics(frame_labels, frame_probs, frame_preds),
+        video_metrics=classification_metrics(video_labels, videos[prob_columns].to_numpy(dtype=float),
+                                             videos["pred"].to_numpy()),
         video_predictions=videos,
         per_subject=per_subject_accuracy(videos),
-        confusion_frame=confusion(frame_labels, frame_probs.argmax(axis=1), n_classes),
+        confusion_frame=confusion(frame_labels, frame_preds, n_classes),
         confusion_video=confusion(video_labels, videos["pred"].to_numpy(), n_classes),
     )
 

@@ -169,7 +169,9 @@ def decide_fold(val_videos: pd.DataFrame, test_videos: pd.DataFrame, class_names
     test_videos = test_videos.copy()
     if len(class_names) != 2:
         test_videos["threshold"] = float("nan")
-        test_videos["decision"] = test_videos[[f"prob_{name}" for name in class_names]].to_numpy().argmax(axis=1)
+        # the class each video was called (`pred`: argmax, an ordinal model's ordinal_decision)
+        test_videos["decision"] = (test_videos["pred"].to_numpy() if "pred" in test_videos.columns else
+                                   test_videos[[f"prob_{name}" for name in class_names]].to_numpy().argmax(axis=1))
         return FoldDecision(float("nan"), test_videos, {})
     threshold, fallback = video_threshold(val_videos, class_names, rule)
     labels, scores = threshold_scores(test_videos, class_names)

@@ -275,12 +275,13 @@ def _on_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class PainNet(nn.Module):
-    """A backbone with a freshly initialised linear head: images -> logits (B, n_classes)."""
+    """A backbone with a freshly initialised linear head: images -> logits (B, n_classes); or with the output head
+    given (`pipeline.models.ordinal.build_output_head`: an ordinal or regression head over the task's levels)."""
 
-    def __init__(self, backbone: Backbone, n_classes: int) -> None:
+    def __init__(self, backbone: Backbone, n_classes: int, head: nn.Module | None = None) -> None:
         super().__init__()
         self.backbone = backbone
-        self.head = nn.Linear(backbone.num_features, n_classes)
+        self.head = nn.Linear(backbone.num_features, n_classes) if head is None else head
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.head(self.backbone(images))

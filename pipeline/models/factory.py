@@ -3,8 +3,9 @@ composes its models.
 
 `create_model(name, n_classes, ...)` builds the backbone adapter (`pipeline.models.backbones.create_backbone`: timm,
 transformers' CvT or the reference ViT, with its weights resolved by `pipeline.models.weights`), puts a fresh
-`Linear(D, n_classes)` head on it (`PainNet`, a frame model), wraps it with a temporal head when `head` names one
-(`ClipNet`, a clip model: `pipeline.models.temporal_heads`), prepares it for its fine-tuning strategy
+`Linear(D, n_classes)` head on it (`PainNet`, a frame model; `output` an ordinal or regression output:
+`pipeline.models.ordinal.build_output_head` over the task's levels instead), wraps it with a temporal head when `head`
+names one (`ClipNet`, a clip model: `pipeline.models.temporal_heads`), prepares it for its fine-tuning strategy
 (`pipeline.models.finetune`: what trains, adapters) and puts it in channels-last memory when asked. Every caller builds
 its network here: a fold, a trial and the final model (through `pipeline.runs.fold_job.build_network`, which also
 checks the planned weights), `make pretrain`, a kept model read back (`pipeline.models.model_file`), the cost
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from pipeline.models.backbones import PainNet, create_backbone
+from pipeline.models.ordinal import OutputConfig, build_output_head, check_frame_output
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
 from pipeline.models.weights import WeightsSource
 
@@ -33,17 +35,22 @@ if TYPE_CHECKING:  # peft's import takes a second: a kept model read back for sc
 
 def create_model(name: str, n_classes: int = 2, *, pretrained: bool | str = False, weights: str | Path | None = None,
                  img_size: int | None = None, head: HeadConfig | None = None,
-                 strategy: FinetuneStrategy | None = None,
-                 channels_last: bool = False) -> tuple[PainNet | ClipNet, WeightsSource]:
+                 strategy: FinetuneStrategy | None = None, channels_last: bool = False,
+                 output: OutputConfig | None = None) -> tuple[PainNet | ClipNet, WeightsSource]:
     """The network of backbone `name` (one of `backbones.BACKBONE_NAMES` or any timm model name) and where its
     weights came from.
 
     `pretrained` / `weights` / `img_size`: as `create_backbone` takes them. `head`: a temporal head (anything but
     `linear`) makes a clip model, the frame backbone under that head; None or `linear`: the frame model. `strategy`:
     prepared on the network (what trains; LoRA adapters injected). `channels_last`: the network's weights in
-    channels-last memory (and a clip model's frames run so)."""
+    channels-last memory (and a clip model's frames run so). `output`: the last layer (None or softmax: the
+    `Linear(D, n_classes)` the network always had; ordinal or regression over `n_classes` levels: a frame model
+    only)."""
+    output = output or OutputConfig("softmax")
+    check_frame_output(output, head is not None and head.temporal)
     backbone, source = create_backbone(name, pretrained=pretrained, weights=weights, img_size=img_size)
-    net: PainNet | ClipNet = PainNet(backbone, n_classes)
+    last = None if output.name == "softmax" else build_output_head(output, backbone.num_features, n_classes)
+    net: PainNet | ClipNet = PainNet(backbone, n_classes, last)
     if head is not None and head.temporal:
         net = clip_model(backbone, build_temporal_head(head, backbone.num_features, n_classes))
     if strategy is not None:

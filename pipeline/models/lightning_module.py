@@ -1,4 +1,6 @@
-"""`PainLightningModule`: the LightningModule that fine-tunes a backbone + Linear(D, n_classes) head.
+"""`PainLightningModule`: the LightningModule that fine-tunes a backbone + Linear(D, n_classes) head (or an ordinal
+or regression head over the task's levels, `pipeline.models.ordinal`: its own loss, its level probabilities as the
+`prob_<class>` columns and the video's level called by `aggregation.ordinal_decision`).
 
 The recipe for a small dataset: a lower learning rate for the backbone than for the fresh head, decaying further
 towards the stem (layer-wise decay), linear warm-up then cosine decay applied to every group's own LR, optional
@@ -23,6 +25,7 @@ from torch.nn import functional as F
 
 from pipeline.evaluation.metrics import Evaluation, evaluate_predictions
 from pipeline.models.finetune import FinetuneStrategy
+from pipeline.models.ordinal import LevelHead, output_probabilities
 
 log = logging.getLogger(__name__)
 BACKBONE_PREFIX = "model.backbone."  # the backbone's keys in the module's state dict
@@ -109,6 +112,16 @@ class PainLightningModule(pl.LightningModule):
         # whose videos the fold's decision threshold is chosen
         self.val_evaluation: Evaluation | None = None
         self._warned_undefined: set[str] = set()
+        if self.level_head is not None and (class_weights is not None or label_smoothing):
+            raise ValueError(f"trainer.class_weights and trainer.label_smoothing are settings of the cross-entropy "
+                             f"loss; the {type(self.level_head).__name__} output has its own loss and takes neither "
+                             f"(class_weights={class_weights}, label_smoothing={label_smoothing})")
+
+    @property
+    def level_head(self) -> LevelHead | None:
+        """The network's last layer when it is an ordinal or regression head over levels; None for softmax."""
+        head = getattr(self.model, "head", None)
+        return head if isinstance(head, LevelHead) else None
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.channels_last and images.ndim == 4:  # a clip model converts its flattened frames itself
@@ -139,13 +152,16 @@ class PainLightningModule(pl.LightningModule):
         return self
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.level_head is not None:
+            return self.level_head.loss(logits.float(), labels)
         return F.cross_entropy(logits.float(), labels, weight=self.class_weights, label_smoothing=self.label_smoothing)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, labels, _ = batch
         logits = self(images)
         loss = self._loss(logits, labels)
-        accuracy = (logits.argmax(dim=1) == labels).float().mean()
+        called = logits.argmax(dim=1) if self.level_head is None else self.level_head.predicted_level(logits.float())
+        accuracy = (called == labels).float().mean()
         self.log("train/loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=len(labels))
         self.log("train/frame_accuracy", accuracy, on_step=False, on_epoch=True, batch_size=len(labels))
         return loss
@@ -154,7 +170,7 @@ class PainLightningModule(pl.LightningModule):
         images, labels, rows = batch
         logits = self(images)
         self.log(f"{stage}/loss", self._loss(logits, labels), on_step=False, on_epoch=True, batch_size=len(labels))
-        self._outputs[stage].append((rows.cpu(), logits.float().softmax(dim=1).cpu()))
+        self._outputs[stage].append((rows.cpu(), output_probabilities(self.model.head, logits.float()).cpu()))
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -179,7 +195,8 @@ class PainLightningModule(pl.LightningModule):
         in the monitored metric is an error that says what to monitor instead.
         """
         predictions = self._predictions(stage)
-        evaluation = evaluate_predictions(predictions, self.class_names, aggregation=self.aggregation, k=self.topk)
+        evaluation = evaluate_predictions(predictions, self.class_names, aggregation=self.aggregation, k=self.topk,
+                                          ordinal=self.level_head is not None)
         metrics = evaluation.metrics(prefix=f"{stage}/")
         undefined = sorted(name for name, value in metrics.items() if not np.isfinite(value))
         if undefined and stage not in self._warned_undefined:

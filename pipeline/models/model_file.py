@@ -7,7 +7,8 @@ trained on (crop window, crop fraction, crops per clip, mean/std), the weights i
 
 A clip model (`ClipNet`: a frame backbone and a temporal head, `pipeline.models.temporal_heads`) carries its head's
 settings in `meta["head"]`, its clip length in `meta["loader"]["clip_frames"]` and the seconds between its training
-clips' crops in `meta["loader"]["clip_spacing_s"]`; a frame model has none of them.
+clips' crops in `meta["loader"]["clip_spacing_s"]`; a frame model has none of them. A frame model with an ordinal or
+regression output records it in `meta["output"]` (`OutputConfig.meta`; absent: softmax) and is rebuilt with it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 
 from pipeline.models.backbones import DataConfig, PainNet
 from pipeline.models.factory import create_model
+from pipeline.models.ordinal import OutputConfig
 from pipeline.models.temporal_heads import ClipNet, HeadConfig
 from pipeline.utils.atomic_io import atomic_path
 
@@ -77,7 +79,7 @@ def _build_net(meta: dict[str, Any]) -> PainNet | ClipNet:
     """The network `meta` describes, freshly initialised (on the current default device)."""
     head = HeadConfig.from_config(meta["head"]) if meta.get("head") else None
     net, _ = create_model(meta["model_name"], len(meta["class_names"]), pretrained=False, img_size=meta["img_size"],
-                          head=head)
+                          head=head, output=OutputConfig.from_config(meta.get("output")))
     return net
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -64,6 +64,11 @@ class OutputConfig:
             raise ValueError(f"model.output.pain_level={config.pain_level!r}: expected a level of 1 or more")
         return config
 
+    def meta(self) -> dict[str, Any]:
+        """What a kept model records of its output (`model_file`): nothing for softmax (a kept model without the
+        key is softmax, as every model kept before outputs existed), else `{"output": <the settings>}`."""
+        return {} if self.name == "softmax" else {"output": asdict(self)}
+
     @property
     def label(self) -> str:
         """How a run names its output: softmax, ordinal_coral, ordinal_corn, regression_huber."""
@@ -80,6 +85,27 @@ def task_levels(task: Task, config: OutputConfig) -> int:
             raise ValueError(f"model.output.pain_level={config.pain_level} is not a level of task {task.name!r} "
                              f"(levels 0..{task.n_classes - 1}: {', '.join(task.classes)})")
     return task.n_classes
+
+
+def graded_scoring(task: Task, config: OutputConfig) -> bool:
+    """Whether a task's test videos are scored with the graded metrics (`evaluation.graded`: MAE, kappa, Spearman
+    within subject, the level-ordered confusion): a task whose classes are BioVid's levels in order, with more than
+    two of them (five_class) or an output over levels (ordinal, regression). A binary softmax task is not: its MAE is
+    1 - accuracy and its kappa Cohen's, beside the accuracy and balanced accuracy it logs already, and a default
+    run's metrics stay as they were."""
+    try:
+        graded_levels(task)
+    except ValueError:
+        return False
+    return task.n_classes > 2 or config.name != "softmax"
+
+
+def check_frame_output(config: OutputConfig, temporal_head: bool) -> None:
+    """An ordinal or regression output is a frame model's last layer; a temporal head (end to end or two-stage)
+    predicts softmax logits over the classes, so the pair is refused, naming both settings."""
+    if config.name != "softmax" and temporal_head:
+        raise ValueError(f"model.output={config.label} is the output of a frame model (model.head.name=linear); a "
+                         f"temporal head's output is softmax: choose model/output=softmax or model.head.name=linear")
 
 
 def _check_levels(n_levels: int) -> None:

@@ -38,9 +38,10 @@ from pipeline.data.faces import (
     retry_rotated,
 )
 from pipeline.data.tasks import no_pain_index
-from pipeline.evaluation.aggregation import aggregate_class_probabilities, check_aggregation
+from pipeline.evaluation.aggregation import aggregate_class_probabilities, check_aggregation, pain_probability
 from pipeline.models.backbones import PainNet
 from pipeline.models.model_file import clip_frames_of, clip_spacing_of, data_config_of
+from pipeline.models.ordinal import OutputConfig, output_probabilities
 from pipeline.models.temporal_heads import ClipNet
 
 OUTPUT_COLUMNS = ("frame", "face_found", "pain_probability", "pain")
@@ -338,12 +339,20 @@ class FrameScorer:
         self.timings = Timings()
         self.faces = FaceFinder(settings, device)
         self.clip_frames = clip_frames_of(meta)
+        self.output = OutputConfig.from_config(meta.get("output"))  # softmax, or an ordinal / regression output
         if self.clip_frames is not None and self.ensemble:
             raise ValueError("a fold ensemble of clip models is not supported; score one clip model")
 
     @property
     def no_pain_index(self) -> int:
         return no_pain_index(self.class_names)
+
+    def pain_scores(self, class_probs: np.ndarray) -> np.ndarray:
+        """The pain probability of rows of class probabilities (N, C): 1 - P(no pain) for a softmax model; for an
+        ordinal or regression model P(level >= pain_level) of its level probabilities (1 - P(BL1) at level 1)."""
+        if self.output.pain_level is None:
+            return 1.0 - class_probs[:, self.no_pain_index]
+        return pain_probability(class_probs, self.output.pain_level)
 
     def find_faces(self, frames_bgr: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Every face of every frame (`FaceFinder.find`)."""
@@ -375,13 +384,13 @@ class FrameScorer:
         for start in range(0, len(crops_rgb), self.batch_size):
             batch = torch.stack([self.transform(image=c)["image"] for c in crops_rgb[start:start + self.batch_size]])
             batch = batch.to(self.device)
-            probs = [n(batch).float().softmax(dim=1).cpu().numpy() for n in (self.net, *self.ensemble)]
+            probs = [output_probabilities(n.head, n(batch).float()).cpu().numpy() for n in (self.net, *self.ensemble)]
             out.append(np.mean(probs, axis=0))
         return np.concatenate(out)
 
     def probabilities(self, crops_rgb: Sequence[np.ndarray]) -> np.ndarray:
-        """Pain probability (1 - P(no pain)) of each crop."""
-        return 1.0 - self.class_probabilities(crops_rgb)[:, self.no_pain_index]
+        """Pain probability (1 - P(no pain); an ordinal model's P(level >= pain_level)) of each crop."""
+        return self.pain_scores(self.class_probabilities(crops_rgb))
 
     @torch.inference_mode()
     def window_probabilities(self, crops_rgb: Sequence[np.ndarray], follower: FaceFollower,
@@ -429,7 +438,7 @@ class FrameScorer:
         self.timings.frames += len(frames_bgr)
         per_class = np.full((len(frames_bgr), len(self.class_names)), np.nan)
         per_class[with_face] = class_probs
-        probability = 1.0 - per_class[:, self.no_pain_index]
+        probability = self.pain_scores(per_class)
         found = np.zeros(len(frames_bgr), dtype=bool)
         found[with_face] = True
         pain = [bool(p >= self.threshold) if f else None for p, f in zip(probability, found, strict=True)]
@@ -455,4 +464,4 @@ class FrameScorer:
         if not len(probs):
             return float("nan")
         video = aggregate_class_probabilities(probs, self.aggregation, self.topk)
-        return float(1.0 - video[self.no_pain_index])
+        return float(self.pain_scores(video[None])[0])

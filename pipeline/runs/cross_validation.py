@@ -41,6 +41,7 @@ from pipeline.data.exclusions import (
 )
 from pipeline.data.prepare import prepare_data, read_fold_file, subject_set_tags
 from pipeline.data.tasks import get_task
+from pipeline.evaluation.graded import cv_graded_table, decided_levels, write_level_confusion
 from pipeline.evaluation.metrics import (
     classification_metrics,
     decided_confusions,
@@ -53,6 +54,7 @@ from pipeline.evaluation.metrics import (
 from pipeline.evaluation.statistics import calibration_intervals, subject_intervals, subject_scores
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
+from pipeline.models.ordinal import OutputConfig, graded_scoring
 from pipeline.models.weights import WeightsSource, weights_provenance
 from pipeline.runs import launchers
 from pipeline.runs.fold_job import (
@@ -215,6 +217,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
                     tracking.PRECISION_ASKED_TAG: decisions.precision, "model_family": decisions.model_family,
                     "cpu": cpu_description(), **device_tags(cfg), **library_versions(), **weights.as_tags(),
                     **finetune_tags(cfg),  # with whether augment.* was applied (a frozen head on plain embeddings)
+                    **cv_runs.protocol_tags(cfg),  # output and personalisation protocol (descriptive: not identity)
                     **people_checked,
                     **subject_set_tags(fold_file),
                     "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped)),
@@ -519,6 +522,8 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     # with subject-bootstrap intervals; pooled over the fold models (cv/video_brier_mean, _ece_mean: per fold)
     summary.update({f"pooled/video_{k}": v for k, v in calibration_intervals(videos, class_names).items()})
     summary.update(tested_counts(videos, resolve_path(cfg.fold_file), sorted({r.fold for r in results})))
+    graded = graded_cv(cfg, results, class_names)  # a graded task's MAE, kappa, ... pooled and per fold, or None
+    summary.update(graded[1] if graded else {})
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
     for chunk in cv_runs.chunks(metrics, 500):
@@ -547,9 +552,24 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
                           (videos["label"].to_numpy(), videos[prob_columns].to_numpy())},
                          out / "reliability_video_pooled.png")
         decided_per_subject(videos).to_csv(out / "accuracy_per_subject.csv", index=False)
+        if graded:
+            graded[0].to_csv(out / "graded_metrics.csv", index=False)
+            write_level_confusion(graded[2], class_names, out, "confusion_levels_pooled",
+                                  "all test videos by level, at each fold's decision")
         subject_scores(videos, class_names).to_csv(out / "scores_per_subject.csv", index=False)
         client.log_artifacts(run_id, str(out))
     return summary
+
+
+def graded_cv(cfg: DictConfig, results: list[FoldResult],
+              class_names) -> tuple[pd.DataFrame, dict[str, float], pd.DataFrame] | None:
+    """A graded task's (`ordinal.graded_scoring`) metrics over every fold's test videos: the table pooled and per
+    fold, the pooled metrics with subject-bootstrap intervals, the graded videos; None for another task."""
+    if not graded_scoring(get_task(cfg.task.name), OutputConfig.from_config(cfg.model.get("output"))):
+        return None
+    videos = pd.concat([r.video_predictions.assign(fold=r.fold) for r in results], ignore_index=True)
+    table, pooled = cv_graded_table(videos, class_names)
+    return table, pooled, decided_levels(videos, class_names)
 
 
 def pooled_at_threshold(videos: pd.DataFrame, class_names) -> dict[str, float]:

@@ -49,7 +49,9 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.embeddings import EmbeddingDataModule
+from pipeline.data.personalise import PersonaliseConfig, refuse_unapplied
 from pipeline.data.tasks import get_task
+from pipeline.evaluation.graded import decided_levels, fold_graded_metrics, write_level_confusion
 from pipeline.evaluation.metrics import (
     Evaluation,
     calibration_metrics,
@@ -67,6 +69,7 @@ from pipeline.models.factory import create_model
 from pipeline.models.finetune import FinetuneConfig, FinetuneStrategy, parameter_counts, strategy_for
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import MODEL_ARTIFACT
+from pipeline.models.ordinal import OutputConfig, check_frame_output, graded_scoring, task_levels
 from pipeline.models.temporal_heads import ClipNet, HeadConfig
 from pipeline.models.weights import WeightsSource
 from pipeline.runs.head_modes import HeadMode, head_mode
@@ -290,7 +293,8 @@ def build_network(cfg: DictConfig, n_classes: int, decisions: FoldDecisions, *, 
     planned = decisions.weights_source
     net, loaded = create_model(cfg.model.name, n_classes, pretrained=planned.kind != "random",
                                weights=planned.ref if planned.kind == "file" else None, img_size=cfg.model.img_size,
-                               head=head, strategy=strategy, channels_last=channels_last)
+                               head=head, strategy=strategy, channels_last=channels_last,
+                               output=OutputConfig.from_config(cfg.model.get("output")))
     if (loaded.kind, loaded.sha256) != (planned.kind, planned.sha256):
         raise DecisionNotHonoured(f"{cfg.model.name}: the plan chose weights {planned.kind} {planned.ref} (sha256 "
                                   f"{planned.sha256}), this machine found {loaded.kind} {loaded.ref} (sha256 "
@@ -317,7 +321,8 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     strategy = strategy_for(finetune, embeddings=cached)
     channels_last = not cached and (settings or resolve_here(cfg, decisions)).channels_last
     # end to end: the backbone runs on every frame of a clip and trains through the temporal head
-    net = build_network(cfg, task.n_classes, decisions, head=mode.network_head(), strategy=strategy,
+    n_levels = task_levels(task, OutputConfig.from_config(cfg.model.get("output")))  # a graded task's, if ordinal
+    net = build_network(cfg, n_levels, decisions, head=mode.network_head(), strategy=strategy,
                         channels_last=channels_last)
     fold_file = Path(decisions.fold_file)
     processed_dir = resolve_path(cfg.data.processed_dir)
@@ -359,6 +364,8 @@ def embedding_variant(datamodule_class: type[PainDataModule]) -> type[EmbeddingD
 def check_head(cfg: DictConfig) -> HeadConfig:
     """The config's head, checked against its fine-tuning strategy (also before a CV plans anything)."""
     head = HeadConfig.from_config(cfg.model.head)
+    check_frame_output(OutputConfig.from_config(cfg.model.get("output")), head.temporal)
+    refuse_unapplied(PersonaliseConfig.from_config(cfg.get("personalise")))  # not yet applied by a fold: refused
     if head.end_to_end and FinetuneConfig.from_config(cfg).backbone_fixed:
         raise ValueError("model.head.mode=end_to_end trains the backbone through the head, but model.finetune=frozen "
                          "fixes it: a frozen backbone's head over time is model.head.mode=two_stage (it reads cached "
@@ -617,6 +624,9 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         videos["label"].to_numpy(), videos[[f"prob_{c}" for c in module.class_names]].to_numpy()).items()})
     if evaluation.video_predictions["subject_name"].nunique() == 1:  # leave one subject out: AUROC within a person
         metrics["test/within_subject_video_auroc"] = metrics["test/video_auroc"]
+    graded = graded_scoring(get_task(cfg.task.name), OutputConfig.from_config(cfg.model.get("output")))
+    if graded:  # MAE, kappa, Spearman within subject of the calls as made (test/video_mae, ...)
+        metrics.update({f"test/{k}": v for k, v in fold_graded_metrics(videos, module.class_names).items()})
     out = work_dir / "artifacts"
     rule = rule_name(cfg.eval.threshold, len(module.class_names))
     with times("artifacts"):
@@ -626,6 +636,9 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
             write_record(stage.record, out / TWO_STAGE_RECORD)
             pd.DataFrame(stage.history).to_csv(out / "head_training.csv", index=False)
         validation.video_predictions.to_csv(out / VAL_VIDEO_PREDICTIONS, index=False)
+        if graded:
+            write_level_confusion(decided_levels(videos, module.class_names), module.class_names, out,
+                                  "confusion_levels", f"fold {fold}: videos by level, as called")
         mlflow.log_params({"threshold_rule": rule})
         mlflow.set_tag("threshold_rule", rule)
         log_threshold_fallback(fold, fallback)

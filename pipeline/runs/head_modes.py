@@ -30,6 +30,7 @@ from pipeline.models.factory import clip_model
 from pipeline.models.finetune import FinetuneConfig
 from pipeline.models.lightning_module import PainLightningModule
 from pipeline.models.model_file import model_meta, save_model_file
+from pipeline.models.ordinal import OutputConfig
 from pipeline.models.temporal_heads import ClipNet, HeadConfig
 from pipeline.runs.two_stage import SecondStage
 
@@ -126,7 +127,8 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
     meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
                       loader=loader, weights=weights,
-                      finetune=FinetuneConfig.from_config(cfg).label, **extra)
+                      finetune=FinetuneConfig.from_config(cfg).label,
+                      **OutputConfig.from_config(cfg.model.get("output")).meta(), **extra)
     return save_model_file(net, meta, path)
 
 

@@ -29,8 +29,10 @@ from mlflow.entities import Run
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.fold_files import fold_file_sha256
+from pipeline.data.personalise import PersonaliseConfig
 from pipeline.models.backbones import weights_source
 from pipeline.models.finetune import FinetuneConfig
+from pipeline.models.ordinal import OutputConfig
 from pipeline.models.temporal_heads import HeadConfig
 from pipeline.models.weights import WeightsSource
 from pipeline.runs.store import tracking
@@ -141,6 +143,13 @@ def identity_tags(cfg: DictConfig, fold_file: Path, weights: WeightsSource | Non
             "head": HeadConfig.from_config(cfg.model.head).label}  # linear, or a temporal head and its mode
 
 
+def protocol_tags(cfg: DictConfig) -> dict[str, str]:
+    """A CV's output and personalisation protocol as tags (`tracking.OUTPUT_TAG`, `PERSONALISE_TAG`): descriptive,
+    not identity tags, on every new CV; `cv_label` names a CV by them when they are not softmax / none."""
+    return {tracking.OUTPUT_TAG: OutputConfig.from_config(cfg.model.get("output")).label,
+            tracking.PERSONALISE_TAG: PersonaliseConfig.from_config(cfg.get("personalise")).label}
+
+
 class CvSettings(NamedTuple):
     """What a CV parent run records of its settings: its tags and its (flat) parameters."""
 
@@ -151,14 +160,17 @@ class CvSettings(NamedTuple):
 def planned_settings(cfg: DictConfig, fold_file: Path, weights: WeightsSource | None = None) -> CvSettings:
     """The identity tags and parameters a complete CV of `cfg` on `fold_file` would log, before it runs: what
     `make compare` checks, asked of configs (tests/test_compare.py runs the default backbones' configs through it)."""
-    return CvSettings({**identity_tags(cfg, fold_file, weights), tracking.COMPLETE_TAG: "true"}, identity_params(cfg))
+    return CvSettings({**identity_tags(cfg, fold_file, weights), **protocol_tags(cfg), tracking.COMPLETE_TAG: "true"},
+                      identity_params(cfg))
 
 
 def cv_label(tags: Mapping[str, str]) -> str:
     """How a comparison names a CV: the backbone, then what trained when it is not every weight (`frozen`,
     `top_blocks2`, `lora_r8`), the weights file it started from when there was one (`weights 1a2b3c4d`) and a
-    temporal head when there is one (`gru_h64x1_two_stage`), so that strategies, starting points and heads of one
-    backbone are compared with each other."""
+    temporal head when there is one (`gru_h64x1_two_stage`), then its output when it is not softmax
+    (`ordinal_coral`) and its personalisation protocol when there is one (`baseline_k2`), so that strategies,
+    starting points, heads, outputs and protocols of one backbone are compared with each other (a run without the
+    tags: softmax, none)."""
     label = tags["model"]
     if tags.get("finetune", "full") not in ("", "full"):
         label += f" {tags['finetune']}"
@@ -166,6 +178,10 @@ def cv_label(tags: Mapping[str, str]) -> str:
         label += f" weights {tags['weights_sha256'][:8]}"
     if tags.get("head", "linear") not in ("", "linear"):
         label += f" {tags['head']}"
+    if tags.get(tracking.OUTPUT_TAG, "softmax") not in ("", "softmax"):
+        label += f" {tags[tracking.OUTPUT_TAG]}"
+    if tags.get(tracking.PERSONALISE_TAG, "none") not in ("", "none"):
+        label += f" {tags[tracking.PERSONALISE_TAG]}"
     return label
 
 
@@ -174,7 +190,7 @@ def config_label(cfg: DictConfig) -> str:
     source = weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
     return cv_label({"model": cfg.model.name, "finetune": finetune_tags(cfg)["finetune"],
                      "weights_source": source.kind, "weights_sha256": source.sha256 or "",
-                     "head": HeadConfig.from_config(cfg.model.head).label})
+                     "head": HeadConfig.from_config(cfg.model.head).label, **protocol_tags(cfg)})
 
 
 def crop_settings(cfg: DictConfig) -> dict[str, str]:

@@ -94,6 +94,10 @@ PRECISION_TAG, PRECISION_ASKED_TAG = "precision", "precision_asked"
 # What identifies a cross-validation (pipeline.runs.store.cv_runs): resume continues the newest CV with these equal.
 IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256",
                  "finetune", "initial_weights", "head")
+# Descriptive, not identity (a run made before outputs and personalisation existed lacks them: resume's query must
+# still find it; the config_sha256 already differs): a CV's output (softmax, ordinal_coral, regression_huber) and
+# personalisation protocol (none, subject_normalised, baseline_k2). Absent: softmax, none.
+OUTPUT_TAG, PERSONALISE_TAG = "output", "personalise"
 COMPLETE_TAG = "complete"  # "true" when every fold of the fold file ran, without batch limits
 HEADLINE_TAG = "headline_metric"
 
