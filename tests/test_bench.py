@@ -33,7 +33,8 @@ SCRIPTS = PROJECT_ROOT / "scripts"
 @pytest.mark.parametrize(
     "extra",
     [
-        # data_model/synthetic_vit_b16.yaml: 64 px, batch 16, one LR for every layer, crops from 3.5 s, 3 a clip
+        # data_model/synthetic_vit_b16.yaml: its size, batch 16, one LR for every layer (which crops a video gives is
+        # the dataset's setting, checked above against cfg.loader, never the backbone's)
         ("model=vit_b16",),
         # a model without its own file, as the Makefile picks it, and command-line overrides on top
         ("model=timm", "model.name=resnet10t", "augment=heavy", "loader.batch_size=4", "loader.crop_fraction=0.8"),
@@ -61,7 +62,6 @@ def test_bench_builds_what_make_cv_builds(tiny_base: Path, tmp_path: Path, extra
     )
     if cfg.model.name == "vit_b16":  # the specialisation applies (the model file alone says layer_decay 0.75)
         assert (measured["img_size"], measured["batch_size"], measured["optim"]["layer_decay"]) == (48, 16, 1.0)
-        assert (measured["from_s"], measured["frames_per_video"]) == (3.5, 2)
     else:
         assert (measured["batch_size"], measured["optim"]["backbone_lr"]) == (4, 2e-4)
 
