@@ -84,7 +84,7 @@ def check_launcher(launcher: DictConfig, tracking_uri: str) -> None:
             f"LAUNCHER=slurm needs an MLflow tracking server that the compute nodes reach, but the tracking URI is "
             f"{redact_uri(tracking_uri)!r}: a sqlite file must not be written by several nodes (and is unsafe on "
             f"NFS). Start one on the login node, e.g. `make server SERVER_HOST=0.0.0.0 "
-            f"SERVER_STORE=postgresql://...` (see the README), then "
+            f"SERVER_STORE=postgresql://...` (docs/scale-out.md, a tracking server), then "
             f"`export MLFLOW_TRACKING_URI=http://<login-node>:5000` and run `make cv` again.")
     problem = tracking_access_problem(tracking_uri)
     if problem:
