@@ -82,8 +82,13 @@ def canaries(folder: Path) -> list[str]:
     return sorted(path.name for path in folder.glob("canary_*"))
 
 
+# what an enclosing make (CI's `make test`) hands its children: a nested make would report as make[1] and inherit
+# the parent's flags and command-line variables; the tests run make as a user at a shell does
+PARENT_MAKE = ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "MAKE_TERMOUT", "MAKE_TERMERR")
+
+
 def make(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    clean = {name: value for name, value in os.environ.items() if name not in WORDS}
+    clean = {name: value for name, value in os.environ.items() if name not in WORDS and name not in PARENT_MAKE}
     return subprocess.run([*MAKE, *args], cwd=PROJECT_ROOT, env={**clean, **(env or {})}, capture_output=True,
                           text=True, timeout=120)
 
