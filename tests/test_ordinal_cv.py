@@ -83,8 +83,10 @@ def test_the_cv_carries_its_output_and_protocol_and_is_named_by_them(ordinal_cv,
     tags = ordinal_cv["parent"].data.tags
     assert (tags["output"], tags["personalise"]) == ("ordinal_coral", "none")
     assert cv_label(tags) == "mobilevit_xxs ordinal_coral"  # not the label of the backbone's softmax CVs
-    # a personalisation protocol that no fold job applies yet is refused, never trained as a plain CV under its name
-    with pytest.raises(ValueError, match=r"personalise=baseline \(baseline_k1\) is not applied by a fold job"):
+    # a personalisation protocol on a path that does not apply it (a backbone trained on images) is refused, never
+    # trained as a plain CV under its name
+    with pytest.raises(ValueError, match=r"personalise=baseline \(baseline_k1\) is applied to a frozen backbone's "
+                                         r"cached embeddings.*a backbone trained on images"):
         run_cv(tiny_config(*ORDINAL, "personalise=baseline"))
 
 

@@ -69,6 +69,12 @@ def effect_settings(power: DictConfig) -> DictConfig:
     return power.effects[effect_name(power)]
 
 
+def effect_metric(power: DictConfig) -> str:
+    """The paired test's metric of the chosen effect: its own (`metric`, e.g. mae for the graded twin), else compare's
+    primary one."""
+    return str(effect_settings(power).get("metric") or PRIMARY_METRIC)
+
+
 def twin_overrides(power: DictConfig, seed: int, classes: Sequence[str]) -> list[str]:
     """The config overrides of repeat `seed`'s twin: the effect's generator settings, its own folders and store."""
     folder = resolve_path(power.dir) / effect_name(power) / f"seed_{seed}"
@@ -110,15 +116,17 @@ def run_repeat(power: DictConfig, base: Sequence[str], seed: int, out_dir: Path)
         raise SystemExit(f"power: both settings of {effect_name(power)} are the CV label {labels['a']!r}; compare "
                          f"cannot tell them apart")
     cfg = configs["a"]
+    primary = effect_metric(power)
     try:
         result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, out_dir / f"seed_{seed}",
                          tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
                          subject_set=cfg.data.subject_set, fold_file_sha256=cv_runs.current_fold_file_sha256(cfg),
-                         crop_params=cv_runs.crop_settings(cfg), only=[labels["a"], labels["b"]])
+                         crop_params=cv_runs.crop_settings(cfg), only=[labels["a"], labels["b"]],
+                         allow_differences=list(entry.get("allow_differences") or []), primary=primary)
     except ComparisonError as error:
         raise SystemExit(f"power: {error}") from None
     paired = result["subjects_paired"]
-    row = paired[paired["metric"] == PRIMARY_METRIC].iloc[0]  # the one pair
+    row = paired[paired["metric"] == primary].iloc[0]  # the one pair
     sign = 1.0 if row.model_a == labels["a"] else -1.0  # report a - b as the config names them
     values = result["subjects"].set_index(["model", "metric"])["value"]
     if not power.keep_data:
@@ -126,8 +134,8 @@ def run_repeat(power: DictConfig, base: Sequence[str], seed: int, out_dir: Path)
     low, high = sorted((sign * row.diff_ci95_low, sign * row.diff_ci95_high))
     return {"study": study_key(power, base), "effect": effect_name(power), "seed": seed, "task": entry.task,
             "a": entry.a.label, "b": entry.b.label,
-            "n_subjects": int(row.n_subjects), "value_a": float(values[(labels["a"], PRIMARY_METRIC)]),
-            "value_b": float(values[(labels["b"], PRIMARY_METRIC)]), "mean_diff": sign * float(row.mean_diff),
+            "n_subjects": int(row.n_subjects), "value_a": float(values[(labels["a"], primary)]),
+            "value_b": float(values[(labels["b"], primary)]), "mean_diff": sign * float(row.mean_diff),
             "diff_ci95_low": low, "diff_ci95_high": high, "p_value": float(row.p_value),
             "p_holm": float(row.p_holm), "mde80": float(row.mde80), "rejected": bool(row.p_holm < power.alpha),
             "seconds": round(time.time() - started, 1)}
@@ -138,7 +146,7 @@ def summarise(repeats: pd.DataFrame, power: DictConfig, planted: dict) -> dict:
     n, k = len(repeats), int(repeats["rejected"].sum())
     low, high = clopper_pearson(k, n)
     return {"effect": effect_name(power), "comparison": f"{repeats['a'].iloc[0]} - {repeats['b'].iloc[0]}",
-            "task": repeats["task"].iloc[0], "metric": PRIMARY_METRIC, "repeats": n, "rejections": k,
+            "task": repeats["task"].iloc[0], "metric": effect_metric(power), "repeats": n, "rejections": k,
             "rejection_rate": k / n, "rate_ci95_low": low, "rate_ci95_high": high,
             "measures": "type-I error" if effect_name(power) == "null" else "power",
             "planted": json.dumps(planted, default=list), "mean_diff": float(repeats["mean_diff"].mean()),
@@ -161,7 +169,7 @@ def plot_repeats(repeats: pd.DataFrame, summary: dict, path: Path) -> None:
                       color=colours[i], capsize=3)
     left.axhline(0, color="grey", lw=1)
     left.set_xlabel("twin (generator seed order)")
-    left.set_ylabel(f"{summary['comparison']}\n{PRIMARY_METRIC} difference")
+    left.set_ylabel(f"{summary['comparison']}\n{summary['metric']} difference")
     left.set_title(f"{summary['effect']} twin: paired difference per twin (red: rejected by Holm)", fontsize=9)
     left.grid(alpha=0.3)
     rate, low, high = summary["rejection_rate"], summary["rate_ci95_low"], summary["rate_ci95_high"]

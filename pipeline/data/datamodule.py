@@ -299,6 +299,10 @@ class PainDataModule(pl.LightningDataModule):
         dataset = self.dataset(split)
         return prediction_table(dataset.videos) if isinstance(dataset, ClipDataset) else self.frames(split)
 
+    def protocol_metrics(self) -> dict[str, float]:
+        """What a personalisation protocol cost each split (`EmbeddingDataModule`'s); none here."""
+        return {}
+
     def split_summary(self) -> dict[str, dict[str, Any]]:
         """Per split: who (subject names), and how many subjects, videos, frames and frames per class."""
         summary = {}

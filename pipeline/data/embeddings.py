@@ -7,6 +7,13 @@ them. `EmbeddingDataModule` splits the fold exactly as `PainDataModule` does (it
 (embedding, label, row) items: validation and test get the plain embedding; training gets the plain one, or with K
 views the view chosen by the draw seed `EpochSampler` gives each crop, so epochs see different augmentations keyed
 by (seed, fold, epoch) as image training does.
+
+A personalisation protocol (`personalise.mode`, pipeline/data/personalise.py) is applied here, per split, so a person
+is only ever seen against their own statistics: `subject_normalised` standardises each person's embeddings (plain and
+views) by the mean and spread of that person's plain embeddings in the split; `baseline` takes k of each person's BL1
+videos out of the split as their reference and serves every other crop minus the reference's mean plain embedding. A
+training person's reference comes from their training videos, a test person's from their test videos; the videos a
+split lost are in `protocol_metrics` and `split_summary`.
 """
 
 from __future__ import annotations
@@ -20,7 +27,17 @@ import pandas as pd
 import torch
 from torch.utils.data import Dataset
 
-from pipeline.data.datamodule import LoaderConfig, PainDataModule
+from pipeline.data.datamodule import ROLES, LoaderConfig, PainDataModule
+from pipeline.data.personalise import (
+    VIDEO_KEYS,
+    PersonaliseConfig,
+    label_free_rows,
+    reference_means,
+    relative_to_reference,
+    select_baseline,
+    standardised,
+    subject_statistics,
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +84,13 @@ class EmbeddingDataset(Dataset):
             embedding = self.plain[item]
         return embedding, torch.tensor(self.labels[item]), torch.tensor(self.rows[item])
 
+    def transform(self, change) -> None:
+        """Replace the plain embeddings and every view by `change(features (N, D)) -> (N, D)`, row for row."""
+        self.plain = torch.from_numpy(np.asarray(change(self.plain.numpy()), dtype=np.float32))
+        if self.views is not None:
+            self.views = torch.stack([torch.from_numpy(np.asarray(change(view.numpy()), dtype=np.float32))
+                                      for view in self.views])
+
 
 class EmbeddingDataModule(PainDataModule):
     """`PainDataModule` over cached embeddings: the same splits, training order and draw seeds; no image is read.
@@ -74,15 +98,71 @@ class EmbeddingDataModule(PainDataModule):
     The embeddings live in memory, so loading runs in the main process (no workers)."""
 
     def __init__(self, processed_dir: Path, fold_file: Path, fold: int, task, data_config, augment: Any,
-                 loader: LoaderConfig, seed: int = 0, *, embeddings: EmbeddingTable, source: Path) -> None:
+                 loader: LoaderConfig, seed: int = 0, *, embeddings: EmbeddingTable, source: Path,
+                 personalise: PersonaliseConfig | None = None) -> None:
         super().__init__(processed_dir, fold_file, fold, task, data_config, augment, loader, seed=seed)
         self.embeddings, self.source = embeddings, Path(source)
+        self.personalise = personalise or PersonaliseConfig("none")
         self.num_workers, self.persistent_workers, self.pin_memory = 0, False, False
+        self.references: dict[str, pd.DataFrame] = {}  # baseline: per split, the reference crops taken out of it
 
     def setup(self, stage: str | None = None) -> None:
         if self._splits is not None:
             return
         super().setup(stage)
         assert self._splits is not None
+        if self.personalise.mode == "baseline":
+            for role in ROLES:
+                self._splits[role], self.references[role] = self._without_reference(self._splits[role])
         self._datasets = {role: EmbeddingDataset(rows, self.embeddings, self.source, augmented=role == "train")
                           for role, rows in self._splits.items()}
+        for role, dataset in self._datasets.items():
+            self._personalise(role, dataset)
+
+    def _without_reference(self, rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """A split's rows without each person's k reference BL1 videos, and those reference rows. The selection
+        sees the rows without their labels and the BL1 mask (`label_free_rows`), nothing else."""
+        free, is_bl1 = label_free_rows(rows)
+        assert self.personalise.k is not None and self.personalise.seed is not None  # checked by from_config
+        split = select_baseline(free, is_bl1, self.personalise.k, self.personalise.seed)
+        return rows.loc[split.remaining.index], rows.loc[split.reference.index]
+
+    def _personalise(self, role: str, dataset: EmbeddingDataset) -> None:
+        subjects = self._splits[role]["subject_name"].to_numpy(dtype=str) if self._splits else np.array([])
+        if self.personalise.mode == "subject_normalised":
+            stats = subject_statistics(subjects, dataset.plain.numpy())
+            dataset.transform(lambda features: standardised(subjects, features, stats))
+        elif self.personalise.mode == "baseline":
+            reference = self.references[role]
+            positions = self.embeddings.positions(reference.index.to_numpy(dtype=np.int64), self.source)
+            means = reference_means(reference["subject_name"].to_numpy(dtype=str),
+                                    self.embeddings.plain[positions])
+            dataset.transform(lambda features: relative_to_reference(subjects, features, means))
+
+    def protocol_metrics(self) -> dict[str, float]:
+        """What the personalisation protocol cost each split: its reference videos and the videos left."""
+        if self.personalise.mode != "baseline":
+            return {}
+        out = {}
+        for role in ROLES:
+            for name, rows in (("reference_videos", self.references[role]), ("videos", self.frames(role))):
+                out[f"personalise/{role}_{name}"] = float(len(rows[VIDEO_KEYS].drop_duplicates()))
+        return out
+
+    def split_summary(self) -> dict[str, dict[str, Any]]:
+        summary = super().split_summary()
+        for role, reference in self.references.items():
+            summary[role]["reference_videos"] = sorted(
+                f"{subject}/{sample}" for subject, sample in reference[VIDEO_KEYS]
+                .drop_duplicates().itertuples(index=False))
+        return summary
+
+
+def embedding_variant(datamodule_class: type[PainDataModule]) -> type[EmbeddingDataModule]:
+    """`datamodule_class` fed cached embeddings: its subjects' roles (a fold's, a final split's, a study's without the
+    fold's test subjects), `EmbeddingDataModule`'s items."""
+    if datamodule_class is PainDataModule:
+        return EmbeddingDataModule
+    variant: type[EmbeddingDataModule] = type(f"Embedding{datamodule_class.__name__}",
+                                               (EmbeddingDataModule, datamodule_class), {})
+    return variant

@@ -62,14 +62,17 @@ class PersonaliseConfig:
         return f"baseline_k{self.k}" if self.mode == "baseline" else self.mode
 
 
-def refuse_unapplied(config: PersonaliseConfig) -> None:
-    """A personalisation protocol is not yet applied by a fold job (its frozen-probe and two-stage paths are the
-    seam left to wire): a CV asked for one is refused before it plans anything, rather than a plain model trained
-    and recorded under the protocol's name."""
-    if config.mode != "none":
-        raise ValueError(f"personalise={config.mode} ({config.label}) is not applied by a fold job yet: the "
-                         f"functions exist (pipeline/data/personalise.py) but no training path calls them, so this "
-                         f"CV would be a plain one under a personalised name; run it with personalise=none")
+def refuse_unapplied(config: PersonaliseConfig, *, reads_cache: bool, temporal: bool) -> None:
+    """A personalisation protocol is applied to a fixed backbone's cached embeddings under a frame head
+    (`pipeline.data.embeddings.EmbeddingDataModule`). Any other path (a backbone trained on images, a temporal head)
+    does not apply it yet: a CV asked for one there is refused before it plans anything, rather than a plain model
+    trained and recorded under the protocol's name."""
+    if config.mode == "none" or (reads_cache and not temporal):
+        return
+    path = "a temporal head (model.head)" if temporal else "a backbone trained on images (model.finetune)"
+    raise ValueError(f"personalise={config.mode} ({config.label}) is applied to a frozen backbone's cached "
+                     f"embeddings under a frame head (model.finetune=frozen, model.head.name=mean); {path} does not "
+                     f"apply it yet, so this CV would be a plain one under a personalised name")
 
 
 def _check_features(subjects: np.ndarray, features: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -80,17 +83,38 @@ def _check_features(subjects: np.ndarray, features: np.ndarray, what: str) -> tu
     return subjects, features
 
 
-def subject_normalise(subjects: np.ndarray, features: np.ndarray) -> np.ndarray:
-    """Each row's features minus its person's mean, divided by its person's standard deviation (over all of that
-    person's rows, ddof=0). A dimension constant within a person is centred only (divided by 1). Labels are not an
-    argument: they cannot shape the statistics."""
-    subjects, features = _check_features(subjects, features, "subject_normalise")
-    out = np.empty_like(features)
-    for subject in np.unique(subjects):
-        rows = subjects == subject
-        mean, sd = features[rows].mean(axis=0), features[rows].std(axis=0)
-        out[rows] = (features[rows] - mean) / np.where(sd > 0, sd, 1.0)
+def subject_statistics(subjects: np.ndarray, features: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each person's mean and standard deviation (ddof=0) over that person's rows; a dimension constant within a
+    person gets a standard deviation of 1, so it is centred only."""
+    subjects, features = _check_features(subjects, features, "subject_statistics")
+    out = {}
+    for subject in np.unique(subjects.astype(str)):
+        rows = features[subjects.astype(str) == subject]
+        sd = rows.std(axis=0)
+        out[subject] = rows.mean(axis=0), np.where(sd > 0, sd, 1.0)
     return out
+
+
+def standardised(subjects: np.ndarray, features: np.ndarray,
+                 statistics: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Each row's features minus its person's mean, divided by its person's spread (`subject_statistics`, perhaps of
+    other rows of the same people: a training person's augmented views by the statistics of their plain crops)."""
+    subjects, features = _check_features(subjects, features, "standardised")
+    people = subjects.astype(str)
+    without = sorted(set(people) - set(statistics))
+    if without:
+        raise ValueError(f"no statistics for {', '.join(without)}")
+    out = np.empty_like(features)
+    for person in np.unique(people):
+        mean, sd = statistics[person]
+        out[people == person] = (features[people == person] - mean) / sd
+    return out
+
+
+def subject_normalise(subjects: np.ndarray, features: np.ndarray) -> np.ndarray:
+    """Each row's features standardised by its person's own mean and spread over all of that person's rows. Labels
+    are not an argument: they cannot shape the statistics."""
+    return standardised(subjects, features, subject_statistics(subjects, features))
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.datamodule import PainDataModule
 from pipeline.data.fold_files import read_folds, stratified_sample, subject_strata
+from pipeline.data.personalise import PersonaliseConfig
 from pipeline.evaluation.thresholds import binary_metrics_at, threshold_scores, video_threshold
 from pipeline.models.temporal_heads import HeadConfig
 from pipeline.runs.store import cv_runs, tracking
@@ -130,6 +131,10 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
     source_id = source.info.run_id
     train_cfg = training_config(cfg, client, source_id)
     head = HeadConfig.from_config(train_cfg.model.head)
+    protocol = PersonaliseConfig.from_config(train_cfg.get("personalise"))
+    if protocol.mode != "none":  # its model scores a person against their reference, which serving cannot take yet
+        raise SystemExit(f"final: CV {source_id} is personalised ({protocol.label}); a served model would need the "
+                         f"person's reference (make predict REFERENCE=), which predict and serve do not take yet")
     if cfg.final.ensemble and head.temporal:  # said before anything trains, not after the final model
         raise SystemExit(f"final.ensemble=true: CV {source_id} trained clip models ({head.label}), and a fold "
                          f"ensemble of clip models is not supported (each member would need its own window of its own "

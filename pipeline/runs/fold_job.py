@@ -48,7 +48,7 @@ from pytorch_lightning.plugins.environments import SLURMEnvironment
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
-from pipeline.data.embeddings import EmbeddingDataModule
+from pipeline.data.embeddings import embedding_variant
 from pipeline.data.personalise import PersonaliseConfig, refuse_unapplied
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.graded import decided_levels, fold_graded_metrics, write_level_confusion
@@ -335,7 +335,8 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
                                   workers=loader.num_workers)
         datamodule: PainDataModule = embedding_variant(datamodule_class)(
             processed_dir, fold_file, fold, task, net.backbone.data_config, augment, loader, seed=cfg.seed,
-            embeddings=entry.table, source=entry.path)
+            embeddings=entry.table, source=entry.path,
+            personalise=PersonaliseConfig.from_config(cfg.get("personalise")))
     else:
         datamodule = datamodule_class(processed_dir, fold_file, fold, task, net.backbone.data_config, augment, loader,
                                       seed=cfg.seed, clips=mode.clips)
@@ -351,22 +352,14 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     return module, datamodule, decisions.weights_source.as_tags()
 
 
-def embedding_variant(datamodule_class: type[PainDataModule]) -> type[EmbeddingDataModule]:
-    """`datamodule_class` fed cached embeddings: its subjects' roles (a fold's, a final split's, a study's without the
-    fold's test subjects), `EmbeddingDataModule`'s items."""
-    if datamodule_class is PainDataModule:
-        return EmbeddingDataModule
-    variant: type[EmbeddingDataModule] = type(f"Embedding{datamodule_class.__name__}",
-                                               (EmbeddingDataModule, datamodule_class), {})
-    return variant
-
-
 def check_head(cfg: DictConfig) -> HeadConfig:
     """The config's head, checked against its fine-tuning strategy (also before a CV plans anything)."""
     head = HeadConfig.from_config(cfg.model.head)
     check_frame_output(OutputConfig.from_config(cfg.model.get("output")), head.temporal)
-    refuse_unapplied(PersonaliseConfig.from_config(cfg.get("personalise")))  # not yet applied by a fold: refused
-    if head.end_to_end and FinetuneConfig.from_config(cfg).backbone_fixed:
+    finetune = FinetuneConfig.from_config(cfg)
+    refuse_unapplied(PersonaliseConfig.from_config(cfg.get("personalise")), reads_cache=finetune.reads_cache,
+                     temporal=head.temporal)  # applied to cached embeddings under a frame head only
+    if head.end_to_end and finetune.backbone_fixed:
         raise ValueError("model.head.mode=end_to_end trains the backbone through the head, but model.finetune=frozen "
                          "fixes it: a frozen backbone's head over time is model.head.mode=two_stage (it reads cached "
                          "embeddings and skips the first stage)")
@@ -613,7 +606,7 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
         threshold, evaluation.video_predictions, decided, fallback = decide_fold(
             validation.video_predictions, evaluation.video_predictions, module.class_names, cfg.eval.threshold)
     metrics = {**evaluation.metrics(prefix="test/"), **{f"test/{k}": v for k, v in decided.items()},
-               **selected, **trained.frame_model_metrics}
+               **selected, **trained.frame_model_metrics, **datamodule.protocol_metrics()}
     if np.isfinite(threshold):
         metrics["test/threshold"] = threshold
         # how much each rule's threshold moves over a bootstrap of the validation subjects (test/threshold_ci95_*)
