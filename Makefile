@@ -44,7 +44,7 @@ TARGET ?=
 TRIALS ?=
 SCOPE ?=
 TUNED ?=
-# `make power`: EFFECT= null | temporal (configs/power/default.yaml), REPEATS= independent twins (default 20)
+# `make power`: EFFECT= null | temporal | baseline | graded (configs/power/default.yaml), REPEATS= twins (default 20)
 EFFECT ?= temporal
 REPEATS ?=
 # `make final` / `promote` / `predict` / `serve` / `export` (README: "Use a trained model")
@@ -214,7 +214,7 @@ server: install ## MLflow tracking server for fold jobs on other nodes; basic au
 
 test: install ## run the test suite (the layers contract first: a wrong import fails in a second)
 	$(QUOTED_BIN)/lint-imports --no-logo
-	$(QUOTED_PY) -m pytest
+	$(QUOTED_PY) -m pytest -n 2 --dist loadgroup
 
 lint: install ## ruff, mypy over pipeline/ and the layers contract (settings in pyproject.toml; seconds)
 	$(QUOTED_BIN)/ruff check pipeline tests scripts

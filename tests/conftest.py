@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,23 @@ from pipeline.utils.permissions import private_umask
 # What the tests create in this process (stores, crops, runs) is made as every command of the project makes it (the
 # CLI sets umask 077): a command that a test then starts over those folders would refuse them otherwise.
 private_umask()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `make test`'s workers (pytest-xdist, `-n 2`): one torch thread in each worker process, so the two
+    workers share the two cores rather than four threads fighting for them (programs a test starts keep their own)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test that uses the real SLURM cluster runs on one worker (`--dist loadgroup`): one cluster a session,
+    started once, its ports and munge socket never doubled."""
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 def tiny_overrides(base: Path, *extra: str) -> list[str]:

@@ -260,6 +260,7 @@ def test_a_changed_config_starts_a_new_parent_and_says_why(cv_runs, tiny_config,
     run_cv(cfg)
     out = capsys.readouterr().out
     assert "not resuming" in out and "trainer.max_epochs: 3 -> 1" in out
+    assert "lease" not in out  # the older CV's fold leases are its jobs' bookkeeping, not settings that differ
     assert training_device("auto").line in out.splitlines()  # the device line, as `make cv` prints it
 
 

@@ -249,7 +249,9 @@ def why_not_resumed(client: MlflowClient, experiment_id: str, tags: Mapping[str,
     previous = older[0]
     changes = [f"{key}: {previous.data.tags.get(key)} -> {tags[key]}" for key in tracking.IDENTITY_TAGS
                if key != "config_sha256" and previous.data.tags.get(key) != tags[key]]
-    old, new = dict(previous.data.params), identity_params(cfg)
+    # a fold's lease is bookkeeping of the older CV's jobs, logged beside its settings, not a setting
+    old = {k: v for k, v in previous.data.params.items() if not k.startswith(tracking.LEASE_TAG)}
+    new = identity_params(cfg)
     changes += [f"{k}: {old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in sorted(set(old) | set(new))
                 if old.get(k) != new.get(k)]
     return (f"not resuming {previous.info.run_name!r} ({previous.info.run_id}): its settings differ "
