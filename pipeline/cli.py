@@ -65,25 +65,25 @@ def _aug_preview(cfg: DictConfig, **options) -> None:
 
 
 def _cv(cfg: DictConfig, **options) -> None:
-    from pipeline.runs.cross_validation import run_cv
+    from pipeline.runs.orchestration.cross_validation import run_cv
 
     run_cv(cfg, **options)
 
 
 def _embed(cfg: DictConfig, **options) -> None:
-    from pipeline.runs.embed import run_embed
+    from pipeline.runs.jobs.embed import run_embed
 
     run_embed(cfg)
 
 
 def _pretrain(cfg: DictConfig, **options) -> None:
-    from pipeline.runs.pretrain import run_pretrain
+    from pipeline.runs.jobs.pretrain import run_pretrain
 
     run_pretrain(cfg)
 
 
 def _tune(cfg: DictConfig, **options) -> None:
-    from pipeline.runs.tuning import run_tune
+    from pipeline.runs.orchestration.tuning import run_tune
 
     run_tune(cfg, **options)
 
@@ -153,13 +153,13 @@ def _print_config(cfg: DictConfig, **options) -> None:
 
 
 def _fold_job(argv: list[str]) -> int:
-    from pipeline.runs.fold_job import main
+    from pipeline.runs.jobs.fold_job import main
 
     return main(argv)
 
 
 def _tune_worker(argv: list[str]) -> int:
-    from pipeline.runs.tuning import worker_main
+    from pipeline.runs.orchestration.tuning import worker_main
 
     return worker_main(argv)
 

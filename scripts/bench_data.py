@@ -14,7 +14,7 @@ What it measures (numbers for the release notes, not a test):
    degrees, three brightness levels, three backgrounds, 694 x 519), with the rate per face size and roll, and a
    picture of square crops beside aligned ones (aligned_vs_unaligned.png). Not in --quick.
 3. Loader throughput: images/s from `PainDataModule.train_dataloader()` built by `make cv`'s own
-   `pipeline.runs.fold_job.build_fold` for the training backbone (image size, batch, workers, augmentation, crop
+   `pipeline.runs.jobs.fold_job.build_fold` for the training backbone (image size, batch, workers, augmentation, crop
    window), a warm-up pass then timed passes, compared with fwd + bwd + AdamW steps of that backbone on random tensors
    at the same size, batch and precision: the loader should deliver >= 3x what training consumes, so data never limits
    training.

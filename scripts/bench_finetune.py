@@ -21,9 +21,9 @@ import torch
 
 from pipeline.models.factory import create_model
 from pipeline.models.finetune import FinetuneConfig, parameter_counts, strategy_for
-from pipeline.runs.cross_validation import run_cv
-from pipeline.runs.embed import run_embed
-from pipeline.runs.fold_job import build_fold, decide
+from pipeline.runs.jobs.embed import run_embed
+from pipeline.runs.jobs.fold_job import build_fold, decide
+from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import resolve_path
 

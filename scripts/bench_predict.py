@@ -59,7 +59,7 @@ def save_model(name: str, folder: Path, head: str = "linear") -> tuple[Path, int
     from pipeline.models.factory import create_model
     from pipeline.models.model_file import model_meta, save_model_file
     from pipeline.models.temporal_heads import HeadConfig
-    from pipeline.runs.mlflow_model import CODE_FILE, WEIGHTS_ARTIFACT, model_config, signature
+    from pipeline.runs.serving.mlflow_model import CODE_FILE, WEIGHTS_ARTIFACT, model_config, signature
 
     cfg = load_config([f"model={name}", f"model.head.name={head}"])
     torch.manual_seed(0)

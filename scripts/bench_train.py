@@ -17,8 +17,8 @@ What it measures (numbers for the release notes, not a test), for each backbone:
     scripts/bench_finetune.py's.
 
 Settings: composed by `pipeline.utils.config.load_config` from the same key=value overrides as `python -m pipeline cv`,
-and the model and data built by `make cv`'s own `pipeline.runs.fold_job.build_fold`, so the image size, batch, loader,
-augmentation, optimizer recipe and precision are those of `make cv` for that backbone and dataset, data_model
+and the model and data built by `make cv`'s own `pipeline.runs.jobs.fold_job.build_fold`, so the image size, batch,
+loader, augmentation, optimizer recipe and precision are those of `make cv` for that backbone and dataset, data_model
 specialisation included. Backbones: --models, else the one the overrides pick (model=...), else vit_b16, cvt_13 and
 mobilevit_s. Models start from random weights: speed does not depend on them.
 

@@ -31,7 +31,7 @@ def trail(work: Path, variant: str) -> list[tuple[str, str]]:
     from omegaconf import DictConfig
 
     from pipeline.data.prepare import prepare_data
-    from pipeline.runs.cross_validation import run_cv
+    from pipeline.runs.orchestration.cross_validation import run_cv
     from pipeline.utils.config import load_config
     from tests.conftest import tiny_overrides
 

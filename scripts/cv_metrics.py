@@ -59,7 +59,7 @@ def measure(work: Path, variant: str, final: bool, tune: bool) -> dict[str, dict
     from mlflow import MlflowClient
 
     from pipeline.data.prepare import prepare_data
-    from pipeline.runs.cross_validation import run_cv
+    from pipeline.runs.orchestration.cross_validation import run_cv
     from pipeline.utils.config import load_config
     from tests.conftest import tiny_overrides
 
@@ -76,7 +76,7 @@ def measure(work: Path, variant: str, final: bool, tune: bool) -> dict[str, dict
         out["final"] = {"threshold": float(done["threshold"]),
                         **{k: float(v) for k, v in sorted(done["metrics"].items())}}
     if tune:
-        from pipeline.runs.tuning import run_tune
+        from pipeline.runs.orchestration.tuning import run_tune
 
         store = work / "tune"
         paths = (f"mlflow.tracking_uri=sqlite:///{store / 'mlflow.db'}", f"mlflow.artifact_root={store / 'art'}",

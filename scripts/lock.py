@@ -10,9 +10,9 @@ Three files, one freeze:
   `pip install --require-hashes --no-deps -r requirements/lock.txt` (a file that differs from the one locked is
   refused by pip), then the project itself without dependencies.
 - `serving.txt`: the part of `lock.txt` a served model needs (`make serve`, `mlflow models serve`, `make predict`):
-  the distributions the served model's code requires (`pipeline.runs.mlflow_model.REQUIREMENTS`, the scoring server),
-  closed over their own requirements, with MLflow's skinny distribution in place of the full one (no Jupyter, no
-  debugpy, no docker, no UI server); tests/test_lock.py checks that loading and scoring a model imports nothing else.
+  the distributions the served model's code requires (`pipeline.runs.serving.mlflow_model.REQUIREMENTS`, the scoring
+  server), closed over their own requirements, with MLflow's skinny distribution in place of the full one (no Jupyter,
+  no debugpy, no docker, no UI server); tests/test_lock.py checks that loading and scoring a model imports nothing else.
 
 Refresh after changing a dependency:
     .venv/bin/pip install -U 'package>=x.y'   # or edit pyproject.toml, then `make install`
@@ -38,8 +38,8 @@ HASHED_OUT = PROJECT_ROOT / "requirements" / "lock.txt"
 SERVING_OUT = PROJECT_ROOT / "requirements" / "serving.txt"
 PROJECT_NAME = "painvit"
 BUILD_TOOLS = ("pip", "setuptools", "wheel")  # not in `pip freeze`; the hashed lock installs them too
-# What a served model needs besides what its code names (pipeline.runs.mlflow_model.REQUIREMENTS): the scoring server
-# `make serve` runs (uvicorn: MLflow's FastAPI app), kept models loaded without initialisation (accelerate), the
+# What a served model needs besides what its code names (pipeline.runs.serving.mlflow_model.REQUIREMENTS): the scoring
+# server `make serve` runs (uvicorn: MLflow's FastAPI app), kept models loaded without initialisation (accelerate), the
 # config the serving limits are read from (hydra-core), and what MLflow and the project import on that path when
 # installed (pyarrow, attrs, defusedxml): tests/test_lock.py records every distribution loading and scoring imports
 SERVING_EXTRA = ("uvicorn", "accelerate", "hydra-core", "pyarrow", "attrs", "defusedxml")
@@ -140,7 +140,7 @@ import json, re, sys
 from importlib import metadata
 from packaging.requirements import Requirement
 sys.path.insert(0, {str(PROJECT_ROOT)!r})
-from pipeline.runs.mlflow_model import REQUIREMENTS
+from pipeline.runs.serving.mlflow_model import REQUIREMENTS
 swaps = {SERVING_SWAPS!r}
 todo = [(swaps.get(name, name), "") for name in (*REQUIREMENTS, *{SERVING_EXTRA!r})]
 seen, names = set(), set()

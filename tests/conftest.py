@@ -111,7 +111,7 @@ def untrained_model(tiny_config, tmp_path_factory: pytest.TempPathFactory) -> di
 
     from pipeline.models.factory import create_model
     from pipeline.models.model_file import model_meta, save_model_file
-    from pipeline.runs.mlflow_model import log_mlflow_model, model_config
+    from pipeline.runs.serving.mlflow_model import log_mlflow_model, model_config
 
     own = tmp_path_factory.mktemp("untrained_model")
     cfg = tiny_config("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
-from pipeline.runs import fold_job as fold_module
+from pipeline.runs.jobs import fold_job as fold_module
 
 
 def install_gate(fold: int, epoch: int, when: str, marker: Path) -> None:
@@ -56,7 +56,7 @@ def install_gate(fold: int, epoch: int, when: str, marker: Path) -> None:
 
 
 def install_second_stage_gate(fold: int, marker: Path) -> None:
-    from pipeline.runs import two_stage
+    from pipeline.runs.jobs import two_stage
 
     train = two_stage.train_head
 

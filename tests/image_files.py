@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 import zlib
 
-from pipeline.runs.serving_input import PNG_SIGNATURE
+from pipeline.runs.serving.serving_input import PNG_SIGNATURE
 
 
 def png_chunk(kind: bytes, data: bytes) -> bytes:

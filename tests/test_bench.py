@@ -21,7 +21,7 @@ from pipeline.analysis.benchmarks import build, load_configs, loader_dataset, tr
 from pipeline.data.augment import build_train_transform
 from pipeline.data.prepare import fold_file_path
 from pipeline.models.lightning_module import OptimConfig
-from pipeline.runs.fold_job import build_fold, decide
+from pipeline.runs.jobs.fold_job import build_fold, decide
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import PROJECT_ROOT
@@ -47,7 +47,7 @@ def test_bench_builds_what_make_cv_builds(tiny_base: Path, tmp_path: Path, extra
 
     module, datamodule = build(cfg, loader_dataset(tiny_base / "processed", tmp_path, 1, cfg))
     measured = training_settings(cfg, module, datamodule)
-    # make cv: pipeline.runs.fold_job.build_fold on the config itself, over the real fold file
+    # make cv: pipeline.runs.jobs.fold_job.build_fold on the config itself, over the real fold file
     cv_module, cv_datamodule, _ = build_fold(cfg, 0, decide(cfg, fold_file_path(cfg)))
     assert measured == training_settings(cfg, cv_module, cv_datamodule)
 

@@ -14,7 +14,7 @@ from pipeline.models.factory import create_model
 from pipeline.models.model_file import load_model_file, model_meta, save_model_file
 from pipeline.models.scoring import WINDOW_COLUMN
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
-from pipeline.runs.mlflow_model import WEIGHTS_ARTIFACT, build_scorer
+from pipeline.runs.serving.mlflow_model import WEIGHTS_ARTIFACT, build_scorer
 from tests.photo_clips import PhotoClip, astronaut, clip_frames
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

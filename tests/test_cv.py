@@ -21,8 +21,8 @@ from pipeline.data.tasks import get_task
 from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import load_model_file
-from pipeline.runs.cross_validation import identity_lock, plan_cv, run_cv
-from pipeline.runs.fold_job import decide, train_fold
+from pipeline.runs.jobs.fold_job import decide, train_fold
+from pipeline.runs.orchestration.cross_validation import identity_lock, plan_cv, run_cv
 from pipeline.runs.store.environment import FREEZE_ARTIFACT
 from pipeline.runs.store.tracking import get_or_create_experiment
 from pipeline.utils.accelerator import training_device
@@ -331,7 +331,7 @@ def test_an_unknown_launcher_key_is_an_error(tiny_config) -> None:
 
 
 def test_slurm_launcher_refuses_what_cannot_work(tiny_config, tmp_path: Path, monkeypatch) -> None:
-    from pipeline.runs.launchers import check_launcher
+    from pipeline.runs.orchestration.launchers import check_launcher
 
     cfg = tiny_config(*FAST, "launcher=slurm")
     monkeypatch.setenv("PATH", str(tmp_path))  # a machine without SLURM
@@ -412,7 +412,7 @@ def test_a_finished_fold_whose_artifacts_are_gone_is_trained_again(tiny_config, 
     import json
     import shutil
 
-    from pipeline.runs.fold_job import local_artifact_folder
+    from pipeline.runs.jobs.fold_job import local_artifact_folder
 
     cfg = tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'lost.db'}",
                       f"mlflow.artifact_root={tmp_path / 'art'}", f"cv.work_dir={tmp_path / 'runs'}",

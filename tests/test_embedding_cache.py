@@ -13,7 +13,7 @@ import torch
 
 from pipeline.models.backbones import create_backbone
 from pipeline.models.embedding_cache import CacheSettings, CorruptEmbeddings, ensure_embeddings
-from pipeline.runs.cross_validation import run_cv
+from pipeline.runs.orchestration.cross_validation import run_cv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SETTINGS = CacheSettings(views=0, seed=0, batch_size=16)
@@ -86,7 +86,7 @@ def test_a_frozen_cv_with_cached_views_says_how_many(tiny_config, processed_copy
     cfg = tiny_config(*FROZEN, "trainer.max_epochs=1", "augment=light", "cache.views=2",
                       f"data.processed_dir={processed}", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
                       f"mlflow.artifact_root={tmp_path / 'art'}", f"cv.work_dir={tmp_path / 'runs'}")
-    with caplog.at_level(logging.INFO, logger="pipeline.runs.fold_job"):
+    with caplog.at_level(logging.INFO, logger="pipeline.runs.jobs.fold_job"):
         run_cv(cfg)
     said = "2 augmented view(s) per crop (frozen embeddings, cache.views=2, drawn with augment.*)"
     assert f"augmentation: {said}" in capsys.readouterr().out  # the CV's printed summary

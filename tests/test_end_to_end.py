@@ -14,8 +14,8 @@ from pipeline.data.prepare import fold_file_path
 from pipeline.models.embedding_cache import state_dict_sha256
 from pipeline.models.model_file import load_model_file
 from pipeline.models.temporal_heads import ClipNet
-from pipeline.runs.cross_validation import run_cv
-from pipeline.runs.fold_job import build_fold, decide, train_fold
+from pipeline.runs.jobs.fold_job import build_fold, decide, train_fold
+from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.store.tracking import get_or_create_experiment
 from tests.test_two_stage import FAST
 

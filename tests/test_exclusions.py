@@ -11,7 +11,7 @@ from pipeline.data.exclusions import (
     unusable_for_task,
 )
 from pipeline.data.tasks import get_task
-from pipeline.runs.cross_validation import data_error_message
+from pipeline.runs.orchestration.cross_validation import data_error_message
 
 
 def frame_rows(subject: str, class_name: str, sample: str, detected: int, held: int) -> list[dict]:

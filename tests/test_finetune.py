@@ -164,7 +164,7 @@ def test_make_compare_sets_two_strategies_of_one_backbone_against_each_other(tin
     import pandas as pd
 
     from pipeline.analysis.compare import run_compare
-    from pipeline.runs.cross_validation import run_cv
+    from pipeline.runs.orchestration.cross_validation import run_cv
     from tests.conftest import tiny_overrides
     from tests.test_cv import FAST
 

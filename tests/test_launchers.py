@@ -15,8 +15,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipeline.runs.cross_validation import run_cv
-from pipeline.runs.launchers import job_slots, tracking_server
+from pipeline.runs.orchestration.cross_validation import run_cv
+from pipeline.runs.orchestration.launchers import job_slots, tracking_server
 from pipeline.utils.paths import PROJECT_ROOT
 from tests.conftest import tiny_overrides
 from tests.gated_cv import rendezvous_sitecustomize

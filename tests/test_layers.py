@@ -29,12 +29,12 @@ def test_an_upward_import_inside_a_function_breaks_the_contract(tmp_path: Path) 
     shutil.copy(PROJECT_ROOT / "pyproject.toml", tmp_path)
     paths = tmp_path / "pipeline" / "utils" / "paths.py"
     # the bottom floor reaching for the cross-validation driver, lazily: the kind of import a contract exists for
-    paths.write_text(paths.read_text() + "\n\ndef _driver():\n    from pipeline.runs import cross_validation\n\n"
-                     "    return cross_validation\n")
+    paths.write_text(paths.read_text() + "\n\ndef _driver():\n"
+                     "    from pipeline.runs.orchestration import cross_validation\n\n    return cross_validation\n")
     result = lint_imports(tmp_path)
     assert result.returncode != 0
     assert "pipeline layers BROKEN" in result.stdout
-    assert "pipeline.utils.paths -> pipeline.runs.cross_validation" in result.stdout
+    assert "pipeline.utils.paths -> pipeline.runs.orchestration.cross_validation" in result.stdout
 
 
 def contract_layers() -> list[list[str]]:
@@ -94,7 +94,7 @@ def test_no_private_name_crosses_a_subpackage_and_nothing_reaches_into_the_cv_dr
             there = module.split(".")[1] if module.count(".") else ""
             if there != here:
                 private += [f"{path.relative_to(PROJECT_ROOT)}: {module}.{n}" for n in names if n.startswith("_")]
-            if in_function and module == "pipeline.runs.cross_validation" and path.name != "cli.py":
+            if in_function and module == "pipeline.runs.orchestration.cross_validation" and path.name != "cli.py":
                 lazy_driver.append(f"{path.relative_to(PROJECT_ROOT)}: {module}")
     assert private == []
     assert lazy_driver == []

@@ -211,7 +211,7 @@ def model_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     from pipeline.models.factory import create_model
     from pipeline.models.model_file import model_meta, save_model_file
-    from pipeline.runs.mlflow_model import log_mlflow_model, model_config
+    from pipeline.runs.serving.mlflow_model import log_mlflow_model, model_config
     from pipeline.runs.store import tracking
     from pipeline.utils.config import load_config
 

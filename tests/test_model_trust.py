@@ -21,23 +21,43 @@ import yaml
 from mlflow import MlflowClient
 
 from pipeline.deployment.predict import run_predict, sampled_frames
-from pipeline.runs.launchers import stop_process_group
-from pipeline.runs.mlflow_model import load_scorer
-from pipeline.runs.model_trust import FORMER_CODE_FILES, RETIRED_CODE_FILES, UntrustedModel, check_model_folder
+from pipeline.runs.orchestration.launchers import stop_process_group
+from pipeline.runs.serving.mlflow_model import load_scorer
+from pipeline.runs.serving.model_trust import FORMER_CODE_FILES, RETIRED_CODE_FILES, UntrustedModel, check_model_folder
 from pipeline.runs.store.registry import CHAMPION, registered_name
 from pipeline.utils.paths import PROJECT_ROOT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# The code files older models carry, as the project wrote them (git show 34b0214:pipeline/runs/pain_model_code.py,
-# git show 8e322e8:pipeline/runs/mlflow_model_code.py)
+# The code files older models carry, as the project wrote them, by the commit that wrote them (git show
+# 34b0214:pipeline/runs/pain_model_code.py, git show 8e322e8:pipeline/runs/mlflow_model_code.py, git show
+# f4cb953:pipeline/runs/mlflow_model_code.py: the last before `runs/` was split, which imports the old paths
+# `pipeline.runs.serving_input` and `pipeline.runs.mlflow_model`)
 DOCSTRING = ('"""The code file of the MLflow pain model ("models from code"): MLflow stores this file with the model '
              'and runs it\nwhen the model is loaded; everything it needs comes from the installed `pipeline` '
              'package."""\n\nimport mlflow\n\n')
-FORMER = {"pain_model_code.py": DOCSTRING + "from pipeline.runs.pain_model import PainFrameModel\n\n"
-                                            "mlflow.models.set_model(PainFrameModel())\n",
-          "mlflow_model_code.py": DOCSTRING + "from pipeline.runs.mlflow_model import PainMlflowModel\n\n"
-                                              "mlflow.models.set_model(PainMlflowModel())\n"}
+BEFORE_THE_SPLIT = '''\
+"""The code file of the MLflow pain model ("models from code"): MLflow stores this file with the model and runs it
+when the model is loaded; everything it needs comes from the installed `pipeline` package. It is also where a scoring
+process that MLflow starts (`mlflow models serve`) first touches the project, before OpenCV loads: OpenCV's own pixel
+cap is set to the frame cap there (`pipeline.runs.serving_input`). `pipeline.runs.model_trust` refuses a model whose
+copy of this file differs from the installed one."""
+
+import mlflow
+
+from pipeline.runs.serving_input import ServingLimits, cap_opencv_pixels
+
+cap_opencv_pixels(ServingLimits.from_env().max_frame_pixels)
+
+from pipeline.runs.mlflow_model import PainMlflowModel  # noqa: E402  (after the cap: it loads OpenCV)
+
+mlflow.models.set_model(PainMlflowModel())
+'''
+FORMER = {"34b0214": ("pain_model_code.py", DOCSTRING + "from pipeline.runs.pain_model import PainFrameModel\n\n"
+                                                        "mlflow.models.set_model(PainFrameModel())\n"),
+          "8e322e8": ("mlflow_model_code.py", DOCSTRING + "from pipeline.runs.mlflow_model import PainMlflowModel\n\n"
+                                                          "mlflow.models.set_model(PainMlflowModel())\n"),
+          "f4cb953": ("mlflow_model_code.py", BEFORE_THE_SPLIT)}
 RETIRED = DOCSTRING + "from pipeline.pain_model import PainFrameModel\n\nmlflow.models.set_model(PainFrameModel())\n"
 
 
@@ -137,7 +157,7 @@ def test_each_change_an_attacker_makes_is_refused_with_its_reason(untrained_mode
         "outside": (edit(artifacts={"weights": {"path": "../../model.pt"}}), "does not lie inside the model folder"),
         "no code file": (lambda f: (f / code_name(f)).unlink(), "is missing"),
         "linked code file": (lambda f: ((f / code_name(f)).unlink(), (f / code_name(f)).symlink_to(
-            PROJECT_ROOT / "pipeline/runs/mlflow_model_code.py")), "is not a regular file"),
+            PROJECT_ROOT / "pipeline/runs/serving/mlflow_model_code.py")), "is not a regular file"),
         "retired": (lambda f: (f / code_name(f)).write_text(RETIRED), "first layout (8747c8e)"),
     }
     for name, (change, reason) in cases.items():
@@ -226,14 +246,15 @@ def test_mlflow_models_serve_of_a_model_with_a_code_path_does_not_start(untraine
 
 def test_the_untouched_model_and_older_ones_of_the_project_load_and_score(untrained_model, tmp_path, frames) -> None:
     """The untouched copy scores; a model carrying an older code file of the project (`pain_model_code.py`, which
-    imports the class through `pipeline.runs.pain_model`, or `mlflow_model_code.py` as it was before OpenCV's cap)
-    loads as what it is and scores alike."""
-    assert {hashlib.sha256(text.encode()).hexdigest() for text in FORMER.values()} == set(FORMER_CODE_FILES)
+    imports the class through `pipeline.runs.pain_model`, `mlflow_model_code.py` as it was before OpenCV's cap, or as
+    it was before `runs/` was split, importing the old paths that still re-export the new ones) loads as what it is
+    and scores alike."""
+    assert {hashlib.sha256(text.encode()).hexdigest() for _, text in FORMER.values()} == set(FORMER_CODE_FILES)
     assert hashlib.sha256(RETIRED.encode()).hexdigest() in RETIRED_CODE_FILES
     untouched = load_scorer(str(copy_model(untrained_model, tmp_path / "untouched"))).score(frames)
     assert untouched.face_found.any() and untouched.pain_probability.dropna().between(0, 1).all()
-    for name, text in FORMER.items():
-        folder = copy_model(untrained_model, tmp_path / name.removesuffix(".py"))
+    for commit, (name, text) in FORMER.items():
+        folder = copy_model(untrained_model, tmp_path / commit)
         (folder / code_name(folder)).unlink()
         (folder / name).write_text(text)
         description = read_mlmodel(folder)

@@ -31,8 +31,8 @@ from pipeline.models.factory import create_model
 from pipeline.models.model_file import model_meta, save_model_file
 from pipeline.models.scoring import FrameScorer
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
-from pipeline.runs.cross_validation import run_cv
-from pipeline.runs.mlflow_model import WEIGHTS_ARTIFACT, build_scorer
+from pipeline.runs.orchestration.cross_validation import run_cv
+from pipeline.runs.serving.mlflow_model import WEIGHTS_ARTIFACT, build_scorer
 from pipeline.runs.store import tracking
 from tests import onnx_contract_client
 from tests.onnx_contract_client import ContractRuntime, network_input

@@ -21,7 +21,7 @@ from pipeline.deployment.predict import load_scorer, sampled_frames
 from pipeline.evaluation.aggregation import ordinal_decision
 from pipeline.models.model_file import load_model_file
 from pipeline.models.ordinal import CoralHead, output_probabilities
-from pipeline.runs.cross_validation import run_cv
+from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.store import tracking
 from pipeline.runs.store.cv_runs import cv_label
 from pipeline.utils.paths import resolve_path

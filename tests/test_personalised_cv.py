@@ -19,8 +19,8 @@ from pipeline.data.embeddings import EmbeddingDataModule, EmbeddingTable
 from pipeline.data.personalise import PersonaliseConfig
 from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import NO_PAIN, get_task
-from pipeline.runs.cross_validation import run_cv
-from pipeline.runs.fold_job import VIDEO_PREDICTIONS
+from pipeline.runs.jobs.fold_job import VIDEO_PREDICTIONS
+from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.store import cv_runs, tracking
 from pipeline.utils.paths import resolve_path
 from tests.conftest import loader_config

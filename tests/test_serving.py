@@ -22,9 +22,9 @@ from mlflow.exceptions import MlflowException
 from omegaconf import OmegaConf
 
 from pipeline.deployment.predict import run_predict, sampled_frames
-from pipeline.runs.launchers import stop_process_group
-from pipeline.runs.mlflow_model import encode_image, frames_from_input
-from pipeline.runs.serving_input import ServingLimits
+from pipeline.runs.orchestration.launchers import stop_process_group
+from pipeline.runs.serving.mlflow_model import encode_image, frames_from_input
+from pipeline.runs.serving.serving_input import ServingLimits
 from pipeline.utils.paths import PROJECT_ROOT
 from tests.image_files import bomb_png
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.runs.serving_input import (
+from pipeline.runs.serving.serving_input import (
     FrameRefused,
     ServingLimits,
     configured_serve_settings,
@@ -123,14 +123,16 @@ def test_the_limits_are_the_configured_serve_settings(tmp_path: Path) -> None:
 
 def test_opencv_is_capped_in_a_fresh_process_that_loads_the_model_as_mlflow_models_serve_does(untrained_model) -> None:
     """The model's code file sets OpenCV's cap before OpenCV loads (here to PAIN_SERVE_MAX_FRAME_PIXELS); in this
-    process, where cv2 was loaded first, the same check says it is not capped."""
+    process, where cv2 was loaded first, the same check says it is not capped. The old path that the code file of
+    models logged before `runs/` was split imports first leaves OpenCV unloaded too."""
     assert not opencv_caps_at(1000)
     script = textwrap.dedent(f"""
         import sys
         from mlflow.pyfunc import scoring_server
+        import pipeline.runs.serving_input
         assert "cv2" not in sys.modules
         scoring_server.load_model_with_mlflow_config({str(untrained_model["local"])!r})
-        from pipeline.runs.serving_input import opencv_caps_at
+        from pipeline.runs.serving.serving_input import opencv_caps_at
         print("capped", opencv_caps_at(250000), opencv_caps_at(249999))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,

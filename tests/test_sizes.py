@@ -24,9 +24,9 @@ LONG_MODULES = {
     "pipeline/data/faces.py": 585,
     "pipeline/data/fold_files.py": 592,
     "pipeline/models/backbones.py": 511,
-    "pipeline/runs/cross_validation.py": 649,
-    "pipeline/runs/fold_job.py": 872,
-    "pipeline/runs/tuning.py": 762,
+    "pipeline/runs/orchestration/cross_validation.py": 649,
+    "pipeline/runs/jobs/fold_job.py": 872,
+    "pipeline/runs/orchestration/tuning.py": 762,
 }
 # module::function -> its line ceiling
 LONG_FUNCTIONS = {
@@ -43,10 +43,10 @@ LONG_FUNCTIONS = {
     "pipeline/data/fold_files.py::check_folds": 90,
     "pipeline/deployment/final_model.py::run_final": 65,
     "pipeline/deployment/final_model.py::train_final": 73,
-    "pipeline/runs/cross_validation.py::plan_cv": 76,
-    "pipeline/runs/fold_job.py::train_fold": 79,
-    "pipeline/runs/pretrain.py::run_pretrain": 78,
-    "pipeline/runs/tuning.py::run_tune": 92,
+    "pipeline/runs/orchestration/cross_validation.py::plan_cv": 76,
+    "pipeline/runs/jobs/fold_job.py::train_fold": 79,
+    "pipeline/runs/jobs/pretrain.py::run_pretrain": 78,
+    "pipeline/runs/orchestration/tuning.py::run_tune": 92,
 }
 # function-level imports across subpackages: (module, imported module prefix) pairs allowed anywhere in the module
 LAZY_IMPORTS = {
@@ -58,17 +58,17 @@ LAZY_IMPORTS = {
     # REASONED: the synthetic twin's generator (scikit-image, its planted effects) only where a twin is drawn
     ("pipeline/analysis/regions.py", "pipeline.data.synthetic"),
     ("pipeline/analysis/benchmarks.py", "pipeline.data.synthetic"),
-    ("pipeline/runs/mlflow_model.py", "pipeline.data.synthetic"),
-    ("pipeline/runs/pretrain.py", "pipeline.data.synthetic"),
+    ("pipeline/runs/serving/mlflow_model.py", "pipeline.data.synthetic"),
+    ("pipeline/runs/jobs/pretrain.py", "pipeline.data.synthetic"),
     # REASONED: a job's entry point sets up logging before anything else it imports logs
-    ("pipeline/runs/fold_job.py", "pipeline.utils.logging_setup"),
-    ("pipeline/runs/launchers.py", "pipeline.utils.logging_setup"),
-    ("pipeline/runs/tuning.py", "pipeline.utils.logging_setup"),
-    # DEBT: deployment reaching into runs/ for the serving model and the fold's training (the split moves both)
+    ("pipeline/runs/jobs/fold_job.py", "pipeline.utils.logging_setup"),
+    ("pipeline/runs/orchestration/launchers.py", "pipeline.utils.logging_setup"),
+    ("pipeline/runs/orchestration/tuning.py", "pipeline.utils.logging_setup"),
+    # DEBT: deployment reaching into runs/ late for the serving model (runs/serving/) and a fold's training (jobs/)
     ("pipeline/deployment/final_model.py", "pipeline.runs."),
     ("pipeline/deployment/final_model.py", "pipeline.models.model_file"),
     ("pipeline/deployment/predict.py", "pipeline.runs"),
-    ("pipeline/deployment/serving.py", "pipeline.runs.model_trust"),
+    ("pipeline/deployment/serving.py", "pipeline.runs.serving.model_trust"),
     # DEBT: measurements and comparisons that import what they measure late
     ("pipeline/analysis/benchmarks.py", "pipeline."),
     ("pipeline/analysis/compare.py", "pipeline."),
@@ -89,7 +89,7 @@ def functions(tree: ast.AST):
 
 
 def subpackage(name: str) -> str:
-    """`pipeline.runs.fold_job` -> `runs`; a module of the package's top (`pipeline.cli`) is its own."""
+    """`pipeline.runs.jobs.fold_job` -> `runs`; a module of the package's top (`pipeline.cli`) is its own."""
     return name.split(".")[1]
 
 

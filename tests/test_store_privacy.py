@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.runs import launchers
-from pipeline.runs.cross_validation import plan_cv
-from pipeline.runs.fold_job import FoldJob, result_from_run
+from pipeline.runs.jobs.fold_job import FoldJob, result_from_run
+from pipeline.runs.orchestration import launchers
+from pipeline.runs.orchestration.cross_validation import plan_cv
+from pipeline.runs.orchestration.tuning import TuneWorker
 from pipeline.runs.store import tracking
 from pipeline.runs.store.tracking_server import ADMIN_PASSWORD_ENV, PASSWORD_ENV, USERNAME_ENV, auth_call
-from pipeline.runs.tuning import TuneWorker
 from pipeline.utils.paths import PROJECT_ROOT
 from pipeline.utils.permissions import SHARED_OK_ENV
 from tests.conftest import tiny_overrides

@@ -19,8 +19,8 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from pipeline.runs.cross_validation import run_cv
-from pipeline.runs.launchers import stop_process_group
+from pipeline.runs.orchestration.cross_validation import run_cv
+from pipeline.runs.orchestration.launchers import stop_process_group
 from pipeline.runs.store.tracking_server import (
     JOB_USER_PREFIX,
     PASSWORD_ENV,

@@ -25,11 +25,9 @@ from omegaconf import OmegaConf
 
 from pipeline.analysis.compare import VERSUS_UNTUNED, compare
 from pipeline.data.fold_files import fold_subjects, read_folds
-from pipeline.runs.cross_validation import run_cv
-from pipeline.runs.fold_job import decide, resolve_here
-from pipeline.runs.store import tracking
-from pipeline.runs.store.cv_runs import latest_finished_cvs as latest_cvs
-from pipeline.runs.tuning import (
+from pipeline.runs.jobs.fold_job import decide, resolve_here
+from pipeline.runs.orchestration.cross_validation import run_cv
+from pipeline.runs.orchestration.tuning import (
     CHOSEN_ARTIFACT,
     TuneWorker,
     load_space,
@@ -40,6 +38,8 @@ from pipeline.runs.tuning import (
     run_tune,
     run_worker,
 )
+from pipeline.runs.store import tracking
+from pipeline.runs.store.cv_runs import latest_finished_cvs as latest_cvs
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import PROJECT_ROOT
 from tests.conftest import tiny_overrides
@@ -230,7 +230,7 @@ def test_a_two_stage_trial_trains_and_scores_the_head_the_cv_would_keep(tiny_bas
 def test_every_backbone_has_a_search_space_that_starts_at_its_configured_settings() -> None:
     """Each model config (on the twin, and ViT-B/16 on BioVid) composes with `tune`, finds its space, and today's
     values lie inside it; a default outside its range is an error naming the file."""
-    from pipeline.runs.tuning import TuneError
+    from pipeline.runs.orchestration.tuning import TuneError
     from pipeline.utils.config import CONFIG_DIR
 
     models = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml") if p.stem != "timm")
@@ -279,8 +279,8 @@ def test_a_frozen_trial_reads_the_embedding_cache_and_still_never_the_test_subje
     """`model.finetune=frozen` in a study: the trial's data are the cached embeddings (no backbone runs in training),
     with the study's roles: the fold's test subjects are not among its rows."""
     from pipeline.data.embeddings import EmbeddingDataModule
-    from pipeline.runs.fold_job import build_fold
-    from pipeline.runs.tuning import StudyDataModule
+    from pipeline.runs.jobs.fold_job import build_fold
+    from pipeline.runs.orchestration.tuning import StudyDataModule
 
     cfg = tune_config(tiny_base, "model.finetune=frozen")
     module, datamodule, _ = build_fold(cfg, 0, decide(cfg, Path(cfg.fold_file)), datamodule_class=StudyDataModule)
@@ -294,7 +294,7 @@ def test_a_frozen_trial_reads_the_embedding_cache_and_still_never_the_test_subje
 def test_a_strategy_key_that_names_no_strategy_is_an_error(tmp_path: Path, monkeypatch) -> None:
     """A search space's `strategies` keys are `model.finetune` values (STRATEGY_NAMES): ViT-B/16's file once keyed its
     frozen override `linear_probe`, so frozen studies searched backbone settings that do nothing."""
-    from pipeline.runs import tuning
+    from pipeline.runs.orchestration import tuning
     from pipeline.utils.config import CONFIG_DIR
 
     for path in (CONFIG_DIR / "tune" / "spaces").glob("*.yaml"):  # every shipped space, with every strategy's changes
@@ -334,8 +334,8 @@ def test_the_study_key_holds_the_weights_sha256_not_their_path(tiny_base: Path, 
     import torch
 
     from pipeline.models.backbones import create_backbone
-    from pipeline.runs.pretrain import backbone_state
-    from pipeline.runs.tuning import search_key
+    from pipeline.runs.jobs.pretrain import backbone_state
+    from pipeline.runs.orchestration.tuning import search_key
 
     def save(seed: int, path: Path) -> Path:
         torch.manual_seed(seed)

@@ -20,9 +20,9 @@ from mlflow import MlflowClient
 from pipeline.deployment.final_model import read_split, run_final
 from pipeline.deployment.predict import run_predict, sampled_frames
 from pipeline.evaluation.thresholds import choose_threshold
-from pipeline.runs.cross_validation import run_cv
-from pipeline.runs.launchers import stop_process_group
-from pipeline.runs.mlflow_model import encode_image
+from pipeline.runs.orchestration.cross_validation import run_cv
+from pipeline.runs.orchestration.launchers import stop_process_group
+from pipeline.runs.serving.mlflow_model import encode_image
 from pipeline.runs.store.registry import CANDIDATE, CHAMPION, registered_name, run_promote
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.paths import PROJECT_ROOT
@@ -217,7 +217,7 @@ def test_run_and_the_fold_model_decide_alike_at_the_folds_own_threshold(chain) -
 
     from pipeline.deployment.predict import load_scorer
     from pipeline.models.backbones import model_family
-    from pipeline.runs.mlflow_model import encode_image, logged_model_uri
+    from pipeline.runs.serving.mlflow_model import encode_image, logged_model_uri
     from pipeline.utils.devices import precision_for
 
     cfg, client = chain["cfg"], chain["client"]
@@ -245,7 +245,7 @@ def test_requirement_mismatches_name_what_the_environment_lacks(tmp_path: Path) 
     pins this environment meets pass (a local build label such as +cu130 included), others are named."""
     from importlib import metadata
 
-    from pipeline.runs.mlflow_model import model_root, requirement_mismatches
+    from pipeline.runs.serving.mlflow_model import model_root, requirement_mismatches
 
     (tmp_path / "MLmodel").write_text("flavors: {}\n")
     (tmp_path / "artifacts").mkdir()

@@ -1,10 +1,10 @@
 """`make table`: the BioVid benchmark table, BL1 vs PA1..PA4 and the five-class task, beside published results.
 
 For every backbone and task it runs the cross-validation, or finds the finished one with the same settings (the
-resume of `pipeline.runs.cross_validation.run_cv`), then reads the pooled test-video metrics from its parent run:
-accuracy and balanced accuracy at each fold's validation threshold (argmax for five classes) and the mean
-within-subject AUROC, each with its 95 % subject-bootstrap interval, beside the argmax accuracy (and macro-F1 for
-five classes), and what was tested (subjects, videos, unusable subjects, skipped folds, training subjects per fold).
+resume of `pipeline.runs.orchestration.cross_validation.run_cv`), then reads the pooled test-video metrics from its
+parent run: accuracy and balanced accuracy at each fold's validation threshold (argmax for five classes) and the mean
+within-subject AUROC, each with its 95 % subject-bootstrap interval, beside the argmax accuracy (and macro-F1 for five
+classes), and what was tested (subjects, videos, unusable subjects, skipped folds, training subjects per fold).
 Published rows come from a committed file (configs/literature/, one cited result a row) and are written apart, in
 three groups, never mixed into this project's rows: comparable with the run (a run on BioVid itself, same task and
 protocol, as many subjects tested as the paper's, video only, decided per video); the same protocol shape (same task,
@@ -29,9 +29,9 @@ from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 
 from pipeline.data.personalise import PersonaliseConfig
-from pipeline.runs.cross_validation import run_cv
+from pipeline.runs.orchestration.cross_validation import run_cv
+from pipeline.runs.orchestration.tuning import run_tune
 from pipeline.runs.store import cv_runs, tracking
-from pipeline.runs.tuning import run_tune
 from pipeline.utils.atomic_io import atomic_path, atomic_write_csv, save_png
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import PROJECT_ROOT, resolve_path

@@ -2,8 +2,8 @@
 
 A benchmark measures what `make cv` trains with: its config is composed by `pipeline.utils.config.load_config` from the
 same key=value overrides as every command (data_model specialisation included: synthetic + vit_b16 is 64 px, batch 16,
-bf16), and its model and data are built by `make cv`'s own `pipeline.runs.fold_job.build_fold`. Only what a benchmark
-alone decides (steps, threads, which crops it lists, random weights) is its own.
+bf16), and its model and data are built by `make cv`'s own `pipeline.runs.jobs.fold_job.build_fold`. Only what a
+benchmark alone decides (steps, threads, which crops it lists, random weights) is its own.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pipeline.data.tasks import get_task
 from pipeline.models.backbones import model_family
 from pipeline.models.finetune import FinetuneConfig
 from pipeline.models.lightning_module import PainLightningModule
-from pipeline.runs.fold_job import build_fold, decide
+from pipeline.runs.jobs.fold_job import build_fold, decide
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.atomic_io import atomic_write_csv, atomic_write_text
 from pipeline.utils.config import CONFIG_DIR, load_config

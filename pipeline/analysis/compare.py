@@ -82,7 +82,7 @@ PRIMARY_METRIC = "accuracy_at_threshold"  # pooled/video_accuracy_at_threshold: 
 # family of tests is unchanged)
 GRADED_SUBJECT_METRICS = ("mae",)
 PRIMARY_CHOICES = (PRIMARY_METRIC, *(m for m in SUBJECT_METRICS if m != PRIMARY_METRIC), *GRADED_SUBJECT_METRICS)
-POOLED_VIDEOS = "predictions_videos_all_folds.csv"  # a CV parent's pooled test videos (pipeline.runs.cross_validation)
+POOLED_VIDEOS = "predictions_videos_all_folds.csv"  # a CV's pooled test videos (runs.orchestration.cross_validation)
 
 
 class ComparisonError(RuntimeError):

@@ -35,7 +35,7 @@ from scipy import stats
 from pipeline.analysis.compare import PRIMARY_METRIC, ComparisonError, compare
 from pipeline.data.prepare import synthetic_config
 from pipeline.data.tasks import get_task
-from pipeline.runs.cross_validation import run_cv
+from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.store import cv_runs, tracking
 from pipeline.utils.atomic_io import atomic_write_csv, atomic_write_text, save_png
 from pipeline.utils.config import load_config

@@ -193,8 +193,8 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
 def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, run_id: str, source, split_path: Path,
                 work_dir: Path) -> dict:
     """Train, choose the threshold, keep and log the model, register it; inside the active final run."""
-    from pipeline.runs.fold_job import build_fold, decide, resolve_here, train
-    from pipeline.runs.mlflow_model import log_mlflow_model, model_config
+    from pipeline.runs.jobs.fold_job import build_fold, decide, resolve_here, train
+    from pipeline.runs.serving.mlflow_model import log_mlflow_model, model_config
 
     for chunk in cv_runs.chunks(list(cv_runs.identity_params(train_cfg).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
@@ -270,7 +270,7 @@ def log_fold_ensemble(client: MlflowClient, train_cfg: DictConfig, source, run_i
     run and registered as `pain-<model>-<task>-folds` (alias `candidate`). Its threshold is 0.5: no subjects were
     held out from all folds to choose one on."""
     from pipeline.models.model_file import MODEL_ARTIFACT
-    from pipeline.runs.mlflow_model import log_mlflow_model, model_config
+    from pipeline.runs.serving.mlflow_model import log_mlflow_model, model_config
 
     runs = tracking.finished_fold_runs(client, source.info.run_id)
     kept = {fold: r for fold, r in runs.items()

@@ -223,15 +223,15 @@ def output_paths(stem: Path) -> tuple[Path, Path]:
 
 def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None = None) -> tuple[FrameScorer, str]:
     """The scorer of an MLflow model (`model_uri`, default the registered champion) or of the MLflow model a fold or
-    final run logged (`run`), built by the one factory (`pipeline.runs.mlflow_model.load_scorer`) once the model folder
-    is found to be the project's (a refusal names the reason); and its name. A fold run's model decides at the
+    final run logged (`run`), built by the one factory (`pipeline.runs.serving.mlflow_model.load_scorer`) once the model
+    folder is found to be the project's (a refusal names the reason); and its name. A fold run's model decides at the
     threshold its validation subjects chose, as in the cross-validation."""
     import mlflow
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from pipeline.runs import mlflow_model
-    from pipeline.runs.model_trust import UntrustedModel
+    from pipeline.runs.serving import mlflow_model
+    from pipeline.runs.serving.model_trust import UntrustedModel
     from pipeline.runs.store.registry import champion_uri
 
     tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
@@ -258,7 +258,7 @@ def run_model_uri(client, run_id: str) -> str:
     """The MLflow model a fold's or a final model's run logged, as a URI; an error naming the run otherwise."""
     from mlflow.exceptions import MlflowException
 
-    from pipeline.runs.mlflow_model import logged_model_uri
+    from pipeline.runs.serving.mlflow_model import logged_model_uri
 
     try:
         run = client.get_run(run_id)

@@ -5,8 +5,8 @@ The app that answers is MLflow's own (`mlflow.pyfunc.scoring_server`: `/invocati
 
 - a `serve.host` that is not loopback is refused unless `serve.insecure=true`: the server has no authentication or
   TLS (put a reverse proxy that adds them in front, on loopback);
-- the model folder is checked to be the project's before MLflow loads it (`pipeline.runs.model_trust`), so a folder
-  handed over or a moved alias cannot run its code here;
+- the model folder is checked to be the project's before MLflow loads it (`pipeline.runs.serving.model_trust`), so a
+  folder handed over or a moved alias cannot run its code here;
 - OpenCV's own pixel cap is set to `serve.max_frame_pixels` before OpenCV loads, and checked to hold.
 
 In front of the app, `RequestGuard`:
@@ -17,10 +17,10 @@ In front of the app, `RequestGuard`:
   the request's data;
 - names the time limit in the 504 of a request that ran over it.
 
-The model itself (`pipeline.runs.mlflow_model`, reading frames as `pipeline.runs.serving_input` says) refuses more
-than `serve.max_frames` frames, anything but PNG and JPEG, frames over `serve.max_frame_side` / `max_frame_pixels`
-and requests over `serve.max_request_pixels` (from the headers, before decoding), `path` inputs unless
-`serve.path_root` names a folder (then only regular files beneath it, opened without following links), and stops
+The model itself (`pipeline.runs.serving.mlflow_model`, reading frames as `pipeline.runs.serving.serving_input` says)
+refuses more than `serve.max_frames` frames, anything but PNG and JPEG, frames over `serve.max_frame_side` /
+`max_frame_pixels` and requests over `serve.max_request_pixels` (from the headers, before decoding), `path` inputs
+unless `serve.path_root` names a folder (then only regular files beneath it, opened without following links), and stops
 reading and scoring at `serve.timeout_s`.
 
 This module leaves OpenCV unloaded until `run_serve` has set its cap: what loads it is imported inside functions.
@@ -35,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.runs.serving_input import ServingLimits, cap_opencv_pixels, one_line, opencv_caps_at
+from pipeline.runs.serving.serving_input import ServingLimits, cap_opencv_pixels, one_line, opencv_caps_at
 from pipeline.runs.store import tracking
 from pipeline.runs.store.registry import champion_uri
 from pipeline.runs.store.tracking_server import is_loopback
@@ -148,7 +148,7 @@ def guarded_app(model_path: str, limits: ServingLimits) -> ASGIApp:
     loads it), its model loaded with `limits`."""
     from mlflow.pyfunc import scoring_server
 
-    from pipeline.runs.model_trust import check_model_folder
+    from pipeline.runs.serving.model_trust import check_model_folder
 
     check_model_folder(model_path)
     os.environ.update(limits.to_env())  # what the model reads when it is loaded
@@ -171,7 +171,7 @@ def run_serve(cfg: DictConfig, model_uri: str | None = None, path_root: str | No
     import uvicorn
     from mlflow.exceptions import MlflowException
 
-    from pipeline.runs.model_trust import UntrustedModel
+    from pipeline.runs.serving.model_trust import UntrustedModel
 
     mlflow.set_tracking_uri(tracking.store_uri(cfg.mlflow.tracking_uri))
     uri = model_uri or champion_uri(cfg.model.name, cfg.task.name)

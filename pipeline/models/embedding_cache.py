@@ -236,7 +236,7 @@ def read_or_build(backbone: Backbone, key: dict, folder: Path, rows: Callable[[]
     """The one place embeddings are read or built: the entry of `key` in `folder`'s cache, read and checked where
     its record exists (`read_entry`: a corrupt one is refused), else the crops of `rows()` embedded and stored.
     The shared cache beside the crops (`ensure_embeddings`: the frozen probe, a frozen two-stage head, `make embed`)
-    and a fold's own entry of its fine-tuned frame model (`pipeline.runs.two_stage`) both come through here."""
+    and a fold's own entry of its fine-tuned frame model (`pipeline.runs.jobs.two_stage`) both come through here."""
     started = time.time()
     arrays, record = entry_paths(Path(folder), backbone.name, key)
     if record.is_file():

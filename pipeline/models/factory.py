@@ -7,7 +7,7 @@ transformers' CvT or the reference ViT, with its weights resolved by `pipeline.m
 `pipeline.models.ordinal.build_output_head` over the task's levels instead), wraps it with a temporal head when `head`
 names one (`ClipNet`, a clip model: `pipeline.models.temporal_heads`), prepares it for its fine-tuning strategy
 (`pipeline.models.finetune`: what trains, adapters) and puts it in channels-last memory when asked. Every caller builds
-its network here: a fold, a trial and the final model (through `pipeline.runs.fold_job.build_network`, which also
+its network here: a fold, a trial and the final model (through `pipeline.runs.jobs.fold_job.build_network`, which also
 checks the planned weights), `make pretrain`, a kept model read back (`pipeline.models.model_file`), the cost
 calculator, `make inspect`'s untrained baseline and the bench scripts. `clip_model` is the one place a `ClipNet` is put
 together from a backbone and a head that exist already (a two-stage fold's trained head on its frame backbone).

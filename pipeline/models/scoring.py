@@ -1,5 +1,5 @@
 """From video frames to a pain probability per frame: find the face, follow one person, crop it as training did, run
-the network. One implementation serves `make predict`, the MLflow model (`pipeline.runs.mlflow_model`) and the
+the network. One implementation serves `make predict`, the MLflow model (`pipeline.runs.serving.mlflow_model`) and the
 benchmark, so a served answer and a predicted CSV agree on the same frames.
 
 The crop repeats preprocessing (`pipeline.data.face_crops.crop_video`): aligned on MTCNN's five landmarks (or a square

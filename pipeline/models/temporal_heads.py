@@ -56,7 +56,7 @@ class HeadConfig:
 
     @property
     def two_stage(self) -> bool:
-        """A temporal head trained on a fixed frame model's embeddings (`pipeline.runs.two_stage`)."""
+        """A temporal head trained on a fixed frame model's embeddings (`pipeline.runs.jobs.two_stage`)."""
         return self.temporal and self.mode == "two_stage"
 
     @property

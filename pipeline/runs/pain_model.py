@@ -1,12 +1,8 @@
-"""Old home of the MLflow pain model, kept so that models logged before the rename still load: their stored code
-file imports `PainFrameModel` from here (`pipeline.runs.model_trust.FORMER_CODE_FILES` knows that file). New models
-are logged with `pipeline/runs/mlflow_model_code.py`. OpenCV's own pixel cap is set here as there, before OpenCV
-loads."""
+"""Old path of `pipeline.runs.serving.pain_model`, kept only for MLflow models logged before `runs/` was split: the
+code file `pain_model_code.py` such a model carries imports `PainFrameModel` from here
+(`pipeline.runs.serving.model_trust.FORMER_CODE_FILES`). Importing it sets OpenCV's own pixel cap first, as the
+module it re-exports does. The project imports the new path; nothing new goes here."""
 
-from pipeline.runs.serving_input import ServingLimits, cap_opencv_pixels
-
-cap_opencv_pixels(ServingLimits.from_env().max_frame_pixels)
-
-from pipeline.runs.mlflow_model import PainMlflowModel as PainFrameModel  # noqa: E402  (after the cap)
+from pipeline.runs.serving.pain_model import PainFrameModel
 
 __all__ = ["PainFrameModel"]

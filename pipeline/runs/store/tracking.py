@@ -44,9 +44,9 @@ UI_WORKFLOW = "machine_learning"
 # attempts is FINISHED, and the newest such attempt is the one that counts.
 RUN_KIND_TAG = "painvit.run_kind"
 CV_RUN, FOLD_RUN, FINAL_RUN, COMPARISON_RUN = "cv", "fold", "final", "comparison"
-# A hyper-parameter search (`make tune`, pipeline.runs.tuning) is a parent run tagged TUNING_RUN with one child per
-# (fold, trial) tagged TRIAL_RUN: never a CV_RUN or FOLD_RUN, so no CV view or comparison takes a trial for a fold.
-# The tuned cross-validation it leads to is a CV_RUN with TUNED_TAG=true and its budget tags (TUNE_BUDGET_TAGS).
+# A hyper-parameter search (`make tune`, pipeline.runs.orchestration.tuning) is a parent run tagged TUNING_RUN with one
+# child per (fold, trial) tagged TRIAL_RUN: never a CV_RUN or FOLD_RUN, so no CV view or comparison takes a trial for a
+# fold. The tuned cross-validation it leads to is a CV_RUN with TUNED_TAG=true and its budget tags (TUNE_BUDGET_TAGS).
 TUNING_RUN, TRIAL_RUN = "tuning", "trial"
 POWER_RUN = "power"  # `make power`'s summary of one effect's repeated comparisons (pipeline.analysis.power)
 TRIAL_TAG = "painvit.trial"  # the Optuna trial number of a trial run

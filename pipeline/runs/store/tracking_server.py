@@ -363,7 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def ui_main(argv: Sequence[str] | None = None) -> int:
     """`make ui`: the runs page's address, then the UI on loopback as a private server for as long as it runs: user
     `admin`, whose random password is in an owner-only file that goes when the UI stops."""
-    from pipeline.runs.launchers import tracking_server  # the launcher's private server (it imports this module)
+    from pipeline.runs.orchestration.launchers import (
+        tracking_server,  # the launcher's private server (it imports this module)
+    )
 
     parse = argparse.ArgumentParser(prog="python -m pipeline ui", description="the MLflow UI, asking who you are")
     parse.add_argument("--port", type=int, default=5000)

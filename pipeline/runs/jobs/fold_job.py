@@ -72,8 +72,10 @@ from pipeline.models.model_file import MODEL_ARTIFACT
 from pipeline.models.ordinal import OutputConfig, check_frame_output, graded_scoring, task_levels
 from pipeline.models.temporal_heads import ClipNet, HeadConfig
 from pipeline.models.weights import WeightsSource
-from pipeline.runs.head_modes import HeadMode, head_mode
-from pipeline.runs.mlflow_model import log_fold_model
+from pipeline.runs.jobs.head_modes import HeadMode, head_mode
+from pipeline.runs.jobs.two_stage import RECORD as TWO_STAGE_RECORD
+from pipeline.runs.jobs.two_stage import SecondStage, second_stage, write_record
+from pipeline.runs.serving.mlflow_model import log_fold_model
 from pipeline.runs.store import fold_lease
 from pipeline.runs.store.cv_runs import augmentation_label, finetune_tags
 from pipeline.runs.store.registry import split_videos, subjects_dataset
@@ -96,8 +98,6 @@ from pipeline.runs.store.tracking import (
     redact_uri,
     uri_has_credentials,
 )
-from pipeline.runs.two_stage import RECORD as TWO_STAGE_RECORD
-from pipeline.runs.two_stage import SecondStage, second_stage, write_record
 from pipeline.utils.accelerator import TrainingDevice, training_device
 from pipeline.utils.atomic_io import atomic_path, fsync_tree
 from pipeline.utils.cpus import one_torch_thread
@@ -406,7 +406,7 @@ def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataM
     checkpoint holds the weights, optimizer, LR schedule, early-stopping counter, best-checkpoint record and epoch
     history, and every random draw of the remaining epochs is keyed by (seed, fold, epoch[, batch])
     (`EpochSampler`, `SeedEachBatch`), so it does not depend on the epochs before having run in this process.
-    `extra_callbacks` join the fit (a tuning trial's pruning callback, `pipeline.runs.tuning`).
+    `extra_callbacks` join the fit (a tuning trial's pruning callback, `pipeline.runs.orchestration.tuning`).
     """
     if cfg.trainer.devices != 1:
         raise ValueError("trainer.devices must be 1: video-level metrics are computed from one process's predictions")

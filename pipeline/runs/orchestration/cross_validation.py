@@ -5,7 +5,7 @@ plan -> launch -> aggregate:
   in seconds), then find the parent run of an unfinished cross-validation with the same identity (model, dataset,
   protocol, task, subject set, seed, fold file and the resolved config's hash) or create one; folds that have a
   FINISHED child run are done.
-- **launch** the pending folds as `FoldJob`s on the configured launcher (`pipeline.runs.launchers`).
+- **launch** the pending folds as `FoldJob`s on the configured launcher (`pipeline.runs.orchestration.launchers`).
 - **aggregate** once every fold has a finished child run: mean and spread over folds, pooled metrics, plots, onto
   the parent run, which is then FINISHED, and the folds' work folders (checkpoints, local copies of the artifacts)
   are removed. A finished cross-validation with the same identity is not trained again, unless a fold's artifacts
@@ -56,8 +56,7 @@ from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
 from pipeline.models.ordinal import OutputConfig, graded_scoring
 from pipeline.models.weights import WeightsSource, weights_provenance
-from pipeline.runs import launchers
-from pipeline.runs.fold_job import (
+from pipeline.runs.jobs.fold_job import (
     FoldDecisions,
     FoldJob,
     FoldResult,
@@ -66,6 +65,7 @@ from pipeline.runs.fold_job import (
     result_from_run,
     retire_unreadable,
 )
+from pipeline.runs.orchestration import launchers
 from pipeline.runs.store import cv_runs, fold_lease, registry, tracking
 from pipeline.runs.store.cv_runs import augmentation_label, finetune_tags
 from pipeline.runs.store.environment import library_versions, log_environment

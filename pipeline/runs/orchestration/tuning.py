@@ -49,9 +49,7 @@ from optuna.storages.journal import JournalFileBackend
 
 from pipeline.data.datamodule import PainDataModule
 from pipeline.models.finetune import STRATEGY_NAMES, FinetuneConfig
-from pipeline.runs import launchers
-from pipeline.runs.cross_validation import Plan, aggregate, identity_lock, launch, plan_cv
-from pipeline.runs.fold_job import (
+from pipeline.runs.jobs.fold_job import (
     FoldDecisions,
     FoldJob,
     Trained,
@@ -59,6 +57,8 @@ from pipeline.runs.fold_job import (
     resolve_here,
     train,
 )
+from pipeline.runs.orchestration import launchers
+from pipeline.runs.orchestration.cross_validation import Plan, aggregate, identity_lock, launch, plan_cv
 from pipeline.runs.store import cv_runs, fold_lease, tracking
 from pipeline.runs.store.cv_runs import augmentation_applied, augmentation_label, finetune_tags, identity_config
 from pipeline.runs.store.tracking_server import job_credentials

@@ -5,7 +5,7 @@ strategies are (`pipeline.models.finetune`), so that the training path (`fold_jo
   aggregates its crops' (`trainer.aggregation`). What is kept: the best checkpoint's frame model.
 - `TwoStageHead` (a temporal head, `model.head.mode=two_stage`): the frame model trains first, unless its backbone
   is fixed (`model.finetune=frozen`: nothing to fine-tune); then the temporal head trains on that frame model's
-  embeddings (`pipeline.runs.two_stage`). What is kept: the clip model of the frame backbone and the trained head.
+  embeddings (`pipeline.runs.jobs.two_stage`). What is kept: the clip model of the frame backbone and the trained head.
 - `EndToEndHead` (`model.head.mode=end_to_end`): the clip model (`ClipNet`) trains through its backbone on clips; it
   scores a video once, so nothing is left to aggregate. What is kept: the best checkpoint's clip model.
 
@@ -32,10 +32,10 @@ from pipeline.models.lightning_module import PainLightningModule
 from pipeline.models.model_file import model_meta, save_model_file
 from pipeline.models.ordinal import OutputConfig
 from pipeline.models.temporal_heads import ClipNet, HeadConfig
-from pipeline.runs.two_stage import SecondStage
+from pipeline.runs.jobs.two_stage import SecondStage
 
 if TYPE_CHECKING:
-    from pipeline.runs.fold_job import Trained
+    from pipeline.runs.jobs.fold_job import Trained
 
 
 class HeadMode:

@@ -19,7 +19,7 @@ serve`). It refuses, with the reason, a folder
 - that holds a `code` folder or any other file Python could import or unpickle (.py, .pyc, .so, .pth, .pkl, ...);
 - whose artifacts are other than `weights` and `weights_<i>`, or lie outside the folder.
 
-What is left to run is the installed package: the code file only imports `pipeline.runs.mlflow_model`, and the weights
+What is left to run is the installed package: the code file only imports `pipeline.runs.serving`, and the weights
 are read with `weights_only=True` (`pipeline.models.model_file`). Under `mlflow models serve`, MLflow runs the code
 file before the project has a say: a changed code file has run by the time `load_context` refuses the model (use
 `make serve`, which checks first). The folder is checked where it lies: whoever can write it while it is being
@@ -39,13 +39,16 @@ import yaml
 
 CODE_FILE = Path(__file__).with_name("mlflow_model_code.py")  # what MLflow stores with every model the project logs
 LOADER_MODULE = "mlflow.pyfunc.loaders.code_model"  # MLflow's own loader of models from code
-# Code files older models carry, by SHA-256, with where they come from; both only import the installed package:
+# Code files older models carry, by SHA-256, with where they come from; all only import the installed package:
 # pain_model_code.py (logged 2026-12-01, 34b0214, to 2026-12-02, 8e322e8) imports `PainFrameModel` from
 # `pipeline.runs.pain_model`, which that module keeps; mlflow_model_code.py as it was from 8e322e8 until the frame
-# cap came (it imports `PainMlflowModel` without setting OpenCV's own cap first). Such models still load.
+# cap came (it imports `PainMlflowModel` without setting OpenCV's own cap first); mlflow_model_code.py as it was from
+# the frame cap (f4cb953) until `runs/` was split (it imports `pipeline.runs.serving_input` and
+# `pipeline.runs.mlflow_model`, which those modules keep). Such models still load.
 FORMER_CODE_FILES = {
     "798ca3c3a6ff841e56018ec6dd97b1ed97b06a514fdd2b1ec847a6d2d08d1631": "pain_model_code.py of 34b0214",
     "b7fd12f1b15f5783780cc53c51fab14ae00f5c136fd327efb1e59f00fbf8c5a3": "mlflow_model_code.py of 8e322e8",
+    "d303ce6e4f2cde928caa2a28e1e2676d9735b2338f7a391c4017837b1a37ff31": "mlflow_model_code.py of f4cb953",
 }
 # The code file of the first layout (8747c8e) imports `pipeline.pain_model`, which no longer exists: refused by name.
 RETIRED_CODE_FILES = {"5c6bf5c7ae43095a0ee9e3a72af5223e1d37e47934927bd03385039cf9bf5775":

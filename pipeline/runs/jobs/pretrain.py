@@ -19,7 +19,7 @@ Pools (`pretrain.pool`):
 Either way the CV dataset's participants must be known (`dataset_roster`: its frame table, samples table, committed
 subject list or generator); a dataset whose participants cannot be read is refused with the reason. The identities
 go into the provenance, and `make cv WEIGHTS=<file>` refuses weights whose pool shares a person with its fold file
-(`pipeline.runs.cross_validation.check_pretraining_people`), whatever `DATA` was at `make pretrain`.
+(`pipeline.runs.orchestration.cross_validation.check_pretraining_people`), whatever `DATA` was at `make pretrain`.
 
 Targets (`pretrain.target`): `au`, the per-frame action-unit intensities (the twin's ground truth under
 `synthetic_regions/`: AU4, AU6/7, AU9/10, AU43, read on the resting clips (BL1) only, `AU_CLASSES`: on its pain
