@@ -212,7 +212,7 @@ server: install ## MLflow tracking server for fold jobs on other nodes; basic au
 		$(if $(SERVER_CORS_ORIGINS),--cors-origins $(call quote,$(SERVER_CORS_ORIGINS))) \
 		$(if $(filter 1,$(SERVER_INSECURE)),--insecure)
 
-test: install ## run the test suite (the layers contract first: a wrong import fails in a second)
+test: install ## run the test suite on two workers (the layers contract first: a wrong import fails in a second)
 	$(QUOTED_BIN)/lint-imports --no-logo
 	$(QUOTED_PY) -m pytest -n 2 --dist loadgroup
 

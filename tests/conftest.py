@@ -25,10 +25,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test that uses the real SLURM cluster runs on one worker (`--dist loadgroup`): one cluster a session,
-    started once, its ports and munge socket never doubled."""
+    """Every test that uses the real SLURM cluster (or starts one of its own) runs on one worker (`--dist
+    loadgroup`): one session cluster, started once, and never two clusters starting side by side."""
     for item in items:
-        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+        if "slurm_cluster" in getattr(item, "fixturenames", ()) or item.path.name == "test_slurm_cluster.py":
             item.add_marker(pytest.mark.xdist_group("slurm"))
 
 

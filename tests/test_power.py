@@ -11,7 +11,9 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from pipeline.analysis.power import clopper_pearson, run_power, study_key
+from pipeline.analysis.compare import PRIMARY_CHOICES, PRIMARY_METRIC
+from pipeline.analysis.power import clopper_pearson, effect_metric, run_power, study_key
+from pipeline.data.synthetic.settings import EFFECTS
 from pipeline.evaluation.statistics import minimum_detectable_effect
 from pipeline.utils.config import load_config
 
@@ -21,6 +23,24 @@ def test_clopper_pearson_is_the_exact_binomial_interval() -> None:
     assert low == 0.0 and high == pytest.approx(1 - 0.025 ** (1 / 20))  # the exact bound when nothing is rejected
     low, high = clopper_pearson(10, 20)
     assert low == pytest.approx(stats.beta.ppf(0.025, 10, 11)) and high == pytest.approx(stats.beta.ppf(0.975, 11, 10))
+
+
+def power_settings(*overrides: str):
+    return load_config(list(overrides), groups=("power=default",)).power
+
+
+def test_every_configured_effect_names_a_twin_a_metric_compare_takes_and_two_settings_that_differ() -> None:
+    power = power_settings()
+    assert {"null", "temporal", "baseline", "graded"} <= set(power.effects)
+    for name, entry in power.effects.items():
+        assert entry.twin in EFFECTS, name
+        assert effect_metric(power_settings(f"power.effect={name}")) in PRIMARY_CHOICES, name
+        assert list(entry.a.overrides) != list(entry.b.overrides), name
+        load_config([f"task={entry.task}", *entry.a.overrides])  # each side composes
+        load_config([f"task={entry.task}", *entry.b.overrides])
+    assert effect_metric(power_settings("power.effect=graded")) == "mae"
+    assert effect_metric(power_settings("power.effect=temporal")) == PRIMARY_METRIC
+    assert list(power.effects.baseline.allow_differences) == ["personalise"]
 
 
 def test_a_true_difference_of_the_minimum_detectable_effect_is_detected_four_times_in_five() -> None:

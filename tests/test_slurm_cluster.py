@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -98,12 +100,21 @@ def test_preempted_submitit_job_requeues_and_resumes(
         assert jobs[0].result() == [(i, "0") for i in range(4)]
 
 
-def test_clusters_start_and_stop_one_after_another(slurm_cluster: SlurmCluster, tmp_path: Path):
+@pytest.fixture
+def short_dir():
+    """A cluster's own folder under /tmp with a short name: slurmd's socket paths must fit in 108 bytes, and a test's
+    tmp_path (longer under make test's workers, popen-gw0/...) can make its spool path too long."""
+    folder = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_clusters_start_and_stop_one_after_another(slurm_cluster: SlurmCluster, tmp_path: Path, short_dir: Path):
     """Fresh ports and folders each time, SLURM_CONF restored, daemons gone, the session's cluster unharmed."""
     before = os.environ["SLURM_CONF"]
     seen_ports = {slurm_cluster.ports}
     for i in range(2):
-        with SlurmCluster(tmp_path / f"c{i}") as cluster:
+        with SlurmCluster(short_dir / f"c{i}") as cluster:
             assert os.environ["SLURM_CONF"] == str(cluster.conf)
             assert cluster.ports not in seen_ports
             seen_ports.add(cluster.ports)
@@ -122,10 +133,10 @@ class BrokenCluster(SlurmCluster):
             conf.write("NoSuchSetting=1\n")
 
 
-def test_a_cluster_that_cannot_start_fails_loudly(tmp_path: Path):
+def test_a_cluster_that_cannot_start_fails_loudly(short_dir: Path):
     before = os.environ.get("SLURM_CONF")
     with pytest.raises(RuntimeError, match="start slurmctld") as error:
-        with BrokenCluster(tmp_path):
+        with BrokenCluster(short_dir):
             pass
     assert "NoSuchSetting" in str(error.value)
     assert os.environ.get("SLURM_CONF") == before

@@ -119,6 +119,21 @@ def final_key(source_run_id: str, val_fraction: float, seed: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def refuse_unservable(cfg: DictConfig, train_cfg: DictConfig, source_id: str) -> None:
+    """A final model of CV `source_id` that serving could not use is refused before anything trains: a personalised
+    one (it scores a person against their reference, which predict and serve do not take yet) and a fold ensemble of
+    clip models."""
+    head = HeadConfig.from_config(train_cfg.model.head)
+    protocol = PersonaliseConfig.from_config(train_cfg.get("personalise"))
+    if protocol.mode != "none":  # its model scores a person against their reference, which serving cannot take yet
+        raise SystemExit(f"final: CV {source_id} is personalised ({protocol.label}); a served model would need the "
+                         f"person's reference (make predict REFERENCE=), which predict and serve do not take yet")
+    if cfg.final.ensemble and head.temporal:  # said before anything trains, not after the final model
+        raise SystemExit(f"final.ensemble=true: CV {source_id} trained clip models ({head.label}), and a fold "
+                         f"ensemble of clip models is not supported (each member would need its own window of its own "
+                         f"embeddings); drop final.ensemble")
+
+
 def run_final(cfg: DictConfig, run: str | None = None) -> dict:
     """`make final [RUN=<CV parent run>]`; returns the final run's id, metrics, threshold and registered version."""
     announce_device(cfg.trainer.accelerator)  # said first; a GPU asked for and not usable stops here
@@ -130,15 +145,7 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
         raise SystemExit(f"final: {error}") from None
     source_id = source.info.run_id
     train_cfg = training_config(cfg, client, source_id)
-    head = HeadConfig.from_config(train_cfg.model.head)
-    protocol = PersonaliseConfig.from_config(train_cfg.get("personalise"))
-    if protocol.mode != "none":  # its model scores a person against their reference, which serving cannot take yet
-        raise SystemExit(f"final: CV {source_id} is personalised ({protocol.label}); a served model would need the "
-                         f"person's reference (make predict REFERENCE=), which predict and serve do not take yet")
-    if cfg.final.ensemble and head.temporal:  # said before anything trains, not after the final model
-        raise SystemExit(f"final.ensemble=true: CV {source_id} trained clip models ({head.label}), and a fold "
-                         f"ensemble of clip models is not supported (each member would need its own window of its own "
-                         f"embeddings); drop final.ensemble")
+    refuse_unservable(cfg, train_cfg, source_id)
     fold_file = resolve_path(train_cfg.fold_file)
     subjects = sorted(set(read_folds(fold_file)["subject_name"]))
     key = final_key(source_id, float(cfg.final.val_fraction), int(cfg.final.seed))
