@@ -77,6 +77,13 @@ def test_the_selection_reads_no_label_but_the_bl1_mask() -> None:
     assert select_baseline(rows2, is_bl1_2, k=1, seed=0).reference.index.equals(split.reference.index)
 
 
+def test_a_larger_k_keeps_the_smaller_ks_references() -> None:
+    rows, is_bl1 = label_free_rows(frame_table())
+    chosen = {k: set(map(tuple, select_baseline(rows, is_bl1, k=k, seed=3).reference[["subject_name", "sample_name"]]
+                         .drop_duplicates().to_numpy())) for k in (1, 2, 4)}
+    assert chosen[1] < chosen[2] < chosen[4]  # CVs of several k share every video none of them took
+
+
 def test_each_persons_reference_comes_from_their_own_rows_alone() -> None:
     frames = frame_table(n_subjects=5, seed=2)
     rows, is_bl1 = label_free_rows(frames)

@@ -173,7 +173,9 @@ def select_baseline(rows: pd.DataFrame, is_bl1: Sequence[bool] | np.ndarray, k: 
             short.append(f"{subject} ({len(bl1_videos)})")
             continue
         rng = np.random.default_rng(derived_seed(seed, _person_key(subject)))
-        picked = sorted(bl1_videos[int(i)] for i in rng.choice(len(bl1_videos), size=k, replace=False))
+        # the first k of one order per person: a larger k keeps the smaller k's references (k=1 within k=2 within
+        # k=4), so CVs of several k share every video none of them took as a reference
+        picked = sorted(bl1_videos[int(i)] for i in rng.permutation(len(bl1_videos))[:k])
         chosen += [(subject, sample) for sample in picked]
         record.append({"subject_name": subject, "n_videos": len(flags), "n_bl1_videos": len(bl1_videos),
                        "n_reference_videos": k, "n_remaining_videos": len(flags) - k})
