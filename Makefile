@@ -50,6 +50,8 @@ REPEATS ?=
 # `make final` / `promote` / `predict` / `serve` / `export` (README: "Use a trained model")
 VERSION ?=
 VIDEO ?=
+# `make predict REFERENCE=<folder>`: the person's own recordings, for a personalised model (personalise=)
+REFERENCE ?=
 MODEL_URI ?=
 FPS ?=
 OUT ?=
@@ -77,10 +79,10 @@ SERVER_INSECURE ?=
 # The variables above (each given a default with ?=: tests/test_makefile.py checks this list holds them all) and the
 # one `make ui` reads: one from the environment is frozen as one from the command line is, a default here expanded.
 USER_VARIABLES := PYTHON MODEL DATA PROTOCOL TASK BIOVID_ROOT WEIGHTS ARGS LAUNCHER JOBS RESUME VERBOSE RUN UNTRAINED \
-	IMG BATCH MLFLOW_PORT TASKS TARGET TRIALS SCOPE TUNED EFFECT REPEATS VERSION VIDEO MODEL_URI FPS OUT FORMAT SERVE_PORT \
-	SERVE_PATH_ROOT FINETUNE SERVER_HOST SERVER_PORT SERVER_STORE SERVER_ARTIFACTS SERVER_AUTH SERVER_AUTH_DB \
-	SERVER_AUTH_CONFIG SERVER_DEFAULT_PERMISSION SERVER_ADMIN_PASSWORD_FILE SERVER_ALLOWED_HOSTS SERVER_CORS_ORIGINS \
-	SERVER_WORKERS SERVER_INSECURE MLFLOW_TRACKING_URI
+	IMG BATCH MLFLOW_PORT TASKS TARGET TRIALS SCOPE TUNED EFFECT REPEATS VERSION VIDEO REFERENCE MODEL_URI FPS OUT \
+	FORMAT SERVE_PORT SERVE_PATH_ROOT FINETUNE SERVER_HOST SERVER_PORT SERVER_STORE SERVER_ARTIFACTS SERVER_AUTH \
+	SERVER_AUTH_DB SERVER_AUTH_CONFIG SERVER_DEFAULT_PERMISSION SERVER_ADMIN_PASSWORD_FILE SERVER_ALLOWED_HOSTS \
+	SERVER_CORS_ORIGINS SERVER_WORKERS SERVER_INSECURE MLFLOW_TRACKING_URI
 $(foreach name,$(USER_VARIABLES),$(call freeze,$(name)))
 export VERBOSE
 
@@ -185,9 +187,10 @@ final: install ## one model of MODEL on all subjects with its latest finished CV
 promote: install ## make VERSION of pain-MODEL-TASK the champion (what predict and serve use)
 	$(QUOTED_PY) -m pipeline promote $(OVERRIDES) $(call quote,--version=$(VERSION))
 
-predict: install ## pain timeline (CSV + PNG) of VIDEO (a file or a folder) with the champion, MODEL_URI= or RUN=
+predict: install ## pain timeline (CSV + PNG) of VIDEO (a file or a folder) with the champion, MODEL_URI= or RUN=; REFERENCE=
 	$(QUOTED_PY) -m pipeline predict $(OVERRIDES) $(call quote,--video=$(VIDEO)) $(call if_set,--model_uri=,MODEL_URI) \
-		$(call if_set,--run=,RUN) $(call if_set,predict.fps=,FPS) $(call if_set,--out=,OUT)
+		$(call if_set,--run=,RUN) $(call if_set,predict.fps=,FPS) $(call if_set,--out=,OUT) \
+		$(call if_set,--reference=,REFERENCE)
 
 serve: install ## REST scoring server for the champion (or MODEL_URI=) on http://127.0.0.1:$(SERVE_PORT)/invocations
 	$(QUOTED_PY) -m pipeline serve $(OVERRIDES) $(call quote,serve.port=$(SERVE_PORT)) \

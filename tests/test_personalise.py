@@ -14,6 +14,7 @@ import pytest
 
 from pipeline.data.personalise import (
     PersonaliseConfig,
+    ReferenceStatistics,
     label_free_rows,
     reference_means,
     reference_statistics,
@@ -133,7 +134,7 @@ def test_features_relative_to_the_reference_subtract_the_persons_reference_mean(
 
 
 def test_the_reference_helper_reads_a_folder_of_resting_recordings_or_says_what_is_missing(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"no reference: .*REFERENCE=<folder of the person's resting recordings>"):
+    with pytest.raises(ValueError, match=r"no reference: .*REFERENCE=<folder of the person's recordings>"):
         reference_statistics(None)
     with pytest.raises(ValueError, match="does not exist"):
         reference_statistics(tmp_path / "absent")
@@ -152,6 +153,23 @@ def test_the_reference_helper_reads_a_folder_of_resting_recordings_or_says_what_
         reference_statistics(tmp_path)
     with_video = reference_statistics(tmp_path, embed=lambda path: np.ones((3, 3)))
     assert (with_video.n_recordings, with_video.n_rows) == (3, 9)
+
+
+def test_a_reference_shows_new_features_as_each_protocol_showed_its_training_crops() -> None:
+    rng = np.random.default_rng(8)
+    rows = np.column_stack([rng.normal(3.0, 2.0, 50), rng.normal(-1.0, 0.5, 50), np.full(50, 7.0)])
+    subjects = np.array(["p"] * 50)
+    stats = ReferenceStatistics(rows.mean(axis=0), rows.std(axis=0), 1, len(rows), Path("rest"))
+    # the reference's own rows come out as a cross-validation serves that person's rows
+    np.testing.assert_allclose(stats.applied(rows, PersonaliseConfig("subject_normalised")),
+                               subject_normalise(subjects, rows), atol=1e-9)
+    baseline = PersonaliseConfig("baseline", k=1, seed=0)
+    np.testing.assert_allclose(stats.applied(rows[:3], baseline),
+                               relative_to_reference(subjects[:3], rows[:3], {"p": rows.mean(axis=0)}))
+    with pytest.raises(ValueError, match="a plain model takes no reference"):
+        stats.applied(rows, PersonaliseConfig("none"))
+    assert PersonaliseConfig("none").meta() == {}
+    assert PersonaliseConfig.from_config(baseline.meta()["personalise"]) == baseline
 
 
 def test_the_personalise_group_composes_each_protocol_and_none_is_the_default() -> None:

@@ -2,25 +2,37 @@
 (`pipeline.data.embeddings.EmbeddingDataModule`). A baseline split never serves (nor tests) a reference video, each
 crop is served minus its own person's reference mean, computed from that person's rows of the split; subject-normalised
 statistics come from the person's own rows; a CV records what each split lost; a path that does not apply a protocol
-is refused."""
+is refused. A personalised CV's final model scores a person against their own recordings (`make predict
+REFERENCE=`), says what to give without them, and is neither served nor exported."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import mlflow
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 
 from pipeline.data.datamodule import ROLES
 from pipeline.data.embeddings import EmbeddingDataModule, EmbeddingTable
 from pipeline.data.personalise import PersonaliseConfig
 from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import NO_PAIN, get_task
+from pipeline.deployment.export import run_export
+from pipeline.deployment.final_model import run_final
+from pipeline.deployment.predict import load_scorer, run_predict
+from pipeline.deployment.reference import attach_reference, video_embeddings
+from pipeline.deployment.serving import guarded_app, limits_of
+from pipeline.deployment.video_frames import PredictError, sampled_frames
+from pipeline.models.scoring import FrameScorer
 from pipeline.runs.jobs.fold_job import VIDEO_PREDICTIONS
 from pipeline.runs.orchestration.cross_validation import run_cv
+from pipeline.runs.serving.mlflow_model import encode_image, synthetic_frames
 from pipeline.runs.store import cv_runs, tracking
 from pipeline.utils.paths import resolve_path
 from tests.conftest import loader_config
@@ -151,3 +163,79 @@ def test_a_path_that_does_not_apply_a_protocol_refuses_it(tiny_config) -> None:
     from_images = (*FROZEN, "personalise=subject_normalised", "cache.embeddings=false")
     with pytest.raises(ValueError, match=r"a backbone trained on images \(model.finetune\) does not apply it yet"):
         run_cv(tiny_config(*from_images))
+
+
+@pytest.fixture(scope="module")
+def personal_final(baseline_cv, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The baseline CV's final model (kept, registered), and one twin person's videos: two resting ones as their
+    reference folder, a PA4 one to score."""
+    cfg = baseline_cv["cfg"]
+    final = run_final(cfg)
+    person = sorted(Path(cfg.data.root, "video").iterdir())[0]
+    videos = sorted(person.glob("*.mp4"))
+    reference = tmp_path_factory.mktemp("reference")
+    for video in [v for v in videos if f"-{NO_PAIN}-" in v.name][:2]:
+        (reference / video.name).symlink_to(video)
+    return {"cfg": cfg, "final": final, "reference": reference,
+            "pain": next(v for v in videos if "-PA4-" in v.name)}
+
+
+def test_a_personalised_final_model_scores_a_person_against_their_reference_and_only_with_one(
+        personal_final, tmp_path: Path) -> None:
+    cfg, uri, reference = personal_final["cfg"], personal_final["final"]["model_uri"], personal_final["reference"]
+    pain = str(personal_final["pain"])
+    scorer, _ = load_scorer(cfg, uri)
+    assert scorer.personalise == PersonaliseConfig("baseline", k=1, seed=int(cfg.personalise.seed))
+    with pytest.raises(SystemExit, match=r"personalised \(baseline_k1, the person's resting \(BL1\) recordings.*"
+                                         r"REFERENCE=<folder of the person's recordings>"):
+        run_predict(cfg, video=pain, model_uri=uri, out=str(tmp_path / "none"))
+    with pytest.raises(ValueError, match="personalised"):  # a scorer never scores without its person
+        scorer.class_probabilities([np.zeros((32, 32, 3), np.uint8)])
+    summary = run_predict(cfg, video=pain, model_uri=uri, out=str(tmp_path / "out"), reference=str(reference))
+    frames = pd.read_csv(tmp_path / "out" / f"{Path(pain).name}.csv")
+    assert summary is not None and frames["face_found"].any()
+
+    # each crop is scored as head(features - the mean of the reference videos' features), at predict's frame rate
+    said = attach_reference(scorer, str(reference), float(cfg.predict.fps))
+    assert said and "2 recordings" in said
+    fps = float(cfg.predict.fps)
+    rest = np.concatenate([video_embeddings(scorer, path, fps) for path in sorted(reference.iterdir())])
+    np.testing.assert_allclose(scorer.reference.mean, rest.mean(axis=0), rtol=1e-5, atol=1e-6)
+    chunk = next(sampled_frames(Path(pain), float(cfg.predict.fps)))[2]
+    follower = scorer.follower()
+    faces = [follower.step(found) for found in scorer.find_faces(chunk)]
+    crops = [scorer.crop(frame, face) for frame, face in zip(chunk, faces, strict=True) if face is not None]
+    with torch.inference_mode():
+        logits = scorer.net.head(torch.as_tensor(scorer.embeddings(crops) - rest.mean(axis=0), dtype=torch.float32))
+    np.testing.assert_allclose(scorer.class_probabilities(crops), logits.softmax(dim=1).numpy(), atol=1e-5)
+    np.testing.assert_allclose(frames.loc[frames["face_found"], "pain_probability"].to_numpy()[:len(crops)],
+                               scorer.probabilities(crops), atol=1e-5)  # what predict wrote
+    # another person's reference moves the scores: the reference is used, not decoration
+    other = Path(cfg.data.root, "video").iterdir()
+    stranger = sorted(sorted(other)[1].glob(f"*-{NO_PAIN}-*.mp4"))[0]
+    np.save(tmp_path / "stranger.npy", video_embeddings(scorer, stranger, float(cfg.predict.fps)))
+    (tmp_path / "stranger_only").mkdir()
+    (tmp_path / "stranger.npy").rename(tmp_path / "stranger_only" / "stranger.npy")
+    attach_reference(scorer, str(tmp_path / "stranger_only"), float(cfg.predict.fps))
+    assert not np.allclose(scorer.class_probabilities(crops), logits.softmax(dim=1).numpy(), atol=1e-4)
+
+
+def test_a_personalised_model_is_not_served_or_exported_and_a_plain_one_takes_no_reference(
+        personal_final, tmp_path: Path) -> None:
+    cfg, uri, reference = personal_final["cfg"], personal_final["final"]["model_uri"], personal_final["reference"]
+    with pytest.raises(SystemExit, match=r"export: .*personalised \(baseline_k1\).*make predict REFERENCE="):
+        run_export(cfg, model_uri=uri, out=str(tmp_path / "export"))
+    local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp_path / "model"))
+    with pytest.raises(SystemExit, match=r"serve: .*personalised \(baseline_k1\).*scoring request"):
+        guarded_app(local, limits_of(cfg))
+    served = mlflow.pyfunc.load_model(local)  # as `mlflow models serve` loads it: every request is told why
+    with pytest.raises(MlflowException, match=r"personalised \(baseline_k1\)"):
+        served.predict(pd.DataFrame({"image": [encode_image(frame) for frame in synthetic_frames(1)]}))
+    scorer, _ = load_scorer(cfg, uri)
+    meta = {key: value for key, value in scorer.meta.items() if key != "personalise"}
+    plain = FrameScorer(scorer.net, meta, scorer.settings)
+    with pytest.raises(PredictError, match=r"REFERENCE=.*not personalised \(personalise=none\)"):
+        attach_reference(plain, str(reference), 5.0)
+    assert attach_reference(plain, None, 5.0) is None
+    with pytest.raises(PredictError, match=r"reference folder .* holds no recordings"):
+        attach_reference(scorer, str(tmp_path), 5.0)

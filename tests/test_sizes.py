@@ -41,8 +41,6 @@ LONG_FUNCTIONS = {
     "pipeline/analysis/inspection.py::inspect_fold": 75,
     "pipeline/analysis/inspection.py::inspect_cv": 81,
     "pipeline/data/fold_files.py::check_folds": 90,
-    "pipeline/deployment/final_model.py::run_final": 61,
-    "pipeline/deployment/final_model.py::train_final": 73,
     "pipeline/runs/orchestration/cross_validation.py::plan_cv": 76,
     "pipeline/runs/jobs/fold_job.py::train_fold": 79,
     "pipeline/runs/jobs/pretrain.py::run_pretrain": 78,

@@ -13,7 +13,9 @@ Faces differ more between people than one person's BL1 and PA1 do; two protocols
   class or label columns. It draws each person's reference from the rows given for that person, so a training
   subject's reference comes from their own training videos.
 
-`reference_statistics` is the same reference for a new person (`make predict REFERENCE=<folder>`).
+`reference_statistics` is the same for a new person (`make predict REFERENCE=<folder>`): the folder's recordings
+play the part a person's own videos play in a cross-validation, their mean the baseline reference, their mean and
+spread a subject-normalised model's statistics (`ReferenceStatistics.applied`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ class PersonaliseConfig:
     def label(self) -> str:
         """How tables and tags name the protocol: none, subject_normalised, baseline_k2."""
         return f"baseline_k{self.k}" if self.mode == "baseline" else self.mode
+
+    def meta(self) -> dict[str, Any]:
+        """What a kept model records of its protocol (`meta["personalise"]`, read back with `from_config`): nothing
+        for none, so a plain model's file is as before."""
+        return {} if self.mode == "none" else {"personalise": {"mode": self.mode, "k": self.k, "seed": self.seed}}
 
 
 def refuse_unapplied(config: PersonaliseConfig, *, reads_cache: bool, temporal: bool) -> None:
@@ -227,10 +234,33 @@ class ReferenceStatistics:
                              f"({self.folder})")
         return features - self.mean
 
+    def applied(self, features: np.ndarray, config: PersonaliseConfig) -> np.ndarray:
+        """`features` (N, D) as protocol `config` showed its training crops to the head: minus the reference mean
+        (baseline), or standardised by the reference's mean and spread, a constant dimension centred only
+        (subject_normalised, as `subject_statistics` does)."""
+        if config.mode == "baseline":
+            return self.relative(features)
+        if config.mode == "subject_normalised":
+            return self.relative(features) / np.where(self.sd > 0, self.sd, 1.0)
+        raise ValueError(f"personalise={config.mode}: a plain model takes no reference")
 
-NO_REFERENCE = ("this model is personalised (personalise=baseline): it scores a person against their own resting "
-                "recordings; give a folder of them, make predict REFERENCE=<folder of the person's resting "
-                "recordings>")
+
+NO_REFERENCE = ("it scores a person against their own recordings; give a folder of them: make predict "
+                "REFERENCE=<folder of the person's recordings> (videos, or .npy embeddings)")
+
+
+def no_reference(config: PersonaliseConfig) -> str:
+    """What to say when a personalised model has no reference to score against."""
+    what = ("resting (BL1) recordings, their mean the reference" if config.mode == "baseline" else
+            "unlabelled recordings, their mean and spread the statistics")
+    return f"this model is personalised ({config.label}, the person's {what}): {NO_REFERENCE}"
+
+
+def not_served(config: PersonaliseConfig) -> str:
+    """Why a personalised model is not served or exported: a request carries frames, not the person's recordings."""
+    return (f"this model is personalised ({config.label}): it scores a person against their own recordings, which a "
+            f"scoring request or an exported network does not take; score with make predict REFERENCE=<folder of "
+            f"the person's recordings>")
 
 
 def reference_statistics(folder: str | Path | None,

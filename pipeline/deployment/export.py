@@ -34,6 +34,7 @@ import torch
 from omegaconf import DictConfig
 
 from pipeline.data.augment import eval_transform_steps
+from pipeline.data.personalise import not_served
 from pipeline.models.backbones import PainNet
 from pipeline.models.model_file import clip_spacing_of, data_config_of
 from pipeline.models.ordinal import LevelHead, LevelProbabilities
@@ -174,5 +175,7 @@ def run_export(cfg: DictConfig, model_uri: str | None = None, run: str | None = 
         scorer, name = load_scorer(cfg, model_uri or None, run or None)
     except PredictError as error:
         raise SystemExit(f"export: {error}") from None
+    if scorer.personalise.mode != "none":
+        raise SystemExit(f"export: {name}: {not_served(scorer.personalise)}")
     out_dir = Path(out).expanduser().resolve() if out else resolve_path(cfg.reports_dir) / "export"
     return export_scorer(scorer, name, out_dir)

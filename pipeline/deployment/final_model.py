@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import traceback
 from pathlib import Path
+from typing import Any
 
 import mlflow
 import numpy as np
@@ -120,14 +121,14 @@ def final_key(source_run_id: str, val_fraction: float, seed: int) -> str:
 
 
 def refuse_unservable(cfg: DictConfig, train_cfg: DictConfig, source_id: str) -> None:
-    """A final model of CV `source_id` that serving could not use is refused before anything trains: a personalised
-    one (it scores a person against their reference, which predict and serve do not take yet) and a fold ensemble of
-    clip models."""
+    """A fold ensemble that could not be scored is refused before anything trains: of clip models, or of a
+    personalised CV's models (each scores a person against their own reference, one network at a time). A
+    personalised final model itself is kept: `make predict REFERENCE=` scores with it."""
     head = HeadConfig.from_config(train_cfg.model.head)
     protocol = PersonaliseConfig.from_config(train_cfg.get("personalise"))
-    if protocol.mode != "none":  # its model scores a person against their reference, which serving cannot take yet
-        raise SystemExit(f"final: CV {source_id} is personalised ({protocol.label}); a served model would need the "
-                         f"person's reference (make predict REFERENCE=), which predict and serve do not take yet")
+    if cfg.final.ensemble and protocol.mode != "none":
+        raise SystemExit(f"final.ensemble=true: CV {source_id} is personalised ({protocol.label}), and a fold "
+                         f"ensemble of personalised models is not supported; drop final.ensemble")
     if cfg.final.ensemble and head.temporal:  # said before anything trains, not after the final model
         raise SystemExit(f"final.ensemble=true: CV {source_id} trained clip models ({head.label}), and a fold "
                          f"ensemble of clip models is not supported (each member would need its own window of its own "
@@ -169,7 +170,6 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
     if not split_path.is_file():
         atomic_write_csv(split_path, make_split(subjects, float(cfg.final.val_fraction), int(cfg.final.seed)))
     split = read_split(split_path)
-
     tags = {k: source.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed",
                                                        "fold_file_sha256", "weights_source")}
     tags.update({tracking.RUN_KIND_TAG: tracking.FINAL_RUN, tracking.FINAL_KEY_TAG: key,
@@ -201,7 +201,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
                 work_dir: Path) -> dict:
     """Train, choose the threshold, keep and log the model, register it; inside the active final run."""
     from pipeline.runs.jobs.fold_job import build_fold, decide, resolve_here, train
-    from pipeline.runs.serving.mlflow_model import log_mlflow_model, model_config
+    from pipeline.runs.serving.mlflow_model import model_config
 
     for chunk in cv_runs.chunks(list(cv_runs.identity_params(train_cfg).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
@@ -211,8 +211,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     settings = resolve_here(train_cfg, decisions)  # precision and channels_last: this machine's device decides
     print(settings.line)
     mlflow.set_tags(settings.tags())
-    built = build_fold(train_cfg, 0, decisions, settings, datamodule_class=FinalDataModule)
-    module, datamodule, weights = built
+    module, datamodule, weights = built = build_fold(train_cfg, 0, decisions, settings, FinalDataModule)
     used = split_videos(datamodule, ("train", "val"))
     mlflow.log_input(subjects_dataset(used, f"{train_cfg.data.name}-{train_cfg.task.name}-final"), context="training")
     # the fold's path: its test split is the held-out validation subjects, scored once (a two-stage head on them too)
@@ -237,20 +236,8 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     kept = {"final": True, "best_epoch": best_epoch, "threshold": threshold, "source_cv_run": source.info.run_id}
     model_path = trained.keep(train_cfg, work_dir / "model.pt", **kept)
     mlflow.log_artifact(str(model_path), "model")
-    name = registered_name(train_cfg.model.name, train_cfg.task.name)
-    metadata = {"source_cv_run": source.info.run_id, "final_run": run_id, "git_commit": git_commit(),
-                "model": train_cfg.model.name, "task": train_cfg.task.name, "dataset": train_cfg.data.name,
-                **{f"weights_{k.removeprefix('weights_')}": v for k, v in weights.items()}}
-    info = log_mlflow_model(model_path, model_config(train_cfg, class_names, threshold, rule), metadata,
-                          tags={tracking.MODEL_KIND_TAG: tracking.FINAL_MODEL,
-                                tracking.SOURCE_CV_RUN_TAG: source.info.run_id})
-    version = register(client, info.model_uri, name, run_id, tags={"source_cv_run": source.info.run_id,
-                                                                   "threshold": f"{threshold:.4f}"})
-    client.update_model_version(name, version.version, description=(
-        f"{train_cfg.model.name}, {train_cfg.task.name}: trained on all subjects of {train_cfg.data.name} with the "
-        f"settings of CV run {source.info.run_id}; threshold {threshold:.3f} ({rule}) on the held-out validation "
-        f"subjects; final run {run_id}."))
-    mlflow.set_tags({tracking.REGISTERED_MODEL_TAG: name, tracking.REGISTERED_VERSION_TAG: str(version.version)})
+    name, version, info = register_final(train_cfg, client, run_id, source.info.run_id, model_path, weights,
+                                         model_config(train_cfg, class_names, threshold, rule))
     table = pd.DataFrame([{"subjects (train / val)": f"{(datamodule.split_summary()['train']['subjects'])} / "
                                                      f"{datamodule.split_summary()['val']['subjects']}",
                            "val video AUROC": metrics.get("val/video_auroc", float("nan")),
@@ -270,6 +257,31 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
           f"best epoch {best_epoch} of {epochs_trained}")
     return {"metrics": metrics, "threshold": threshold, "name": name, "version": str(version.version),
             "model_uri": info.model_uri}
+
+
+def register_final(train_cfg: DictConfig, client: MlflowClient, run_id: str, source_id: str, model_path: Path,
+                   weights: dict, config: dict) -> tuple[str, Any, Any]:
+    """The kept final model as an MLflow model of the active final run (`config`: its `model_config`), registered as
+    `pain-<model>-<task>` (alias candidate) with its description; returns the name, the version and the ModelInfo."""
+    from pipeline.runs.serving.mlflow_model import log_mlflow_model
+
+    name = registered_name(train_cfg.model.name, train_cfg.task.name)
+    metadata = {"source_cv_run": source_id, "final_run": run_id, "git_commit": git_commit(),
+                "model": train_cfg.model.name, "task": train_cfg.task.name, "dataset": train_cfg.data.name,
+                **{f"weights_{k.removeprefix('weights_')}": v for k, v in weights.items()}}
+    personal = PersonaliseConfig.from_config(train_cfg.get("personalise")).mode != "none"
+    info = log_mlflow_model(model_path, config, metadata,
+                            tags={tracking.MODEL_KIND_TAG: tracking.FINAL_MODEL, tracking.SOURCE_CV_RUN_TAG: source_id},
+                            with_example=not personal)  # a personalised model scores nobody without a reference
+    threshold, rule = config["threshold"], config["threshold_rule"]
+    version = register(client, info.model_uri, name, run_id, tags={"source_cv_run": source_id,
+                                                                   "threshold": f"{threshold:.4f}"})
+    client.update_model_version(name, version.version, description=(
+        f"{train_cfg.model.name}, {train_cfg.task.name}: trained on all subjects of {train_cfg.data.name} with the "
+        f"settings of CV run {source_id}; threshold {threshold:.3f} ({rule}) on the held-out validation "
+        f"subjects; final run {run_id}."))
+    mlflow.set_tags({tracking.REGISTERED_MODEL_TAG: name, tracking.REGISTERED_VERSION_TAG: str(version.version)})
+    return name, version, info
 
 
 def log_fold_ensemble(client: MlflowClient, train_cfg: DictConfig, source, run_id: str, class_names: list[str]) -> str:

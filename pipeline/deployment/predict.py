@@ -9,6 +9,8 @@ pain) and a PNG timeline (probability over time, the threshold, the video's deci
 named by the video's whole file name (`clip.v1.mp4` -> `clip.v1.mp4.csv`, `.png`; in a folder, its path inside the
 folder), so no two videos share an output. A video without any face gets a message and an empty timeline, never a
 score.
+A personalised model (`personalise=`) scores against the person's own recordings, `REFERENCE=<folder>`
+(`pipeline.deployment.reference`); every video of one call is taken to be that person's.
 `VIDEO=` a folder scores every video in it, subfolders included, and writes `videos.csv` (a name no video's output
 has), one row per video with its status (scored / no face / failed) and, for a failure, a one-line reason: whatever
 one video raises is its row, never the end of the folder. A folder that cannot be listed (or a link to a folder,
@@ -24,20 +26,25 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import cv2
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
-from pipeline.data.video import DEFAULT_FPS
+from pipeline.deployment.reference import attach_reference
+from pipeline.deployment.video_frames import (
+    VIDEO_SUFFIXES,
+    DecodeReport,
+    PredictError,
+    printable,
+    sampled_frames,
+    shown,
+)
 from pipeline.models.scoring import FrameScorer
 from pipeline.runs.store import tracking
 from pipeline.utils.accelerator import announce_device
@@ -45,12 +52,6 @@ from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
-VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v")
-CHUNK = 32  # frames decoded and scored at a time: a long video never sits in memory whole
-
-
-class PredictError(RuntimeError):
-    """No model to use, or no video to score: the message says what to do."""
 
 
 class PredictFailed(SystemExit):
@@ -61,20 +62,6 @@ class PredictFailed(SystemExit):
     def __init__(self, status: int, summary: pd.DataFrame) -> None:
         super().__init__(status)
         self.summary = summary
-
-
-@dataclass
-class DecodeReport:
-    """How much of a video could be read: frames the container announces, frames decoded, sampled frames lost."""
-
-    announced: int = 0  # the container's frame count (0: it does not say)
-    decoded: int = 0  # frames read from the stream, sampled or not
-    sampled_lost: int = 0  # sampled frames whose picture could not be decoded
-
-    @property
-    def lost(self) -> int:
-        """Frames the container announces that could not be decoded (a truncated or damaged file)."""
-        return max(self.announced - self.decoded, 0) + self.sampled_lost
 
 
 @dataclass
@@ -91,81 +78,6 @@ class VideoResult:
         if not np.isfinite(self.score):
             return "no face"
         return "pain" if self.score >= self.threshold else "no pain"
-
-
-def sampled_frames(path: Path, fps: float, chunk: int = CHUNK,
-                   report: DecodeReport | None = None) -> Iterator[tuple[list[int], list[float], list]]:
-    """The video's frames at `fps` per second (0: all), decoded in order, in chunks of (indices, times, frames).
-    `report`, if given, is filled with how many frames were announced, decoded and lost."""
-    report = report if report is not None else DecodeReport()
-    check_openable(path)
-    capture = cv2.VideoCapture(str(path))
-    if not capture.isOpened():
-        capture.release()
-        raise PredictError(f"cannot open video {path} (empty, truncated or not a video)")
-    native = capture.get(cv2.CAP_PROP_FPS) or DEFAULT_FPS
-    report.announced = max(int(capture.get(cv2.CAP_PROP_FRAME_COUNT) or 0), 0)
-    step = native / fps if fps and fps > 0 else 1.0
-    indices: list[int] = []
-    times: list[float] = []
-    frames: list = []
-    index, taken, kept = 0, 0, 0
-    try:
-        while capture.grab():
-            if index >= round(taken * step):
-                ok, frame = capture.retrieve()
-                if ok:
-                    indices.append(index)
-                    times.append(round(index / native, 4))
-                    frames.append(frame)
-                    kept += 1
-                else:
-                    report.sampled_lost += 1
-                while round(taken * step) <= index:
-                    taken += 1
-                if len(frames) == chunk:
-                    yield indices, times, frames
-                    indices, times, frames = [], [], []
-            index += 1
-    finally:
-        report.decoded = index
-        capture.release()
-    if frames:
-        yield indices, times, frames
-    if kept == 0:
-        raise PredictError(f"{path}: no frame could be decoded")
-
-
-def check_openable(path: Path) -> None:
-    """A PredictError naming the file when OpenCV cannot be handed it: a name that is not UTF-8 (OpenCV's Python
-    binding crashes the process on one: seen with opencv-python 4.14), something other than a regular file (a FIFO
-    would block the read), or a file this process may not read (OpenCV would say only that it cannot open it)."""
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:
-        raise PredictError(f"{shown(path)}: the file name is not valid UTF-8, which OpenCV cannot open: rename the "
-                           "file") from None
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise PredictError(f"{shown(path)} is not a regular file")
-        with open(path, "rb") as handle:
-            handle.read(1)
-    except OSError as error:
-        raise PredictError(f"cannot read {shown(path)}: {error.strerror or error}") from None
-
-
-def printable(text: str) -> str:
-    """Text that prints and writes under any locale: the bytes of a file name that are not UTF-8 (Python's
-    surrogate escapes) appear as \\xNN, any other lone surrogate as \\uNNNN."""
-    try:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def shown(path: Path | str) -> str:
-    """A path as `printable` text."""
-    return printable(str(path))
 
 
 def one_line(error: BaseException) -> str:
@@ -426,8 +338,9 @@ def exit_status(summary: pd.DataFrame) -> int:
 
 
 def run_predict(cfg: DictConfig, video: str | None = None, model_uri: str | None = None, run: str | None = None,
-                out: str | None = None) -> pd.DataFrame:
-    """`make predict VIDEO=... [MODEL_URI=... | RUN=...] [FPS=5]`."""
+                out: str | None = None, reference: str | None = None) -> pd.DataFrame:
+    """`make predict VIDEO=... [MODEL_URI=... | RUN=...] [FPS=5] [REFERENCE=<folder>]`: REFERENCE= is the person's
+    own recordings, which a personalised model needs (`pipeline.deployment.reference`)."""
     if not video:
         raise SystemExit("predict: say which video, e.g. make predict VIDEO=path/to/clip.mp4 (or a folder)")
     announce_device(cfg.predict.device)  # where the network and the detector run, said first
@@ -444,6 +357,9 @@ def run_predict(cfg: DictConfig, video: str | None = None, model_uri: str | None
             scorer, name = load_scorer(cfg, model_uri or None, run or None)
             print(f"model {name}: {scorer.meta['model_name']}, threshold {scorer.threshold:.3f} "
                   f"(loaded in {time.perf_counter() - started:.1f} s)")
+            said = attach_reference(scorer, reference or None, float(cfg.predict.fps))
+            if said:
+                print(said)
             summary = predict(scorer, inputs, out_dir, float(cfg.predict.fps), name)
             per_frame = scorer.timings.per_frame()
             print(f"per frame: detection {per_frame['detect_s'] * 1000:.0f} ms, alignment "

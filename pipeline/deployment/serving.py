@@ -35,6 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from pipeline.data.personalise import not_served
 from pipeline.runs.serving.serving_input import ServingLimits, cap_opencv_pixels, one_line, opencv_caps_at
 from pipeline.runs.store import tracking
 from pipeline.runs.store.registry import champion_uri
@@ -155,6 +156,9 @@ def guarded_app(model_path: str, limits: ServingLimits) -> ASGIApp:
     # MLflow's own per-request timeout, kept above the model's so the model's one-line 504 answers first
     os.environ["MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"] = str(int(limits.timeout_s) + 5)
     model = scoring_server.load_model_with_mlflow_config(model_path)
+    personalise = model.unwrap_python_model().scorer.personalise
+    if personalise.mode != "none":  # said once at start, not as the answer to every request
+        raise SystemExit(f"serve: {not_served(personalise)}")
     return RequestGuard(scoring_server.init(model), limits)
 
 

@@ -8,7 +8,8 @@ trained on (crop window, crop fraction, crops per clip, mean/std), the weights i
 A clip model (`ClipNet`: a frame backbone and a temporal head, `pipeline.models.temporal_heads`) carries its head's
 settings in `meta["head"]`, its clip length in `meta["loader"]["clip_frames"]` and the seconds between its training
 clips' crops in `meta["loader"]["clip_spacing_s"]`; a frame model has none of them. A frame model with an ordinal or
-regression output records it in `meta["output"]` (`OutputConfig.meta`; absent: softmax) and is rebuilt with it.
+regression output records it in `meta["output"]` (`OutputConfig.meta`; absent: softmax) and is rebuilt with it; a
+personalised one its protocol in `meta["personalise"]` (`PersonaliseConfig.meta`; absent: none), which the scorer reads.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from pipeline.data.faces import (
     plausibility,
     retry_rotated,
 )
+from pipeline.data.personalise import PersonaliseConfig, ReferenceStatistics, no_reference
 from pipeline.data.tasks import no_pain_index
 from pipeline.evaluation.aggregation import aggregate_class_probabilities, check_aggregation, pain_probability
 from pipeline.models.backbones import PainNet
@@ -318,6 +319,10 @@ class FrameScorer:
     crops of the face ending with it (T = the model's `loader.clip_frames`), spaced in time as its training clips were
     (`ClipWindow`; fewer at the start of a video), so the timeline has one window score per step, and
     `WINDOW_COLUMN` says how many crops the window held.
+
+    A personalised model (`meta["personalise"]`, `pipeline.data.personalise`) scores a crop's backbone features as
+    its protocol showed them to the head in training, against the person's `reference` (set before scoring: `make
+    predict REFERENCE=`); without one, scoring is an error that says what to give.
     """
 
     def __init__(self, net: PainNet | ClipNet, meta: dict[str, Any], settings: CropSettings, threshold: float = 0.5,
@@ -342,6 +347,10 @@ class FrameScorer:
         self.output = OutputConfig.from_config(meta.get("output"))  # softmax, or an ordinal / regression output
         if self.clip_frames is not None and self.ensemble:
             raise ValueError("a fold ensemble of clip models is not supported; score one clip model")
+        self.personalise = PersonaliseConfig.from_config(meta.get("personalise"))
+        self.reference: ReferenceStatistics | None = None  # a personalised model's person (`make predict REFERENCE=`)
+        if self.personalise.mode != "none" and (self.ensemble or self.clip_frames is not None):
+            raise ValueError(f"personalise={self.personalise.label}: a personalised model scores one frame network")
 
     @property
     def no_pain_index(self) -> int:
@@ -375,15 +384,37 @@ class FrameScorer:
             raise RuntimeError("JPEG encoding of a face crop failed")
         return cv2.cvtColor(cv2.imdecode(encoded, cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
 
+    def batches(self, crops_rgb: Sequence[np.ndarray]) -> Iterator[torch.Tensor]:
+        """The crops through the evaluation transform, `batch_size` at a time, on the device."""
+        for start in range(0, len(crops_rgb), self.batch_size):
+            images = [self.transform(image=c)["image"] for c in crops_rgb[start:start + self.batch_size]]
+            yield torch.stack(images).to(self.device)
+
+    @torch.inference_mode()
+    def embeddings(self, crops_rgb: Sequence[np.ndarray]) -> np.ndarray:
+        """Each crop's backbone features (N, D), as the embedding cache holds a training crop's."""
+        parts = [self.net.backbone(batch).float().cpu().numpy() for batch in self.batches(crops_rgb)]
+        return np.concatenate(parts) if parts else np.empty((0, self.net.backbone.num_features))
+
+    @torch.inference_mode()
+    def personal_probabilities(self, crops_rgb: Sequence[np.ndarray]) -> np.ndarray:
+        """A personalised model's class probabilities (N, C): its head over each crop's features as seen against
+        the person's reference (`ReferenceStatistics.applied`)."""
+        if self.reference is None:
+            raise ValueError(no_reference(self.personalise))
+        features = self.reference.applied(self.embeddings(crops_rgb), self.personalise)
+        logits = self.net.head(torch.as_tensor(features, dtype=torch.float32, device=self.device))
+        return output_probabilities(self.net.head, logits.float()).cpu().numpy()
+
     @torch.inference_mode()
     def class_probabilities(self, crops_rgb: Sequence[np.ndarray]) -> np.ndarray:
         """Each crop's class probabilities (shape (N, C)), averaged over the ensemble's networks."""
         if not crops_rgb:
             return np.empty((0, len(self.class_names)))
+        if self.personalise.mode != "none":
+            return self.personal_probabilities(crops_rgb)
         out = []
-        for start in range(0, len(crops_rgb), self.batch_size):
-            batch = torch.stack([self.transform(image=c)["image"] for c in crops_rgb[start:start + self.batch_size]])
-            batch = batch.to(self.device)
+        for batch in self.batches(crops_rgb):
             probs = [output_probabilities(n.head, n(batch).float()).cpu().numpy() for n in (self.net, *self.ensemble)]
             out.append(np.mean(probs, axis=0))
         return np.concatenate(out)
@@ -399,9 +430,8 @@ class FrameScorer:
         follower's, carried over from earlier chunks), and how many crops each window held."""
         assert isinstance(self.net, ClipNet)
         out, sizes = [], []
-        for start in range(0, len(crops_rgb), self.batch_size):
-            batch = torch.stack([self.transform(image=c)["image"] for c in crops_rgb[start:start + self.batch_size]])
-            for offset, embedding in enumerate(self.net.backbone(batch.to(self.device)).float()):
+        for start, batch in zip(range(0, len(crops_rgb), self.batch_size), self.batches(crops_rgb), strict=True):
+            for offset, embedding in enumerate(self.net.backbone(batch).float()):
                 window = follower.window.add(embedding, None if times_s is None else times_s[start + offset])
                 logits = self.net.forward_embeddings(torch.stack(window)[None])
                 out.append(logits.float().softmax(dim=1).cpu().numpy()[0])

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.clips import clip_spacing_s
 from pipeline.data.datamodule import PainDataModule
+from pipeline.data.personalise import PersonaliseConfig
 from pipeline.models.factory import clip_model
 from pipeline.models.finetune import FinetuneConfig
 from pipeline.models.lightning_module import PainLightningModule
@@ -128,7 +129,8 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
                       class_names=list(module.class_names), task=cfg.task.name,
                       loader=loader, weights=weights,
                       finetune=FinetuneConfig.from_config(cfg).label,
-                      **OutputConfig.from_config(cfg.model.get("output")).meta(), **extra)
+                      **OutputConfig.from_config(cfg.model.get("output")).meta(),
+                      **PersonaliseConfig.from_config(cfg.get("personalise")).meta(), **extra)
     return save_model_file(net, meta, path)
 
 

@@ -46,6 +46,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED, INTERNAL_ERROR, INVALID_PARAMETER_VALUE
 from omegaconf import OmegaConf
 
+from pipeline.data.personalise import not_served
 from pipeline.models.model_file import load_model_file
 from pipeline.models.scoring import OUTPUT_COLUMNS, CropSettings, FrameScorer
 from pipeline.runs.serving.model_trust import CODE_FILE, check_model_folder
@@ -211,6 +212,8 @@ class PainMlflowModel(mlflow.pyfunc.PythonModel):
         """The frames' table; `params={"timeout_s": s}` shortens (never lengthens) this request's time limit, which
         covers reading and decoding the frames as well as scoring them."""
         started = time.monotonic()
+        if self.scorer.personalise.mode != "none":  # `mlflow models serve` of one: every request gets this answer
+            raise Refusal(not_served(self.scorer.personalise))
         limits = self.limits
         asked = float((params or {}).get("timeout_s") or 0.0)
         limit_s = min(limits.timeout_s, asked) if asked > 0 else limits.timeout_s
