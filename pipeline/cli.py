@@ -153,7 +153,7 @@ def _print_config(cfg: DictConfig, **options) -> None:
 
 
 def _fold_job(argv: list[str]) -> int:
-    from pipeline.runs.jobs.fold_job import main
+    from pipeline.runs.jobs.fold_run import main
 
     return main(argv)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
-from pipeline.runs.jobs import fold_job as fold_module
+from pipeline.runs.jobs import fold_fit as fold_module
 
 
 def install_gate(fold: int, epoch: int, when: str, marker: Path) -> None:

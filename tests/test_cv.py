@@ -412,7 +412,7 @@ def test_a_finished_fold_whose_artifacts_are_gone_is_trained_again(tiny_config, 
     import json
     import shutil
 
-    from pipeline.runs.jobs.fold_job import local_artifact_folder
+    from pipeline.runs.jobs.sealing import local_artifact_folder
 
     cfg = tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'lost.db'}",
                       f"mlflow.artifact_root={tmp_path / 'art'}", f"cv.work_dir={tmp_path / 'runs'}",

@@ -16,8 +16,8 @@ from pipeline.analysis.inspection import inspect_cv
 from pipeline.analysis.regions import box_polygon, polygons_mask
 from pipeline.cli import main
 from pipeline.models.cost import backbone_cost
-from pipeline.runs.jobs.fold_job import fold_runs
 from pipeline.runs.orchestration.cross_validation import run_cv
+from pipeline.runs.store.tracking import fold_runs
 from pipeline.utils.config import load_config
 from tests.conftest import tiny_overrides
 

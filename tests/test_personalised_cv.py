@@ -30,7 +30,7 @@ from pipeline.deployment.reference import attach_reference, video_embeddings
 from pipeline.deployment.serving import guarded_app, limits_of
 from pipeline.deployment.video_frames import PredictError, sampled_frames
 from pipeline.models.scoring import FrameScorer
-from pipeline.runs.jobs.fold_job import VIDEO_PREDICTIONS
+from pipeline.runs.jobs.sealing import VIDEO_PREDICTIONS
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.serving.mlflow_model import encode_image, synthetic_frames
 from pipeline.runs.store import cv_runs, tracking

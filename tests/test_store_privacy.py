@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.runs.jobs.fold_job import FoldJob, result_from_run
+from pipeline.runs.jobs.fold_job import FoldJob
+from pipeline.runs.jobs.fold_run import result_from_run
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.orchestration.cross_validation import plan_cv
 from pipeline.runs.orchestration.tuning import TuneWorker

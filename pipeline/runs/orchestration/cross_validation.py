@@ -9,7 +9,7 @@ plan -> launch -> aggregate:
 - **aggregate** once every fold has a finished child run: mean and spread over folds, pooled metrics, plots, onto
   the parent run, which is then FINISHED, and the folds' work folders (checkpoints, local copies of the artifacts)
   are removed. A finished cross-validation with the same identity is not trained again, unless a fold's artifacts
-  have gone from the store since (`fold_job.retire_unreadable`): that fold is trained again and the CV aggregated
+  have gone from the store since (`sealing.retire_unreadable`): that fold is trained again and the CV aggregated
   anew.
 """
 
@@ -56,15 +56,9 @@ from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
 from pipeline.models.ordinal import OutputConfig, graded_scoring
 from pipeline.models.weights import WeightsSource, weights_provenance
-from pipeline.runs.jobs.fold_job import (
-    FoldDecisions,
-    FoldJob,
-    FoldResult,
-    check_head,
-    decide,
-    result_from_run,
-    retire_unreadable,
-)
+from pipeline.runs.jobs.fold_job import FoldDecisions, FoldJob, FoldResult, check_head, decide
+from pipeline.runs.jobs.fold_run import result_from_run
+from pipeline.runs.jobs.sealing import retire_unreadable
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.store import cv_runs, fold_lease, registry, tracking
 from pipeline.runs.store.cv_runs import augmentation_label, finetune_tags

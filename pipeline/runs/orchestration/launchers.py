@@ -28,7 +28,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from pipeline.runs.jobs.fold_job import FoldJob, FoldResult, run_fold_job
+from pipeline.runs.jobs.fold_job import FoldJob, FoldResult
+from pipeline.runs.jobs.fold_run import run_fold_job
 from pipeline.runs.store.tracking import open_store, redact_uri, uri_has_credentials
 from pipeline.runs.store.tracking_server import (
     ADMIN_PASSWORD_ENV,

@@ -49,14 +49,8 @@ from optuna.storages.journal import JournalFileBackend
 
 from pipeline.data.datamodule import PainDataModule
 from pipeline.models.finetune import STRATEGY_NAMES, FinetuneConfig
-from pipeline.runs.jobs.fold_job import (
-    FoldDecisions,
-    FoldJob,
-    Trained,
-    job_owner_tags,
-    resolve_here,
-    train,
-)
+from pipeline.runs.jobs.fold_job import FoldDecisions, FoldJob, Trained, resolve_here, train
+from pipeline.runs.jobs.fold_run import job_owner_tags
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.orchestration.cross_validation import Plan, aggregate, identity_lock, launch, plan_cv
 from pipeline.runs.store import cv_runs, fold_lease, tracking

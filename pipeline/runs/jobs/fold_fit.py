@@ -1,0 +1,167 @@
+"""A fold's fit: Lightning on the fold's training subjects with early stopping on its validation subjects, an epoch
+checkpoint every epoch (written atomically; a fold that finds one resumes from it exactly), the best epoch's
+checkpoint selected, then validated again where needed (`validate_fold`) and tested once (`test_fold`).
+
+`fit_fold` is what `pipeline.runs.jobs.fold_job.train` calls where the head mode fits a network.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytorch_lightning as pl
+import torch
+from omegaconf import DictConfig
+from pytorch_lightning.plugins.environments import SLURMEnvironment
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+
+from pipeline.data.datamodule import PainDataModule
+from pipeline.evaluation.metrics import Evaluation
+from pipeline.models.callbacks import FreezeBackbone, KeepBestValidation, ResumableEarlyStopping, SeedEachBatch
+from pipeline.models.lightning_module import PainLightningModule
+from pipeline.runs.store.tracking import RESUMED_AFTER_EPOCH_TAG
+from pipeline.utils.atomic_io import atomic_path
+from pipeline.utils.cpus import one_torch_thread
+
+log = logging.getLogger(__name__)
+
+
+class MlflowEpochLogger(pl.Callback):
+    """Logs each epoch's train/val metrics to the active MLflow run (step = epoch) and keeps them for the plot.
+
+    Hooked on the end of the training epoch: by then the epoch's validation has run and Lightning has reduced the
+    epoch-level train metrics. Its history is saved in the epoch checkpoint, and a resumed fold logs it again to
+    its new child run, so the curves there start at epoch 0.
+    """
+
+    def __init__(self) -> None:
+        self.history: list[dict] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.history:
+            mlflow.set_tag(RESUMED_AFTER_EPOCH_TAG, str(int(self.history[-1]["epoch"])))
+        for row in self.history:
+            mlflow.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=int(row["epoch"]))
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
+                   if k.startswith(("train/", "val/")) and torch.numel(v) == 1}
+        metrics["lr/head"] = trainer.optimizers[0].param_groups[-1]["lr"] if trainer.optimizers else float("nan")
+        mlflow.log_metrics(metrics, step=trainer.current_epoch)
+        self.history.append({"epoch": trainer.current_epoch, **metrics})
+
+    def state_dict(self) -> dict:
+        return {"history": self.history}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.history = list(state_dict.get("history", []))
+
+
+class LeaveSigtermToSubmitit(pl.Callback):
+    """Under SLURM, submitit handles preemption: it ignores SIGTERM and, on the requeue signal, checkpoints and
+    requeues the job. Lightning's own SIGTERM handler would end fit() at the next batch, before the requeue signal
+    arrives, so the job would exit instead of being requeued; this puts submitit's handler back once fit runs."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        original = trainer._signal_connector._original_handlers.get(signal.SIGTERM)
+        if original is not None:
+            signal.signal(signal.SIGTERM, original)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Epoch checkpoints written beside their target and renamed onto it: a job killed mid-write leaves the last
+    complete checkpoint, never a truncated one."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        with atomic_path(path) as tmp:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+
+
+@dataclass
+class Fitted:
+    trainer: pl.Trainer
+    best_path: str
+    best_epoch: int
+    best_score: float
+    history: list[dict]
+    best_validation: Evaluation | None = None  # the best epoch's validation, kept as it ran (None: not seen here)
+
+
+def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
+             precision: str, extra_callbacks: Sequence[pl.Callback] = ()) -> Fitted:
+    """Train with early stopping; select the best epoch on the inner validation subjects.
+
+    Every epoch writes `last.ckpt` into work_dir; a fold that finds one there continues from it, exactly: the
+    checkpoint holds the weights, optimizer, LR schedule, early-stopping counter, best-checkpoint record and epoch
+    history, and every random draw of the remaining epochs is keyed by (seed, fold, epoch[, batch])
+    (`EpochSampler`, `SeedEachBatch`), so it does not depend on the epochs before having run in this process.
+    `extra_callbacks` join the fit (a tuning trial's pruning callback, `pipeline.runs.orchestration.tuning`).
+    """
+    if cfg.trainer.devices != 1:
+        raise ValueError("trainer.devices must be 1: video-level metrics are computed from one process's predictions")
+    epoch_logger = MlflowEpochLogger()
+    best = pl.callbacks.ModelCheckpoint(dirpath=work_dir, filename="best", monitor=cfg.trainer.monitor,
+                                        mode=cfg.trainer.monitor_mode, save_top_k=1, save_weights_only=True)
+    # every epoch's full state, overwritten in place (Lightning's save_last only writes when another save happened)
+    last = pl.callbacks.ModelCheckpoint(dirpath=work_dir, filename="last", monitor=None, save_top_k=1,
+                                        enable_version_counter=False)
+    early_stopping = ResumableEarlyStopping(monitor=cfg.trainer.monitor, mode=cfg.trainer.monitor_mode,
+                                           patience=cfg.trainer.patience)
+    keeper = KeepBestValidation(cfg.trainer.monitor, cfg.trainer.monitor_mode)
+    callbacks = [epoch_logger, best, last, early_stopping, SeedEachBatch(cfg.seed, datamodule.fold), keeper,
+                 *extra_callbacks]
+    if cfg.model.optim.freeze_backbone_epochs > 0:
+        callbacks.append(FreezeBackbone(cfg.model.optim.freeze_backbone_epochs))
+    plugins = [AtomicCheckpointIO()]
+    if "SLURM_JOB_ID" in os.environ:  # submitit owns requeueing on SLURM; Lightning's own would requeue twice
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+        callbacks.append(LeaveSigtermToSubmitit())
+    limits = {k: cfg.trainer[k] for k in ("limit_train_batches", "limit_val_batches") if cfg.trainer[k] is not None}
+    trainer = pl.Trainer(
+        max_epochs=cfg.trainer.max_epochs, accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices,
+        precision=precision,
+        gradient_clip_val=cfg.trainer.gradient_clip_val, deterministic=cfg.trainer.deterministic,
+        log_every_n_steps=cfg.trainer.log_every_n_steps, callbacks=callbacks, logger=False, plugins=plugins,
+        default_root_dir=work_dir, enable_model_summary=False, num_sanity_val_steps=0,
+        enable_progress_bar=sys.stderr.isatty(), **limits)  # a bar in a terminal, none in a job's log file
+    resume_from = work_dir / "last.ckpt"
+    if resume_from.is_file():
+        log.warning("fold: continuing from the epoch checkpoint %s", resume_from)
+    with one_torch_thread(module.finetune.on_embeddings):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from.is_file() else None)
+    if not best.best_model_path:
+        raise RuntimeError(f"no checkpoint was selected on {cfg.trainer.monitor} (was it logged?); "
+                           f"refusing to test the last epoch's weights instead")
+    best_score = float(best.best_model_score) if best.best_model_score is not None else float("nan")
+    best_epoch = next((h["epoch"] for h in epoch_logger.history
+                       if np.isclose(h.get(cfg.trainer.monitor, np.nan), best_score)), -1)
+    kept = keeper.evaluation if keeper.epoch == best_epoch >= 0 else None
+    return Fitted(trainer, best.best_model_path, best_epoch, best_score, epoch_logger.history, kept)
+
+
+def test_fold(fitted: Fitted, module: PainLightningModule,
+              datamodule: PainDataModule) -> tuple[pd.DataFrame, Evaluation]:
+    """Score the best checkpoint once on the test subjects: per-crop predictions and their evaluation."""
+    with one_torch_thread(module.finetune.on_embeddings):
+        fitted.trainer.test(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
+    return module.test_predictions, module.test_evaluation
+
+
+def validate_fold(fitted: Fitted, module: PainLightningModule, datamodule: PainDataModule) -> Evaluation:
+    """The best checkpoint's scores on the fold's validation subjects (the last epoch's may be another epoch's): the
+    predictions the decision threshold is chosen on. Kept from training when the best epoch ran in this process;
+    otherwise (a fold resumed after its best epoch) the best checkpoint is validated again."""
+    if fitted.best_validation is not None:
+        return fitted.best_validation
+    with one_torch_thread(module.finetune.on_embeddings):
+        fitted.trainer.validate(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
+    return module.val_evaluation
