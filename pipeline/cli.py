@@ -159,7 +159,7 @@ def _fold_job(argv: list[str]) -> int:
 
 
 def _tune_worker(argv: list[str]) -> int:
-    from pipeline.runs.orchestration.tuning import worker_main
+    from pipeline.runs.orchestration.search_workers import worker_main
 
     return worker_main(argv)
 

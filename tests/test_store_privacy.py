@@ -25,7 +25,7 @@ from pipeline.runs.jobs.fold_job import FoldJob
 from pipeline.runs.jobs.fold_run import result_from_run
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.orchestration.cross_validation import plan_cv
-from pipeline.runs.orchestration.tuning import TuneWorker
+from pipeline.runs.orchestration.search_workers import TuneWorker
 from pipeline.runs.store import tracking
 from pipeline.runs.store.tracking_server import ADMIN_PASSWORD_ENV, PASSWORD_ENV, USERNAME_ENV, auth_call
 from pipeline.utils.paths import PROJECT_ROOT

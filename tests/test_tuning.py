@@ -27,17 +27,10 @@ from pipeline.analysis.compare import VERSUS_UNTUNED, compare
 from pipeline.data.fold_files import fold_subjects, read_folds
 from pipeline.runs.jobs.fold_job import decide, resolve_here
 from pipeline.runs.orchestration.cross_validation import run_cv
-from pipeline.runs.orchestration.tuning import (
-    CHOSEN_ARTIFACT,
-    TuneWorker,
-    load_space,
-    make_pruner,
-    objective,
-    open_storage,
-    prepare_studies,
-    run_tune,
-    run_worker,
-)
+from pipeline.runs.orchestration.search_space import load_space
+from pipeline.runs.orchestration.search_workers import TuneWorker, objective, run_worker
+from pipeline.runs.orchestration.studies import make_pruner, open_storage, prepare_studies
+from pipeline.runs.orchestration.tuning import CHOSEN_ARTIFACT, run_tune
 from pipeline.runs.store import tracking
 from pipeline.runs.store.cv_runs import latest_finished_cvs as latest_cvs
 from pipeline.utils.config import load_config
@@ -230,7 +223,7 @@ def test_a_two_stage_trial_trains_and_scores_the_head_the_cv_would_keep(tiny_bas
 def test_every_backbone_has_a_search_space_that_starts_at_its_configured_settings() -> None:
     """Each model config (on the twin, and ViT-B/16 on BioVid) composes with `tune`, finds its space, and today's
     values lie inside it; a default outside its range is an error naming the file."""
-    from pipeline.runs.orchestration.tuning import TuneError
+    from pipeline.runs.orchestration.search_space import TuneError
     from pipeline.utils.config import CONFIG_DIR
 
     models = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml") if p.stem != "timm")
@@ -280,7 +273,7 @@ def test_a_frozen_trial_reads_the_embedding_cache_and_still_never_the_test_subje
     with the study's roles: the fold's test subjects are not among its rows."""
     from pipeline.data.embeddings import EmbeddingDataModule
     from pipeline.runs.jobs.fold_job import build_fold
-    from pipeline.runs.orchestration.tuning import StudyDataModule
+    from pipeline.runs.orchestration.search_workers import StudyDataModule
 
     cfg = tune_config(tiny_base, "model.finetune=frozen")
     module, datamodule, _ = build_fold(cfg, 0, decide(cfg, Path(cfg.fold_file)), datamodule_class=StudyDataModule)
@@ -294,7 +287,7 @@ def test_a_frozen_trial_reads_the_embedding_cache_and_still_never_the_test_subje
 def test_a_strategy_key_that_names_no_strategy_is_an_error(tmp_path: Path, monkeypatch) -> None:
     """A search space's `strategies` keys are `model.finetune` values (STRATEGY_NAMES): ViT-B/16's file once keyed its
     frozen override `linear_probe`, so frozen studies searched backbone settings that do nothing."""
-    from pipeline.runs.orchestration import tuning
+    from pipeline.runs.orchestration import search_space as tuning
     from pipeline.utils.config import CONFIG_DIR
 
     for path in (CONFIG_DIR / "tune" / "spaces").glob("*.yaml"):  # every shipped space, with every strategy's changes

@@ -104,7 +104,7 @@ def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataM
     checkpoint holds the weights, optimizer, LR schedule, early-stopping counter, best-checkpoint record and epoch
     history, and every random draw of the remaining epochs is keyed by (seed, fold, epoch[, batch])
     (`EpochSampler`, `SeedEachBatch`), so it does not depend on the epochs before having run in this process.
-    `extra_callbacks` join the fit (a tuning trial's pruning callback, `pipeline.runs.orchestration.tuning`).
+    `extra_callbacks` join the fit (a tuning trial's pruning callback, `pipeline.runs.orchestration.search_workers`).
     """
     if cfg.trainer.devices != 1:
         raise ValueError("trainer.devices must be 1: video-level metrics are computed from one process's predictions")

@@ -1,0 +1,144 @@
+"""The search space of `make tune`: which settings a study searches, and over what ranges, read once from
+`configs/tune/spaces/<name>.yaml` (a file may `extends` another; per fine-tuning strategy it may change or remove
+parameters under `strategies`). `SearchSpace.sha256` is what `make compare` matches tuned CVs on; `with_params` sets a
+trial's (or the chosen) values in a config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import optuna
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.models.finetune import STRATEGY_NAMES, FinetuneConfig
+from pipeline.runs.store.cv_runs import augmentation_applied, augmentation_label
+from pipeline.utils.config import CONFIG_DIR
+
+SPACES_DIR = CONFIG_DIR / "tune" / "spaces"
+
+
+class TuneError(SystemExit):
+    """A search that cannot run as configured, with what to do."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"error: {message}")
+
+
+@dataclass(frozen=True)
+class Parameter:
+    key: str  # a dotted config key, e.g. model.optim.head_lr
+    type: str  # float | int | categorical
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    choices: tuple | None = None
+
+    def suggest(self, trial: optuna.Trial) -> Any:
+        if self.type == "float":
+            return trial.suggest_float(self.key, float(self.low), float(self.high), log=self.log)
+        if self.type == "int":
+            return trial.suggest_int(self.key, int(self.low), int(self.high), log=self.log)
+        return trial.suggest_categorical(self.key, list(self.choices or ()))
+
+    def contains(self, value: Any) -> bool:
+        if self.type == "categorical":
+            return value in (self.choices or ())
+        return value is not None and float(self.low) <= float(value) <= float(self.high)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    source: str  # the file(s) it was read from
+    parameters: tuple[Parameter, ...]
+
+    @property
+    def sha256(self) -> str:
+        """What `make compare` matches tuned CVs on: the parameters, ranges and scales, not the file names."""
+        text = json.dumps([asdict(p) for p in self.parameters], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
+        return {p.key: p.suggest(trial) for p in self.parameters}
+
+    def defaults(self, cfg: DictConfig) -> dict[str, Any]:
+        """Today's hand-picked values of the searched keys: the study's first trial. Each must be in its range."""
+        values = {}
+        for p in self.parameters:
+            value = OmegaConf.select(cfg, p.key, default=None)
+            if not p.contains(value):
+                raise TuneError(f"{self.source}: the configured {p.key} = {value!r} lies outside the searched range "
+                                f"({p.choices if p.type == 'categorical' else f'{p.low}..{p.high}'}); widen the "
+                                f"range so that the first trial is today's setting")
+            values[p.key] = int(value) if p.type == "int" else float(value) if p.type == "float" else value
+        return values
+
+
+def _space_entries(name: str, seen: tuple[str, ...] = ()) -> tuple[dict, dict, list[str]]:
+    path = SPACES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in SPACES_DIR.glob("*.yaml"))
+        raise TuneError(f"no search space {path}; known: {', '.join(known)}")
+    if name in seen:
+        raise TuneError(f"{path}: `extends` loops back to {name}")
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    unknown = sorted(set(raw) - {"extends", "parameters", "strategies"})
+    if unknown:
+        raise TuneError(f"{path}: unknown key(s) {unknown}; expected extends, parameters, strategies")
+    parameters, strategies, sources = {}, {}, []
+    if raw.get("extends"):
+        parameters, strategies, sources = _space_entries(str(raw["extends"]), (*seen, name))
+    parameters = {**parameters, **(raw.get("parameters") or {})}
+    wrong = sorted(set(raw.get("strategies") or {}) - set(STRATEGY_NAMES))
+    if wrong:  # a key no `model.finetune` takes would never apply: its study would search settings that do nothing
+        raise TuneError(f"{path}: strategies key(s) {', '.join(map(repr, wrong))} name no fine-tuning strategy; "
+                        f"model.finetune is one of {', '.join(STRATEGY_NAMES)}")
+    for strategy, extra in (raw.get("strategies") or {}).items():
+        strategies[strategy] = {**strategies.get(strategy, {}), **(extra or {})}
+    return parameters, strategies, [*sources, str(path)]
+
+
+def load_space(cfg: DictConfig) -> SearchSpace:
+    """The search space for `cfg`: its backbone's file (or `tune.space`), with the fine-tuning strategy's changes.
+    A run whose training applies no augmentation (a frozen head on plain cached embeddings, `augmentation_applied`)
+    does not search `augment.*`: those settings would change nothing it trains on."""
+    name = cfg.tune.space
+    if name == "auto":
+        name = cfg.model.name if (SPACES_DIR / f"{cfg.model.name}.yaml").is_file() else "default"
+    entries, strategies, sources = _space_entries(str(name))
+    strategy = FinetuneConfig.from_config(cfg).strategy
+    if strategy in strategies:
+        entries = {**entries, **strategies[strategy]}
+    source = " + ".join(sources) + (f" (strategy {strategy})" if strategy in strategies else "")
+    unaugmented = not augmentation_applied(cfg)
+    if unaugmented:
+        source += f" (augment.* not searched: {augmentation_label(cfg)})"
+    parameters = []
+    for key, spec in entries.items():
+        if spec is None or (unaugmented and key.startswith("augment.")):  # removed, or nothing it would change
+            continue
+        if OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
+            raise TuneError(f"{source}: parameter {key} is not a key of the composed config")
+        kind = spec.get("type")
+        if kind not in ("float", "int", "categorical"):
+            raise TuneError(f"{source}: parameter {key}: type must be float, int or categorical, not {kind!r}")
+        if kind == "categorical":
+            parameters.append(Parameter(key, kind, choices=tuple(spec["choices"])))
+            continue
+        if spec.get("low") is None or spec.get("high") is None or spec["low"] >= spec["high"]:
+            raise TuneError(f"{source}: parameter {key} needs low < high")
+        parameters.append(Parameter(key, kind, spec["low"], spec["high"], bool(spec.get("log", False))))
+    if not parameters:
+        raise TuneError(f"{source}: no parameter to search")
+    return SearchSpace(source, tuple(parameters))
+
+
+def with_params(config: dict | DictConfig, params: dict[str, Any]) -> DictConfig:
+    """A copy of the config with the trial's (or the chosen) values set at their dotted keys."""
+    cfg = OmegaConf.create(OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config)
+    for key, value in params.items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    return cfg

@@ -1,0 +1,291 @@
+"""The search's workers: each asks the studies for trials until every study has `tune.trials` finished ones, and
+trains each trial as a fold job with other settings (`fold_job.train`, a two-stage head's second stage included) on
+a DataModule whose test split is the fold's validation subjects (`StudyDataModule`), so the fold's test subjects are
+never read by a study. Workers run here (`launcher=local`), as `python -m pipeline tune-worker <spec.json>` processes
+(`launcher=parallel`) or as SLURM array tasks (`launcher=slurm`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import traceback
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import numpy as np
+import optuna
+import pytorch_lightning as pl
+from mlflow import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.data.datamodule import PainDataModule
+from pipeline.runs.jobs.fold_job import FoldDecisions, Trained, resolve_here, train
+from pipeline.runs.jobs.fold_run import job_owner_tags
+from pipeline.runs.orchestration import launchers
+from pipeline.runs.orchestration.search_space import SearchSpace, TuneError, load_space, with_params
+from pipeline.runs.orchestration.studies import FINISHED_STATES, finished_trials, open_storage, open_study, study_lock
+from pipeline.runs.store import tracking
+from pipeline.runs.store.cv_runs import finetune_tags
+from pipeline.runs.store.tracking_server import job_credentials
+from pipeline.utils.atomic_io import atomic_path
+
+log = logging.getLogger(__name__)
+
+
+class StudyDataModule(PainDataModule):
+    """A fold's frames for its study: train and validation subjects of the fold file; the fold's test subjects' rows
+    are dropped from the frame table before any crop is loaded (the validation subjects stand in as the unused test
+    split)."""
+
+    def subject_roles(self) -> dict[str, list[str]]:
+        roles = super().subject_roles()
+        return {"train": roles["train"], "val": roles["val"], "test": roles["val"]}
+
+
+class ReportToTrial(pl.Callback):
+    """Each epoch's validation score to the Optuna trial; stops the fit when the pruner says the trial is hopeless
+    (after the epoch, so its curve and checkpoint are whole). Written on Lightning's Callback API: optuna-integration's
+    callback targets the `lightning` package, and this project trains with `pytorch_lightning`."""
+
+    def __init__(self, trial: optuna.Trial, monitor: str, step_offset: int = 0, report: bool = True) -> None:
+        self.trial, self.monitor, self.step_offset, self.report = trial, monitor, step_offset, report
+        self.pruned_at: int | None = None
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None or not self.report:
+            return
+        epoch = trainer.current_epoch
+        self.trial.report(float(value), self.step_offset + epoch)
+        if self.trial.should_prune():
+            self.pruned_at = epoch
+            trainer.should_stop = True
+
+
+@dataclass(frozen=True)
+class TuneWorker:
+    """What a worker needs, as plain values (JSON for a subprocess, pickled for submitit)."""
+
+    config: dict  # the resolved config of the search
+    studies: list[tuple[str, int | None]]  # (study name, fold; None: the shared study)
+    folds: list[int]  # the folds a shared trial trains
+    storage: str  # the journal file
+    tuning_run_id: str
+    tracking_uri: str
+    work_dir: str
+    decisions: dict  # FoldDecisions as a dict
+    worker: int = 0
+
+    def write(self, path: Path) -> Path:
+        """The worker as JSON, owner only; a tracking URI with a password is refused (the worker reaches its server
+        with the credentials in its environment)."""
+        if tracking.uri_has_credentials(self.tracking_uri):
+            raise ValueError(f"search worker {path}: the tracking URI {tracking.redact_uri(self.tracking_uri)} "
+                             f"carries a password, and a job file holds none")
+        with atomic_path(path, mode=0o600) as tmp:
+            tmp.write_text(json.dumps(asdict(self)))
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> TuneWorker:
+        values = json.loads(Path(path).read_text())
+        return cls(**{**values, "studies": [tuple(s) for s in values["studies"]]})
+
+
+def train_trial(worker: TuneWorker, trial: optuna.Trial, fold: int, params: dict[str, Any], step_offset: int = 0,
+                report: bool = True) -> tuple[float, int | None]:
+    """Train fold `fold` with the trial's settings under a child run of the tuning run; its best validation score
+    and the epoch it was pruned after (None: not pruned)."""
+    cfg = with_params(worker.config, params)
+    decisions = FoldDecisions(**worker.decisions)
+    client = MlflowClient(worker.tracking_uri)
+    parent = client.get_run(worker.tuning_run_id)
+    tags = {k: parent.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set")}
+    mlflow.set_tracking_uri(worker.tracking_uri)
+    run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=f"fold {fold} trial {trial.number}",
+                           tags={**tags, tracking.PARENT_TAG: worker.tuning_run_id,
+                                 tracking.RUN_KIND_TAG: tracking.TRIAL_RUN, tracking.FOLD_TAG: str(fold),
+                                 tracking.TRIAL_TAG: str(trial.number), tracking.STUDY_TAG: trial.study.study_name,
+                                 tracking.TUNE_SCOPE_TAG: cfg.tune.scope, **job_owner_tags()})
+    work_dir = Path(worker.work_dir) / f"fold_{fold}" / f"trial_{trial.number}"
+    try:
+        mlflow.log_params({"fold": fold, "trial": trial.number, **params})
+        settings = resolve_here(cfg, decisions)  # precision and channels_last decided on this worker's device
+        mlflow.set_tags({**settings.tags(), **finetune_tags(cfg)})  # a frozen trial reads the embedding cache
+        reporter = ReportToTrial(trial, cfg.trainer.monitor, step_offset, report)
+        # the CV's training path on the study's subjects, second stage included: the value is the validation score of
+        # what the tuned CV would keep (a two-stage head's, after its frame model's epochs fed the pruner)
+        trained = train(cfg, fold, decisions, work_dir, settings, datamodule_class=StudyDataModule,
+                        callbacks=[reporter], scored=())
+        value = trial_value(cfg, trained)
+        mlflow.log_metrics({"tune/value": value, "best_epoch": trained.selected["best_epoch"],
+                            "epochs_trained": trained.selected["epochs_trained"],
+                            **({"tune/frame_model_epochs": len(trained.history)} if trained.stage else {})})
+        mlflow.set_tag(tracking.TRIAL_STATE_TAG, "PRUNED" if reporter.pruned_at is not None else "COMPLETE")
+    except BaseException as error:
+        mlflow.log_text(traceback.format_exc(), "traceback.txt")
+        mlflow.set_tag(tracking.TRIAL_STATE_TAG, "FAIL")
+        mlflow.end_run("KILLED" if isinstance(error, KeyboardInterrupt | SystemExit) else "FAILED")
+        raise
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)  # epoch checkpoints of a trial are not kept
+    mlflow.end_run(tracking.FINISHED)
+    del run
+    return value, reporter.pruned_at
+
+
+def trial_value(cfg: DictConfig, trained: Trained) -> float:
+    """A trial's value in the study's direction (`trainer.monitor_mode`): the best validation score of what the CV
+    would keep. A second stage's head scores higher-better (validation video AUROC, or minus the loss), so a study
+    that minimises gets it negated."""
+    score = float(trained.selected["best_val_score"])
+    return -score if trained.stage is not None and cfg.trainer.monitor_mode == "min" else score
+
+
+def objective(worker: TuneWorker, space: SearchSpace, trial: optuna.Trial, fold: int | None) -> float:
+    """A per-fold trial: one fold's best validation score. A shared trial: the mean over the folds (reported after
+    each fold, so a hopeless shared trial stops between folds)."""
+    params = space.suggest(trial)
+    if fold is not None:
+        value, pruned_at = train_trial(worker, trial, fold, params)
+        if pruned_at is not None:
+            raise optuna.TrialPruned(f"fold {fold}: validation score below the median after epoch {pruned_at}")
+        return value
+    scores = []
+    for position, each in enumerate(worker.folds):
+        value, _ = train_trial(worker, trial, each, params, report=False)
+        scores.append(value)
+        trial.report(float(np.mean(scores)), position)
+        if position < len(worker.folds) - 1 and trial.should_prune():
+            raise optuna.TrialPruned(f"mean validation score below the median after {position + 1} fold(s)")
+    return float(np.mean(scores))
+
+
+def run_worker(worker: TuneWorker) -> int:
+    """Ask each study for trials until it has `tune.trials` finished ones; returns the number of trials run here."""
+    cfg = OmegaConf.create(worker.config)
+    space = load_space(cfg)
+    storage = open_storage(worker.storage)
+    ran = 0
+    for name, fold in worker.studies:
+        study = open_study(cfg, storage, name, fold, worker.worker)
+        failures = 0
+        while True:
+            with study_lock(worker.storage):
+                states = [t.state for t in study.get_trials(deepcopy=False)]
+                done = sum(state in FINISHED_STATES for state in states)
+                running = states.count(optuna.trial.TrialState.RUNNING)
+                if done + running >= cfg.tune.trials:
+                    break
+                trial = study.ask()
+                owner = job_owner_tags()
+                trial.set_user_attr("host", owner[tracking.HOST_TAG])
+                trial.set_user_attr("pid", owner[tracking.PID_TAG])
+                if tracking.SLURM_JOB_TAG in owner:
+                    trial.set_user_attr("slurm_job", owner[tracking.SLURM_JOB_TAG])
+            ran += 1
+            try:
+                value = objective(worker, space, trial, fold)
+            except optuna.TrialPruned as pruned:
+                log.info("%s trial %d pruned: %s", name, trial.number, pruned)
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                failures = 0
+                continue
+            except Exception as error:  # noqa: BLE001 - the trial's run holds the traceback; the study goes on
+                failures += 1
+                log.warning("%s trial %d failed: %s: %s", name, trial.number, type(error).__name__, error)
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                if failures >= cfg.tune.max_failures:
+                    raise TuneError(f"study {name}: {failures} trials in a row failed (last: {error}); see the "
+                                    f"trial runs' traceback.txt") from error
+                continue
+            failures = 0
+            study.tell(trial, value)
+            print(f"{name}: trial {trial.number} value {value:.4f} ({len(finished_trials(study))}/"
+                  f"{cfg.tune.trials} finished)", flush=True)
+    return ran
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline tune-worker <spec.json>`: one search worker (what the parallel launcher starts)."""
+    from pipeline.utils.logging_setup import setup_logging
+
+    args = sys.argv[1:] if argv is None else argv
+    setup_logging()
+    run_worker(TuneWorker.read(Path(args[0])))
+    return 0
+
+
+class SlurmTuneTask:
+    """The callable submitit runs on a node: one worker. Requeued on preemption; the journal keeps the trials."""
+
+    def __init__(self, worker: TuneWorker) -> None:
+        self.worker = worker
+
+    def __call__(self) -> int:
+        from pipeline.utils.logging_setup import setup_logging
+
+        setup_logging()
+        return run_worker(self.worker)
+
+    def checkpoint(self, *args, **kwargs):
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(SlurmTuneTask(self.worker))
+
+
+def launch_workers(cfg: DictConfig, worker: TuneWorker, client: MlflowClient, experiment_id: str) -> None:
+    """Run the search's workers on the configured launcher: here, k processes here, or k SLURM array tasks."""
+    launcher = cfg.launcher
+    if launcher.name == "local":
+        run_worker(worker)
+        return
+    if launcher.name == "parallel":
+        n_jobs = int(launcher.jobs or 1)
+    else:  # one SLURM array task per study (per fold), at most launcher.array_parallelism of them
+        n_jobs = max(1, min(int(launcher.array_parallelism or 1), len(worker.studies)))
+    if launcher.name == "slurm":
+        folder = Path(worker.work_dir) / "slurm"
+        executor = launchers.slurm_executor(launcher, folder, f"painvit-tune-{cfg.model.name}")
+        credentials = job_credentials(worker.tracking_uri, [experiment_id])
+        with launchers.submission_environment(credentials), executor.batch():
+            handles = [executor.submit(SlurmTuneTask(replace(worker, worker=k))) for k in range(n_jobs)]
+        print(f"submitted {n_jobs} search worker(s) to SLURM: {', '.join(str(h.job_id) for h in handles)}")
+        for handle in handles:
+            handle.result()
+        return
+    uri = worker.tracking_uri
+    if uri.startswith(("http://", "https://")):
+        server: contextlib.AbstractContextManager = contextlib.nullcontext(None)
+    else:  # several writers: through a private server, never the database itself
+        server = launchers.tracking_server(uri, client.get_experiment(experiment_id).artifact_location,
+                                           experiment_ids=[experiment_id])
+    with server as served:
+        credentials = served.credentials if served else job_credentials(uri, [experiment_id])
+        slots = launchers.job_slots(n_jobs, launchers.visible_gpus(), sorted(os.sched_getaffinity(0)))
+        processes = []
+        for k, slot in enumerate(slots):
+            spec = replace(worker, worker=k, tracking_uri=served.uri if served else uri).write(
+                Path(worker.work_dir) / f"worker_{k}.json")
+            log_path = Path(worker.work_dir) / f"worker_{k}.log"
+            with open(log_path, "ab") as log_file:
+                processes.append((subprocess.Popen([sys.executable, "-m", "pipeline", "tune-worker", str(spec)],
+                                                   env=launchers.job_environment(slot, credentials),
+                                                   stdout=log_file, stderr=subprocess.STDOUT), log_path))
+            print(f"search worker {k}: pid {processes[-1][0].pid}, log {log_path}", flush=True)
+        try:
+            for process, log_path in processes:
+                if process.wait() != 0:
+                    print(f"search worker (log {log_path}) exited with code {process.returncode}", flush=True)
+        finally:
+            for process, _ in processes:
+                if process.poll() is None:
+                    process.terminate()
