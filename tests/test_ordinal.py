@@ -263,10 +263,9 @@ def test_a_backbones_pain_net_with_an_ordinal_head_goes_through_the_projects_exp
 def test_an_ordinal_module_trains_on_its_heads_loss_and_refuses_cross_entropy_settings() -> None:
     """The LightningModule's loss of an ordinal frame model is the head's (CORAL's summed binary cross-entropies),
     its evaluation probabilities the level probabilities; class weights and label smoothing (cross-entropy's) are
-    refused by name, never silently ignored; a temporal head with an ordinal output is refused."""
+    refused by name, never silently ignored."""
     from pipeline.models.factory import create_model
     from pipeline.models.lightning_module import OptimConfig, PainLightningModule
-    from pipeline.models.temporal_heads import HeadConfig
 
     optim = OptimConfig(1e-3, 1e-4, 0.5, 0.0, 0.0, 0)
     output = OutputConfig("ordinal", "coral", pain_level=1)
@@ -280,6 +279,43 @@ def test_an_ordinal_module_trains_on_its_heads_loss_and_refuses_cross_entropy_se
     for bad in ({"class_weights": [1.0] * K}, {"label_smoothing": 0.1}):
         with pytest.raises(ValueError, match="trainer.class_weights and trainer.label_smoothing .* CoralHead"):
             PainLightningModule(net, TASKS["five_class"].classes, optim, **bad)
-    gru = HeadConfig(name="gru", hidden=8, layers=1, attention_heads=2, dropout=0.0, max_frames=8)
-    with pytest.raises(ValueError, match="model.output=ordinal_coral is the output of a frame model"):
-        create_model("mobilevit_xxs", K, pretrained=False, img_size=32, head=gru, output=output)
+
+
+@pytest.mark.parametrize("name", ["gru", "attention", "transformer"])
+def test_a_temporal_head_over_levels_trains_on_its_last_layers_loss_and_exports_its_level_probabilities(
+        name: str, tmp_path: Path) -> None:
+    """A clip model with an ordinal output: its temporal head ends in the ordinal layer (`ClipLevels`), the module's
+    loss is that layer's over the clip's outputs, a step of training keeps CORAL's thresholds ordered, and its ONNX
+    export gives the level probabilities."""
+    from pipeline.deployment.export import export_onnx, onnx_difference, output_name
+    from pipeline.models.factory import create_model
+    from pipeline.models.head_training import head_loss
+    from pipeline.models.lightning_module import OptimConfig, PainLightningModule
+    from pipeline.models.temporal_heads import ClipLevels, ClipNet, HeadConfig, build_temporal_head
+
+    config = HeadConfig(name=name, hidden=8, layers=1, attention_heads=2, dropout=0.0, max_frames=8)
+    output = OutputConfig("ordinal", "coral", pain_level=1)
+    per_frame = build_temporal_head(HeadConfig("linear", 8, 1, 2, 0.0, 8), 8, K, output)  # mean of per-frame outputs
+    assert isinstance(per_frame, ClipLevels) and isinstance(per_frame.levels, CoralHead)
+    _assert_distribution(per_frame, torch.randn(4, 3, 8))
+    assert not isinstance(build_temporal_head(config, 8, K), ClipLevels)  # softmax: the plain head, as before
+    torch.manual_seed(0)
+    net, _ = create_model("mobilevit_xxs", K, pretrained=False, img_size=32, head=config, output=output)
+    assert isinstance(net, ClipNet) and isinstance(net.head, ClipLevels) and isinstance(net.head.levels, CoralHead)
+    module = PainLightningModule(net, TASKS["five_class"].classes, OptimConfig(1e-2, 1e-2, 0.5, 0.0, 0.0, 0))
+    clips, levels = torch.randn(3, 2, 3, 32, 32), torch.tensor([0, 2, 4])
+    outputs = module(clips)
+    assert outputs.shape == (3, K - 1)
+    torch.testing.assert_close(module._loss(outputs, levels), net.head.levels.loss(outputs, levels))
+    torch.testing.assert_close(head_loss(net.head, outputs, levels), net.head.levels.loss(outputs, levels))
+    _assert_distribution(net.head, torch.randn(4, 2, net.backbone.num_features))
+    optimizer = torch.optim.SGD(net.parameters(), lr=1.0)
+    for _ in range(3):  # large steps: the biases stay ordered by construction
+        optimizer.zero_grad()
+        module._loss(module(clips), levels).backward()
+        optimizer.step()
+    assert (net.head.levels.biases()[1:] < net.head.levels.biases()[:-1]).all()
+    torch.testing.assert_close(output_probabilities(net.head, net(clips)).sum(dim=1), torch.ones(3))
+    assert output_name(net) == "level_probabilities"
+    path = export_onnx(net, 32, tmp_path / f"{name}.onnx")
+    assert onnx_difference(net, path, 32, batch=2, frames=3) < 1e-5

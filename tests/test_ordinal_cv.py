@@ -1,7 +1,7 @@
 """An ordinal output end to end on the tiny twin: a five-class CV with `model/output=ordinal` (CORAL) trains, logs
 the graded metrics per fold and pooled, keeps fold models that load as ordinal models, score new frames through the
 scorer (`FrameScorer`) and export to ONNX with their level probabilities, which a runtime reading only the contract
-reproduces."""
+reproduces; the same output under a temporal head (a two-stage GRU) does all of it over clips."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pipeline.deployment.predict import load_scorer, sampled_frames
 from pipeline.evaluation.aggregation import ordinal_decision
 from pipeline.models.model_file import load_model_file
 from pipeline.models.ordinal import CoralHead, output_probabilities
+from pipeline.models.temporal_heads import ClipLevels, ClipNet
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.store import tracking
 from pipeline.runs.store.cv_runs import cv_label
@@ -137,3 +138,40 @@ def test_the_ordinal_model_scores_frames_and_its_onnx_export_gives_the_same_pain
     theirs = runtime.pain_probabilities(crops)
     np.testing.assert_allclose(theirs, table.pain_probability.iloc[with_face].to_numpy(dtype=float), rtol=0,
                                atol=1e-4)
+
+
+def test_a_two_stage_clip_model_over_levels_trains_scores_windows_and_exports(tiny_config, tmp_path: Path) -> None:
+    """An ordinal output under a temporal head: a frozen backbone's two-stage GRU on five classes logs the graded
+    metrics of its clip scores, keeps a clip model whose head ends in CORAL with ordered thresholds, whose window
+    scores are level probabilities (pain = P(level >= 1)), and which exports with them."""
+    cfg = tiny_config(*ORDINAL, "trainer.folds=[0]", "model.finetune=frozen", "model.head.name=gru",
+                      "model.head.mode=two_stage", "model.head.epochs=3", "augment=none", "cv.log_models=true",
+                      f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+                      f"mlflow.artifact_root={tmp_path / 'mlartifacts'}", f"cv.work_dir={tmp_path / 'runs'}")
+    run_cv(cfg)
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    parent = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id],
+                                f"tags.`{tracking.RUN_KIND_TAG}` = 'cv'")[0]
+    assert parent.data.tags["output"] == "ordinal_coral"
+    run = tracking.finished_fold_runs(client, parent.info.run_id)[0]
+    assert 0.0 <= run.data.metrics["test/video_mae"] <= 4.0
+    videos = pd.read_csv(client.download_artifacts(run.info.run_id, "predictions_videos.csv"))
+    probs = videos[[f"prob_{name}" for name in LEVELS]].to_numpy()
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0, atol=1e-5)
+    assert videos["decision"].tolist() == ordinal_decision(probs).tolist()
+    net, meta = load_model_file(run.info.run_id, tracking_uri=cfg.mlflow.tracking_uri)
+    assert isinstance(net, ClipNet) and isinstance(net.head, ClipLevels) and meta["output"]["name"] == "ordinal"
+    biases = net.head.levels.biases().detach()
+    assert (biases[1:] < biases[:-1]).all()
+    scorer, _ = load_scorer(cfg, run=run.info.run_id)
+    video = sorted(Path(cfg.data.root, "video").rglob("*PA4*.mp4"))[0]
+    table = scorer.score(list(next(sampled_frames(video, 5))[2][:8]))
+    found = table[table.face_found.astype(bool)]
+    window = found[[f"prob_{name}" for name in LEVELS]].to_numpy(dtype=float)
+    assert len(found) >= 6
+    np.testing.assert_allclose(window.sum(axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(found.pain_probability, 1.0 - window[:, 0], atol=1e-6)
+    path = run_export(cfg, run=run.info.run_id, out=str(tmp_path / "export"))
+    runtime = ContractRuntime(path.with_suffix(".json"))
+    assert runtime.contract["output"] == "level_probabilities"
+    assert runtime.contract["max_abs_difference_to_pytorch"] < 1e-4

@@ -53,6 +53,7 @@ from pipeline.models.backbones import PainNet
 from pipeline.models.factory import create_model
 from pipeline.models.introspection import vit_of
 from pipeline.models.model_file import load_model_file
+from pipeline.models.ordinal import output_probabilities
 from pipeline.runs.store import cv_runs, tracking
 from pipeline.runs.store.cv_runs import CvNotFound
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
@@ -134,7 +135,6 @@ def inspect_fold(net: PainNet, datamodule: PainDataModule, class_names: Sequence
     empty = dict.fromkeys(methods, 0)
     probabilities = []
     distance_sum, distance_count = None, 0
-
     device = next(net.parameters()).device
     for images, _, rows in datamodule.test_dataloader():
         images = images.to(device)
@@ -146,7 +146,7 @@ def inspect_fold(net: PainNet, datamodule: PainDataModule, class_names: Sequence
         else:
             with torch.no_grad():
                 logits = net(images).cpu()
-        probs = logits.float().softmax(dim=1)
+        probs = output_probabilities(net.head, logits.float())  # softmax, or an ordinal head's levels
         maps["gradcam"] = gradcam_maps(net, images, probs.argmax(dim=1).tolist(), layer)
         probabilities.append(probs.numpy())
         for position, row in enumerate(rows.tolist()):

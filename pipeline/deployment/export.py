@@ -57,10 +57,13 @@ LEVEL_OUTPUT = "level_probabilities"  # an ordinal or regression model's ONNX ou
 
 
 def exported_network(net: PainNet | ClipNet) -> PainNet | ClipNet:
-    """What is exported of `net`: itself (its logits), or for an ordinal or regression head the same backbone under
-    `LevelProbabilities(head)` (its level probabilities), sharing the weights."""
+    """What is exported of `net`: itself (its logits), or for an ordinal or regression head (of a frame model or a
+    clip model's temporal head) the same backbone under `LevelProbabilities(head)` (its level probabilities), sharing
+    the weights."""
     if isinstance(net, PainNet) and isinstance(net.head, LevelHead):
         return PainNet(net.backbone, net.head.n_levels, LevelProbabilities(net.head))
+    if isinstance(net, ClipNet) and isinstance(net.head, LevelHead):  # a temporal head over levels (`ClipLevels`)
+        return ClipNet(net.backbone, LevelProbabilities(net.head), channels_last=net.channels_last)
     return net
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from pipeline.models.backbones import PainNet, create_backbone
-from pipeline.models.ordinal import OutputConfig, build_output_head, check_frame_output
+from pipeline.models.ordinal import OutputConfig, build_output_head
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
 from pipeline.models.weights import WeightsSource
 
@@ -44,15 +44,14 @@ def create_model(name: str, n_classes: int = 2, *, pretrained: bool | str = Fals
     `linear`) makes a clip model, the frame backbone under that head; None or `linear`: the frame model. `strategy`:
     prepared on the network (what trains; LoRA adapters injected). `channels_last`: the network's weights in
     channels-last memory (and a clip model's frames run so). `output`: the last layer (None or softmax: the
-    `Linear(D, n_classes)` the network always had; ordinal or regression over `n_classes` levels: a frame model
-    only)."""
+    `Linear(D, n_classes)` the network always had; ordinal or regression over `n_classes` levels, of a frame model or
+    of its temporal head)."""
     output = output or OutputConfig("softmax")
-    check_frame_output(output, head is not None and head.temporal)
     backbone, source = create_backbone(name, pretrained=pretrained, weights=weights, img_size=img_size)
     last = None if output.name == "softmax" else build_output_head(output, backbone.num_features, n_classes)
     net: PainNet | ClipNet = PainNet(backbone, n_classes, last)
     if head is not None and head.temporal:
-        net = clip_model(backbone, build_temporal_head(head, backbone.num_features, n_classes))
+        net = clip_model(backbone, build_temporal_head(head, backbone.num_features, n_classes, output))
     if strategy is not None:
         strategy.prepare(net)
     if channels_last:

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from pipeline.data.clips import clip_rows, prediction_table
 from pipeline.data.embeddings import EmbeddingTable
 from pipeline.evaluation.metrics import classification_metrics
+from pipeline.models.ordinal import LevelHead, output_probabilities
 from pipeline.utils.cpus import one_torch_thread
 from pipeline.utils.seeds import derived_seed
 
@@ -74,7 +75,7 @@ def clip_probabilities(head: nn.Module, embeddings: torch.Tensor) -> np.ndarray:
     was_training = head.training
     head.eval()
     with torch.inference_mode():
-        probabilities = head(embeddings).float().softmax(dim=1).numpy()
+        probabilities = output_probabilities(head, head(embeddings).float()).numpy()  # softmax, or levels
     head.train(was_training)
     return probabilities
 
@@ -90,6 +91,11 @@ def validation_score(head: nn.Module, clips: Clips) -> tuple[float, float]:
         if np.isfinite(auroc):
             return float(auroc), loss
     return -loss, loss
+
+
+def head_loss(head: nn.Module, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a softmax head's logits; an ordinal or regression head's own loss over the levels."""
+    return head.loss(outputs, labels) if isinstance(head, LevelHead) else F.cross_entropy(outputs, labels)
 
 
 def train_head(head: nn.Module, train: Clips, val: Clips, settings: HeadTraining) -> TrainedHead:
@@ -110,7 +116,7 @@ def _train_head(head: nn.Module, train: Clips, val: Clips, settings: HeadTrainin
         losses = []
         for start in range(0, len(order), settings.batch_size):
             batch = order[start:start + settings.batch_size]
-            loss = F.cross_entropy(head(train.embeddings[batch]).float(), train.labels[batch])
+            loss = head_loss(head, head(train.embeddings[batch]).float(), train.labels[batch])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -100,14 +100,6 @@ def graded_scoring(task: Task, config: OutputConfig) -> bool:
     return task.n_classes > 2 or config.name != "softmax"
 
 
-def check_frame_output(config: OutputConfig, temporal_head: bool) -> None:
-    """An ordinal or regression output is a frame model's last layer; a temporal head (end to end or two-stage)
-    predicts softmax logits over the classes, so the pair is refused, naming both settings."""
-    if config.name != "softmax" and temporal_head:
-        raise ValueError(f"model.output={config.label} is the output of a frame model (model.head.name=linear); a "
-                         f"temporal head's output is softmax: choose model/output=softmax or model.head.name=linear")
-
-
 def _check_levels(n_levels: int) -> None:
     if n_levels < 2:
         raise ValueError(f"an output over ordered levels needs at least 2 levels, got {n_levels}")

@@ -434,7 +434,7 @@ class FrameScorer:
             for offset, embedding in enumerate(self.net.backbone(batch).float()):
                 window = follower.window.add(embedding, None if times_s is None else times_s[start + offset])
                 logits = self.net.forward_embeddings(torch.stack(window)[None])
-                out.append(logits.float().softmax(dim=1).cpu().numpy()[0])
+                out.append(output_probabilities(self.net.head, logits.float()).cpu().numpy()[0])
                 sizes.append(len(window))
         return (np.stack(out) if out else np.empty((0, len(self.class_names)))), sizes
 

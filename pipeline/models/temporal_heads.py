@@ -8,7 +8,9 @@ aggregated per video afterwards (`pipeline.evaluation.aggregation`). The others 
 - `transformer`: a small transformer encoder over the frames with learned time-position embeddings and a class token
   whose final state is classified (the frame-encoder + temporal-transformer design of the BioVid literature).
 
-Every head projects D to `hidden` first, so its size does not grow with the backbone's width.
+Every head projects D to `hidden` first, so its size does not grow with the backbone's width. Its last layer is
+`Linear(hidden, n_classes)`, or under `model.output=ordinal|regression` that output's head over the levels
+(`ClipLevels`): a temporal head predicts levels as a frame model does.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from pipeline.models.ordinal import LevelHead, OutputConfig, build_output_head
 
 HEADS = ("linear", "attention", "gru", "transformer")
 MODES = ("two_stage", "end_to_end")
@@ -200,15 +204,56 @@ class PerFrameLinearHead(nn.Module):
         return self.classify(embeddings).mean(dim=1)
 
 
-def build_temporal_head(config: HeadConfig, in_features: int, n_classes: int) -> nn.Module:
-    """The head of `config` over clips of `in_features`-wide frame embeddings."""
+def build_temporal_head(config: HeadConfig, in_features: int, n_classes: int,
+                        output: OutputConfig | None = None) -> nn.Module:
+    """The head of `config` over clips of `in_features`-wide frame embeddings. `output`: its last layer (None or
+    softmax: `Linear(hidden, n_classes)`; ordinal or regression: that head over `n_classes` levels, the temporal head
+    then a `ClipLevels`)."""
     if config.name == "attention":
-        return AttentionPoolHead(in_features, n_classes, config)
-    if config.name == "gru":
-        return GruHead(in_features, n_classes, config)
-    if config.name == "transformer":
-        return TransformerHead(in_features, n_classes, config)
-    return PerFrameLinearHead(in_features, n_classes)
+        head: nn.Module = AttentionPoolHead(in_features, n_classes, config)
+    elif config.name == "gru":
+        head = GruHead(in_features, n_classes, config)
+    elif config.name == "transformer":
+        head = TransformerHead(in_features, n_classes, config)
+    else:
+        head = PerFrameLinearHead(in_features, n_classes)
+    if output is None or output.name == "softmax":
+        return head
+    head.classify = build_output_head(output, head.classify.in_features, n_classes)
+    return ClipLevels(head)
+
+
+class ClipLevels(LevelHead):
+    """A temporal head whose last layer (`classify`) is an ordinal or regression head over K levels: the clip's
+    outputs are that layer's, decoded, scored and trained as it does (`pipeline.models.ordinal`), so a clip model
+    over levels is read like a frame model over levels (`output_probabilities`, the LightningModule's loss, export)."""
+
+    def __init__(self, temporal: nn.Module) -> None:
+        super().__init__()
+        if not isinstance(temporal.classify, LevelHead):
+            raise TypeError(f"ClipLevels needs a temporal head whose last layer is a level head, got "
+                            f"{type(temporal.classify).__name__}")
+        self.temporal = temporal
+        self.n_levels = temporal.classify.n_levels
+
+    @property
+    def levels(self) -> LevelHead:
+        return self.temporal.classify
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        return self.temporal(embeddings)
+
+    def cumulative(self, outputs: torch.Tensor) -> torch.Tensor:
+        return self.levels.cumulative(outputs)
+
+    def loss(self, outputs: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        return self.levels.loss(outputs, levels)
+
+    def level_probabilities(self, outputs: torch.Tensor) -> torch.Tensor:
+        return self.levels.level_probabilities(outputs)
+
+    def predicted_level(self, outputs: torch.Tensor) -> torch.Tensor:
+        return self.levels.predicted_level(outputs)
 
 
 def head_parameters(head: nn.Module) -> int:

@@ -49,7 +49,7 @@ from pipeline.models.factory import create_model
 from pipeline.models.finetune import FinetuneConfig, FinetuneStrategy, parameter_counts, strategy_for
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import MODEL_ARTIFACT
-from pipeline.models.ordinal import OutputConfig, check_frame_output, graded_scoring, task_levels
+from pipeline.models.ordinal import OutputConfig, graded_scoring, task_levels
 from pipeline.models.temporal_heads import ClipNet, HeadConfig
 from pipeline.models.weights import WeightsSource
 from pipeline.runs.jobs.fold_fit import fit_fold, test_fold, validate_fold
@@ -249,7 +249,6 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
 def check_head(cfg: DictConfig) -> HeadConfig:
     """The config's head, checked against its fine-tuning strategy (also before a CV plans anything)."""
     head = HeadConfig.from_config(cfg.model.head)
-    check_frame_output(OutputConfig.from_config(cfg.model.get("output")), head.temporal)
     finetune = FinetuneConfig.from_config(cfg)
     refuse_unapplied(PersonaliseConfig.from_config(cfg.get("personalise")), reads_cache=finetune.reads_cache,
                      temporal=head.temporal)  # applied to cached embeddings under a frame head only

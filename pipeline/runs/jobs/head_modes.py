@@ -145,5 +145,6 @@ def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondS
                       class_names=list(module.class_names), task=cfg.task.name,
                       loader=loader, weights=weights,
                       finetune=FinetuneConfig.from_config(cfg).label,
+                      **OutputConfig.from_config(cfg.model.get("output")).meta(),
                       head=OmegaConf.to_container(cfg.model.head), **extra)
     return save_model_file(net, meta, path)

@@ -43,6 +43,7 @@ from pipeline.models.embedding_cache import (
 from pipeline.models.factory import clip_model
 from pipeline.models.head_training import HeadTraining, clip_predictions, embedded_clips, train_head
 from pipeline.models.lightning_module import PainLightningModule
+from pipeline.models.ordinal import LevelHead, OutputConfig
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head, head_parameters
 from pipeline.utils.atomic_io import atomic_write_text
 from pipeline.utils.paths import resolve_path
@@ -120,7 +121,8 @@ def second_stage(cfg: DictConfig, fold: int, module: PainLightningModule, datamo
     clip_frames = int(cfg.loader.clip_frames)
     clips = {role: embedded_clips(datamodule.frames(role), source.table, clip_frames, source.path) for role in ROLES}
     torch.manual_seed(cfg.seed)
-    head = build_temporal_head(config, clips["train"].embeddings.shape[-1], len(module.class_names))
+    head = build_temporal_head(config, clips["train"].embeddings.shape[-1], len(module.class_names),
+                               OutputConfig.from_config(cfg.model.get("output")))  # softmax, or over levels
     facts["head"], facts["head_parameters"] = config.label, head_parameters(head)
     log.info("fold %d: temporal head %s, %d parameters, clips of %d frames", fold, config.label,
              facts["head_parameters"], clip_frames)
@@ -129,7 +131,8 @@ def second_stage(cfg: DictConfig, fold: int, module: PainLightningModule, datamo
                             seed=int(cfg.seed), stream=fold)
     trained = train_head(head, clips["train"], clips["val"], settings)
     names = module.class_names
-    aggregation = {"aggregation": "mean", "k": 1}  # one row per video: its clip's score is the video's
+    # one row per video: its clip's score is the video's, called by the ordinal rule where the head is over levels
+    aggregation = {"aggregation": "mean", "k": 1, "ordinal": isinstance(trained.head, LevelHead)}
     validation = evaluate_predictions(clip_predictions(trained.head, clips["val"], names), names, **aggregation)
     predictions = clip_predictions(trained.head, clips["test"], names)
     evaluation = evaluate_predictions(predictions, names, **aggregation)
