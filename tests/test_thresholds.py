@@ -80,7 +80,7 @@ def test_validation_scores_that_cannot_choose_fall_back_to_one_half_and_say_why(
     import mlflow
 
     from pipeline.runs.jobs.fold_job import FoldResult, log_threshold_fallback
-    from pipeline.runs.orchestration.cross_validation import print_table
+    from pipeline.runs.orchestration.cv_summary import print_table
 
     inverted = videos([0, 0, 0, 1, 1, 1], [0.9, 0.8, 0.7, 0.3, 0.2, 0.1], "val-subject")
     test = videos([0, 0, 1, 1], [0.2, 0.6, 0.4, 0.9], "test-subject")

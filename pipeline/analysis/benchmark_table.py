@@ -55,7 +55,7 @@ METRICS = {"accuracy": "pooled/video_accuracy_at_threshold",
            "macro_f1": "pooled/video_f1"}
 LABELS = {"accuracy": "accuracy at threshold", "accuracy_argmax": "argmax accuracy",
           "balanced_accuracy": "balanced accuracy", "auroc": "AUROC within subject", "macro_f1": "macro-F1"}
-# what was tested (cross_validation.tested_counts), per (backbone, task)
+# what was tested (cv_summary.tested_counts), per (backbone, task)
 FACTS = {"subjects_tested": "data/subjects_tested", "videos_tested": "data/videos_tested",
          "train_subjects_min": "data/train_subjects_min", "train_subjects_max": "data/train_subjects_max"}
 # only a run on BioVid Part A itself can be set beside BioVid papers: a twin (the 20-person one, or the BioVid-scale
