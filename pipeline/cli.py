@@ -165,7 +165,7 @@ def _tune_worker(argv: list[str]) -> int:
 
 
 def _fold_files(argv: list[str]) -> int:
-    from pipeline.data.fold_files import main
+    from pipeline.data.biovid_folds import main
 
     return main(argv)
 

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from pipeline.data.biovid import NON_RESPONDERS, SAMPLES_COLUMNS, SAMPLES_CSV, BioVidError, load_samples
-from pipeline.data.fold_files import biovid_subjects
+from pipeline.data.biovid_folds import biovid_subjects
 
 
 @pytest.fixture()

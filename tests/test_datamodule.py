@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline.data.datamodule import PainDataModule, default_num_workers
-from pipeline.data.fold_files import FoldError
+from pipeline.data.fold_checks import FoldError
 from pipeline.data.tasks import CLASS_NAMES, get_task
 from tests.conftest import loader_config
 

@@ -13,22 +13,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.data.fold_files import (
+from pipeline.data.biovid_folds import (
     BIOVID_MANIFEST_DIR,
     BIOVID_PROTOCOLS,
     BIOVID_SUBJECTS_CSV,
-    ROLES,
     SUBJECT_SETS,
-    FoldError,
     biovid_fold_parameters,
     biovid_manifest_path,
     biovid_subjects,
+    main,
+)
+from pipeline.data.fold_checks import ROLES, FoldError, check_folds
+from pipeline.data.fold_files import (
     check_fold_parameters,
-    check_folds,
     fold_file_sha256,
     fold_parameters,
     fold_subjects,
-    main,
     make_folds,
     parameters_path,
     protocol_spec,

@@ -9,7 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline.data.fold_files import biovid_subjects, fold_file_sha256, read_fold_parameters, read_folds
+from pipeline.data.biovid_folds import biovid_subjects
+from pipeline.data.fold_files import fold_file_sha256, read_fold_parameters, read_folds
 from pipeline.data.prepare import ensure_folds, exclusion_reasons, subject_set_tags
 from pipeline.utils.config import load_config
 

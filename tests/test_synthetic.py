@@ -365,7 +365,8 @@ def test_the_biovid_scale_twin_has_part_as_people_and_its_fold_files_apply():
     """DATA=synthetic87: Part A's 87 names and 20 non-responders, so BioVid's committed kfold5 file (87 people, at
     least 10 inner validation subjects a fold) is the twin's own."""
     from pipeline.data.biovid import NON_RESPONDERS
-    from pipeline.data.fold_files import biovid_subjects, read_folds
+    from pipeline.data.biovid_folds import biovid_subjects
+    from pipeline.data.fold_files import read_folds
     from pipeline.data.prepare import synthetic_config
 
     cfg = load_config(["data=synthetic87"])

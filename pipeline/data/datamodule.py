@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader, Sampler, get_worker_info
 from pipeline.data.augment import DataConfigLike, build_eval_transform, build_train_transform, seed_transform
 from pipeline.data.clips import ClipDataset, prediction_table
 from pipeline.data.exclusions import usable_task_frames
-from pipeline.data.fold_files import ROLES, fold_subjects, read_folds
+from pipeline.data.fold_checks import ROLES
+from pipeline.data.fold_files import fold_subjects, read_folds
 from pipeline.data.frame_dataset import FrameDataset
 from pipeline.data.tasks import CLASS_NAMES, Task
 from pipeline.utils.cpus import available_cpus

@@ -2,23 +2,19 @@
 
 Folds are generated once (`make_folds`), reviewed, committed and from then on only read (`read_folds`), so every
 backbone is compared on identical subject splits, and a leak (one person's frames on both sides of a split) fails
-loudly every time a file is loaded. The parameters a fold file was made with (protocol, seed, fractions) are recorded
-in a JSON sidecar beside it (`kfold5_all87.csv` -> `kfold5_all87.json`), so a config asking for other ones is refused
-(`check_fold_parameters`) instead of silently getting the old folds.
-
-    python -m pipeline fold-files write-biovid              # regenerate data_manifests/biovid/*.csv and *.json (seed 0)
-    python -m pipeline fold-files check PATH... [--subject-set all87]
+loudly every time a file is loaded (`pipeline.data.fold_checks.check_folds`). The parameters a fold file was made with
+(protocol, seed, fractions) are recorded in a JSON sidecar beside it (`kfold5_all87.csv` -> `kfold5_all87.json`), so a
+config asking for other ones is refused (`check_fold_parameters`) instead of silently getting the old folds. The
+committed BioVid fold files, and the command that writes and checks them, are `pipeline.data.biovid_folds`'.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
 import math
 import re
-import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -27,36 +23,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pipeline.data.biovid import NON_RESPONDERS
+from pipeline.data.fold_checks import FOLD_COLUMNS, ROLES, FoldError, check_folds, where
 from pipeline.utils.atomic_io import atomic_write_text
-from pipeline.utils.paths import PROJECT_ROOT
 
-ROLES = ("train", "val", "test")
-FOLD_COLUMNS = ("fold", "subject_name", "role")
 MIN_SUBJECTS = 3  # one train, one val and one test subject at the very least
 STRATUM_SEPARATOR = "/"  # "w/age<=35": the part before the separator is the coarser stratum ("w")
-
-SUBJECT_SETS = ("all87", "responders67")  # the committed ones
-USABLE_SUFFIX = "_usable"
-"""`all87_usable`, `responders67_usable`: the participants of the set that have face crops. Their fold files are not
-committed: written once on first use (outside data_manifests/), with the excluded participants and why recorded in the
-sidecar, then only read like any other."""
-USABLE_SUBJECT_SETS = tuple(f"{name}{USABLE_SUFFIX}" for name in SUBJECT_SETS)
-BIOVID_PROTOCOLS = ("loso", "kfold5", "kfold10", "holdout")
-BIOVID_SEED = 0
-BIOVID_VAL_FRACTION = 0.15
-BIOVID_TEST_FRACTION = 0.3
-BIOVID_MANIFEST_DIR = PROJECT_ROOT / "data_manifests" / "biovid"
-BIOVID_SUBJECTS_CSV = BIOVID_MANIFEST_DIR / "subjects.csv"
 
 _BIOVID_SUBJECT_NAME = re.compile(r"(?P<date>\d{6})_(?P<sex>[wm])_(?P<age>\d{1,3})")
 _ROLE_RANK = {role: rank for rank, role in enumerate(ROLES)}
 
 log = logging.getLogger(__name__)
-
-
-class FoldError(ValueError):
-    """A fold table breaks the fold contract; the message names the file, the row, the fold and the subject."""
 
 
 # --- protocols -------------------------------------------------------------------------------------------------------
@@ -211,108 +187,6 @@ def _sorted_fold_table(folds: pd.DataFrame) -> pd.DataFrame:
     return table.iloc[order].reset_index(drop=True)
 
 
-# --- checking --------------------------------------------------------------------------------------------------------
-
-
-def _where(source: str, row: int) -> str:
-    """Locate a 1-based data row; in a file, data row r sits on line r + 1 (after the header)."""
-    if source == "<memory>":
-        return f"{source}, row {row}"
-    return f"{source}, data row {row} (line {row + 1})"
-
-
-def check_folds(folds: pd.DataFrame, source: str = "<memory>", subjects: Iterable[str] | None = None) -> None:
-    """Raise FoldError unless `folds` is a leak-free fold table (over `subjects`, when given).
-
-    Checks: known roles; no subject twice in one fold (in particular not in two roles: a train/val/test leak); every
-    subject in every fold; every fold with train, val and test subjects; with `subjects`, the file's subjects are
-    exactly the dataset's; and in a multi-fold file whose test sets cover all subjects (loso, kfold) each subject
-    is test exactly once.
-    """
-    missing_columns = [column for column in FOLD_COLUMNS if column not in folds.columns]
-    if missing_columns:
-        raise FoldError(f"{source}: missing column(s) {missing_columns}; expected {list(FOLD_COLUMNS)}")
-    if folds.empty:
-        raise FoldError(f"{source}: no rows")
-    if not pd.api.types.is_integer_dtype(folds["fold"]):
-        raise FoldError(f"{source}: column 'fold' must hold integers, found dtype {folds['fold'].dtype}")
-
-    role_and_row: dict[tuple[int, str], tuple[str, int]] = {}
-    first_row: dict[str, int] = {}
-    members: dict[int, dict[str, list[str]]] = {}
-    rows = zip(folds["fold"].tolist(), folds["subject_name"].tolist(), folds["role"].tolist(), strict=True)
-    for row, (fold, subject, role) in enumerate(rows, start=1):
-        where = _where(source, row)
-        if fold < 0:
-            raise FoldError(f"{where}, subject {subject!r}: negative fold {fold}")
-        if not isinstance(subject, str) or not subject or subject != subject.strip():
-            raise FoldError(
-                f"{where}, fold {fold}: invalid subject_name {subject!r} "
-                "(must be a non-empty name without surrounding spaces)"
-            )
-        if role not in ROLES:
-            raise FoldError(
-                f"{where}, fold {fold}, subject {subject!r}: unknown role {role!r} (expected one of {', '.join(ROLES)})"
-            )
-        if (fold, subject) in role_and_row:
-            earlier_role, earlier_row = role_and_row[(fold, subject)]
-            if earlier_role != role:
-                raise FoldError(
-                    f"{where}, fold {fold}, subject {subject!r}: leak, subject is both {earlier_role} "
-                    f"(row {earlier_row}) and {role} in the same fold"
-                )
-            raise FoldError(
-                f"{where}, fold {fold}, subject {subject!r}: listed twice as {role} "
-                f"(also row {earlier_row}); each subject appears once per fold"
-            )
-        role_and_row[(fold, subject)] = (role, row)
-        first_row.setdefault(subject, row)
-        members.setdefault(fold, {r: [] for r in ROLES})[role].append(subject)
-
-    file_subjects = set(first_row)
-    if subjects is not None:
-        dataset_subjects = set(subjects)
-        unknown = sorted(file_subjects - dataset_subjects, key=first_row.__getitem__)
-        if unknown:
-            subject = unknown[0]
-            fold = folds["fold"].iloc[first_row[subject] - 1]
-            raise FoldError(
-                f"{_where(source, first_row[subject])}, fold {fold}, subject {subject!r}: not in the "
-                f"dataset ({len(unknown)} such subject(s), first few: {unknown[:5]})"
-            )
-        absent = sorted(dataset_subjects - file_subjects)
-        if absent:
-            raise FoldError(
-                f"{source}: {len(absent)} dataset subject(s) missing from the fold file, "
-                f"e.g. subject {absent[0]!r} (first few: {absent[:5]})"
-            )
-
-    for fold in sorted(members):
-        by_role = members[fold]
-        in_fold = {subject for role_subjects in by_role.values() for subject in role_subjects}
-        absent = sorted(file_subjects - in_fold)
-        if absent:
-            raise FoldError(
-                f"{source}, fold {fold}, subject {absent[0]!r}: missing from this fold "
-                f"({len(absent)} missing; every subject must appear exactly once per fold)"
-            )
-        for role in ROLES:
-            if not by_role[role]:
-                raise FoldError(f"{source}, fold {fold}: no {role} subjects (every fold needs train, val and test)")
-
-    tested_in: dict[str, int] = {}
-    if len(members) > 1 and {s for by_role in members.values() for s in by_role["test"]} == file_subjects:
-        for fold in sorted(members):
-            for subject in members[fold]["test"]:
-                if subject in tested_in:
-                    row = role_and_row[(fold, subject)][1]
-                    raise FoldError(
-                        f"{_where(source, row)}, fold {fold}, subject {subject!r}: test in fold "
-                        f"{tested_in[subject]} too; in a loso/k-fold file every subject is test once"
-                    )
-                tested_in[subject] = fold
-
-
 # --- files -----------------------------------------------------------------------------------------------------------
 
 
@@ -432,13 +306,13 @@ def read_folds(path: Path, subjects: Iterable[str] | None = None) -> pd.DataFram
         absent = (raw[column].isna() | (raw[column] == "")).to_numpy().nonzero()[0]
         if len(absent):
             raise FoldError(
-                f"{_where(str(path), int(absent[0]) + 1)}: no value in column {column!r} (empty cell or short row)"
+                f"{where(str(path), int(absent[0]) + 1)}: no value in column {column!r} (empty cell or short row)"
             )
     not_integer = ~raw["fold"].str.fullmatch(r"[0-9]+")
     if not_integer.any():
         row = int(not_integer.to_numpy().nonzero()[0][0])
         raise FoldError(
-            f"{_where(str(path), row + 1)}, subject {raw['subject_name'].iloc[row]!r}: fold "
+            f"{where(str(path), row + 1)}, subject {raw['subject_name'].iloc[row]!r}: fold "
             f"{raw['fold'].iloc[row]!r} is not a non-negative integer"
         )
 
@@ -460,7 +334,7 @@ def fold_file_sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-# --- BioVid ----------------------------------------------------------------------------------------------------------
+# --- strata of BioVid subject names ---------------------------------------------------------------------------------
 
 
 def _age_band(age: int) -> str:
@@ -478,115 +352,3 @@ def subject_strata(subject_names: Iterable[str]) -> dict[str, str]:
             raise ValueError(f"subject name {name!r} is not BioVid's MMDDYY_sex_age (e.g. '071309_w_21')")
         strata[name] = f"{match['sex']}{STRATUM_SEPARATOR}{_age_band(int(match['age']))}"
     return strata
-
-
-def base_subject_set(subject_set: str) -> str:
-    """The set a `<set>_usable` subject set is drawn from ("all87_usable" -> "all87"); other names are returned."""
-    return subject_set.removesuffix(USABLE_SUFFIX)
-
-
-def biovid_subjects(subject_set: str, subjects_csv: Path = BIOVID_SUBJECTS_CSV) -> list[str]:
-    """Sorted subject names of a BioVid subject set: all87, or responders67 (without the 20 non-responders); for
-    `<set>_usable`, the names of <set> (the ones without crops are dropped when its fold file is written).
-
-    The non-responders are `pipeline.data.biovid.NON_RESPONDERS`; the file's facial_responder column must agree with
-    them.
-    """
-    if subject_set not in SUBJECT_SETS + USABLE_SUBJECT_SETS:
-        raise ValueError(f"unknown subject set {subject_set!r}: expected one of "
-                         f"{', '.join(SUBJECT_SETS + USABLE_SUBJECT_SETS)}")
-    subject_set = base_subject_set(subject_set)
-    table = pd.read_csv(subjects_csv, dtype=str, keep_default_na=False)
-    for column in ("subject_name", "facial_responder"):
-        if column not in table.columns:
-            raise ValueError(f"{subjects_csv}: missing column {column!r}")
-    bad = ~table["facial_responder"].isin(["0", "1"])
-    if bad.any():
-        row = int(bad.to_numpy().nonzero()[0][0]) + 1
-        raise ValueError(
-            f"{_where(str(subjects_csv), row)}, subject {table['subject_name'].iloc[row - 1]!r}: "
-            f"facial_responder must be 0 or 1, got {table['facial_responder'].iloc[row - 1]!r}"
-        )
-    duplicated = table["subject_name"][table["subject_name"].duplicated()].tolist()
-    if duplicated:
-        raise ValueError(f"{subjects_csv}: duplicated subject_name(s) {duplicated[:5]}")
-    disagree = (table["facial_responder"] == "0") != table["subject_name"].isin(NON_RESPONDERS)
-    if disagree.any():
-        row = int(disagree.to_numpy().nonzero()[0][0]) + 1
-        name = table["subject_name"].iloc[row - 1]
-        raise ValueError(
-            f"{_where(str(subjects_csv), row)}, subject {name!r}: facial_responder "
-            f"{table['facial_responder'].iloc[row - 1]} disagrees with pipeline.data.biovid.NON_RESPONDERS "
-            f"({'listed' if name in NON_RESPONDERS else 'not listed'} there)"
-        )
-    if subject_set == "responders67":
-        table = table[~table["subject_name"].isin(NON_RESPONDERS)]
-    return sorted(table["subject_name"].tolist())
-
-
-def biovid_manifest_path(protocol: str, subject_set: str, manifest_dir: Path = BIOVID_MANIFEST_DIR) -> Path:
-    """Where the committed fold file for a BioVid protocol and subject set lives."""
-    return Path(manifest_dir) / f"{protocol}_{subject_set}.csv"
-
-
-def biovid_fold_parameters(protocol: str) -> dict[str, Any]:
-    """The parameters of the committed BioVid fold files (seed 0, val 15 %, hold-out test 30 %)."""
-    return fold_parameters(protocol, BIOVID_SEED, BIOVID_VAL_FRACTION, BIOVID_TEST_FRACTION)
-
-
-def make_biovid_folds(protocol: str, subject_set: str, subjects_csv: Path = BIOVID_SUBJECTS_CSV) -> pd.DataFrame:
-    """The committed BioVid folds: `biovid_fold_parameters`, stratified by sex and age band."""
-    names = biovid_subjects(subject_set, subjects_csv)
-    return make_folds(names, **biovid_fold_parameters(protocol), strata=subject_strata(names))
-
-
-def write_biovid_manifests(
-    manifest_dir: Path = BIOVID_MANIFEST_DIR, subjects_csv: Path = BIOVID_SUBJECTS_CSV
-) -> list[Path]:
-    """(Re)write every committed BioVid fold file and its parameter sidecar; returns the fold files written."""
-    written = []
-    for subject_set in SUBJECT_SETS:
-        for protocol in BIOVID_PROTOCOLS:
-            path = biovid_manifest_path(protocol, subject_set, manifest_dir)
-            write_folds(make_biovid_folds(protocol, subject_set, subjects_csv), path, biovid_fold_parameters(protocol))
-            written.append(path)
-    return written
-
-
-# --- command line ----------------------------------------------------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline fold-files", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    write = commands.add_parser("write-biovid", help="regenerate the committed BioVid fold files and sidecars")
-    write.add_argument("--out-dir", type=Path, default=BIOVID_MANIFEST_DIR, help="default: %(default)s")
-    check = commands.add_parser("check", help="validate fold files (and their sidecars); exit 1 if any is broken")
-    check.add_argument("paths", nargs="+", type=Path)
-    check.add_argument("--subject-set", choices=SUBJECT_SETS, help="also require exactly this BioVid subject set")
-    args = parser.parse_args(argv)
-
-    if args.command == "write-biovid":
-        for path in write_biovid_manifests(args.out_dir):
-            print(f"wrote {path}  sha256 {fold_file_sha256(path)}")
-        return 0
-
-    subjects = biovid_subjects(args.subject_set) if args.subject_set else None
-    failures = 0
-    for path in args.paths:
-        try:
-            folds = read_folds(path, subjects)
-            parameters = read_fold_parameters(path)
-        except (FoldError, OSError) as error:
-            print(f"FAIL {error}", file=sys.stderr)
-            failures += 1
-            continue
-        made_with = "no parameter record" if parameters is None else ", ".join(
-            f"{key}={value}" for key, value in parameters.items() if key != "fold_file_sha256"
-        )
-        print(
-            f"ok {path}: {folds['fold'].nunique()} fold(s), {folds['subject_name'].nunique()} subjects, "
-            f"sha256 {fold_file_sha256(path)} ({made_with})"
-        )
-    return 1 if failures else 0
-

@@ -12,13 +12,10 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.biovid import SAMPLES_CSV, load_samples
+from pipeline.data.biovid_folds import BIOVID_MANIFEST_DIR, USABLE_SUFFIX, base_subject_set, biovid_subjects
 from pipeline.data.face_crops import PreprocessConfig, PreprocessResult, preprocess
+from pipeline.data.fold_checks import FoldError
 from pipeline.data.fold_files import (
-    BIOVID_MANIFEST_DIR,
-    USABLE_SUFFIX,
-    FoldError,
-    base_subject_set,
-    biovid_subjects,
     check_fold_parameters,
     fold_parameters,
     make_folds,

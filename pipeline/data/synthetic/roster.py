@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.data.biovid import NON_RESPONDERS
-from pipeline.data.fold_files import biovid_subjects
+from pipeline.data.biovid_folds import biovid_subjects
 from pipeline.data.synthetic.settings import (
     BURST_PART,
     ROSTER_STREAM,

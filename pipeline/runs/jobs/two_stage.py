@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.embeddings import EmbeddingTable
-from pipeline.data.fold_files import ROLES
+from pipeline.data.fold_checks import ROLES
 from pipeline.evaluation.metrics import Evaluation, evaluate_predictions
 from pipeline.models.embedding_cache import (
     CacheSettings,
