@@ -12,7 +12,7 @@ from torch import nn
 from pipeline.data.clips import ClipDataset, clip_rows, clip_spacing_s
 from pipeline.data.datamodule import EpochSampler
 from pipeline.models.backbones import create_backbone
-from pipeline.models.scoring import ClipWindow
+from pipeline.models.clip_window import ClipWindow
 from pipeline.models.temporal_heads import HEADS, ClipNet, HeadConfig, build_temporal_head, head_parameters
 from tests.test_datamodule import FOLDS, make_datamodule, make_processed, write_fold_file
 

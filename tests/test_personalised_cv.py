@@ -29,8 +29,11 @@ from pipeline.deployment.predict import load_scorer, run_predict
 from pipeline.deployment.reference import attach_reference, video_embeddings
 from pipeline.deployment.serving import guarded_app, limits_of
 from pipeline.deployment.video_frames import PredictError, sampled_frames
+from pipeline.models.head_training import embedded_clips
 from pipeline.models.scoring import FrameScorer
+from pipeline.models.temporal_heads import ClipNet
 from pipeline.runs.jobs.sealing import VIDEO_PREDICTIONS
+from pipeline.runs.jobs.two_stage import served_table
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.serving.mlflow_model import encode_image, synthetic_frames
 from pipeline.runs.store import cv_runs, tracking
@@ -156,13 +159,75 @@ def test_a_baseline_cv_tests_no_reference_video_and_records_what_it_cost(baselin
 
 
 def test_a_path_that_does_not_apply_a_protocol_refuses_it(tiny_config) -> None:
-    frozen_temporal = (*FROZEN, "personalise=subject_normalised", "model.head.name=gru", "model.head.mode=two_stage")
-    with pytest.raises(ValueError, match=r"personalise=subject_normalised .* a temporal head \(model.head\) does "
-                                         r"not apply it yet"):
-        run_cv(tiny_config(*frozen_temporal))
     from_images = (*FROZEN, "personalise=subject_normalised", "cache.embeddings=false")
     with pytest.raises(ValueError, match=r"a backbone trained on images \(model.finetune\) does not apply it yet"):
         run_cv(tiny_config(*from_images))
+    trained = ("model=mobilevit_xxs", "model.finetune=full", "personalise=subject_normalised")
+    with pytest.raises(ValueError, match=r"personalise=subject_normalised .* does not apply it yet"):
+        run_cv(tiny_config(*trained))
+
+
+def test_a_two_stage_heads_clips_are_made_of_the_personalised_embeddings_without_references(tiny_config) -> None:
+    """A temporal head's second stage reads each split's crops as the frame head does: a baseline's reference crops
+    out of the split, every other crop minus its person's reference mean."""
+    cfg = tiny_config()
+    table = embedding_table(resolve_path(cfg.data.processed_dir))
+    data = datamodule(cfg, table, PersonaliseConfig("baseline", k=1, seed=0))
+    plain = datamodule(cfg, table, PersonaliseConfig("none"))
+    assert served_table(plain, "test", table) is table  # a plain fold's clips are the frame model's embeddings
+    for role in ROLES:
+        rows, reference = data.frames(role), data.references[role]
+        clips = embedded_clips(rows, served_table(data, role, table), 3, Path("test.npz"))
+        taken = {row for video in clips.videos["rows"] for row in video}
+        assert taken <= set(rows.index) and not taken & set(reference.index)
+        means = {person: table.plain[group.index.to_numpy()].mean(axis=0)
+                 for person, group in reference.groupby("subject_name")}
+        first = np.asarray(clips.videos["rows"].iloc[0])
+        person = rows.loc[first[0], "subject_name"]
+        np.testing.assert_allclose(clips.embeddings[0].numpy(), table.plain[first] - means[person], atol=1e-5)
+
+
+def test_a_personalised_two_stage_cv_keeps_a_clip_model_that_scores_against_the_reference(tiny_config,
+                                                                                          tmp_path: Path) -> None:
+    cfg = tiny_config(*FROZEN, "personalise=baseline", "personalise.k=1", "model.head.name=gru",
+                      "model.head.mode=two_stage", "model.head.hidden=8", "model.head.epochs=2", "loader.clip_frames=3",
+                      "cv.log_models=true", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+                      f"mlflow.artifact_root={tmp_path / 'art'}", f"cv.work_dir={tmp_path / 'runs'}")
+    run_cv(cfg)
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    parent = cv_runs.finished_cv(client, cfg)
+    assert parent.data.tags[tracking.PERSONALISE_TAG] == "baseline_k1"
+    fold = tracking.fold_runs(client, parent.info.run_id)[0]
+    splits = json.loads(Path(client.download_artifacts(fold.info.run_id, "splits.json")).read_text())
+    videos = pd.read_csv(client.download_artifacts(fold.info.run_id, VIDEO_PREDICTIONS),
+                         dtype={"subject_name": str, "sample_name": str})
+    tested = set(videos["subject_name"] + "/" + videos["sample_name"])
+    assert tested and not tested & set(splits["test"]["reference_videos"])
+    scorer, _ = load_scorer(cfg, run=fold.info.run_id)
+    assert isinstance(scorer.net, ClipNet) and scorer.personalise.label == "baseline_k1"
+    person = sorted(Path(cfg.data.root, "video").iterdir())[0]
+    reference = tmp_path / "rest"
+    reference.mkdir()
+    (reference / "rest.mp4").symlink_to(sorted(person.glob(f"*-{NO_PAIN}-*.mp4"))[0])
+    frames = list(next(sampled_frames(sorted(person.glob("*-PA4-*.mp4"))[0], 5.0))[2][:6])
+    with pytest.raises(ValueError, match=r"personalised \(baseline_k1"):
+        scorer.score(frames)
+    attach_reference(scorer, str(reference), 5.0)
+    table = scorer.score(frames)
+    found = table[table["face_found"].astype(bool)]
+    assert len(found) >= 4
+    # the window's embeddings are the crops' features minus the reference mean: the last window by hand
+    follower = scorer.follower()
+    faces = [follower.step(face) for face in scorer.find_faces(frames)]
+    crops = [scorer.crop(frame, face) for frame, face in zip(frames, faces, strict=True) if face is not None]
+    features = torch.as_tensor(scorer.embeddings(crops) - scorer.reference.mean, dtype=torch.float32)
+    window = follower.window
+    for feature in features:
+        clip = window.add(feature, None)
+    with torch.inference_mode():
+        last = scorer.net.forward_embeddings(torch.stack(clip)[None]).softmax(dim=1).numpy()[0]
+    np.testing.assert_allclose(found[[f"prob_{name}" for name in scorer.class_names]].to_numpy()[-1], last,
+                               atol=1e-5)
 
 
 @pytest.fixture(scope="module")

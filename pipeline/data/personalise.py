@@ -69,17 +69,18 @@ class PersonaliseConfig:
         return {} if self.mode == "none" else {"personalise": {"mode": self.mode, "k": self.k, "seed": self.seed}}
 
 
-def refuse_unapplied(config: PersonaliseConfig, *, reads_cache: bool, temporal: bool) -> None:
-    """A personalisation protocol is applied to a fixed backbone's cached embeddings under a frame head
-    (`pipeline.data.embeddings.EmbeddingDataModule`). Any other path (a backbone trained on images, a temporal head)
-    does not apply it yet: a CV asked for one there is refused before it plans anything, rather than a plain model
-    trained and recorded under the protocol's name."""
-    if config.mode == "none" or (reads_cache and not temporal):
+def refuse_unapplied(config: PersonaliseConfig, *, reads_cache: bool) -> None:
+    """A personalisation protocol is applied to a fixed backbone's cached embeddings
+    (`pipeline.data.embeddings.EmbeddingDataModule`): under a frame head, and under a temporal head's second stage,
+    whose clips are made of the same personalised embeddings. A backbone trained on images would need each person's
+    reference re-embedded by the backbone as it changes, which is not done: a CV asked for one is refused before it
+    plans anything, rather than a plain model trained and recorded under the protocol's name."""
+    if config.mode == "none" or reads_cache:
         return
-    path = "a temporal head (model.head)" if temporal else "a backbone trained on images (model.finetune)"
     raise ValueError(f"personalise={config.mode} ({config.label}) is applied to a frozen backbone's cached "
-                     f"embeddings under a frame head (model.finetune=frozen, model.head.name=mean); {path} does not "
-                     f"apply it yet, so this CV would be a plain one under a personalised name")
+                     f"embeddings (model.finetune=frozen, under a frame head or a two-stage temporal head); a backbone "
+                     f"trained on images (model.finetune) does not apply it yet, so this CV would be a plain one under "
+                     f"a personalised name")
 
 
 def _check_features(subjects: np.ndarray, features: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:

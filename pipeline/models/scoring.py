@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from pipeline.data.personalise import PersonaliseConfig, ReferenceStatistics, no
 from pipeline.data.tasks import no_pain_index
 from pipeline.evaluation.aggregation import aggregate_class_probabilities, check_aggregation, pain_probability
 from pipeline.models.backbones import PainNet
+from pipeline.models.clip_window import ClipWindow
 from pipeline.models.model_file import clip_frames_of, clip_spacing_of, data_config_of
 from pipeline.models.ordinal import OutputConfig, output_probabilities
 from pipeline.models.temporal_heads import ClipNet
@@ -156,42 +156,6 @@ class Timings:
     def per_frame(self) -> dict[str, float]:
         n = max(1, self.frames)
         return {"detect_s": self.detect / n, "align_s": self.align / n, "network_s": self.network / n}
-
-
-class ClipWindow:
-    """The clip a clip model scores at each crop: T embeddings of the followed face in time order, ending with the
-    newest. With the spacing its training clips had (`spacing_s`: `loader.clip_frames` crops spread over the video,
-    `model_file.clip_spacing_of`) and the crops' times, the window holds the crop nearest each of the times t,
-    t - s, ..., t - (T - 1) s (among the crops no older than a spacing before the earliest of those times), each
-    crop once, so a clip spans what a training clip spanned; at the start of a video it holds fewer. Without a
-    spacing (a model kept before it was recorded) or without times (a sequence of images), the last T crops."""
-
-    def __init__(self, frames: int, spacing_s: float | None = None) -> None:
-        self.frames = int(frames)
-        self.spacing_s = float(spacing_s) if spacing_s else None
-        self.kept: deque[tuple[float, torch.Tensor]] = deque()
-
-    def __len__(self) -> int:
-        return len(self.kept)
-
-    def add(self, embedding: torch.Tensor, time_s: float | None) -> list[torch.Tensor]:
-        """Add the newest crop's embedding (at `time_s` seconds) and return the window ending with it."""
-        if self.spacing_s is None or time_s is None:
-            self.kept.append((float(len(self.kept)), embedding))
-            while len(self.kept) > self.frames:
-                self.kept.popleft()
-            return [kept for _, kept in self.kept]
-        self.kept.append((float(time_s), embedding))
-        span = (self.frames - 1) * self.spacing_s
-        while self.kept and self.kept[0][0] < time_s - span - self.spacing_s:  # older than the earliest target
-            self.kept.popleft()
-        times = np.array([t for t, _ in self.kept])
-        picks: list[int] = []
-        for step in range(self.frames - 1, -1, -1):
-            nearest = int(np.argmin(np.abs(times - (time_s - step * self.spacing_s))))
-            if not picks or nearest > picks[-1]:  # in time order, each crop once
-                picks.append(nearest)
-        return [self.kept[i][1] for i in picks]
 
 
 class FaceFollower:
@@ -349,8 +313,8 @@ class FrameScorer:
             raise ValueError("a fold ensemble of clip models is not supported; score one clip model")
         self.personalise = PersonaliseConfig.from_config(meta.get("personalise"))
         self.reference: ReferenceStatistics | None = None  # a personalised model's person (`make predict REFERENCE=`)
-        if self.personalise.mode != "none" and (self.ensemble or self.clip_frames is not None):
-            raise ValueError(f"personalise={self.personalise.label}: a personalised model scores one frame network")
+        if self.personalise.mode != "none" and self.ensemble:
+            raise ValueError(f"personalise={self.personalise.label}: a personalised model scores one network")
 
     @property
     def no_pain_index(self) -> int:
@@ -396,14 +360,18 @@ class FrameScorer:
         parts = [self.net.backbone(batch).float().cpu().numpy() for batch in self.batches(crops_rgb)]
         return np.concatenate(parts) if parts else np.empty((0, self.net.backbone.num_features))
 
-    @torch.inference_mode()
-    def personal_probabilities(self, crops_rgb: Sequence[np.ndarray]) -> np.ndarray:
-        """A personalised model's class probabilities (N, C): its head over each crop's features as seen against
-        the person's reference (`ReferenceStatistics.applied`)."""
+    def personal(self, features: np.ndarray) -> torch.Tensor:
+        """Backbone features (N, D) as a personalised model's head saw them in training: against the person's
+        reference (`ReferenceStatistics.applied`); an error saying what to give without one."""
         if self.reference is None:
             raise ValueError(no_reference(self.personalise))
-        features = self.reference.applied(self.embeddings(crops_rgb), self.personalise)
-        logits = self.net.head(torch.as_tensor(features, dtype=torch.float32, device=self.device))
+        features = self.reference.applied(features, self.personalise)
+        return torch.as_tensor(features, dtype=torch.float32, device=self.device)
+
+    @torch.inference_mode()
+    def personal_probabilities(self, crops_rgb: Sequence[np.ndarray]) -> np.ndarray:
+        """A personalised frame model's class probabilities (N, C): its head over each crop's `personal` features."""
+        logits = self.net.head(self.personal(self.embeddings(crops_rgb)))
         return output_probabilities(self.net.head, logits.float()).cpu().numpy()
 
     @torch.inference_mode()
@@ -431,7 +399,10 @@ class FrameScorer:
         assert isinstance(self.net, ClipNet)
         out, sizes = [], []
         for start, batch in zip(range(0, len(crops_rgb), self.batch_size), self.batches(crops_rgb), strict=True):
-            for offset, embedding in enumerate(self.net.backbone(batch).float()):
+            embeddings = self.net.backbone(batch).float()
+            if self.personalise.mode != "none":  # each crop against the person's reference, as its clips were
+                embeddings = self.personal(embeddings.cpu().numpy())
+            for offset, embedding in enumerate(embeddings):
                 window = follower.window.add(embedding, None if times_s is None else times_s[start + offset])
                 logits = self.net.forward_embeddings(torch.stack(window)[None])
                 out.append(output_probabilities(self.net.head, logits.float()).cpu().numpy()[0])

@@ -250,8 +250,8 @@ def check_head(cfg: DictConfig) -> HeadConfig:
     """The config's head, checked against its fine-tuning strategy (also before a CV plans anything)."""
     head = HeadConfig.from_config(cfg.model.head)
     finetune = FinetuneConfig.from_config(cfg)
-    refuse_unapplied(PersonaliseConfig.from_config(cfg.get("personalise")), reads_cache=finetune.reads_cache,
-                     temporal=head.temporal)  # applied to cached embeddings under a frame head only
+    # applied to a fixed backbone's cached embeddings only (under a frame head or a two-stage head's clips)
+    refuse_unapplied(PersonaliseConfig.from_config(cfg.get("personalise")), reads_cache=finetune.reads_cache)
     if head.end_to_end and finetune.backbone_fixed:
         raise ValueError("model.head.mode=end_to_end trains the backbone through the head, but model.finetune=frozen "
                          "fixes it: a frozen backbone's head over time is model.head.mode=two_stage (it reads cached "

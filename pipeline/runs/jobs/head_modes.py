@@ -146,5 +146,6 @@ def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondS
                       loader=loader, weights=weights,
                       finetune=FinetuneConfig.from_config(cfg).label,
                       **OutputConfig.from_config(cfg.model.get("output")).meta(),
+                      **PersonaliseConfig.from_config(cfg.get("personalise")).meta(),
                       head=OmegaConf.to_container(cfg.model.head), **extra)
     return save_model_file(net, meta, path)

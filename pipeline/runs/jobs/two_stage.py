@@ -25,12 +25,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
-from pipeline.data.embeddings import EmbeddingTable
+from pipeline.data.embeddings import EmbeddingDataModule, EmbeddingDataset, EmbeddingTable
 from pipeline.data.fold_checks import ROLES
 from pipeline.evaluation.metrics import Evaluation, evaluate_predictions
 from pipeline.models.embedding_cache import (
@@ -108,6 +109,17 @@ def fold_embeddings(cfg: DictConfig, fold: int, module: PainLightningModule, dat
     return source, facts
 
 
+def served_table(datamodule: PainDataModule, role: str, table: EmbeddingTable) -> EmbeddingTable:
+    """The embeddings a split's clips are made of: the frame model's (`table`), or a personalised fold's as its
+    datamodule serves them (`EmbeddingDataModule`: each crop as its protocol sees it, a baseline's reference crops
+    out of the split), so a clip head sees what a frame head sees."""
+    if not isinstance(datamodule, EmbeddingDataModule) or datamodule.personalise.mode == "none":
+        return table
+    dataset = datamodule.dataset(role)
+    assert isinstance(dataset, EmbeddingDataset)
+    return EmbeddingTable(dataset.rows, dataset.plain.numpy(), np.empty((0, *dataset.plain.shape), np.float32))
+
+
 def second_stage(cfg: DictConfig, fold: int, module: PainLightningModule, datamodule: PainDataModule,
                  best_path: str | None, work_dir: Path) -> SecondStage:
     """Train and test the fold's temporal head on its frame model's embeddings; `best_path`: the first stage's best
@@ -119,7 +131,8 @@ def second_stage(cfg: DictConfig, fold: int, module: PainLightningModule, datamo
     module.eval()
     source, facts = fold_embeddings(cfg, fold, module, datamodule, best_path is not None, work_dir)
     clip_frames = int(cfg.loader.clip_frames)
-    clips = {role: embedded_clips(datamodule.frames(role), source.table, clip_frames, source.path) for role in ROLES}
+    clips = {role: embedded_clips(datamodule.frames(role), served_table(datamodule, role, source.table), clip_frames,
+                                  source.path) for role in ROLES}
     torch.manual_seed(cfg.seed)
     head = build_temporal_head(config, clips["train"].embeddings.shape[-1], len(module.class_names),
                                OutputConfig.from_config(cfg.model.get("output")))  # softmax, or over levels
