@@ -188,7 +188,8 @@ def alignment_picture(samples: pd.DataFrame, path: Path, size: int = 112, margin
     astronaut rolled by -20 and 20 degrees. MTCNN finds each face; the frame 4 s into each clip is used."""
     import cv2
 
-    from pipeline.data.faces import MTCNNFaceDetector, aligned_crop, square_crop
+    from pipeline.data.crop_geometry import aligned_crop, square_crop
+    from pipeline.data.faces import MTCNNFaceDetector
     from pipeline.data.video import read_frames
     from tests.photo_clips import PhotoClip, astronaut, clip_frames
 

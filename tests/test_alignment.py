@@ -11,21 +11,23 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.data.faces import (
+from pipeline.data.crop_geometry import (
     CANONICAL_LANDMARKS,
+    aligned_crop,
+    apply_transform,
+    similarity_transform,
+    square_crop,
+    square_crop_transform,
+)
+from pipeline.data.face_tracks import smooth_faces
+from pipeline.data.faces import (
     DETECTORS,
     Face,
     HaarFaceDetector,
     MTCNNFaceDetector,
-    aligned_crop,
-    apply_transform,
     build_detector,
     find_faces,
     gives_landmarks,
-    similarity_transform,
-    smooth_faces,
-    square_crop,
-    square_crop_transform,
 )
 from pipeline.data.video import read_sampled_frames
 from tests.photo_clips import PhotoClip, astronaut, clip_frames, clip_grid, write_clips

@@ -14,17 +14,19 @@ import pytest
 from skimage import data
 
 from pipeline.data import blazeface
-from pipeline.data.faces import (
+from pipeline.data.crop_geometry import (
     CANONICAL_LANDMARKS,
-    DETECTORS,
-    BlazeFaceDetector,
     aligned_crop_transform,
     apply_transform,
+    square_crop_transform,
+)
+from pipeline.data.faces import (
+    DETECTORS,
+    BlazeFaceDetector,
     build_detector,
     five_landmarks,
     gives_landmarks,
     register_detector,
-    square_crop_transform,
 )
 from pipeline.data.mtcnn import MTCNN
 from pipeline.models.scoring import CropSettings, FaceFinder

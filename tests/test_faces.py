@@ -7,15 +7,9 @@ import numpy as np
 import pytest
 from skimage import data
 
-from pipeline.data.faces import (
-    DETECTORS,
-    HaarFaceDetector,
-    build_detector,
-    detection_rate,
-    register_detector,
-    smooth_track,
-    square_crop,
-)
+from pipeline.data.crop_geometry import square_crop
+from pipeline.data.face_tracks import smooth_track
+from pipeline.data.faces import DETECTORS, HaarFaceDetector, build_detector, detection_rate, register_detector
 
 # The astronaut's face in skimage's 512 x 512 photograph lies roughly inside this region (x0, y0, x1, y1).
 ASTRONAUT_FACE = (150, 40, 290, 200)

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from pipeline.data.biovid import load_samples
+from pipeline.data.crop_geometry import CANONICAL_LANDMARKS
 from pipeline.data.face_crops import (
     BOX_COLUMNS,
     FRAME_COLUMNS,
@@ -22,7 +23,7 @@ from pipeline.data.face_crops import (
     preprocess,
     video_to_crop,
 )
-from pipeline.data.faces import CANONICAL_LANDMARKS, HaarFaceDetector, detection_rate
+from pipeline.data.faces import HaarFaceDetector, detection_rate
 from pipeline.data.prepare import preprocess_config
 from pipeline.data.video import sample_frame_indices
 from pipeline.utils.config import load_config

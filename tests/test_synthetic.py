@@ -14,8 +14,9 @@ import pandas as pd
 import pytest
 
 from pipeline.data.biovid import load_samples
+from pipeline.data.crop_geometry import CANONICAL_LANDMARKS
 from pipeline.data.face_crops import FRAME_COLUMNS, preprocess, video_to_crop
-from pipeline.data.faces import CANONICAL_LANDMARKS, HaarFaceDetector, MTCNNFaceDetector, detection_rate
+from pipeline.data.faces import HaarFaceDetector, MTCNNFaceDetector, detection_rate
 from pipeline.data.prepare import preprocess_config
 from pipeline.data.synthetic import (
     CONFIG_JSON,

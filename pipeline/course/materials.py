@@ -4,9 +4,9 @@ path uses this module.
 
 Both faces are 224 px square crops made the way `make data` makes them with Haar (`data.face_detector=haar
 data.align_faces=false`; the default now aligns MTCNN crops): OpenCV's Haar cascade finds the face
-(`pipeline.data.faces`), and `square_crop` cuts it with the same margin. Square crops keep the course's pictures
-simple. One is a frame of the synthetic twin rendered by `pipeline.data.synthetic` (no video is written), the other
-scikit-image's astronaut photograph.
+(`pipeline.data.faces`), and `square_crop` (`pipeline.data.crop_geometry`) cuts it with the same margin. Square crops
+keep the course's pictures simple. One is a frame of the synthetic twin rendered by `pipeline.data.synthetic` (no video
+is written), the other scikit-image's astronaut photograph.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from matplotlib.patches import Rectangle
 
-from pipeline.data.faces import build_detector, square_crop
+from pipeline.data.crop_geometry import square_crop
+from pipeline.data.faces import build_detector
 from pipeline.data.synthetic import PRESETS, make_samples, make_subjects, render_frames
 
 

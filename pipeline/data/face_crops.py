@@ -23,18 +23,9 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from pipeline.data.faces import (
-    LANDMARK_NAMES,
-    FaceDetector,
-    aligned_crop,
-    apply_transform,
-    build_detector,
-    find_faces,
-    gives_landmarks,
-    smooth_faces,
-    square_crop,
-    square_crop_transform,
-)
+from pipeline.data.crop_geometry import aligned_crop, apply_transform, square_crop, square_crop_transform
+from pipeline.data.face_tracks import smooth_faces
+from pipeline.data.faces import LANDMARK_NAMES, FaceDetector, build_detector, find_faces, gives_landmarks
 from pipeline.data.video import VideoFailure, read_sampled_frames
 from pipeline.utils.atomic_io import SettingsMismatch, atomic_write_bytes, atomic_write_csv, atomic_write_text
 from pipeline.utils.cpus import available_cpus, process_pool

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
+from pipeline.data.crop_geometry import aligned_crop, square_crop, square_crop_transform
 from pipeline.data.face_crops import (
     FRAME_COLUMNS,
     PreprocessConfig,
@@ -29,7 +30,6 @@ from pipeline.data.face_crops import (
     check_config,
     video_table_path,
 )
-from pipeline.data.faces import aligned_crop, square_crop, square_crop_transform
 from pipeline.data.synthetic.animation import animate
 from pipeline.data.synthetic.classic_renderer import FaceRenderer
 from pipeline.data.synthetic.drawing import face_transform, yawed
