@@ -21,7 +21,6 @@ MODULE_LINES, FUNCTION_LINES = 500, 60
 LONG_MODULES = {
     "pipeline/analysis/compare.py": 768,
     "pipeline/analysis/inspection.py": 510,
-    "pipeline/models/backbones.py": 511,
 }
 # module::function -> its line ceiling
 LONG_FUNCTIONS = {

@@ -1,4 +1,5 @@
-"""Interchangeable backbones behind one adapter: pooled features of width D, parameter groups, data config.
+"""Interchangeable backbones behind one adapter: pooled features of width D, parameter groups (grouped by
+`pipeline.models.parameter_groups`), data config.
 
 timm provides ViT, MobileViT and any other timm model; CvT comes from Hugging Face transformers (timm has none),
 built from a `CvtConfig` made here so nothing is fetched from the hub; `vit_ref` is the course's reference ViT
@@ -10,9 +11,7 @@ built from a `CvtConfig` made here so nothing is fetched from the hub; `vit_ref`
 from __future__ import annotations
 
 import logging
-import math
 import re
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from pipeline.models.parameter_groups import ParameterGroups, check_groups_cover, child_groups, timm_matcher_groups
 from pipeline.models.vit_reference import ReferenceViT
 from pipeline.models.weights import (
     HUB_WEIGHT_FILENAMES,
@@ -117,8 +117,6 @@ VIT_REF_DATA_CONFIG = DataConfig(
     input_size=(3, 224, 224), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), interpolation="bicubic", crop_pct=0.9
 )
 
-ParameterGroups = list[tuple[str, list[nn.Parameter]]]
-
 
 # What kind of network an adapter holds, for decisions that depend on it (bf16 on a CPU, channels-last): asked of the
 # adapter, which knows its model's type, never guessed from the name ("vit_ref" and timm's "deit_*" are plain ViTs).
@@ -186,10 +184,10 @@ class TimmBackbone(Backbone):
     def parameter_groups(self) -> ParameterGroups:
         matcher = self.model.group_matcher(coarse=False) if hasattr(self.model, "group_matcher") else None
         if isinstance(matcher, dict):
-            groups = _groups_from_timm_matcher(self.model.named_parameters(), matcher)
+            groups = timm_matcher_groups(self.model.named_parameters(), matcher)
         else:
-            groups = _groups_by_child(self.model)
-        _check_groups_cover(self, groups)
+            groups = child_groups(self.model)
+        check_groups_cover(self, groups)
         return groups
 
 
@@ -233,7 +231,7 @@ class CvtBackbone(Backbone):
                 for block_index, block in enumerate(stage.layers)
             ]
         groups.append(("norm", list(self.layernorm.parameters())))
-        _check_groups_cover(self, groups)
+        check_groups_cover(self, groups)
         return groups
 
 
@@ -266,7 +264,7 @@ class ReferenceVitBackbone(Backbone):
         groups: ParameterGroups = [("embed", [model.cls_token, model.pos_embed, *model.patch_embed.parameters()])]
         groups += [(f"blocks.{index}", list(block.parameters())) for index, block in enumerate(model.blocks)]
         groups.append(("norm", list(model.norm.parameters())))
-        _check_groups_cover(self, groups)
+        check_groups_cover(self, groups)
         return groups
 
 
@@ -447,65 +445,3 @@ def load_reference_vit_weights(backbone: ReferenceVitBackbone, path: Path) -> No
         backbone.model.load_timm_state_dict(state_dict)
     except (RuntimeError, ValueError) as error:
         raise IncompatibleWeights(f"{path} does not fit {backbone.architecture}: {error}") from error
-
-
-def _groups_from_timm_matcher(named_parameters: Iterable[tuple[str, nn.Parameter]], matcher: dict) -> ParameterGroups:
-    """Group parameters by timm's group_matcher regexes, one group per matched layer index, ordered stem to top.
-
-    timm's own `group_parameters` folds the final norm into the last block (for layer decay); here it stays a group
-    of its own, so the top group is what sits right under the head.
-    """
-    rules: list[tuple[re.Pattern, tuple[float, ...], str]] = []
-    for ordinal, (matcher_name, spec) in enumerate(matcher.items()):
-        if spec is None:
-            continue
-        for pattern, suffix in [(spec, None)] if isinstance(spec, str) else spec:
-            rules.append((re.compile(pattern), (float(ordinal),) + tuple(map(float, suffix or ())), matcher_name))
-
-    def group_key(parameter_name: str) -> tuple[tuple[float, ...], str]:
-        for pattern, ordinal, matcher_name in rules:
-            match = pattern.match(parameter_name)
-            if match:
-                indices = tuple(float(index) for index in match.groups() if index is not None)
-                return (ordinal[:1] + indices + ordinal[1:]), matcher_name
-        return (math.inf,), "head"  # unmatched (e.g. a neck) sits on top, as in timm
-
-    grouped: dict[tuple[float, ...], tuple[str, list[tuple[str, nn.Parameter]]]] = {}
-    for parameter_name, parameter in named_parameters:
-        key, matcher_name = group_key(parameter_name)
-        grouped.setdefault(key, (matcher_name, []))[1].append((parameter_name, parameter))
-    groups: ParameterGroups = []
-    for _, (fallback, members) in sorted(grouped.items()):
-        name = _group_name([parameter_name for parameter_name, _ in members], fallback)
-        if name in {existing for existing, _ in groups}:
-            name = f"{name}.{len(groups)}"  # names are for logs; keep them unique
-        groups.append((name, [parameter for _, parameter in members]))
-    return groups
-
-
-def _groups_by_child(model: nn.Module) -> ParameterGroups:
-    """Fallback for models without a group matcher: one group per top-level child, in registration order."""
-    groups: ParameterGroups = [(name, list(child.parameters())) for name, child in model.named_children()]
-    direct = list(model.parameters(recurse=False))
-    return ([("stem", direct)] if direct else []) + [(name, params) for name, params in groups if params]
-
-
-def _group_name(parameter_names: Sequence[str], fallback: str) -> str:
-    """The dotted module path all parameters share (e.g. "blocks.3"), else the matcher's name (e.g. "stem")."""
-    common = parameter_names[0].split(".")[:-1]
-    for parameter_name in parameter_names[1:]:
-        parts = parameter_name.split(".")[:-1]
-        length = 0
-        while length < min(len(common), len(parts)) and common[length] == parts[length]:
-            length += 1
-        common = common[:length]
-    return ".".join(common) or fallback
-
-
-def _check_groups_cover(module: nn.Module, groups: ParameterGroups) -> None:
-    grouped = [id(parameter) for _, parameters in groups for parameter in parameters]
-    expected = {id(parameter) for parameter in module.parameters()}
-    if len(grouped) != len(set(grouped)) or set(grouped) != expected:
-        raise RuntimeError(f"parameter groups of {type(module).__name__} do not cover each parameter exactly once")
-    if any(not parameters for _, parameters in groups):
-        raise RuntimeError(f"parameter groups of {type(module).__name__} include an empty group")
