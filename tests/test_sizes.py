@@ -52,15 +52,8 @@ LAZY_IMPORTS = {
     ("pipeline/runs/jobs/fold_run.py", "pipeline.utils.logging_setup"),
     ("pipeline/runs/orchestration/launchers.py", "pipeline.utils.logging_setup"),
     ("pipeline/runs/orchestration/search_workers.py", "pipeline.utils.logging_setup"),
-    # DEBT: deployment reaching into runs/ late for the serving model (runs/serving/) and a fold's training (jobs/)
-    ("pipeline/deployment/final_model.py", "pipeline.runs."),
-    ("pipeline/deployment/final_model.py", "pipeline.models.model_file"),
-    ("pipeline/deployment/predict.py", "pipeline.runs"),
-    ("pipeline/deployment/serving.py", "pipeline.runs.serving.model_trust"),
-    # DEBT: measurements and comparisons that import what they measure late
-    ("pipeline/analysis/benchmarks.py", "pipeline."),
+    # DEBT: a comparison that imports what it compares late
     ("pipeline/analysis/compare.py", "pipeline."),
-    ("pipeline/runs/store/registry.py", "pipeline.data.fold_files"),
 }
 
 

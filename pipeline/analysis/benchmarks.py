@@ -29,13 +29,20 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm import tqdm
 
+from pipeline.data.biovid import load_samples
 from pipeline.data.datamodule import PainDataModule, evenly_spaced_frames, frames_from
-from pipeline.data.face_crops import PreprocessConfig
+from pipeline.data.face_crops import PreprocessConfig, preprocess
 from pipeline.data.fold_files import MIN_SUBJECTS, make_folds, write_folds
+from pipeline.data.prepare import preprocess_config
 from pipeline.data.tasks import get_task
-from pipeline.models.backbones import model_family
+from pipeline.models.backbones import BACKBONE_NAMES, VIT_REF_VARIANTS, model_family
 from pipeline.models.finetune import FinetuneConfig
-from pipeline.models.lightning_module import PainLightningModule
+from pipeline.models.lightning_module import (
+    PainLightningModule,
+    fused_adamw_supported,
+    parameter_groups,
+    warmup_cosine,
+)
 from pipeline.runs.jobs.fold_job import build_fold, decide
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.atomic_io import atomic_write_csv, atomic_write_text
@@ -62,7 +69,6 @@ def check_model_names(names: Sequence[str]) -> None:
     """Fail in a second, before any data is generated, on a backbone name that does not exist."""
     import timm
 
-    from pipeline.models.backbones import BACKBONE_NAMES, VIT_REF_VARIANTS
 
     known = (*BACKBONE_NAMES, *VIT_REF_VARIANTS)
     unknown = [name for name in names if name not in known and not timm.is_model(name)]
@@ -139,7 +145,6 @@ def training_settings(cfg: DictConfig, module: PainLightningModule, datamodule: 
 
 def preprocess_settings(cfg: DictConfig) -> tuple[PreprocessConfig, int]:
     """How `make data` crops faces for this config, and with how many processes."""
-    from pipeline.data.prepare import preprocess_config
 
     return preprocess_config(cfg), cfg.preprocess.workers or available_cpus()
 
@@ -200,7 +205,6 @@ def bare_training_throughput(cfg: DictConfig, module: PainLightningModule, batch
     The optimizer groups and schedule are the real recipe's (`pipeline.models.lightning_module.parameter_groups`,
     warm-up cosine), so the only thing missing compared with training is the data loading and Lightning's bookkeeping.
     """
-    from pipeline.models.lightning_module import fused_adamw_supported, parameter_groups, warmup_cosine
 
     device = compute_device()
     net = module.model.to(device).train()
@@ -244,7 +248,6 @@ def generate_subset(root: Path, preset: str, n_subjects: int, samples_per_class:
 
     Generation is resumable, so a folder that already holds the videos costs ~0 s: delete it first to time it.
     """
-    from pipeline.data.biovid import load_samples
     from pipeline.data.synthetic import PRESETS, generate
 
     if preset not in PRESETS:
@@ -260,7 +263,6 @@ def prepared_subset(work_dir: Path, preset: str, n_subjects: int, samples_per_cl
                     progress: bool = True) -> Path:
     """A generated subset in `work_dir`, cropped as `make data` crops for `cfg` (made once, reused); returns its
     processed folder."""
-    from pipeline.data.face_crops import preprocess
 
     config, workers = preprocess_settings(cfg)
     samples, _ = generate_subset(work_dir / "raw", preset, n_subjects, samples_per_class, workers, progress)

@@ -37,7 +37,10 @@ from pipeline.data.datamodule import PainDataModule
 from pipeline.data.fold_files import read_folds, stratified_sample, subject_strata
 from pipeline.data.personalise import PersonaliseConfig
 from pipeline.evaluation.thresholds import binary_metrics_at, threshold_scores, video_threshold
+from pipeline.models.model_file import MODEL_ARTIFACT
 from pipeline.models.temporal_heads import HeadConfig
+from pipeline.runs.jobs.fold_job import build_fold, decide, resolve_here, train
+from pipeline.runs.serving.mlflow_model import log_mlflow_model, model_config
 from pipeline.runs.store import cv_runs, tracking
 from pipeline.runs.store.cv_runs import CvNotFound
 from pipeline.runs.store.registry import (
@@ -200,9 +203,6 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
 def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, run_id: str, source, split_path: Path,
                 work_dir: Path) -> dict:
     """Train, choose the threshold, keep and log the model, register it; inside the active final run."""
-    from pipeline.runs.jobs.fold_job import build_fold, decide, resolve_here, train
-    from pipeline.runs.serving.mlflow_model import model_config
-
     for chunk in cv_runs.chunks(list(cv_runs.identity_params(train_cfg).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
     mlflow.log_text(OmegaConf.to_yaml(train_cfg), "config.yaml")
@@ -263,8 +263,6 @@ def register_final(train_cfg: DictConfig, client: MlflowClient, run_id: str, sou
                    weights: dict, config: dict) -> tuple[str, Any, Any]:
     """The kept final model as an MLflow model of the active final run (`config`: its `model_config`), registered as
     `pain-<model>-<task>` (alias candidate) with its description; returns the name, the version and the ModelInfo."""
-    from pipeline.runs.serving.mlflow_model import log_mlflow_model
-
     name = registered_name(train_cfg.model.name, train_cfg.task.name)
     metadata = {"source_cv_run": source_id, "final_run": run_id, "git_commit": git_commit(),
                 "model": train_cfg.model.name, "task": train_cfg.task.name, "dataset": train_cfg.data.name,
@@ -288,9 +286,6 @@ def log_fold_ensemble(client: MlflowClient, train_cfg: DictConfig, source, run_i
     """The source CV's kept fold models as one MLflow model that averages their probabilities, logged in the final
     run and registered as `pain-<model>-<task>-folds` (alias `candidate`). Its threshold is 0.5: no subjects were
     held out from all folds to choose one on."""
-    from pipeline.models.model_file import MODEL_ARTIFACT
-    from pipeline.runs.serving.mlflow_model import log_mlflow_model, model_config
-
     runs = tracking.finished_fold_runs(client, source.info.run_id)
     kept = {fold: r for fold, r in runs.items()
             if any(a.path == MODEL_ARTIFACT for a in client.list_artifacts(r.info.run_id, "model"))}

@@ -46,7 +46,10 @@ from pipeline.deployment.video_frames import (
     shown,
 )
 from pipeline.models.scoring import FrameScorer
+from pipeline.runs.serving import mlflow_model
+from pipeline.runs.serving.model_trust import UntrustedModel
 from pipeline.runs.store import tracking
+from pipeline.runs.store.registry import champion_uri
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
 from pipeline.utils.paths import resolve_path
@@ -142,9 +145,6 @@ def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None =
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from pipeline.runs.serving import mlflow_model
-    from pipeline.runs.serving.model_trust import UntrustedModel
-    from pipeline.runs.store.registry import champion_uri
 
     tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)
@@ -170,8 +170,6 @@ def run_model_uri(client, run_id: str) -> str:
     """The MLflow model a fold's or a final model's run logged, as a URI; an error naming the run otherwise."""
     from mlflow.exceptions import MlflowException
 
-    from pipeline.runs.serving.mlflow_model import logged_model_uri
-
     try:
         run = client.get_run(run_id)
     except MlflowException as error:
@@ -179,7 +177,7 @@ def run_model_uri(client, run_id: str) -> str:
     kind = run.data.tags.get(tracking.RUN_KIND_TAG)
     if kind not in (tracking.FOLD_RUN, tracking.FINAL_RUN):
         raise PredictError(f"run {run_id} is neither a fold's nor a final model's run ({tracking.RUN_KIND_TAG}={kind})")
-    uri = logged_model_uri(client, run_id)
+    uri = mlflow_model.logged_model_uri(client, run_id)
     if uri is None:
         raise PredictError(f"run {run_id} logged no MLflow model (a fold keeps one with cv.log_models=true)")
     return uri

@@ -36,6 +36,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipeline.data.personalise import not_served
+from pipeline.runs.serving.model_trust import UntrustedModel, check_model_folder
 from pipeline.runs.serving.serving_input import ServingLimits, cap_opencv_pixels, one_line, opencv_caps_at
 from pipeline.runs.store import tracking
 from pipeline.runs.store.registry import champion_uri
@@ -149,8 +150,6 @@ def guarded_app(model_path: str, limits: ServingLimits) -> ASGIApp:
     loads it), its model loaded with `limits`."""
     from mlflow.pyfunc import scoring_server
 
-    from pipeline.runs.serving.model_trust import check_model_folder
-
     check_model_folder(model_path)
     os.environ.update(limits.to_env())  # what the model reads when it is loaded
     # MLflow's own per-request timeout, kept above the model's so the model's one-line 504 answers first
@@ -175,7 +174,6 @@ def run_serve(cfg: DictConfig, model_uri: str | None = None, path_root: str | No
     import uvicorn
     from mlflow.exceptions import MlflowException
 
-    from pipeline.runs.serving.model_trust import UntrustedModel
 
     mlflow.set_tracking_uri(tracking.store_uri(cfg.mlflow.tracking_uri))
     uri = model_uri or champion_uri(cfg.model.name, cfg.task.name)

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 import pandas as pd
 
+from pipeline.data.fold_files import read_folds
+from pipeline.runs.store import tracking
 from pipeline.runs.store.tracking import redact_uri
 from pipeline.utils.paths import git_commit
 
@@ -96,8 +98,6 @@ def split_videos(datamodule, roles: Iterable[str] = ("train", "val", "test")) ->
 
 def cv_subjects(fold_file, frames: pd.DataFrame, classes) -> pd.DataFrame:
     """A CV's subjects and videos with their labels and each fold's role: what its parent run records as its data."""
-    from pipeline.data.fold_files import read_folds
-
     folds = read_folds(fold_file)
     videos = frames[frames["class_name"].isin(classes)].drop_duplicates(["subject_name", "sample_name"])
     videos = videos[["subject_name", "sample_name", "class_name"]].copy()
@@ -141,8 +141,6 @@ def run_promote(cfg, version: str | None = None) -> None:
     """`make promote MODEL=... VERSION=...`."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
-
-    from pipeline.runs.store import tracking
 
     if not version:
         raise SystemExit("promote: say which version, e.g. make promote MODEL=... VERSION=1")
