@@ -13,19 +13,16 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from scipy import stats
 
-from pipeline.analysis.compare import (
-    DEFAULT_METRICS,
+from pipeline.analysis.compare import DEFAULT_METRICS, compare
+from pipeline.analysis.comparison_report import cost_lines, plot_fold_scores
+from pipeline.analysis.comparison_runs import (
     INSPECT_METHODS,
     ComparisonError,
     check_same_folds,
     comparability_problems,
-    compare,
-    cost_lines,
     fold_scores,
-    paired_tests,
-    plot_fold_scores,
-    summary_table,
 )
+from pipeline.analysis.comparison_statistics import paired_tests, summary_table
 from pipeline.runs.store import tracking
 from pipeline.runs.store.cv_runs import latest_finished_cvs
 
@@ -321,7 +318,7 @@ def test_review_notebook_reads_the_same_runs_as_compare(store, tmp_path) -> None
 
 
 def test_cost_axis_labels_use_si_units() -> None:
-    from pipeline.analysis.compare import _cost_formatter
+    from pipeline.analysis.comparison_report import _cost_formatter
 
     _si = _cost_formatter()
     assert [_si(v) for v in (4.94e6, 3.5e8, 1.7e10, 2_000.0, 12.0)] == ["4.94M", "350M", "17G", "2k", "12"]
@@ -447,7 +444,7 @@ def test_no_backbone_preset_sets_a_compared_setting() -> None:
     (data.loader) or to config.yaml, never to one backbone's preset."""
     from omegaconf import OmegaConf
 
-    from pipeline.analysis.compare import SAME_PARAMS
+    from pipeline.analysis.comparison_runs import SAME_PARAMS
     from pipeline.utils.config import CONFIG_DIR
 
     for path in sorted((CONFIG_DIR / "data_model").glob("*.yaml")):

@@ -14,7 +14,8 @@ import timm
 import torch
 from mlflow import MlflowClient
 
-from pipeline.analysis.compare import ComparisonError, compare, run_compare
+from pipeline.analysis.compare import compare, run_compare
+from pipeline.analysis.comparison_runs import ComparisonError
 from pipeline.data.datamodule import PainDataModule
 from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task

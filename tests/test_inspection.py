@@ -11,7 +11,9 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from pipeline.analysis.compare import cost_and_regions, cost_lines, fold_scores, plot_accuracy_vs_cost, summary_table
+from pipeline.analysis.comparison_report import cost_lines, plot_accuracy_vs_cost
+from pipeline.analysis.comparison_runs import cost_and_regions, fold_scores
+from pipeline.analysis.comparison_statistics import summary_table
 from pipeline.analysis.inspection import inspect_cv
 from pipeline.analysis.regions import box_polygon, polygons_mask
 from pipeline.cli import main

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from pipeline.analysis.compare import PRIMARY_CHOICES, PRIMARY_METRIC
+from pipeline.analysis.comparison_statistics import PRIMARY_CHOICES, PRIMARY_METRIC
 from pipeline.analysis.power import clopper_pearson, effect_metric, run_power, study_key
 from pipeline.data.synthetic.settings import EFFECTS
 from pipeline.evaluation.statistics import minimum_detectable_effect

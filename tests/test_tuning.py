@@ -23,7 +23,8 @@ import pytest
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
-from pipeline.analysis.compare import VERSUS_UNTUNED, compare
+from pipeline.analysis.compare import compare
+from pipeline.analysis.comparison_runs import VERSUS_UNTUNED
 from pipeline.data.fold_files import fold_subjects, read_folds
 from pipeline.runs.jobs.fold_job import decide, resolve_here
 from pipeline.runs.orchestration.cross_validation import run_cv

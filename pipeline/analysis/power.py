@@ -32,7 +32,9 @@ from mlflow import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 from scipy import stats
 
-from pipeline.analysis.compare import PRIMARY_METRIC, ComparisonError, compare
+from pipeline.analysis.compare import compare
+from pipeline.analysis.comparison_runs import ComparisonError
+from pipeline.analysis.comparison_statistics import PRIMARY_METRIC
 from pipeline.data.prepare import synthetic_config
 from pipeline.data.tasks import get_task
 from pipeline.runs.orchestration.cross_validation import run_cv
