@@ -17,10 +17,8 @@ from pipeline.utils.paths import PROJECT_ROOT
 PACKAGE = PROJECT_ROOT / "pipeline"
 MODULE_LINES, FUNCTION_LINES = 500, 60
 
-# module -> its line ceiling. DEBT: the runs/ split and the long drivers
-LONG_MODULES = {
-    "pipeline/analysis/inspection.py": 510,
-}
+# module -> its line ceiling: none now (issue 35, item 5 split every module over 500 lines)
+LONG_MODULES: dict[str, int] = {}
 # module::function -> its line ceiling
 LONG_FUNCTIONS = {
     # REASONED: `make calc`'s report, its sections as a list of lines in the order printed
@@ -29,8 +27,6 @@ LONG_FUNCTIONS = {
     "pipeline/models/scoring.py::crop_contract": 61,
     # DEBT: the drivers a split into steps has not reached yet
     "pipeline/analysis/benchmark_table.py::run_table": 92,
-    "pipeline/analysis/inspection.py::inspect_fold": 75,
-    "pipeline/analysis/inspection.py::inspect_cv": 81,
     "pipeline/runs/jobs/pretrain.py::run_pretrain": 78,
 }
 # function-level imports across subpackages: (module, imported module prefix) pairs allowed anywhere in the module
