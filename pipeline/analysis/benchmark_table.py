@@ -344,11 +344,63 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
               tuned: str | None = None, trials: str | None = None, scope: str | None = None) -> dict:
     """Run or reuse every (backbone, task) cross-validation, then write and log the table. `tuned` (any non-empty
     value): every cell is a tuned CV (`make tune`, `trials` and `scope` as its TRIALS= and SCOPE=) instead."""
-    search = [f"tune.trials={trials}"] * bool(trials) + [f"tune.scope={scope}"] * bool(scope)
     model_names = (models or cfg.model.name).split()
     task_names = (tasks or " ".join(TASKS)).split()
-    base = [o for o in overrides if not o.startswith(("model=", "model.name=", "task="))]
     client = MlflowClient(tracking.store_uri(cfg.mlflow.tracking_uri))
+    rows = pd.DataFrame(project_rows(cfg, client, overrides, model_names, task_names, tuned, trials, scope))
+    report = build_report(rows, model_names, task_names, cfg.data.name, cfg.protocol.name, cfg.data.subject_set)
+    ours, facts = report["ours"], report["facts"]
+    views = {group: published_view(report[group]) for group in GROUPS}
+    title = table_title(cfg, report["interval"], tuned, scope)
+    stem = f"table_{cfg.data.name}_{cfg.protocol.name}_{cfg.data.subject_set}"
+    if tuple(task_names) != TASKS:  # a subset never overwrites the full table
+        stem += "_" + "_".join(task_names)
+    stem += "_tuned" if tuned else ""  # tuned CVs: their own table, titled so
+    out_dir = resolve_path(cfg.reports_dir)
+    paths = {"markdown": out_dir / f"{stem}.md", "csv": out_dir / f"{stem}.csv", "png": out_dir / f"{stem}.png"}
+    headings = {
+        "comparable": f"Published results comparable with this run ({report['matched']}; not this project's numbers; "
+                      f"accuracy in percent at each method's own decision rule)",
+        "shape": f"Published results of the same protocol shape, NOT comparable with this run ({report['reason']})",
+        "other": "Published results under other protocols, subject counts or inputs (shown apart: not comparable)"}
+    shown = [group for group in GROUPS if group != "shape" or len(views[group])]  # no empty "same shape" group
+    parts = [f"## {title.replace(chr(10), ' ')}", to_markdown(ours), "### What was tested", to_markdown(facts),
+             *(f"- {note}" for note in report["notes"])]
+    for group in shown:
+        parts += [f"## {headings[group]}", to_markdown(views[group]) if len(views[group]) else "(none)"]
+    with atomic_path(paths["markdown"], suffix=".md") as tmp:
+        Path(tmp).write_text("\n\n".join(parts) + "\n")
+    published = pd.concat([report[group].assign(comparable=group == "comparable", group=GROUPS[group])
+                           for group in GROUPS], ignore_index=True)
+    long = pd.concat([rows.assign(source="this project", protocol=cfg.protocol.name, subjects=cfg.data.subject_set,
+                                  dataset=cfg.data.name),
+                      published.rename(columns={"method": "model"}).assign(source="published")],
+                     ignore_index=True)
+    atomic_write_csv(paths["csv"], long)
+    plot_table(ours, pd.concat([views[group].assign(group=GROUPS[group]) for group in GROUPS], ignore_index=True),
+               title, paths["png"])
+    run_id = log_table_run(client, cfg, stem, model_names, task_names, rows, paths)
+    print(f"\n{title}\n{ours.to_string(index=False)}\n")
+    print(facts.to_string(index=False))
+    for note in report["notes"]:
+        print(f"- {note}")
+    for group in shown:
+        print(f"\n{headings[group]}:")
+        print(views[group].to_string(index=False) if len(views[group]) else "(none)")
+    print(f"\nused subject set {cfg.data.subject_set}: {describe_subject_set(cfg.data.subject_set, cfg.data.name)}")
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    print(f"MLflow table run {run_id}")
+    return {"rows": rows, "table": ours, "facts": facts, "comparable": report["comparable"], "shape": report["shape"],
+            "other": report["other"], "published": published, "paths": paths, "run_id": run_id}
+
+
+def project_rows(cfg, client: MlflowClient, overrides: Sequence[str], model_names: Sequence[str],
+                 task_names: Sequence[str], tuned: str | None, trials: str | None, scope: str | None) -> list[dict]:
+    """One row per (backbone, task): its cross-validation run or reused (`run_cv`; `make tune`'s `run_tune` for a
+    tuned table, with TRIALS= and SCOPE=), then read from its finished parent run (`project_row`)."""
+    search = [f"tune.trials={trials}"] * bool(trials) + [f"tune.scope={scope}"] * bool(scope)
+    base = [o for o in overrides if not o.startswith(("model=", "model.name=", "task="))]
     rows = []
     for model in model_names:
         for task in task_names:
@@ -363,51 +415,30 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
                 run_cv(run_cfg)
             asked = PersonaliseConfig.from_config(run_cfg.get("personalise")).label
             rows.append(project_row(model, task, cv_runs.finished_cv(client, run_cfg), asked))
-    rows = pd.DataFrame(rows)
-    report = build_report(rows, model_names, task_names, cfg.data.name, cfg.protocol.name, cfg.data.subject_set)
-    ours, facts = report["ours"], report["facts"]
-    views = {group: published_view(report[group]) for group in GROUPS}
+    return rows
 
+
+def table_title(cfg, interval: str, tuned: str | None, scope: str | None) -> str:
+    """The table's title: dataset, protocol, subject set, what the numbers are; a tuned table says how it was
+    tuned (OPTIMISTIC for a shared study)."""
     subject_set = (f"subject set {cfg.data.subject_set}: "
                    f"{describe_subject_set(cfg.data.subject_set, cfg.data.name)}")
     title = (f"this project: {cfg.data.name}, {PROTOCOL_LABELS.get(cfg.protocol.name, cfg.protocol.name)}, "
-             f"{subject_set}.\nPooled test videos, in percent, [95 % CI: {report['interval']}]; accuracy at each "
+             f"{subject_set}.\nPooled test videos, in percent, [95 % CI: {interval}]; accuracy at each "
              f"fold's validation threshold (argmax for five classes) beside argmax accuracy")
-    out_dir = resolve_path(cfg.reports_dir)
-    stem = f"table_{cfg.data.name}_{cfg.protocol.name}_{cfg.data.subject_set}"
-    if tuple(task_names) != TASKS:  # a subset never overwrites the full table
-        stem += "_" + "_".join(task_names)
-    if tuned:  # tuned CVs: their own table, titled so
-        stem += "_tuned"
+    if tuned:
         label = "tuned in a SHARED study (OPTIMISTIC)" if scope == "shared" else "tuned per fold"
         title = title.replace("this project:", f"this project, {label} (make tune):", 1)
-    paths = {"markdown": out_dir / f"{stem}.md", "csv": out_dir / f"{stem}.csv", "png": out_dir / f"{stem}.png"}
-    headings = {
-        "comparable": f"Published results comparable with this run ({report['matched']}; not this project's numbers; "
-                      f"accuracy in percent at each method's own decision rule)",
-        "shape": f"Published results of the same protocol shape, NOT comparable with this run ({report['reason']})",
-        "other": "Published results under other protocols, subject counts or inputs (shown apart: not comparable)"}
-    shown = [group for group in GROUPS if group != "shape" or len(views[group])]  # no empty "same shape" group
-    parts = [f"## {title.replace(chr(10), ' ')}", to_markdown(ours), "### What was tested", to_markdown(facts),
-             *(f"- {note}" for note in report["notes"])]
-    for group in shown:
-        parts += [f"## {headings[group]}", to_markdown(views[group]) if len(views[group]) else "(none)"]
-    markdown = "\n\n".join(parts)
-    with atomic_path(paths["markdown"], suffix=".md") as tmp:
-        Path(tmp).write_text(markdown + "\n")
-    published = pd.concat([report[group].assign(comparable=group == "comparable", group=GROUPS[group])
-                           for group in GROUPS], ignore_index=True)
-    long = pd.concat([rows.assign(source="this project", protocol=cfg.protocol.name, subjects=cfg.data.subject_set,
-                                  dataset=cfg.data.name),
-                      published.rename(columns={"method": "model"}).assign(source="published")],
-                     ignore_index=True)
-    atomic_write_csv(paths["csv"], long)
-    plot_table(ours, pd.concat([views[group].assign(group=GROUPS[group]) for group in GROUPS], ignore_index=True),
-               title, paths["png"])
+    return title
 
-    experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, resolve_path(cfg.mlflow.artifact_root)
-                                                      if cfg.mlflow.artifact_root else tracking.artifact_root(
-                                                          PROJECT_ROOT), client=client)
+
+def log_table_run(client: MlflowClient, cfg, stem: str, model_names: Sequence[str], task_names: Sequence[str],
+                  rows: pd.DataFrame, paths: dict[str, Path]) -> str:
+    """The table's MLflow run (tagged `table`): the backbones, tasks and the parent run of each cell as params, the
+    three files as artifacts; FINISHED. Returns its id."""
+    artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
+        PROJECT_ROOT)
+    experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
     run = client.create_run(experiment_id, run_name=stem, tags={
         tracking.RUN_KIND_TAG: tracking.TABLE_RUN, "dataset": cfg.data.name, "protocol": cfg.protocol.name,
         "subject_set": cfg.data.subject_set,
@@ -418,17 +449,4 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
     for path in paths.values():
         client.log_artifact(run.info.run_id, str(path), "table")
     client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FINISHED))
-
-    print(f"\n{title}\n{ours.to_string(index=False)}\n")
-    print(facts.to_string(index=False))
-    for note in report["notes"]:
-        print(f"- {note}")
-    for group in shown:
-        print(f"\n{headings[group]}:")
-        print(views[group].to_string(index=False) if len(views[group]) else "(none)")
-    print(f"\nused {subject_set}")
-    for name, path in paths.items():
-        print(f"{name}: {path}")
-    print(f"MLflow table run {run.info.run_id}")
-    return {"rows": rows, "table": ours, "facts": facts, "comparable": report["comparable"], "shape": report["shape"],
-            "other": report["other"], "published": published, "paths": paths, "run_id": run.info.run_id}
+    return run.info.run_id

@@ -357,29 +357,89 @@ def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
                             f"{p.target!r}, {p.pool!r}")
     device = announce_device(cfg.trainer.accelerator)
     pool = synthetic_pool(cfg, progress) if p.pool == "synthetic" else folder_pool(cfg)
-    rows = pool.rows
-    if rows.empty:
+    if pool.rows.empty:
         raise PretrainError("the pretraining pool has no face crops")
-    classify = p.target == "identity"
-    training, validation, outside = split(pool, classify, float(p.held_out_share))
-    if classify:
-        index = {name: i for i, name in enumerate(sorted(set(rows["identity"])))}
-        train_targets, held_targets = (frame["identity"].map(index).to_numpy(dtype=np.int64)
-                                       for frame in (training, validation))
-        n_outputs = len(index)
-    else:
-        train_targets, held_targets = (frame[pool.targets].to_numpy(dtype=np.float32)
-                                       for frame in (training, validation))
-        n_outputs = len(pool.targets)
+    targets = pool_targets(pool, p.target == "identity", float(p.held_out_share))
     pl.seed_everything(int(cfg.seed), workers=True)
-    net, source = create_model(cfg.model.name, n_outputs, pretrained=cfg.model.pretrained, weights=cfg.model.weights,
-                               img_size=cfg.model.img_size)
-    backbone = net.backbone
-    data_config = backbone.data_config
-    img_size = int(cfg.model.img_size or data_config.input_size[-1])
-    train_set = PoolDataset(training, pool.crops_dir, train_targets,
+    net, source = create_model(cfg.model.name, targets.n_outputs, pretrained=cfg.model.pretrained,
+                               weights=cfg.model.weights, img_size=cfg.model.img_size)
+    img_size = int(cfg.model.img_size or net.backbone.data_config.input_size[-1])
+    fit = train_on_pool(cfg, net, pool, targets, device.kind, f"{img_size} px, from {source.kind} weights", progress)
+    path = weights_path(cfg, pool, img_size)
+    with atomic_path(path) as tmp:
+        torch.save(backbone_state(net.backbone), tmp)
+    last = fit.history[-1] if fit.history else {}
+    provenance = {
+        "weights": path.name, "sha256": sha256_of_file(path), "model": cfg.model.name,
+        "architecture": net.backbone.architecture, "img_size": img_size, "started_from": source.as_tags(),
+        "target": p.target, "target_names": pool.targets, "outputs": targets.n_outputs,
+        "pool": {**pool.provenance, "identities": sorted(set(pool.rows["identity"])),
+                 "held_out_identities": targets.outside, "crops": len(pool.rows),
+                 "training_crops": fit.training_crops, "held_out_crops": fit.held_out_crops},
+        "epochs": fit.epochs, "history": fit.history, "held_out_loss": last.get("val_loss", math.nan),
+        "held_out_baseline_loss": targets.baseline, "seconds": round(fit.seconds, 1), "device": device.tags,
+        "precision": fit.precision, "git_commit": git_commit(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "settings": OmegaConf.to_container(p, resolve=True),
+    }
+    atomic_write_text(provenance_path(path), json.dumps(provenance, indent=2, default=str) + "\n")
+    print(f"held-out loss {provenance['held_out_loss']:.4f} against {targets.baseline:.4f} for always answering the "
+          f"training {'shares' if targets.classify else 'mean'}; {fit.seconds:.1f} s of training")
+    print(f"weights: {path}\n         (provenance: {provenance_path(path)})\n"
+          f"use it:  make cv MODEL={cfg.model.name} WEIGHTS={path}")
+    return path
+
+
+@dataclass
+class PoolTargets:
+    """The pool split into training and held-out rows (`split`), with what each row is trained to answer: the index
+    of its identity, or its action units; and the held-out loss of an answer that ignores the image."""
+
+    classify: bool
+    training: pd.DataFrame
+    held_out: pd.DataFrame
+    outside: list[str]  # the held-out identities (none for an identity target: the people are the classes)
+    train: np.ndarray
+    held: np.ndarray
+    n_outputs: int
+
+    @property
+    def baseline(self) -> float:
+        return baseline_loss(self.train, self.held, self.classify)
+
+
+def pool_targets(pool: Pool, classify: bool, share: float) -> PoolTargets:
+    """The pool's training and held-out rows (`split`) with their targets: identity indices (`classify`, one output
+    per identity) or the pool's target columns."""
+    training, held_out, outside = split(pool, classify, share)
+    if classify:
+        index = {name: i for i, name in enumerate(sorted(set(pool.rows["identity"])))}
+        train, held = (frame["identity"].map(index).to_numpy(dtype=np.int64) for frame in (training, held_out))
+        return PoolTargets(classify, training, held_out, outside, train, held, len(index))
+    train, held = (frame[pool.targets].to_numpy(dtype=np.float32) for frame in (training, held_out))
+    return PoolTargets(classify, training, held_out, outside, train, held, len(pool.targets))
+
+
+@dataclass
+class PoolFit:
+    """What training on the pool did: each epoch's losses, the epochs, precision and seconds, the crops of each
+    side."""
+
+    history: list[dict[str, float]]
+    epochs: int
+    precision: str
+    seconds: float
+    training_crops: int
+    held_out_crops: int
+
+
+def train_on_pool(cfg: DictConfig, net: PainNet, pool: Pool, targets: PoolTargets, device_kind: str, starting: str,
+                  progress: bool) -> PoolFit:
+    """The backbone and its head trained on the pool's training crops (augmented as `make cv` augments) for the
+    preset's epochs, the held-out crops scored after each epoch."""
+    p, data_config = cfg.pretrain, net.backbone.data_config
+    train_set = PoolDataset(targets.training, pool.crops_dir, targets.train,
                             build_train_transform(data_config, cfg.augment, cfg.loader.crop_fraction))
-    val_set = PoolDataset(validation, pool.crops_dir, held_targets,
+    val_set = PoolDataset(targets.held_out, pool.crops_dir, targets.held,
                           build_eval_transform(data_config, cfg.loader.crop_fraction))
     batch = int(p.batch_size or cfg.loader.batch_size)
     workers = default_num_workers() if cfg.loader.num_workers is None else int(cfg.loader.num_workers)
@@ -389,41 +449,16 @@ def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
     val_loader = (DataLoader(val_set, batch_size=batch, num_workers=workers, persistent_workers=keep)
                   if len(val_set) else None)
     epochs = int(p.epochs or OmegaConf.select(p, f"presets.{cfg.model.name}.epochs", default=p.default_epochs))
-    module = PretrainModule(net, classify, float(p.lr), float(p.backbone_lr), float(p.weight_decay))
-    precision = precision_for(cfg.trainer.precision, device.kind, getattr(backbone, "family", ""))
+    module = PretrainModule(net, targets.classify, float(p.lr), float(p.backbone_lr), float(p.weight_decay))
+    precision = precision_for(cfg.trainer.precision, device_kind, getattr(net.backbone, "family", ""))
     trainer = pl.Trainer(max_epochs=epochs, accelerator=cfg.trainer.accelerator, devices=1, precision=precision,
                          logger=False, enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=progress, num_sanity_val_steps=0)
     classes = pool.provenance.get("classes")
-    print(f"pretraining {cfg.model.name} ({img_size} px, from "
-          f"{source.kind} weights) on {len(train_set)} crops of {training['identity'].nunique()} identities"
-          f"{' (clips ' + ', '.join(classes) + ')' if classes else ''}, target {p.target} ({n_outputs} outputs), "
-          f"{epochs} epoch(s), {precision}", flush=True)
+    print(f"pretraining {cfg.model.name} ({starting}) on {len(train_set)} crops of "
+          f"{targets.training['identity'].nunique()} identities"
+          f"{' (clips ' + ', '.join(classes) + ')' if classes else ''}, target {p.target} ({targets.n_outputs} "
+          f"outputs), {epochs} epoch(s), {precision}", flush=True)
     started = time.perf_counter()
     trainer.fit(module, train_loader, val_loader)
-    seconds = time.perf_counter() - started
-    baseline = baseline_loss(train_targets, held_targets, classify)
-
-    path = weights_path(cfg, pool, img_size)
-    with atomic_path(path) as tmp:
-        torch.save(backbone_state(backbone), tmp)
-    digest = sha256_of_file(path)
-    last = module.history[-1] if module.history else {}
-    provenance = {
-        "weights": path.name, "sha256": digest, "model": cfg.model.name, "architecture": backbone.architecture,
-        "img_size": img_size, "started_from": source.as_tags(),
-        "target": p.target, "target_names": pool.targets, "outputs": n_outputs,
-        "pool": {**pool.provenance, "identities": sorted(set(rows["identity"])),
-                 "held_out_identities": outside,
-                 "crops": len(rows), "training_crops": len(train_set), "held_out_crops": len(val_set)},
-        "epochs": epochs, "history": module.history, "held_out_loss": last.get("val_loss", math.nan),
-        "held_out_baseline_loss": baseline, "seconds": round(seconds, 1), "device": device.tags,
-        "precision": precision, "git_commit": git_commit(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "settings": OmegaConf.to_container(p, resolve=True),
-    }
-    atomic_write_text(provenance_path(path), json.dumps(provenance, indent=2, default=str) + "\n")
-    print(f"held-out loss {provenance['held_out_loss']:.4f} against {baseline:.4f} for always answering the "
-          f"training {'shares' if classify else 'mean'}; {seconds:.1f} s of training")
-    print(f"weights: {path}\n         (provenance: {provenance_path(path)})\n"
-          f"use it:  make cv MODEL={cfg.model.name} WEIGHTS={path}")
-    return path
+    return PoolFit(module.history, epochs, precision, time.perf_counter() - started, len(train_set), len(val_set))
