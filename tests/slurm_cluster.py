@@ -72,6 +72,14 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
+def _pending(pid: int, signum: int) -> bool:
+    """True while `signum` waits, sent but not delivered, on process `pid` (a stopped process keeps it pending)."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+    bit = 1 << (signum - 1)
+    return bool((int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)) & bit)
+
+
 def _free_ports(count: int) -> list[int]:
     """Ports nothing listens on now (held open together, so they are distinct)."""
     sockets = []
@@ -364,8 +372,8 @@ class SlurmCluster:
         out = _run("job fields", ["scontrol", "show", "job", "-o", job_id])
         return dict(item.split("=", 1) for item in out.split() if "=" in item)
 
-    def preempt(self, job_id: str, sigterm_first: bool = False, timeout: float = 30,
-                stopped_pid: int | None = None) -> None:
+    def preempt(self, job_id: str, sigterm_first: bool = False, timeout: float = 120,
+                stopped_pid: int | None = None, log: Path | None = None) -> None:
         """Do to a running submitit job what preemption or a time limit does; return once SLURM requeued it.
 
         submitit writes `#SBATCH --signal=USR2@<signal_delay_s>` and runs python in a job step (`srun`). On USR2
@@ -377,16 +385,36 @@ class SlurmCluster:
         test hook job._interrupt() does for a preemption (submitit's handler ignores SIGTERM; PyTorch Lightning's
         does not: it stops fit() with SIGTERMException at the next batch).
         Send it only once the job's function runs: before submitit installed its handler USR2 kills python.
-        `stopped_pid`: the job's python, which the caller stopped (SIGSTOP) at the moment it chose; the signals wait
-        as pending until it is continued here, so the job is preempted exactly where it was held.
+
+        `scancel --signal` returns once slurmctld has queued the signal, not once it reached the job, and two queued
+        signals may arrive in either order. A SIGTERM that comes late, while the USR2 handler's `scontrol requeue`
+        runs, kills that scontrol (every process of the step is signalled) and the job ends instead of requeueing.
+        So with `sigterm_first` USR2 is sent only once the SIGTERM got there: for a running job once submitit has
+        logged it ("Bypassing signal SIGTERM" in `log`, the job's stderr file); for a held one once it is pending.
+        `stopped_pid`: the job's python, which the caller stopped (SIGSTOP) at the moment it chose; it is continued
+        only once both signals are pending on it, so the job is preempted exactly where it was held.
         """
-        restarts = int(self.job_fields(job_id)["Restarts"])
+        deadline = time.monotonic() + timeout
+        fields = self.job_fields(job_id)
+        if fields["JobState"] != "RUNNING":
+            raise RuntimeError(f"SLURM test cluster: preempt: job {job_id} is {fields['JobState']}, not RUNNING")
+        restarts = int(fields["Restarts"])
         if sigterm_first:
+            if stopped_pid is None and log is None:
+                raise ValueError("preempt: sigterm_first on a running job needs its stderr file (log=)")
+            seen = self._bypassed_sigterms(log) if stopped_pid is None else 0
             _run("preempt: SIGTERM", ["scancel", "--signal=TERM", job_id])
+            if stopped_pid is None:
+                self._wait_for(lambda: self._bypassed_sigterms(log) > seen, deadline,
+                               f"job {job_id} never logged the SIGTERM in {log}")
+            else:
+                self._wait_for(lambda: _pending(stopped_pid, signal.SIGTERM), deadline,
+                               f"the SIGTERM never reached the held pid {stopped_pid} of job {job_id}")
         _run("preempt: USR2", ["scancel", "--signal=USR2", job_id])
         if stopped_pid is not None:
+            self._wait_for(lambda: _pending(stopped_pid, signal.SIGUSR2), deadline,
+                           f"the USR2 never reached the held pid {stopped_pid} of job {job_id}")
             os.kill(stopped_pid, signal.SIGCONT)
-        deadline = time.monotonic() + timeout
         while True:
             fields = self.job_fields(job_id)
             if int(fields["Restarts"]) > restarts:
@@ -398,6 +426,17 @@ class SlurmCluster:
                     + self.logs()
                 )
             time.sleep(0.2)
+
+    @staticmethod
+    def _bypassed_sigterms(log: Path) -> int:
+        """How many SIGTERMs submitit's handler has logged (at WARNING, to the job's stderr) so far."""
+        return log.read_text(errors="replace").count("Bypassing signal SIGTERM") if log.exists() else 0
+
+    def _wait_for(self, condition, deadline: float, what: str) -> None:
+        while not condition():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SLURM test cluster: preempt: {what}\n{self.logs()}")
+            time.sleep(0.05)
 
     @staticmethod
     def wait_for_submitit(jobs: Iterable, timeout: float = 60) -> None:

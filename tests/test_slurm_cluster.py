@@ -87,13 +87,18 @@ def test_preempted_submitit_job_requeues_and_resumes(
         jobs = executor.map_array(trainer, ["fold0", "fold1"], [None, 2])
     else:
         jobs = [executor.submit(trainer, "fold1", 2)]
+    # Signal only once the first attempt's function runs (submitit's handlers installed) and has done its epochs.
     ready = tmp_path / "fold1_ready_for_preemption"
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # a bound for a broken run, not a guess at the moment
     while not ready.exists():
         assert time.monotonic() < deadline, f"first attempt never started:\n{jobs[-1].stderr()}"
         time.sleep(0.2)
-    slurm_cluster.preempt(jobs[-1].job_id, sigterm_first=sigterm_first)
-    slurm_cluster.wait_for_submitit(jobs, timeout=40)
+    slurm_cluster.preempt(jobs[-1].job_id, sigterm_first=sigterm_first, log=jobs[-1].paths.stderr)
+    # The requeued attempt's end as SLURM sees it, before submitit's: the requeue sends SIGTERM to every process of
+    # the first attempt's step, and when that reaches submitit's `scontrol requeue` before it exited, submitit
+    # pickles the CalledProcessError as the job's result (done() turns true) until the requeued attempt overwrites it.
+    assert slurm_cluster.wait_finished(jobs[-1].job_id, timeout=120) == {jobs[-1].job_id: "COMPLETED"}
+    slurm_cluster.wait_for_submitit(jobs, timeout=120)
     assert jobs[-1].result() == [(0, "0"), (1, "0"), (2, "1"), (3, "1")]
     assert (tmp_path / "fold1_checkpointed_after_2").exists()
     if array:
