@@ -188,7 +188,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         complete = (len(fold_ids) + len(skipped) == folds.fold.nunique() and cfg.trainer.limit_train_batches is None
                     and cfg.trainer.limit_val_batches is None)
         described = {**new_parent_tags(cfg, plan, fold_file, complete, unusable, skipped), **people_checked}
-        parent = create_parent(client, plan, tags, described, fold_file, frames_result)
+        parent = create_parent(cfg, client, experiment_id, tags, described, fold_file, frames_result)
     else:
         # a finished fold whose artifacts have gone from the store is not done: marked FAILED, trained again
         lost = retire_unreadable(client, tracking.fold_runs(client, parent.info.run_id))
@@ -237,15 +237,15 @@ def new_parent_tags(cfg: DictConfig, plan: Plan, fold_file: Path, complete: bool
             **registry.standard_tags("make cv")}
 
 
-def create_parent(client: MlflowClient, plan: Plan, identity: dict[str, str], described: dict[str, str],
-                  fold_file: Path, frames_result) -> Run:
+def create_parent(cfg: DictConfig, client: MlflowClient, experiment_id: str, identity: dict[str, str],
+                  described: dict[str, str], fold_file: Path, frames_result) -> Run:
     """A new parent run, tagged with its `identity` and what `described` adds, with the identity params, the resolved
     config, the environment, the backbone's cost, the fold file, what face detection lost and the subjects; where
     another machine's `make cv` of the same CV created its parent meanwhile, the first of the two
     (`fold_lease.first_of_twins`)."""
-    cfg, task = plan.cfg, get_task(plan.cfg.task.name)
+    task = get_task(cfg.task.name)
     run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
-    parent = client.create_run(plan.experiment_id, run_name=run_name, tags={**identity, **described})
+    parent = client.create_run(experiment_id, run_name=run_name, tags={**identity, **described})
     run_id = parent.info.run_id
     for chunk in cv_runs.chunks(list(cv_runs.identity_params(cfg).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
@@ -260,7 +260,7 @@ def create_parent(client: MlflowClient, plan: Plan, identity: dict[str, str], de
                           f"{cfg.data.name}-{task.name}-{fold_file.stem}")
     # another machine's `make cv` of the same CV may have created its parent meanwhile: one of the two goes on
     if cfg.cv.resume == "auto":
-        parent = fold_lease.first_of_twins(client, plan.experiment_id,
+        parent = fold_lease.first_of_twins(client, experiment_id,
                                            {tracking.RUN_KIND_TAG: tracking.CV_RUN, **identity}, parent)
     return parent
 
