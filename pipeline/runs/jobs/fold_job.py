@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import mlflow
 import numpy as np
@@ -120,7 +121,7 @@ class DecisionNotHonoured(RuntimeError):
 
 @dataclass(frozen=True)
 class FoldJob:
-    """Everything a fold needs, as plain values."""
+    """Everything a fold needs, as plain values; a launcher's job (`launchers.Job`), keyed by its fold."""
 
     config: dict  # the resolved config (OmegaConf.to_container)
     fold: int
@@ -130,6 +131,20 @@ class FoldJob:
     decisions: FoldDecisions
     seed: int | None = None  # cv.seeds: this training seed instead of the config's `seed` (tagged on the child run)
     store_uri: str = ""  # the store the records live in (behind a launcher's server), tagged; "": tracking_uri
+    tool: ClassVar[str] = "fold-job"  # `python -m pipeline fold-job <job.json>` runs it in a process of its own
+
+    @property
+    def key(self) -> int:
+        return self.fold
+
+    def file(self, kind: str) -> Path:
+        """Its spec ("json") or log ("log") beside the fold's folder."""
+        return Path(self.work_dir).parent / f"fold_{self.fold}.{kind}"
+
+    def run(self) -> FoldResult:
+        from pipeline.runs.jobs.fold_run import run_fold_job  # it imports this module
+
+        return run_fold_job(self)
 
     def write(self, path: Path) -> Path:
         """The job as JSON, owner only; no password in it: a tracking URI with one is refused (a job reaches its

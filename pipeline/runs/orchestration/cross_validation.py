@@ -57,7 +57,6 @@ from pipeline.runs.orchestration.cv_summary import (
 from pipeline.runs.store import cv_runs, fold_lease, registry, tracking
 from pipeline.runs.store.cv_runs import augmentation_label, finetune_tags
 from pipeline.runs.store.environment import library_versions, log_environment
-from pipeline.runs.store.tracking_server import job_credentials
 from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
 from pipeline.utils.paths import PROJECT_ROOT, git_commit, resolve_path
@@ -337,27 +336,16 @@ def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Prog
     launcher = plan.cfg.launcher
     pending = plan.pending(seed)
 
-    def result_of(fold: int) -> FoldResult | None:
+    def result_of(fold: int) -> FoldResult | None:  # a fold is done with its FINISHED child run
         run = tracking.finished_fold_runs(client, plan.parent_run_id, seed).get(fold)
         return result_from_run(client, run) if run is not None else None
 
-    def fold_status(fold: int) -> str:
-        return tracking.FINISHED if fold in tracking.finished_fold_runs(client, plan.parent_run_id, seed) else "other"
-
-    if launcher.name == "local":
-        return launchers.launch_local([plan.job(fold, seed=seed) for fold in pending], report)
-    if launcher.name == "parallel":
-        if not plan.tracking_uri.startswith(("http://", "https://")):  # several writers: through a private server
-            artifact_root = client.get_experiment(plan.experiment_id).artifact_location
-            with launchers.tracking_server(plan.tracking_uri, artifact_root,
-                                           experiment_ids=[plan.experiment_id]) as server:
-                print(f"MLflow server for the fold jobs: {server.uri} (over {tracking.redact_uri(plan.tracking_uri)}"
-                      f", its own user for them)")
-                return launchers.launch_parallel([plan.job(fold, server.uri, seed) for fold in pending],
-                                                 launcher.jobs, report, result_of, server.credentials)
-        return launchers.launch_parallel([plan.job(fold, seed=seed) for fold in pending], launcher.jobs, report,
-                                         result_of, job_credentials(plan.tracking_uri, [plan.experiment_id]))
-    # slurm
+    if launcher.name != "slurm":  # where the jobs write: `launchers.job_store`, as for a search's workers
+        with launchers.job_store(launcher.name, plan.tracking_uri, client, plan.experiment_id) as (uri, credentials):
+            jobs = [plan.job(fold, uri, seed) for fold in pending]
+            if launcher.name == "local":
+                return launchers.launch_local(jobs, report)
+            return launchers.launch_parallel(jobs, launcher.jobs, report, result_of, credentials)
     parent = client.get_run(plan.parent_run_id)
     jobs_tag = tracking.SLURM_JOBS_TAG + (f".seed_{seed}" if seed is not None else "")
     submitted = {int(k): v for k, v in json.loads(parent.data.tags.get(jobs_tag, "{}")).items()}
@@ -366,16 +354,17 @@ def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Prog
     to_submit = [fold for fold in pending if fold not in queued]
     if to_submit:
         name = f"painvit-{plan.cfg.model.name}-{plan.parent_run_id[:8]}"
-        new = launchers.submit_slurm([plan.job(fold, seed=seed) for fold in to_submit], launcher,
-                                     plan.work_dir / "slurm", name + (f"-seed{seed}" if seed is not None else ""),
-                                     job_credentials(plan.tracking_uri, [plan.experiment_id]))
+        with launchers.job_store(launcher.name, plan.tracking_uri, client, plan.experiment_id) as (_, credentials):
+            new = launchers.submit_slurm([plan.job(fold, seed=seed) for fold in to_submit], launcher,
+                                         plan.work_dir / "slurm", name + (f"-seed{seed}" if seed is not None else ""),
+                                         credentials)
         submitted.update(new)
         queued.update(new)
-        client.set_tag(plan.parent_run_id, jobs_tag, launchers.job_ids_tag(submitted))
+        client.set_tag(plan.parent_run_id, jobs_tag, json.dumps({str(fold): job for fold, job in submitted.items()}))
         print(f"submitted {len(new)} fold job(s) to SLURM: {', '.join(f'fold {f} -> {j}' for f, j in new.items())}")
     if not launcher.wait:
         return launchers.LaunchOutcome(submitted=queued)
-    return launchers.wait_slurm(queued, report, fold_status, result_of, launcher.poll_s)
+    return launchers.wait_slurm(queued, report, result_of, launcher.poll_s)
 
 
 def run_cv(cfg: DictConfig) -> dict:

@@ -1,17 +1,17 @@
-"""Where fold jobs run: `local` (one after the other in this process), `parallel` (several processes on this
-machine, one GPU or a share of the cores each) and `slurm` (one array task per fold through submitit).
+"""Where jobs run: `local` (one after the other in this process), `parallel` (several processes on this machine,
+one GPU or a share of the cores each) and `slurm` (one array task per job through submitit).
 
-Every launcher takes the same `FoldJob`s and reports fold state changes through one callback, so the driver
-prints the same lines whatever runs the folds. Fold jobs write to MLflow themselves; with several writers that
-must be a tracking server, never one sqlite file shared between processes: the parallel launcher puts a private
-server in front of any database store (`tracking_server`: basic authentication on loopback too, the jobs' own user).
-A fold job's environment holds no credential but the ones made for its run (`job_environment`), on SLURM too.
+A job follows `Job`: a CV's fold job (`FoldJob`, keyed by its fold) or a search worker (`search_workers.TuneWorker`,
+keyed by its index); the CV (`cross_validation.launch_seed`) and the search (`search_workers.launch_workers`) use the
+same launchers, which report state changes through one callback. Jobs write to MLflow themselves; with several
+writers that must be a tracking server, never one sqlite file shared between processes: `job_store` decides for both
+(a private server in front of any database store, `tracking_server`: basic authentication on loopback too, the jobs'
+own user). A job's environment holds no credential but the ones made for its run (`job_environment`), on SLURM too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -25,11 +25,11 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
+from mlflow import MlflowClient
 from omegaconf import DictConfig
 
-from pipeline.runs.jobs.fold_job import FoldJob, FoldResult
-from pipeline.runs.jobs.fold_run import run_fold_job
 from pipeline.runs.store.tracking import open_store, redact_uri, uri_has_credentials
 from pipeline.runs.store.tracking_server import (
     ADMIN_PASSWORD_ENV,
@@ -38,6 +38,7 @@ from pipeline.runs.store.tracking_server import (
     BACKEND_STORE_ENV,
     PASSWORD_ENV,
     USERNAME_ENV,
+    job_credentials,
     make_run_user,
     private_server_environment,
     tracking_access_problem,
@@ -49,8 +50,28 @@ from pipeline.utils.permissions import PRIVATE_UMASK
 log = logging.getLogger(__name__)
 LAUNCHERS = ("local", "parallel", "slurm")
 
-# report(fold, state, detail): state is one of pending | running | done | failed
-Report = Callable[[int, str, "FoldResult | str | None"], None]
+# report(key, state, detail): state is one of pending | running | done (detail: the job's result) | failed
+Report = Callable[[int, str, Any], None]
+
+
+class Job(Protocol):
+    """What a launcher runs, as plain values (pickled for submitit, JSON for a subprocess): `FoldJob`, `TuneWorker`.
+
+    `key` names it in reports and outcomes (the fold; the worker's index); `tool` is the command that runs its spec in
+    a process of its own (`python -m pipeline <tool> <spec.json>`); `file("json")` and `file("log")` are where that
+    process's spec and output go; `write(path)` writes the spec (owner only, no password); `run()` runs the job in
+    this process and returns its result."""
+
+    tool: ClassVar[str]
+
+    @property
+    def key(self) -> int: ...
+
+    def file(self, kind: str) -> Path: ...
+
+    def write(self, path: Path) -> Path: ...
+
+    def run(self) -> Any: ...
 
 
 class LauncherError(SystemExit):
@@ -63,7 +84,7 @@ class LauncherError(SystemExit):
 @dataclass
 class LaunchOutcome:
     done: list[int] = field(default_factory=list)
-    # fold (or "fold (seed s)" over several training seeds) -> reason / SLURM job id (launcher.wait=false)
+    # job key (a CV's: fold, or "fold (seed s)" over several training seeds) -> reason / SLURM job id (wait=false)
     failed: dict[int | str, str] = field(default_factory=dict)
     submitted: dict[int | str, str] = field(default_factory=dict)
 
@@ -95,20 +116,38 @@ def check_launcher(launcher: DictConfig, tracking_uri: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # local
 
-def launch_local(jobs: list[FoldJob], report: Report) -> LaunchOutcome:
-    """Folds one after the other in this process; a failed fold is reported and the others go on."""
+def launch_local(jobs: Sequence[Job], report: Report) -> LaunchOutcome:
+    """Jobs one after the other in this process (`job.run()`); a failed job is reported and the others go on."""
     outcome = LaunchOutcome()
     for job in jobs:
-        report(job.fold, "running", None)
+        report(job.key, "running", None)
         try:
-            result = run_fold_job(job)
-        except Exception as error:  # noqa: BLE001 - the fold's run holds the traceback; the others go on
-            outcome.failed[job.fold] = f"{type(error).__name__}: {error}"
-            report(job.fold, "failed", outcome.failed[job.fold])
+            result = job.run()
+        except Exception as error:  # noqa: BLE001 - a fold's run holds the traceback; the others go on
+            outcome.failed[job.key] = f"{type(error).__name__}: {error}"
+            report(job.key, "failed", outcome.failed[job.key])
             continue
-        outcome.done.append(job.fold)
-        report(job.fold, "done", result)
+        outcome.done.append(job.key)
+        report(job.key, "done", result)
     return outcome
+
+
+@contextlib.contextmanager
+def job_store(launcher: str, tracking_uri: str, client: MlflowClient, experiment_id: str,
+              jobs: str = "fold jobs") -> Iterator[tuple[str, dict[str, str]]]:
+    """(the tracking URI, the credentials) that the jobs of `launcher` get for `tracking_uri`, for as long as the
+    block runs them: the one rule of the CV and the search. Several writers (`parallel`: processes beside this driver)
+    over a database store: through a private server (`tracking_server`, a user of its own for them). Else the store
+    itself: a tracking server (`slurm` needs one, `check_launcher`) with the credentials `job_credentials` makes for
+    the run, or for `local` (this process writes) what this process uses, with none."""
+    if launcher == "parallel" and not tracking_uri.startswith(("http://", "https://")):
+        artifact_root = client.get_experiment(experiment_id).artifact_location
+        with tracking_server(tracking_uri, artifact_root, experiment_ids=[experiment_id]) as server:
+            print(f"MLflow server for the {jobs}: {server.uri} (over {redact_uri(tracking_uri)}, its own user for "
+                  f"them)", flush=True)
+            yield server.uri, server.credentials
+        return
+    yield tracking_uri, {} if launcher == "local" else job_credentials(tracking_uri, [experiment_id])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,17 +278,15 @@ def job_slots(n_jobs: int | None, gpus: list[str], cpus: list[int]) -> list[dict
 
 def job_environment(slot: Mapping[str, str], credentials: Mapping[str, str],
                     environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A fold job's (or search worker's) environment: this one less every credential (an admin's password, a
+    """A job's (a fold job's, a search worker's) environment: this one less every credential (an admin's password, a
     database password, the driver's tracking credentials), plus its slot (GPU, cores) and the credentials made for
     its run."""
     return {**without_credentials(os.environ if environ is None else environ), **slot, **credentials}
 
 
-def _start_job(job: FoldJob, slot: dict[str, str],
-               credentials: Mapping[str, str]) -> tuple[subprocess.Popen, Path]:
-    work_dir = Path(job.work_dir)
-    spec = job.write(work_dir.parent / f"fold_{job.fold}.json")
-    log_path = work_dir.parent / f"fold_{job.fold}.log"
+def _start_job(job: Job, slot: dict[str, str], credentials: Mapping[str, str]) -> tuple[subprocess.Popen, Path]:
+    """`python -m pipeline <job.tool> <spec>` with its slot's environment and CPU affinity, output to its log."""
+    spec, log_path = job.write(job.file("json")), job.file("log")
     cpus = [int(c) for c in slot.get("PAINVIT_CPUS", "").split(",") if c]
 
     def prepare_child() -> None:
@@ -259,7 +296,7 @@ def _start_job(job: FoldJob, slot: dict[str, str],
             os.sched_setaffinity(0, cpus)
 
     with open(log_path, "ab") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "pipeline", "fold-job", str(spec)],
+        process = subprocess.Popen([sys.executable, "-m", "pipeline", job.tool, str(spec)],
                                    env=job_environment(slot, credentials), stdout=log_file,
                                    stderr=subprocess.STDOUT, preexec_fn=prepare_child)
     return process, log_path
@@ -272,36 +309,36 @@ def _log_tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-def launch_parallel(jobs: list[FoldJob], n_jobs: int | None, report: Report,
-                    result_of: Callable[[int], FoldResult | None],
+def launch_parallel(jobs: Sequence[Job], n_jobs: int | None, report: Report, result_of: Callable[[int], Any],
                     credentials: Mapping[str, str] | None = None) -> LaunchOutcome:
-    """Up to n_jobs fold processes at once (`python -m pipeline fold-job <job.json>`), each in its own slot, with
-    `credentials` (the tracking server's user for the run) as their only secret."""
+    """Up to n_jobs job processes at once (`python -m pipeline <job.tool> <spec.json>`), each in its own slot, with
+    `credentials` (the tracking server's user for the run) as their only secret. A job is done when its process
+    exits 0 and `result_of(key)` is not None; else it failed, reported with its log's tail. Ctrl-C stops them."""
     slots = job_slots(n_jobs, visible_gpus(), sorted(_cpu_ids()))
     queue, running, outcome = list(jobs), {}, LaunchOutcome()
     for job in queue:
-        report(job.fold, "pending", None)
+        report(job.key, "pending", None)
     free = list(range(len(slots)))
     try:
         while queue or running:
             while queue and free:
                 job, slot = queue.pop(0), free.pop(0)
                 process, log_path = _start_job(job, slots[slot], credentials or {})
-                running[job.fold] = (process, slot, log_path)
-                report(job.fold, "running", f"pid {process.pid}, log {log_path}")
+                running[job.key] = (process, slot, log_path)
+                report(job.key, "running", f"pid {process.pid}, log {log_path}")
             time.sleep(0.5)
-            for fold, (process, slot, log_path) in list(running.items()):
+            for key, (process, slot, log_path) in list(running.items()):
                 if process.poll() is None:
                     continue
-                del running[fold]
+                del running[key]
                 free.append(slot)
-                result = result_of(fold) if process.returncode == 0 else None
+                result = result_of(key) if process.returncode == 0 else None
                 if result is not None:
-                    outcome.done.append(fold)
-                    report(fold, "done", result)
+                    outcome.done.append(key)
+                    report(key, "done", result)
                 else:
-                    outcome.failed[fold] = f"exit code {process.returncode}, log {log_path}:\n{_log_tail(log_path)}"
-                    report(fold, "failed", outcome.failed[fold])
+                    outcome.failed[key] = f"exit code {process.returncode}, log {log_path}:\n{_log_tail(log_path)}"
+                    report(key, "failed", outcome.failed[key])
     finally:  # Ctrl-C or an error in the driver: stop the jobs (SIGINT lets each mark its run KILLED)
         for process, _, _ in running.values():
             process.send_signal(signal.SIGINT)
@@ -322,14 +359,15 @@ def _cpu_ids() -> set[int]:
 # ---------------------------------------------------------------------------------------------------------------
 # slurm
 
-class SlurmFoldTask:
-    """The callable submitit runs on a node. On preemption or time-out submitit calls `checkpoint`, which requeues
-    the same task: the fold then continues from its last epoch checkpoint (its work folder is on shared disk)."""
+class SlurmTask:
+    """The callable submitit runs on a node: one job (`job.run()`), its torch threads the cores SLURM gave it. On
+    preemption or time-out submitit calls `checkpoint`, which requeues the same task: a fold then continues from its
+    last epoch checkpoint, a search worker with the trials in the journal (both on shared disk)."""
 
-    def __init__(self, job: FoldJob) -> None:
+    def __init__(self, job: Job) -> None:
         self.job = job
 
-    def __call__(self) -> dict[str, float]:
+    def __call__(self) -> Any:
         from pipeline.utils.logging_setup import setup_logging
 
         setup_logging()
@@ -338,12 +376,12 @@ class SlurmFoldTask:
             import torch
 
             torch.set_num_threads(int(cpus))
-        return run_fold_job(self.job).metrics
+        return self.job.run()
 
     def checkpoint(self, *args, **kwargs):
         import submitit
 
-        return submitit.helpers.DelayedSubmission(SlurmFoldTask(self.job))
+        return submitit.helpers.DelayedSubmission(SlurmTask(self.job))
 
 
 def slurm_executor(launcher: DictConfig, folder: Path, name: str):
@@ -385,14 +423,14 @@ def submission_environment(credentials: Mapping[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def submit_slurm(jobs: list[FoldJob], launcher: DictConfig, folder: Path, name: str,
+def submit_slurm(jobs: Sequence[Job], launcher: DictConfig, folder: Path, name: str,
                  credentials: Mapping[str, str] | None = None) -> dict[int, str]:
-    """Submit the folds as one SLURM array, with `credentials` as the tasks' only secret; returns fold -> SLURM job
-    id (`<array>_<task>`)."""
+    """Submit the jobs as one SLURM array (`SlurmTask`s), with `credentials` as the tasks' only secret; returns
+    key -> SLURM job id (`<array>_<task>`)."""
     executor = slurm_executor(launcher, folder, name)
     with submission_environment(credentials or {}), executor.batch():
-        submitted = [executor.submit(SlurmFoldTask(job)) for job in jobs]
-    return {job.fold: str(handle.job_id) for job, handle in zip(jobs, submitted, strict=True)}
+        submitted = [executor.submit(SlurmTask(job)) for job in jobs]
+    return {job.key: str(handle.job_id) for job, handle in zip(jobs, submitted, strict=True)}
 
 
 def slurm_states(job_ids: list[str]) -> dict[str, str]:
@@ -413,37 +451,34 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
     return states
 
 
-def wait_slurm(job_ids: dict[int, str], report: Report, fold_status: Callable[[int], str],
-               result_of: Callable[[int], FoldResult | None], poll_s: float) -> LaunchOutcome:
-    """Follow submitted folds until each has left the queue; fold outcome from its MLflow child run."""
+def wait_slurm(job_ids: dict[int, str], report: Report, result_of: Callable[[int], Any],
+               poll_s: float) -> LaunchOutcome:
+    """Follow submitted jobs (key -> SLURM job id) until each has left the queue; a job that left it is done when
+    `result_of(key)` is not None (a fold: its FINISHED child run; a search worker: its result file), else failed."""
     outcome, pending = LaunchOutcome(), dict(job_ids)
     last_state: dict[int, str] = {}
     while pending:
         states = slurm_states(list(pending.values()))
-        for fold, job_id in list(pending.items()):
+        for key, job_id in list(pending.items()):
             state = states.get(job_id)
             if state is not None:
                 shown = "running" if state in ("RUNNING", "COMPLETING", "CONFIGURING") else "pending"
-                if last_state.get(fold) != shown:
-                    last_state[fold] = shown
-                    report(fold, shown, f"SLURM job {job_id} {state}")
+                if last_state.get(key) != shown:
+                    last_state[key] = shown
+                    report(key, shown, f"SLURM job {job_id} {state}")
                 continue
-            del pending[fold]
-            result = result_of(fold) if fold_status(fold) == "FINISHED" else None
+            del pending[key]
+            result = result_of(key)
             if result is not None:
-                outcome.done.append(fold)
-                report(fold, "done", result)
+                outcome.done.append(key)
+                report(key, "done", result)
             else:
-                outcome.failed[fold] = f"SLURM job {job_id} ended without a finished run (see its log in the " \
-                                       f"submitit folder, `{job_id}_0_log.err`)"
-                report(fold, "failed", outcome.failed[fold])
+                outcome.failed[key] = f"SLURM job {job_id} ended without a result (see its log in the submitit " \
+                                      f"folder, `{job_id}_0_log.err`)"
+                report(key, "failed", outcome.failed[key])
         if pending:
             time.sleep(poll_s)
     return outcome
-
-
-def job_ids_tag(job_ids: dict[int, str]) -> str:
-    return json.dumps({str(fold): job_id for fold, job_id in job_ids.items()})
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = 30) -> None:

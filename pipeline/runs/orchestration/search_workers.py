@@ -1,23 +1,22 @@
 """The search's workers: each asks the studies for trials until every study has `tune.trials` finished ones, and
 trains each trial as a fold job with other settings (`fold_job.train`, a two-stage head's second stage included) on
 a DataModule whose test split is the fold's validation subjects (`StudyDataModule`), so the fold's test subjects are
-never read by a study. Workers run here (`launcher=local`), as `python -m pipeline tune-worker <spec.json>` processes
-(`launcher=parallel`) or as SLURM array tasks (`launcher=slurm`).
+never read by a study. A worker (`TuneWorker`) is a launcher's job (`launchers.Job`, keyed by its index) and runs on
+the CV's launchers: here (`launcher=local`), as `python -m pipeline tune-worker <spec.json>` processes
+(`launcher=parallel`, through `launchers.job_store`'s private server over a database store) or as SLURM array tasks
+(`launcher=slurm`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import shutil
-import subprocess
 import sys
 import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import mlflow
 import numpy as np
@@ -34,7 +33,6 @@ from pipeline.runs.orchestration.search_space import SearchSpace, TuneError, loa
 from pipeline.runs.orchestration.studies import FINISHED_STATES, finished_trials, open_storage, open_study, study_lock
 from pipeline.runs.store import tracking
 from pipeline.runs.store.cv_runs import finetune_tags
-from pipeline.runs.store.tracking_server import job_credentials
 from pipeline.utils.atomic_io import atomic_path
 
 log = logging.getLogger(__name__)
@@ -72,7 +70,8 @@ class ReportToTrial(pl.Callback):
 
 @dataclass(frozen=True)
 class TuneWorker:
-    """What a worker needs, as plain values (JSON for a subprocess, pickled for submitit)."""
+    """What a worker needs, as plain values (JSON for a subprocess, pickled for submitit); a launcher's job
+    (`launchers.Job`), keyed by its index `worker`."""
 
     config: dict  # the resolved config of the search
     studies: list[tuple[str, int | None]]  # (study name, fold; None: the shared study)
@@ -83,6 +82,18 @@ class TuneWorker:
     work_dir: str
     decisions: dict  # FoldDecisions as a dict
     worker: int = 0
+    tool: ClassVar[str] = "tune-worker"  # `python -m pipeline tune-worker <spec.json>` runs it in a process of its own
+
+    @property
+    def key(self) -> int:
+        return self.worker
+
+    def file(self, kind: str) -> Path:
+        """Its spec ("json") or log ("log") in the search's folder."""
+        return Path(self.work_dir) / f"worker_{self.worker}.{kind}"
+
+    def run(self) -> int:
+        return run_worker(self)
 
     def write(self, path: Path) -> Path:
         """The worker as JSON, owner only; a tracking URI with a password is refused (the worker reaches its server
@@ -224,68 +235,50 @@ def worker_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class SlurmTuneTask:
-    """The callable submitit runs on a node: one worker. Requeued on preemption; the journal keeps the trials."""
+def report_worker(worker: int, state: str, detail: Any) -> None:
+    """A worker's state changes as the launchers report them: its process (pid, log) or SLURM job, a failure with its
+    log."""
+    if state == "failed":
+        print(f"search worker {worker} failed: {detail}", flush=True)
+    elif state == "done":
+        print(f"search worker {worker}: done", flush=True)
+    elif detail:
+        print(f"search worker {worker}: {detail}", flush=True)
 
-    def __init__(self, worker: TuneWorker) -> None:
-        self.worker = worker
 
-    def __call__(self) -> int:
-        from pipeline.utils.logging_setup import setup_logging
+def worker_result(folder: Path, job_id: str) -> int | None:
+    """The trials a SLURM worker ran, as submitit recorded its result in `folder`; None when it recorded an error or
+    nothing (killed, cancelled)."""
+    from submitit.core.utils import pickle_load
 
-        setup_logging()
-        return run_worker(self.worker)
-
-    def checkpoint(self, *args, **kwargs):
-        import submitit
-
-        return submitit.helpers.DelayedSubmission(SlurmTuneTask(self.worker))
+    try:
+        state, value = pickle_load(folder / f"{job_id}_0_result.pkl")
+    except (OSError, EOFError, ValueError):
+        return None
+    return value if state == "success" else None
 
 
 def launch_workers(cfg: DictConfig, worker: TuneWorker, client: MlflowClient, experiment_id: str) -> None:
-    """Run the search's workers on the configured launcher: here, k processes here, or k SLURM array tasks."""
+    """Run the search's workers on the CV's launchers: one here (`local`), `launcher.jobs` processes here, each in its
+    CPU or GPU slot (`parallel`), or one SLURM array task per study, at most `launcher.array_parallelism` (`slurm`),
+    writing where `launchers.job_store` says, with the credentials made for them. A worker that fails is reported with
+    its log (the search then finds its studies short); Ctrl-C stops the workers."""
     launcher = cfg.launcher
-    if launcher.name == "local":
-        run_worker(worker)
-        return
-    if launcher.name == "parallel":
-        n_jobs = int(launcher.jobs or 1)
-    else:  # one SLURM array task per study (per fold), at most launcher.array_parallelism of them
+    if launcher.name == "slurm":  # one SLURM array task per study (per fold), at most launcher.array_parallelism
         n_jobs = max(1, min(int(launcher.array_parallelism or 1), len(worker.studies)))
-    if launcher.name == "slurm":
-        folder = Path(worker.work_dir) / "slurm"
-        executor = launchers.slurm_executor(launcher, folder, f"painvit-tune-{cfg.model.name}")
-        credentials = job_credentials(worker.tracking_uri, [experiment_id])
-        with launchers.submission_environment(credentials), executor.batch():
-            handles = [executor.submit(SlurmTuneTask(replace(worker, worker=k))) for k in range(n_jobs)]
-        print(f"submitted {n_jobs} search worker(s) to SLURM: {', '.join(str(h.job_id) for h in handles)}")
-        for handle in handles:
-            handle.result()
-        return
-    uri = worker.tracking_uri
-    if uri.startswith(("http://", "https://")):
-        server: contextlib.AbstractContextManager = contextlib.nullcontext(None)
-    else:  # several writers: through a private server, never the database itself
-        server = launchers.tracking_server(uri, client.get_experiment(experiment_id).artifact_location,
-                                           experiment_ids=[experiment_id])
-    with server as served:
-        credentials = served.credentials if served else job_credentials(uri, [experiment_id])
-        slots = launchers.job_slots(n_jobs, launchers.visible_gpus(), sorted(os.sched_getaffinity(0)))
-        processes = []
-        for k, slot in enumerate(slots):
-            spec = replace(worker, worker=k, tracking_uri=served.uri if served else uri).write(
-                Path(worker.work_dir) / f"worker_{k}.json")
-            log_path = Path(worker.work_dir) / f"worker_{k}.log"
-            with open(log_path, "ab") as log_file:
-                processes.append((subprocess.Popen([sys.executable, "-m", "pipeline", "tune-worker", str(spec)],
-                                                   env=launchers.job_environment(slot, credentials),
-                                                   stdout=log_file, stderr=subprocess.STDOUT), log_path))
-            print(f"search worker {k}: pid {processes[-1][0].pid}, log {log_path}", flush=True)
-        try:
-            for process, log_path in processes:
-                if process.wait() != 0:
-                    print(f"search worker (log {log_path}) exited with code {process.returncode}", flush=True)
-        finally:
-            for process, _ in processes:
-                if process.poll() is None:
-                    process.terminate()
+    else:
+        n_jobs = int(launcher.jobs or 1) if launcher.name == "parallel" else 1
+    with launchers.job_store(launcher.name, worker.tracking_uri, client, experiment_id,
+                             "search workers") as (uri, credentials):
+        workers = [replace(worker, worker=k, tracking_uri=uri) for k in range(n_jobs)]
+        if launcher.name == "local":
+            launchers.launch_local(workers, report_worker)
+        elif launcher.name == "parallel":
+            launchers.launch_parallel(workers, n_jobs, report_worker, lambda _: "exit code 0", credentials)
+        else:
+            folder = Path(worker.work_dir) / "slurm"
+            job_ids = launchers.submit_slurm(workers, launcher, folder, f"painvit-tune-{cfg.model.name}",
+                                             credentials)
+            print(f"submitted {n_jobs} search worker(s) to SLURM: {', '.join(job_ids.values())}", flush=True)
+            launchers.wait_slurm(job_ids, report_worker, lambda k: worker_result(folder, job_ids[k]),
+                                 launcher.poll_s)
