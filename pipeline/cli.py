@@ -107,7 +107,7 @@ def _calc(cfg: DictConfig, **options) -> None:
 
 
 def _table(cfg: DictConfig, **options) -> None:
-    from pipeline.analysis.benchmark_table import run_table
+    from pipeline.analysis.results_table import run_table
 
     run_table(cfg, **options)
 

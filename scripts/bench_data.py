@@ -55,7 +55,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/photo_clips.py: the real-face clips
 
-from pipeline.analysis.benchmarks import (
+from pipeline.analysis.throughput import (
     DEFAULT_OUT,
     DEFAULT_WORK,
     bare_training_throughput,

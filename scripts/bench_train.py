@@ -54,7 +54,7 @@ import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig
 
-from pipeline.analysis.benchmarks import (
+from pipeline.analysis.throughput import (
     DEFAULT_OUT,
     DEFAULT_WORK,
     bare_training_throughput,

@@ -22,7 +22,7 @@ from pipeline.data.tasks import get_task
 from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import load_model_file
-from pipeline.runs.jobs.fold_job import decide, train_fold
+from pipeline.runs.jobs.fold_job import plan_decisions, train_fold
 from pipeline.runs.orchestration.cross_validation import identity_lock, plan_cv, run_cv
 from pipeline.runs.store.environment import FREEZE_ARTIFACT
 from pipeline.runs.store.tracking import get_or_create_experiment
@@ -152,7 +152,7 @@ def test_early_stopping_stops(tiny_config, tmp_path: Path) -> None:
     cfg = tiny_config(*FAST, "model=timm", "model.name=vit_tiny_patch16_224", "trainer.max_epochs=8",
                       "trainer.patience=2", "model.optim.head_lr=0", "model.optim.backbone_lr=0")
     with fold_run(cfg):
-        result = train_fold(cfg, 0, decide(cfg, fold_file_path(cfg)), tmp_path)
+        result = train_fold(cfg, 0, plan_decisions(cfg, fold_file_path(cfg)), tmp_path)
     assert result.epochs == 3 and result.best_epoch == 0
 
 
@@ -160,7 +160,7 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
     # the crop window travels from the config to the data: crops at 2.0, 3.8 and 5.5 s, only the later two used
     cfg = tiny_config(*FAST, "trainer.max_epochs=3", "trainer.patience=5", "loader.from_s=3.0")
     with fold_run(cfg):
-        result = train_fold(cfg, 1, decide(cfg, fold_file_path(cfg)), tmp_path)
+        result = train_fold(cfg, 1, plan_decisions(cfg, fold_file_path(cfg)), tmp_path)
     assert result.frame_predictions["time_s"].min() >= 3.0
     assert result.frame_predictions.groupby("sample_name").size().eq(2).all()
     checkpoint = torch.load(tmp_path / "best.ckpt", map_location="cpu", weights_only=True)
@@ -235,7 +235,7 @@ def test_a_seeded_fold_is_reproducible(tiny_config, tmp_path: Path) -> None:
     predictions = []
     for attempt in range(2):
         with fold_run(cfg):
-            result = train_fold(cfg, 0, decide(cfg, fold_file_path(cfg)), tmp_path / str(attempt))
+            result = train_fold(cfg, 0, plan_decisions(cfg, fold_file_path(cfg)), tmp_path / str(attempt))
         predictions.append(result.frame_predictions["prob_PA4"].to_numpy())
     np.testing.assert_array_equal(predictions[0], predictions[1])
 

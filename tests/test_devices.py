@@ -65,16 +65,16 @@ def test_isa_caps_below_amx_turn_bf16_off(cap: str, monkeypatch) -> None:
 
 
 def test_auto_precision_is_left_to_the_fold_job_and_resolved_from_its_device(tiny_config) -> None:
-    from pipeline.runs.jobs.fold_job import FoldJob, decide, resolve_on_device
+    from pipeline.runs.jobs.fold_job import FoldJob, plan_decisions, settings_on_device
     from pipeline.utils.devices import device_settings
 
     cfg = tiny_config("model=mobilevit_xxs", "model.img_size=32", "trainer.precision=auto")
-    decisions = decide(cfg, Path(cfg.fold_file))
+    decisions = plan_decisions(cfg, Path(cfg.fold_file))
     assert decisions.precision == "auto"  # the planning machine decides nothing that depends on the device
     job = FoldJob({}, 0, "parent", "sqlite:///x.db", "/tmp/fold", decisions)
     assert FoldJob.read(job.write(Path(cfg.cv.work_dir) / "job.json")).decisions.precision == "auto"
     # a GPU node with bf16 resolves it to bf16 for every backbone family; one without, and a CPU, to float32
-    gpu = resolve_on_device(cfg, decisions, "cuda")
+    gpu = settings_on_device(cfg, decisions, "cuda")
     assert gpu.device == "cuda" and gpu.precision == ("bf16-mixed" if torch.cuda.is_available()
                                                       and torch.cuda.is_bf16_supported() else "32-true")
     for family in ("mobilevit", "cvt", "vit"):

@@ -14,7 +14,7 @@ from pipeline.data.prepare import fold_file_path
 from pipeline.models.embedding_cache import state_dict_sha256
 from pipeline.models.model_file import load_model_file
 from pipeline.models.temporal_heads import ClipNet
-from pipeline.runs.jobs.fold_job import build_fold, decide, train_fold
+from pipeline.runs.jobs.fold_job import build_fold, plan_decisions, train_fold
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.store.tracking import get_or_create_experiment
 from tests.test_two_stage import FAST
@@ -25,7 +25,7 @@ END_TO_END = (*FAST, "model.head.mode=end_to_end", "loader.batch_size=4", "train
 def test_an_end_to_end_fold_trains_the_backbone_through_the_head_and_keeps_the_clip_model(tiny_config,
                                                                                         tmp_path: Path) -> None:
     cfg = tiny_config(*END_TO_END, "model.head.name=attention", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}")
-    decisions = decide(cfg, fold_file_path(cfg))
+    decisions = plan_decisions(cfg, fold_file_path(cfg))
     module, datamodule, _ = build_fold(cfg, 0, decisions)
     clips, labels, videos = next(iter(datamodule.train_dataloader()))
     assert clips.shape == (4, 3, 3, 32, 32) and labels.shape == videos.shape == (4,)  # (B, T, C, H, W) per video
@@ -54,7 +54,7 @@ def test_end_to_end_refuses_a_frozen_backbone_and_says_what_to_use(tiny_config, 
     cfg = tiny_config(*END_TO_END, "model.head.name=gru", "model.finetune=frozen",
                       f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}")
     with pytest.raises(ValueError, match="model.head.mode=two_stage"):
-        build_fold(cfg, 0, decide(cfg, fold_file_path(cfg)))
+        build_fold(cfg, 0, plan_decisions(cfg, fold_file_path(cfg)))
     with pytest.raises(ValueError, match="model.head.mode=two_stage"):  # make cv: before any run is created
         run_cv(cfg)
     experiment = MlflowClient(cfg.mlflow.tracking_uri).get_experiment_by_name(cfg.mlflow.experiment)

@@ -35,7 +35,7 @@ LAZY_IMPORTS = {
     ("pipeline/models/scoring.py", "pipeline.data.mtcnn"),
     # REASONED: the synthetic twin's generator (scikit-image, its planted effects) only where a twin is drawn
     ("pipeline/analysis/regions.py", "pipeline.data.synthetic"),
-    ("pipeline/analysis/benchmarks.py", "pipeline.data.synthetic"),
+    ("pipeline/analysis/throughput.py", "pipeline.data.synthetic"),
     ("pipeline/runs/serving/mlflow_model.py", "pipeline.data.synthetic"),
     ("pipeline/runs/jobs/pretrain.py", "pipeline.data.synthetic"),
     # REASONED: a job's entry point sets up logging before anything else it imports logs

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from pipeline.analysis.compare import compare
 from pipeline.analysis.comparison_runs import VERSUS_UNTUNED
 from pipeline.data.fold_files import fold_subjects, read_folds
-from pipeline.runs.jobs.fold_job import decide, resolve_here
+from pipeline.runs.jobs.fold_job import plan_decisions, settings_here
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.orchestration.search_space import load_space
 from pipeline.runs.orchestration.search_workers import TuneWorker, objective, run_worker
@@ -164,7 +164,7 @@ def run_study(cfg, client: MlflowClient, experiment: str, processed: Path, journ
     """Fold 0's study over `processed` in a journal of its own, trials logged under a tuning run of their own."""
     changed = tune_config(Path(cfg.data.root).parent, f"data.processed_dir={processed}",
                           f"mlflow.tracking_uri={cfg.mlflow.tracking_uri}", f"tune.trials={trials}")
-    decisions = decide(changed, Path(changed.fold_file))
+    decisions = plan_decisions(changed, Path(changed.fold_file))
     run = client.create_run(experiment, tags={tracking.RUN_KIND_TAG: tracking.TUNING_RUN})
     name = [("flipped-fold0", 0)]
     prepare_studies(changed, journal, name, load_space(changed))
@@ -187,14 +187,15 @@ def test_pruning_stops_a_trial_below_the_median(tiny_base: Path, tmp_path: Path)
                                 sampler=optuna.samplers.RandomSampler(seed=0))
     study.add_trial(optuna.trial.create_trial(value=0.0, intermediate_values={0: 0.0, 1: 0.0, 2: 0.0}))
     worker = TuneWorker(OmegaConf.to_container(cfg, resolve=True), [("s", 0)], [0], "", run.info.run_id,
-                        cfg.mlflow.tracking_uri, str(tmp_path / "work"), asdict(decide(cfg, Path(cfg.fold_file))))
+                        cfg.mlflow.tracking_uri, str(tmp_path / "work"),
+                        asdict(plan_decisions(cfg, Path(cfg.fold_file))))
     trial = study.ask()
     with pytest.raises(optuna.TrialPruned):
         objective(worker, load_space(cfg), trial, 0)
     (child,) = client.search_runs([experiment], f"tags.`{tracking.PARENT_TAG}` = '{run.info.run_id}'")
     assert child.data.tags[tracking.TRIAL_STATE_TAG] == "PRUNED" and child.data.metrics["epochs_trained"] == 1
     assert len(client.get_metric_history(child.info.run_id, "val/loss")) == 1
-    here = resolve_here(cfg, decide(cfg, Path(cfg.fold_file)))
+    here = settings_here(cfg, plan_decisions(cfg, Path(cfg.fold_file)))
     assert (child.data.tags["precision_asked"], child.data.tags["precision"]) == ("auto", here.precision)
 
 
@@ -210,7 +211,8 @@ def test_a_two_stage_trial_trains_and_scores_the_head_the_cv_would_keep(tiny_bas
     run = client.create_run(experiment, tags={tracking.RUN_KIND_TAG: tracking.TUNING_RUN})
     study = optuna.create_study(direction="minimize", sampler=optuna.samplers.RandomSampler(seed=0))
     worker = TuneWorker(OmegaConf.to_container(cfg, resolve=True), [("s", 0)], [0], "", run.info.run_id,
-                        cfg.mlflow.tracking_uri, str(tmp_path / "work"), asdict(decide(cfg, Path(cfg.fold_file))))
+                        cfg.mlflow.tracking_uri, str(tmp_path / "work"),
+                        asdict(plan_decisions(cfg, Path(cfg.fold_file))))
     value = objective(worker, load_space(cfg), study.ask(), 0)
     (child,) = client.search_runs([experiment], f"tags.`{tracking.PARENT_TAG}` = '{run.info.run_id}'")
     metrics = child.data.metrics
@@ -277,7 +279,8 @@ def test_a_frozen_trial_reads_the_embedding_cache_and_still_never_the_test_subje
     from pipeline.runs.orchestration.search_workers import StudyDataModule
 
     cfg = tune_config(tiny_base, "model.finetune=frozen")
-    module, datamodule, _ = build_fold(cfg, 0, decide(cfg, Path(cfg.fold_file)), datamodule_class=StudyDataModule)
+    decisions = plan_decisions(cfg, Path(cfg.fold_file))
+    module, datamodule, _ = build_fold(cfg, 0, decisions, datamodule_class=StudyDataModule)
     assert isinstance(datamodule, EmbeddingDataModule) and isinstance(datamodule, StudyDataModule)
     assert module.finetune.name == "frozen" and type(module.finetune).__name__ == "FrozenOnEmbeddings"
     roles = fold_subjects(read_folds(Path(cfg.fold_file)), 0)
@@ -288,7 +291,7 @@ def test_a_frozen_trial_reads_the_embedding_cache_and_still_never_the_test_subje
 def test_a_strategy_key_that_names_no_strategy_is_an_error(tmp_path: Path, monkeypatch) -> None:
     """A search space's `strategies` keys are `model.finetune` values (STRATEGY_NAMES): ViT-B/16's file once keyed its
     frozen override `linear_probe`, so frozen studies searched backbone settings that do nothing."""
-    from pipeline.runs.orchestration import search_space as tuning
+    from pipeline.runs.orchestration import search_space
     from pipeline.utils.config import CONFIG_DIR
 
     for path in (CONFIG_DIR / "tune" / "spaces").glob("*.yaml"):  # every shipped space, with every strategy's changes
@@ -299,10 +302,11 @@ def test_a_strategy_key_that_names_no_strategy_is_an_error(tmp_path: Path, monke
     (tmp_path / "default.yaml").write_text((CONFIG_DIR / "tune" / "spaces" / "default.yaml").read_text())
     (tmp_path / "probe.yaml").write_text("extends: default\nstrategies:\n  linear_probe:\n"
                                          "    model.optim.backbone_lr: null\n")
-    monkeypatch.setattr(tuning, "SPACES_DIR", tmp_path)
+    monkeypatch.setattr(search_space, "SPACES_DIR", tmp_path)
     cfg = load_config(["model.finetune=frozen", "tune.space=probe"], groups=("tune=default",))
-    with pytest.raises(tuning.TuneError, match=r"probe.yaml: strategies key\(s\) 'linear_probe' name no fine-tuning "
-                                               r"strategy; model.finetune is one of full, frozen, top_blocks, lora"):
+    with pytest.raises(search_space.TuneError, match=r"probe.yaml: strategies key\(s\) 'linear_probe' name no "
+                                                     r"fine-tuning strategy; model.finetune is one of full, frozen, "
+                                                     r"top_blocks, lora"):
         load_space(cfg)
 
 
@@ -339,7 +343,7 @@ def test_the_study_key_holds_the_weights_sha256_not_their_path(tiny_base: Path, 
 
     def key_for(path: Path) -> str:
         cfg = tune_config(tiny_base, "model.pretrained=true", f"model.weights={path}")
-        return search_key(cfg, load_space(cfg), "f" * 64, decide(cfg, Path(cfg.fold_file)))
+        return search_key(cfg, load_space(cfg), "f" * 64, plan_decisions(cfg, Path(cfg.fold_file)))
 
     weights = save(0, tmp_path / "start.pt")
     first = key_for(weights)

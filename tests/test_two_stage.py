@@ -21,7 +21,7 @@ from pipeline.models.embedding_cache import state_dict_sha256
 from pipeline.models.factory import create_model
 from pipeline.models.model_file import load_model_file
 from pipeline.models.temporal_heads import ClipNet
-from pipeline.runs.jobs.fold_job import decide, train_fold
+from pipeline.runs.jobs.fold_job import plan_decisions, train_fold
 from pipeline.runs.store.cv_runs import config_sha256
 from pipeline.runs.store.tracking import get_or_create_experiment
 from pipeline.utils.paths import resolve_path
@@ -37,7 +37,7 @@ def two_stage_fold(cfg, fold: int, work_dir: Path, keep_model: bool = False) -> 
     mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
     experiment_id = get_or_create_experiment("two-stage-tests", Path(cfg.mlflow.artifact_root))
     with mlflow.start_run(experiment_id=experiment_id) as run:
-        result = train_fold(cfg, fold, decide(cfg, fold_file_path(cfg)), work_dir, keep_model=keep_model)
+        result = train_fold(cfg, fold, plan_decisions(cfg, fold_file_path(cfg)), work_dir, keep_model=keep_model)
     client = MlflowClient(cfg.mlflow.tracking_uri)
     record = json.loads(Path(client.download_artifacts(run.info.run_id, "two_stage.json")).read_text())
     if keep_model:
@@ -109,7 +109,7 @@ def test_a_two_stage_lora_folds_kept_model_loads_and_scores_as_in_the_fold(tiny_
     cfg = tiny_config(*FAST, "model.head.name=gru", "model.finetune=lora", store)
     mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
     with mlflow.start_run(experiment_id=get_or_create_experiment("two-stage-tests", Path(cfg.mlflow.artifact_root))):
-        result = train_fold(cfg, 0, decide(cfg, fold_file_path(cfg)), tmp_path, keep_model=True)
+        result = train_fold(cfg, 0, plan_decisions(cfg, fold_file_path(cfg)), tmp_path, keep_model=True)
         run_id = mlflow.active_run().info.run_id
     kept, meta = load_model_file(run_id, cfg.mlflow.tracking_uri)
     assert isinstance(kept, ClipNet) and meta["finetune"] == "lora_r8" and meta["head"]["mode"] == "two_stage"

@@ -395,11 +395,11 @@ def test_a_folder_with_several_weight_files_is_ambiguous(mobilevit_source: dict,
 def test_a_fold_job_uses_the_planned_weights_or_says_why_it_cannot(mobilevit_source: dict, tmp_path: Path,
                                                                      tiny_config) -> None:
     """The plan decides the weights once; a node that finds another file under the same path refuses to train."""
-    from pipeline.runs.jobs.fold_job import DecisionNotHonoured, FoldJob, build_network, decide
+    from pipeline.runs.jobs.fold_job import DecisionNotHonoured, FoldJob, build_network, plan_decisions
 
     path = _save(mobilevit_source, tmp_path / "mobilevit.safetensors", None)
     cfg = tiny_config(f"model={MOBILEVIT}", f"model.weights={path}", "model.pretrained=true")
-    decisions = decide(cfg, tmp_path / "folds.csv")
+    decisions = plan_decisions(cfg, tmp_path / "folds.csv")
     assert decisions.weights == {"kind": "file", "ref": str(path), "sha256": _sha256(path)}
     assert decisions.model_family == "timm" and decisions.precision == "32-true"
     assert build_network(cfg, 2, decisions).backbone.family == "timm"  # the same file: honoured

@@ -14,13 +14,13 @@ from pipeline.data.datamodule import LoaderConfig
 from pipeline.data.prepare import prepare_data
 from pipeline.data.tasks import get_task
 from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings
-from pipeline.runs.jobs.fold_job import build_network, decide
+from pipeline.runs.jobs.fold_job import build_network, plan_decisions
 from pipeline.utils.paths import resolve_path
 
 
 def run_embed(cfg: DictConfig) -> None:
     _, fold_file = prepare_data(cfg)
-    decisions = decide(cfg, fold_file)
+    decisions = plan_decisions(cfg, fold_file)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)  # as build_fold: the same random init, if random
     net = build_network(cfg, get_task(cfg.task.name).n_classes, decisions)
     loader = LoaderConfig.from_config(cfg.loader)

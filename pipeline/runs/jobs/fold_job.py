@@ -1,7 +1,7 @@
 """One fold's training: the one path a fold of a cross-validation, the final model and a tuning trial share.
 
-What the plan decides once for every fold travels in `FoldDecisions` (`decide`); what depends on the device is
-resolved on the device the fold trains on (`resolve_on_device`). A `FoldJob` holds plain values only (the resolved
+What the plan decides once for every fold travels in `FoldDecisions` (`plan_decisions`); what depends on the device is
+resolved on the device the fold trains on (`settings_on_device`). A `FoldJob` holds plain values only (the resolved
 config, the fold id, the parent run id, the tracking URI and a work folder), so it pickles for submitit and writes as
 JSON for a subprocess; `pipeline.runs.jobs.fold_run.run_fold_job` runs it under a child run of its own.
 
@@ -77,7 +77,7 @@ class FoldDecisions:
     """What the plan decides once for every fold of a cross-validation. A fold job uses it as given: on a SLURM node
     it only checks that it can honour it (the same weights file, the same backbone family) and fails loudly if not.
     What depends on the device (precision, channels_last) is not decided here but by the fold job on the device it
-    trains on (`resolve_on_device`), within what the plan allows."""
+    trains on (`settings_on_device`), within what the plan allows."""
 
     fold_file: str  # the checked fold file, absolute
     precision: str  # trainer.precision as asked: `auto` (each fold resolves it on its device) or an explicit value
@@ -89,7 +89,7 @@ class FoldDecisions:
         return WeightsSource(**self.weights)
 
 
-def decide(cfg: DictConfig, fold_file: Path) -> FoldDecisions:
+def plan_decisions(cfg: DictConfig, fold_file: Path) -> FoldDecisions:
     """Resolve the fold file, the backbone family and the weights source of `cfg`, once; carry the precision as
     asked (the fold job resolves `auto` on its device).
 
@@ -100,7 +100,7 @@ def decide(cfg: DictConfig, fold_file: Path) -> FoldDecisions:
     return FoldDecisions(str(resolve_path(fold_file)), str(cfg.trainer.precision), family, asdict(weights))
 
 
-def resolve_on_device(cfg: DictConfig, decisions: FoldDecisions, device_kind: str) -> DeviceSettings:
+def settings_on_device(cfg: DictConfig, decisions: FoldDecisions, device_kind: str) -> DeviceSettings:
     """Precision and channels_last for a fold training on a `device_kind` device: `auto` resolved from that
     device's facts, an explicit value honoured; an error if the result is not one the plan allows."""
     try:
@@ -109,10 +109,10 @@ def resolve_on_device(cfg: DictConfig, decisions: FoldDecisions, device_kind: st
         raise DecisionNotHonoured(str(error)) from error
 
 
-def resolve_here(cfg: DictConfig, decisions: FoldDecisions, device: TrainingDevice | None = None) -> DeviceSettings:
-    """`resolve_on_device` for the device this process trains on (trainer.accelerator)."""
+def settings_here(cfg: DictConfig, decisions: FoldDecisions, device: TrainingDevice | None = None) -> DeviceSettings:
+    """`settings_on_device` for the device this process trains on (trainer.accelerator)."""
     device = device or training_device(cfg.trainer.accelerator)
-    return resolve_on_device(cfg, decisions, device.kind)
+    return settings_on_device(cfg, decisions, device.kind)
 
 
 class DecisionNotHonoured(RuntimeError):
@@ -219,7 +219,7 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
                ) -> tuple[PainLightningModule, PainDataModule, dict]:
     """A fresh model, the fold's data and the LightningModule; also the weights' provenance as tags.
 
-    `settings`: the device-dependent settings (`resolve_here` when None). `datamodule_class` lets the final model
+    `settings`: the device-dependent settings (`settings_here` when None). `datamodule_class` lets the final model
     (`pipeline.deployment.final_model`) read its train / validation split the same way."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = get_task(cfg.task.name)
@@ -228,7 +228,7 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     # a frozen backbone's features are the same in every fold: read them from the embedding cache (built if missing)
     cached = finetune.reads_cache
     strategy = strategy_for(finetune, embeddings=cached)
-    channels_last = not cached and (settings or resolve_here(cfg, decisions)).channels_last
+    channels_last = not cached and (settings or settings_here(cfg, decisions)).channels_last
     # end to end: the backbone runs on every frame of a clip and trains through the temporal head
     n_levels = task_levels(task, OutputConfig.from_config(cfg.model.get("output")))  # a graded task's, if ordinal
     net = build_network(cfg, n_levels, decisions, head=mode.network_head(), strategy=strategy,
@@ -380,7 +380,7 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     """Train on the fold's training subjects, select on its validation subjects, test once on its test subjects
     (`train`); choose the threshold, log and keep what the CV reads.
 
-    `settings`: precision and channels_last as resolved on this device (`resolve_here` when None), tagged on the
+    `settings`: precision and channels_last as resolved on this device (`settings_here` when None), tagged on the
     run. `callbacks` join the fit (the fold job's lease check). Logs epoch curves, test metrics and artifacts to the
     active MLflow run.
     """
@@ -388,7 +388,7 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     times = StepTimes()
     work_dir.mkdir(parents=True, exist_ok=True)
     with times("setup"):
-        settings = settings or resolve_here(cfg, decisions)
+        settings = settings or settings_here(cfg, decisions)
         built = set_up_fold(cfg, fold, decisions, settings)
     trained = train(cfg, fold, decisions, work_dir, settings, callbacks=callbacks, times=times, built=built)
     validation, evaluation = trained.validation, trained.evaluation

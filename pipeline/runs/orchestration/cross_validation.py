@@ -43,7 +43,7 @@ from pipeline.data.tasks import Task, get_task
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource, weights_provenance
-from pipeline.runs.jobs.fold_job import FoldDecisions, FoldJob, FoldResult, check_head, decide
+from pipeline.runs.jobs.fold_job import FoldDecisions, FoldJob, FoldResult, check_head, plan_decisions
 from pipeline.runs.jobs.fold_run import result_from_run
 from pipeline.runs.jobs.sealing import retire_unreadable
 from pipeline.runs.orchestration import launchers
@@ -160,7 +160,7 @@ def identity_lock(work_dir: Path, identity: str) -> Iterator[None]:
 
 def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     """The CV's plan: the data prepared and checked, the folds this task can test, the decisions every fold uses
-    (`decide`), and the parent run: the unfinished one of the same identity (resumed), or a new one."""
+    (`plan_decisions`), and the parent run: the unfinished one of the same identity (resumed), or a new one."""
     parse_rule(cfg.eval.threshold)  # a wrong setting fails before any data or training
     check_head(cfg)
     frames_result, fold_file = prepare_data(cfg)
@@ -168,7 +168,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     task = get_task(cfg.task.name)
     fold_ids, unusable, skipped = usable_folds(cfg, frames_result.frames, folds, task)
     # Where the weights come from, before any training: a missing checkpoint fails in seconds, not after fold 1.
-    decisions = decide(cfg, fold_file)
+    decisions = plan_decisions(cfg, fold_file)
     weights = decisions.weights_source
     warn_from_scratch(cfg.model.name, weights)
     people_checked = check_pretraining_people(weights, folds, fold_file)  # a WEIGHTS= file's people: none tested
@@ -176,7 +176,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
         PROJECT_ROOT)
     experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
-    tags = cv_runs.identity_tags(cfg, fold_file, weights)  # the weights file hashed once, by decide()
+    tags = cv_runs.identity_tags(cfg, fold_file, weights)  # the weights file hashed once, by plan_decisions()
     plan = Plan(cfg, decisions, fold_ids, task.classes, tracking_uri, experiment_id, "", Path())
     parent = cv_runs.newest_cv(client, experiment_id, tags) if cfg.cv.resume == "auto" else None
     if parent is None and cfg.cv.resume == "auto":

@@ -26,7 +26,7 @@ from mlflow import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.datamodule import PainDataModule
-from pipeline.runs.jobs.fold_job import FoldDecisions, Trained, resolve_here, train
+from pipeline.runs.jobs.fold_job import FoldDecisions, Trained, settings_here, train
 from pipeline.runs.jobs.fold_run import job_owner_tags
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.orchestration.search_space import SearchSpace, TuneError, load_space, with_params
@@ -129,7 +129,7 @@ def train_trial(worker: TuneWorker, trial: optuna.Trial, fold: int, params: dict
     work_dir = Path(worker.work_dir) / f"fold_{fold}" / f"trial_{trial.number}"
     try:
         mlflow.log_params({"fold": fold, "trial": trial.number, **params})
-        settings = resolve_here(cfg, decisions)  # precision and channels_last decided on this worker's device
+        settings = settings_here(cfg, decisions)  # precision and channels_last decided on this worker's device
         mlflow.set_tags({**settings.tags(), **finetune_tags(cfg)})  # a frozen trial reads the embedding cache
         reporter = ReportToTrial(trial, cfg.trainer.monitor, step_offset, report)
         # the CV's training path on the study's subjects, second stage included: the value is the validation score of

@@ -66,7 +66,7 @@ ENSEMBLE_VERSION_TAG = "painvit.ensemble_version"  # on a final run: the registe
 # On a logged MLflow model: what it is (FINAL_MODEL, FOLD_MODEL, ENSEMBLE_MODEL) and, for a fold's, which fold.
 MODEL_KIND_TAG, MODEL_FOLD_TAG = "painvit.kind", "painvit.fold"
 FINAL_MODEL, FOLD_MODEL, ENSEMBLE_MODEL = "final", "fold", "fold_ensemble"
-TABLE_RUN = "table"  # `make table`'s run of the papers' comparison (pipeline.analysis.benchmark_table)
+TABLE_RUN = "table"  # `make table`'s run of the papers' comparison (pipeline.analysis.results_table)
 INSPECT_IMAGES_TAG = "painvit.inspect_images"  # on an inspected CV: where `make inspect` put its face images
 FOLD_FILE_TAG = "fold_file_sha256"  # on a CV's parent: the SHA-256 of its fold file (CVs compare on one file only)
 # A fold's lease (pipeline.runs.store.fold_lease): its owner and heartbeat on the child run, claims as parent params.

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.analysis.benchmark_table import (
+from pipeline.analysis.results_table import (
     LABELS,
     LITERATURE_COLUMNS,
     TASKS,
