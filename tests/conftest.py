@@ -17,19 +17,98 @@ private_umask()
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under `make test`'s workers (pytest-xdist, `-n 2`): one torch thread in each worker process, so the two
-    workers share the two cores rather than four threads fighting for them (programs a test starts keep their own)."""
+    workers share the two cores rather than four threads fighting for them; and one OpenMP thread in every program a
+    test starts (`pipeline cv`, fold jobs, make, SLURM jobs: they inherit the environment), which runs on its
+    worker's share too. A second OpenMP thread that waits for a core the other worker holds makes every tensor call
+    wait for it: a tiny model's training step measured 30 ms with one thread and 1-2 s with two on a busy 2-core
+    machine. What a program sets for itself still wins (a job slot's OMP_NUM_THREADS, SLURM_CPUS_PER_TASK)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
         torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("MKL_NUM_THREADS", "1")
+    if getattr(config.option, "loadgroup", False):
+        config.pluginmanager.register(GroupsInNodeIds(), "painvit-xdist-groups")
 
 
+class GroupsInNodeIds:
+    """`--dist loadgroup` tells the scheduler a test's group by a suffix of its node id (`<id>@<group>`), which
+    pytest-xdist 3.8's worker writes to `item._nodeid`. pytest 9.2 keeps the id in `item._id` (a NodeId) and no
+    longer reads `_nodeid`: the suffix is lost and every group silently falls apart, its tests spread over both
+    workers (pytest-xdist issue 1386). This writes the suffix where pytest keeps the id, after xdist's own hook, for
+    the items whose id still lacks it."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            names = {str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                     for mark in item.iter_markers("xdist_group")}
+            suffix = "@" + "_".join(sorted(names))
+            if names and not item.nodeid.endswith(suffix) and isinstance(getattr(item, "_id", None), NodeId):
+                item._id = NodeId.parse(item.nodeid + suffix)
+
+
+# The longest tests that are scheduled one by one (`make test`, measured with --durations), longest first: started
+# first, they run beside the rest, where one started last would hold up the end of the run while the other worker
+# idles. An order only: a test missing here (renamed, new) still runs, in its place among the others.
+LONG_FIRST = (
+    "tests/test_launchers.py::test_kill_9_at_two_points_then_resume_gives_the_uninterrupted_results",
+    "tests/test_launchers.py::test_a_two_stage_fold_killed_in_its_second_stage_resumes_with_the_uninterrupted_results",
+    "tests/test_fold_lease.py::test_a_job_whose_fold_is_taken_over_stops_and_does_not_finish_its_run",
+    "tests/test_fold_lease.py::test_two_make_cv_at_once_through_one_server_train_every_fold_once",
+    "tests/test_tuning.py::test_two_parallel_workers_share_one_study_without_a_lost_trial",
+    "tests/test_launchers.py::test_parallel_runs_two_folds_at_once_through_a_server",
+    "tests/test_accelerator.py::test_make_cv_with_accelerator_gpu_and_no_gpu_stops_before_training",
+    "tests/test_lock.py::test_loading_and_scoring_a_served_model_imports_only_what_the_serving_lock_holds",
+    "tests/test_model_trust.py::test_make_serve_refuses_a_changed_model_before_loading_it",
+    "tests/test_power.py::test_make_power_repeats_a_comparison_over_twins_and_resumes",
+    "tests/test_store_open.py::test_processes_opening_a_fresh_sqlite_store_at_once_all_succeed",
+    "tests/test_tracking.py::test_make_ui_asks_for_a_password_made_for_it",
+    "tests/test_bench.py::test_bench_data_quick",
+    "tests/test_tuning.py::test_a_killed_search_resumes_and_the_study_never_sees_test_subjects",
+    "tests/test_cli.py::test_data_command_on_a_fresh_folder",
+    "tests/test_cv.py::test_the_three_default_cvs_then_compare_need_no_args",
+    "tests/test_model_trust.py::test_mlflow_models_serve_of_a_model_with_a_code_path_does_not_start",
+    "tests/test_benchmark_table.py::test_table_has_five_task_rows_and_the_published_ones_apart",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # the marks in place before any other hook (xdist's worker) reads them
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test that uses the real SLURM cluster (or starts one of its own) runs on one worker (`--dist
-    loadgroup`): one session cluster, started once, and never two clusters starting side by side."""
+    """How `make test`'s two workers (`--dist loadgroup`) share the tests. Every test that uses the real SLURM
+    cluster (or starts one of its own) runs on one worker: one session cluster, started once, and never two clusters
+    starting side by side. The tests of a module that share a fixture of that module's own (module or session
+    scope: a trained CV, a model chain, a server) run on one worker too, so that it is made once, not once on each
+    worker. The rest go one at a time to whichever worker is free, the longest first (LONG_FIRST)."""
+    users: dict[str, list[pytest.Item]] = {}
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()) or item.path.name == "test_slurm_cluster.py":
             item.add_marker(pytest.mark.xdist_group("slurm"))
+            continue
+        for name in own_shared_fixtures(item):
+            users.setdefault(f"{item.nodeid.split('::')[0]}::{name}", []).append(item)
+    for fixture, sharing in users.items():
+        if len(sharing) > 1:
+            for item in sharing:
+                if item.get_closest_marker("xdist_group") is None:
+                    item.add_marker(pytest.mark.xdist_group(fixture.split("::")[0]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects, and orders, the same way
+        rank = {nodeid: i for i, nodeid in enumerate(LONG_FIRST)}
+        items.sort(key=lambda item: rank.get(item.nodeid.split("[")[0], len(rank)))
+
+
+def own_shared_fixtures(item: pytest.Item) -> list[str]:
+    """The module- or session-scoped fixtures that `item` uses and that its own module defines."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    module = item.nodeid.split("::")[0]
+    return [name for name in item.fixturenames
+            if (defs := info.name2fixturedefs.get(name)) and defs[-1].scope in ("module", "session")
+            and defs[-1].baseid == module]
 
 
 def tiny_overrides(base: Path, *extra: str) -> list[str]:
