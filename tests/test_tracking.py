@@ -113,8 +113,8 @@ def test_make_ui_asks_for_a_password_made_for_it(store, tmp_path: Path) -> None:
         lines = [_command_line(pid) for pid in os.listdir("/proc") if pid.isdigit()]  # every process's, as ps
         assert any(b"mlflow\0server" in line and f"--port\0{port}\0".encode() in line for line in lines)
         assert not [line for line in lines if password.encode() in line or str(tmp_path).encode() in line]
-        os.killpg(ui.pid, signal.SIGINT)  # Ctrl+C
-        assert ui.wait(timeout=60) in (0, 2, 130, -signal.SIGINT), out.read_text()[-2000:]  # make: killed by it
+        os.killpg(ui.pid, signal.SIGINT)  # Ctrl+C (it may take over a minute to stop on a loaded machine)
+        assert ui.wait(timeout=180) in (0, 2, 130, -signal.SIGINT), out.read_text()[-2000:]  # make: killed by it
         assert not secret.exists() and not secret.parent.exists()
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", port)) != 0  # the server went with it
