@@ -110,10 +110,13 @@ ROOT_OVERRIDE = $(if $(BIOVID_ROOT),$(call quote,data.root=$(call absolute,$(BIO
 # --args=..., which the command splits as a shell would (shlex), running nothing in it.
 LAUNCH_OVERRIDES = $(call quote,launcher=$(LAUNCHER)) $(call if_set,launcher.jobs=,JOBS) \
 	$(call if_set,cv.resume=,RESUME) $(call if_set,--args=,ARGS)
+WEIGHTS_OVERRIDE = $(if $(WEIGHTS),$(call quote,model.weights=$(call absolute,$(WEIGHTS))))
 OVERRIDES = $(call quote,data=$(DATA)) $(call quote,protocol=$(PROTOCOL)) $(call quote,task=$(TASK)) $(MODEL_OVERRIDE) \
-	$(ROOT_OVERRIDE) $(if $(WEIGHTS),$(call quote,model.weights=$(call absolute,$(WEIGHTS)))) $(LAUNCH_OVERRIDES)
-# `make table`: MODEL may name several backbones ("vit_b16 cvt_13"), each composed per task by the command itself.
-TABLE_OVERRIDES = $(call quote,data=$(DATA)) $(call quote,protocol=$(PROTOCOL)) $(ROOT_OVERRIDE) $(LAUNCH_OVERRIDES)
+	$(ROOT_OVERRIDE) $(WEIGHTS_OVERRIDE) $(LAUNCH_OVERRIDES)
+# `make table`: MODEL may name several backbones ("vit_b16 cvt_13"), each composed per task by the command itself;
+# WEIGHTS= (one file) starts every one of them from it.
+TABLE_OVERRIDES = $(call quote,data=$(DATA)) $(call quote,protocol=$(PROTOCOL)) $(ROOT_OVERRIDE) $(WEIGHTS_OVERRIDE) \
+	$(LAUNCH_OVERRIDES)
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 # The environment's programs, each path one quoted word
 QUOTED_PY = $(call quote,$(PY))

@@ -67,6 +67,11 @@ class EpochSampler(Sampler[tuple[int, int]]):
         return self.n_items
 
     def __iter__(self):
+        order, draw_seeds = self.draw()
+        return iter(zip(order.tolist(), draw_seeds.tolist(), strict=True))
+
+    def draw(self) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's item order and each item's draw seed, as arrays (what iterating yields, pair by pair)."""
         self.drawn_epoch = self.epoch
         rng = np.random.default_rng(derived_seed(self.seed, self.stream, self.epoch))
         if self.probabilities is None:
@@ -74,7 +79,7 @@ class EpochSampler(Sampler[tuple[int, int]]):
         else:
             order = rng.choice(self.n_items, size=self.n_items, replace=True, p=self.probabilities)
         draw_seeds = rng.integers(0, 2**63 - 1, size=self.n_items, dtype=np.int64)
-        return iter(zip(order.tolist(), draw_seeds.tolist(), strict=True))
+        return order, draw_seeds
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -222,6 +227,12 @@ class PainDataModule(pl.LightningDataModule):
         """Read the frame table and the fold file once, and split the task's frames by the fold's subject roles."""
         if self._splits is not None:
             return
+        self._splits = self.split_frames()
+        self._datasets = {role: self._dataset(rows, self.train_transform if role == "train" else self.eval_transform)
+                          for role, rows in self._splits.items()}
+
+    def split_frames(self) -> dict[str, pd.DataFrame]:
+        """The task's frames of each role's subjects (the fold file's, checked against the frame table)."""
         table = self._read_frame_table()
         # The fold file may cover a subset of the preprocessed subjects (e.g. the 67 responders out of 87), so it is
         # checked on its own (roles, duplicates, leaks) and then must only name subjects that have frames.
@@ -249,9 +260,7 @@ class PainDataModule(pl.LightningDataModule):
                     f"{self.task.name} (classes {', '.join(self.task.classes)}); subjects: {roles[role]}"
                 )
             splits[role] = rows
-        self._splits = splits
-        self._datasets = {role: self._dataset(rows, self.train_transform if role == "train" else self.eval_transform)
-                          for role, rows in splits.items()}
+        return splits
 
     def _dataset(self, rows: pd.DataFrame, transform) -> FrameDataset | ClipDataset:
         if self.clips:

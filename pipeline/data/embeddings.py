@@ -109,8 +109,7 @@ class EmbeddingDataModule(PainDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self._splits is not None:
             return
-        super().setup(stage)
-        assert self._splits is not None
+        self._splits = self.split_frames()  # no image dataset is built: the items are embeddings
         if self.personalise.mode == "baseline":
             for role in ROLES:
                 self._splits[role], self.references[role] = self._without_reference(self._splits[role])

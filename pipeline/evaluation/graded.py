@@ -193,13 +193,15 @@ def level_confusion(videos: pd.DataFrame, class_names: Sequence[str]) -> pd.Data
 
 
 def write_level_confusion(videos: pd.DataFrame, class_names: Sequence[str], folder: str | os.PathLike, stem: str,
-                          title: str = "") -> tuple[Path, Path]:
-    """The level-ordered confusion matrix as `<stem>.csv` and `<stem>.png` in `folder`, both written atomically."""
+                          title: str = "", plot: bool = True) -> tuple[Path, Path]:
+    """The level-ordered confusion matrix as `<stem>.csv` and (`plot`) `<stem>.png` in `folder`, both written
+    atomically."""
     table = level_confusion(videos, class_names)
     folder = Path(folder)
     csv_path, png_path = folder / f"{stem}.csv", folder / f"{stem}.png"
     atomic_write_csv(csv_path, table.reset_index())
-    plot_confusion(table.to_numpy(), class_names, png_path, title=title)
+    if plot:
+        plot_confusion(table.to_numpy(), class_names, png_path, title=title)
     return csv_path, png_path
 
 

@@ -27,6 +27,7 @@ from pipeline.models.ordinal import LevelHead, OutputConfig, build_output_head
 
 HEADS = ("linear", "attention", "gru", "transformer")
 MODES = ("two_stage", "end_to_end")
+FITS = ("lightning", "in_memory")
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,19 @@ class HeadConfig:
     epochs: int = 50  # two_stage: the head's epochs at most (an epoch over a fold's clips takes milliseconds)
     patience: int = 10  # two_stage: epochs without a better validation score before the head stops
     mode: str = "two_stage"  # a temporal head: two_stage (on the fold's frame model's embeddings) | end_to_end
+    fit: str = "lightning"  # the linear head on cached embeddings: lightning | in_memory (models/probe_training.py)
 
     def __post_init__(self) -> None:
         if self.name not in HEADS:
             raise ValueError(f"model.head.name={self.name!r}: expected one of {', '.join(HEADS)}")
         if self.mode not in MODES:
             raise ValueError(f"model.head.mode={self.mode!r}: expected one of {', '.join(MODES)}")
+        if self.fit not in FITS:
+            raise ValueError(f"model.head.fit={self.fit!r}: expected one of {', '.join(FITS)}")
+        if self.fit == "in_memory" and self.name != "linear":
+            raise ValueError(f"model.head.fit=in_memory fits the linear frame head on cached embeddings; a temporal "
+                             f"head ({self.name}) on a fixed backbone trains in memory already "
+                             f"(model.head.mode=two_stage)")
         if min(self.hidden, self.layers, self.attention_heads, self.max_frames) < 1:
             raise ValueError(f"model.head sizes must be >= 1, got {self}")
         if self.name == "transformer" and self.hidden % self.attention_heads:

@@ -53,8 +53,7 @@ from pipeline.models.model_file import MODEL_ARTIFACT
 from pipeline.models.ordinal import OutputConfig, graded_scoring, task_levels
 from pipeline.models.temporal_heads import ClipNet, HeadConfig
 from pipeline.models.weights import WeightsSource
-from pipeline.runs.jobs.fold_fit import fit_fold, test_fold, validate_fold
-from pipeline.runs.jobs.head_modes import HeadMode, head_mode
+from pipeline.runs.jobs.head_modes import FirstStage, HeadMode, head_mode
 from pipeline.runs.jobs.sealing import FRAME_PREDICTIONS, VIDEO_PREDICTIONS
 from pipeline.runs.jobs.step_times import StepTimes
 from pipeline.runs.jobs.two_stage import RECORD as TWO_STAGE_RECORD
@@ -267,6 +266,10 @@ def check_head(cfg: DictConfig) -> HeadConfig:
     finetune = FinetuneConfig.from_config(cfg)
     # applied to a fixed backbone's cached embeddings only (under a frame head or a two-stage head's clips)
     refuse_unapplied(PersonaliseConfig.from_config(cfg.get("personalise")), reads_cache=finetune.reads_cache)
+    if head.fit == "in_memory" and not finetune.reads_cache:
+        raise ValueError(f"model.head.fit=in_memory fits the linear head on a fixed backbone's cached embeddings "
+                         f"(model.finetune=frozen, cache.embeddings=true); this run has model.finetune="
+                         f"{finetune.label} and cache.embeddings={finetune.cache_embeddings}")
     if head.end_to_end and finetune.backbone_fixed:
         raise ValueError("model.head.mode=end_to_end trains the backbone through the head, but model.finetune=frozen "
                          "fixes it: a frozen backbone's head over time is model.head.mode=two_stage (it reads cached "
@@ -275,10 +278,23 @@ def check_head(cfg: DictConfig) -> HeadConfig:
 
 
 def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], predictions: pd.DataFrame,
-                         evaluation: Evaluation, history: list[dict], splits: dict) -> None:
-    """Plots and tables a person opens in the MLflow UI. Names and predictions only, never faces."""
+                         evaluation: Evaluation, history: list[dict], splits: dict, plots: bool = True) -> None:
+    """Plots (`plots`: cv.fold_plots) and tables a person opens in the MLflow UI. Names and predictions only, never
+    faces."""
     out.mkdir(parents=True, exist_ok=True)
     videos = evaluation.video_predictions  # with the fold's decisions: the confusion counts the calls as made
+    if plots:
+        plot_fold(out, fold, class_names, evaluation, history)
+    videos.to_csv(out / VIDEO_PREDICTIONS, index=False)
+    predictions.drop(columns=["crop_path"], errors="ignore").to_csv(out / FRAME_PREDICTIONS, index=False)
+    decided_per_subject(videos).to_csv(out / "accuracy_per_subject.csv", index=False)
+    (out / "splits.json").write_text(json.dumps(splits, indent=2, default=str))
+
+
+def plot_fold(out: Path, fold: int, class_names: tuple[str, ...], evaluation: Evaluation,
+              history: list[dict]) -> None:
+    """The fold's confusion matrices (videos at the fold's decision, frames), video ROC and training curves."""
+    videos = evaluation.video_predictions
     plot_confusion(decided_confusions(videos, len(class_names))[None], class_names, out / "confusion_video.png",
                    f"fold {fold}: videos, at the fold's decision")
     plot_confusion(evaluation.confusion_frame, class_names, out / "confusion_frame.png", f"fold {fold}: frames")
@@ -287,10 +303,6 @@ def write_fold_artifacts(out: Path, fold: int, class_names: tuple[str, ...], pre
                  f"fold {fold}: video ROC")
     if history:
         plot_training_curves(pd.DataFrame(history), out / "training_curves.png")
-    videos.to_csv(out / VIDEO_PREDICTIONS, index=False)
-    predictions.drop(columns=["crop_path"], errors="ignore").to_csv(out / FRAME_PREDICTIONS, index=False)
-    decided_per_subject(videos).to_csv(out / "accuracy_per_subject.csv", index=False)
-    (out / "splits.json").write_text(json.dumps(splits, indent=2, default=str))
 
 
 def log_threshold_fallback(fold: int, fallback: str) -> None:
@@ -338,40 +350,31 @@ def train(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path, 
           scored: Sequence[str] = ("val", "test"), times: StepTimes | None = None,
           built: tuple[PainLightningModule, PainDataModule, dict] | None = None) -> Trained:
     """The one training path of a fold, the final model and a tuning trial: build (`build_fold`, through the model
-    factory), fit and select the checkpoint where the head mode fits (`fit_fold`), score the best checkpoint on the
-    splits in `scored` (`val`: re-validated for the threshold, `test`: tested once), then the second stage where the
-    mode has one (its head's validation and test scores replace the frame model's).
+    factory), fit and select where the head mode fits (its `fit`: Lightning's `fit_fold`, or in memory), score the
+    best on the splits in `scored` (`val`: re-validated for the threshold, `test`: tested once), then the second stage
+    where the mode has one (its head's validation and test scores replace the frame model's).
 
     `datamodule_class`: the subjects' roles (a fold's, `final_model.FinalDataModule`'s, a study's); `callbacks` join
     the fit (a lease check, a trial's pruning); `built`: what `build_fold` returned, where the caller logged it."""
     times = times or StepTimes()
     module, datamodule, weights = built or build_fold(cfg, fold, decisions, settings, datamodule_class)
     mode = head_mode(HeadConfig.from_config(cfg.model.head))
-    history: list[dict] = []
-    best_path, selected, validation, predictions, evaluation = None, {}, None, None, None
+    first = FirstStage()
     if mode.trains_first_stage(FinetuneConfig.from_config(cfg)):  # a frame model, or an end-to-end clip model
-        with times("fit"):
-            fitted = fit_fold(cfg, module, datamodule, work_dir, settings.precision, callbacks)
-        if "val" in scored:
-            with times("validation_repass"):
-                validation = validate_fold(fitted, module, datamodule)
-        if "test" in scored:
-            with times("test"):
-                predictions, evaluation = test_fold(fitted, module, datamodule)
-        best_path, history = fitted.best_path, fitted.history
-        selected = {"best_epoch": fitted.best_epoch, "epochs_trained": len(history),
-                    "best_val_score": fitted.best_score}
+        first = mode.fit(cfg, module, datamodule, work_dir, settings.precision, callbacks, scored, times)
+    validation, predictions, evaluation = first.validation, first.predictions, first.evaluation
+    selected = first.selected
     stage, frame_model_metrics = None, {}
     if mode.second_stage:  # the frame model, fixed, embeds the fold; the temporal head trains on that
         if evaluation is not None:
             frame_model_metrics = evaluation.metrics(prefix="frame_model/test/")
         with times("second_stage"):
-            stage = second_stage(cfg, fold, module, datamodule, best_path, work_dir)
+            stage = second_stage(cfg, fold, module, datamodule, first.best_path, work_dir)
         validation, predictions, evaluation = stage.validation, stage.predictions, stage.evaluation
         selected = {"best_epoch": stage.best_epoch, "epochs_trained": len(stage.history),
                     "best_val_score": stage.best_score}
-    return Trained(module, datamodule, weights, mode, history, best_path, selected, validation, predictions,
-                   evaluation, frame_model_metrics, stage)
+    return Trained(module, datamodule, weights, mode, first.history, first.best_path, selected, validation,
+                   predictions, evaluation, frame_model_metrics, stage)
 
 
 def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path,
@@ -469,15 +472,16 @@ def log_fold_artifacts(cfg: DictConfig, fold: int, trained: Trained, out: Path, 
     videos, a graded task's level confusion) written to `out`, flushed, and logged with the metrics and the rule."""
     validation, evaluation, class_names = trained.validation, trained.evaluation, trained.module.class_names
     assert validation is not None and evaluation is not None and trained.predictions is not None
+    plots = bool(cfg.cv.fold_plots)
     write_fold_artifacts(out, fold, class_names, trained.predictions, evaluation, trained.history,
-                         trained.datamodule.split_summary())
+                         trained.datamodule.split_summary(), plots)
     if trained.stage is not None:
         write_record(trained.stage.record, out / TWO_STAGE_RECORD)
         pd.DataFrame(trained.stage.history).to_csv(out / "head_training.csv", index=False)
     validation.video_predictions.to_csv(out / VAL_VIDEO_PREDICTIONS, index=False)
     if is_graded(cfg):
         write_level_confusion(decided_levels(evaluation.video_predictions, class_names), class_names, out,
-                              "confusion_levels", f"fold {fold}: videos by level, as called")
+                              "confusion_levels", f"fold {fold}: videos by level, as called", plot=plots)
     mlflow.log_params({"threshold_rule": rule})
     mlflow.set_tag("threshold_rule", rule)
     log_threshold_fallback(fold, fallback)

@@ -1,0 +1,290 @@
+"""A frame probe on a fixed backbone's cached embeddings, fitted in memory: the Lightning fit's recipe without its
+machinery (`model.head.fit=in_memory`).
+
+A frozen backbone's head is one `Linear(D, n)` (or an output head over levels) on embeddings that already sit in
+memory (`pipeline.data.embeddings.EmbeddingDataModule`), so an epoch is a few hundred tiny matrix products; a
+Lightning fit spends most of its seconds around them (loaders, callbacks, an epoch checkpoint written and read back,
+a test pass through the Trainer). Here the same recipe runs as a loop over the datamodule's own tensors:
+
+- the training order and each crop's augmented view come from the datamodule's `EpochSampler` (seed, fold, epoch),
+  batches of `loader.batch_size`, the last partial batch dropped as the loader drops it;
+- the module's loss (label smoothing, class weights, an ordinal head's own loss), its parameter groups and AdamW
+  (fused where torch has it), the warm-up and cosine schedule per step, gradient-norm clipping, torch's generators
+  seeded per batch from (seed, fold, epoch, batch) as `SeedEachBatch` does;
+- after every epoch the validation crops are scored and aggregated per video (`trainer.aggregation`); the monitored
+  metric selects the best epoch and stops the fit after `trainer.patience` epochs without a strictly better one, as
+  Lightning's checkpoint and early stopping do.
+
+What it does not do: write epoch checkpoints (a killed fold fits again from the start, in a second or two, to the
+same weights) or run Lightning callbacks. The project's two callbacks that join a fit read only the epoch, its
+metrics and `should_stop` (`EpochState` gives them that): a fold job's lease check runs before each epoch and a
+tuning trial's pruning after it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import torch
+from sklearn.metrics import roc_auc_score
+from torch import nn
+
+from pipeline.data.datamodule import EpochSampler, PainDataModule, class_balanced_weights
+from pipeline.evaluation.metrics import VIDEO_KEYS, Evaluation, evaluate_predictions
+from pipeline.models.lightning_module import (
+    BACKBONE_PREFIX,
+    PainLightningModule,
+    fused_adamw_supported,
+    parameter_groups,
+    warmup_cosine,
+)
+from pipeline.models.ordinal import output_probabilities
+from pipeline.utils.cpus import one_torch_thread
+from pipeline.utils.seeds import derived_seed
+
+log = logging.getLogger(__name__)
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+@dataclass(frozen=True)
+class ProbeTraining:
+    """The fit's settings, the Lightning fit's own (`trainer.*`)."""
+
+    max_epochs: int
+    patience: int
+    monitor: str  # a validation metric, e.g. val/video_auroc
+    monitor_mode: str  # max | min
+    gradient_clip_val: float | None
+
+
+@dataclass
+class EpochState:
+    """What the project's fit callbacks read of a trainer (`StopWhenLeaseLost`, `ReportToTrial`): the epoch, its
+    logged metrics, and whether to stop."""
+
+    current_epoch: int = 0
+    callback_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    should_stop: bool = False
+
+
+@dataclass
+class ProbeFit:
+    """The best epoch's weights (left in the module), its validation, and every epoch's metrics."""
+
+    best_epoch: int
+    best_score: float
+    history: list[dict]
+    validation: Evaluation  # the best epoch's validation, as it was scored then
+
+
+def split_probabilities(module: PainLightningModule, datamodule: PainDataModule, role: str) -> tuple[np.ndarray,
+                                                                                                      float]:
+    """The split's plain embeddings through the module in evaluation batches (the evaluation loader's order): the
+    class probabilities per crop and the mean loss over crops."""
+    dataset = datamodule.dataset(role)
+    batch = datamodule.eval_batch_size
+    module.eval()
+    outputs, losses = [], []
+    with torch.inference_mode():
+        for start in range(0, len(dataset), batch):
+            labels = torch.from_numpy(dataset.labels[start:start + batch].copy())
+            logits = module(dataset.plain[start:start + batch]).float()
+            losses.append(float(module._loss(logits, labels)) * len(labels))
+            outputs.append(output_probabilities(module.model.head, logits))
+    return torch.cat(outputs).numpy(), sum(losses) / max(1, len(dataset))
+
+
+def score_split(module: PainLightningModule, datamodule: PainDataModule, role: str) -> tuple[pd.DataFrame, Evaluation,
+                                                                                            float]:
+    """The split's per-crop predictions (`split_probabilities` on its frame rows), their evaluation and the loss."""
+    probabilities, loss = split_probabilities(module, datamodule, role)
+    predictions = datamodule.prediction_rows(role).loc[datamodule.dataset(role).rows].reset_index(drop=True)
+    for index, name in enumerate(module.class_names):
+        predictions[f"prob_{name}"] = probabilities[:, index]
+    evaluation = evaluate_predictions(predictions, module.class_names, aggregation=module.aggregation,
+                                      k=module.topk, ordinal=module.level_head is not None)
+    return predictions, evaluation, loss
+
+
+def fit_probe(module: PainLightningModule, datamodule: PainDataModule, settings: ProbeTraining,
+              callbacks: Sequence = ()) -> ProbeFit:
+    """Fit the module's head on the datamodule's training embeddings; select and stop on the validation videos (the
+    module docstring). On one torch thread: a head on embeddings is tiny ops."""
+    if not module.finetune.on_embeddings:
+        raise ValueError("model.head.fit=in_memory fits a head on cached embeddings (model.finetune=frozen with "
+                         "cache.embeddings=true); this model trains its backbone")
+    with one_torch_thread(), cuda_check_by_runtime():
+        return _fit(module, datamodule, settings, callbacks)
+
+
+@contextmanager
+def cuda_check_by_runtime() -> Iterator[None]:
+    """`torch.cuda.is_available` answered by the CUDA runtime's cached count while the fit runs, not by NVML.
+
+    Importing Lightning sets `PYTORCH_NVML_BASED_CUDA_CHECK=1` (so that a check before forking data-loader workers
+    does not initialise CUDA); torch then loads the NVML library anew at every check where CUDA is not initialised,
+    and AdamW checks at every step: about 55 us a check on a machine without a GPU driver, as long as the rest of a
+    probe's step. The fit forks no worker; the variable is put back as it was afterwards."""
+    saved = os.environ.pop(NVML_CHECK, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[NVML_CHECK] = saved
+
+
+def _optimizer(module: PainLightningModule, total_steps: int, steps_per_epoch: int):
+    """AdamW over the module's parameter groups and its per-step schedule, as `configure_optimizers` makes them."""
+    optimizer = torch.optim.AdamW(parameter_groups(module.model, module.optim),
+                                  fused=fused_adamw_supported(module.model))
+    warmup_steps = int(round(module.optim.warmup_epochs * steps_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  lambda step: warmup_cosine(step, warmup_steps, total_steps))
+    return optimizer, scheduler
+
+
+def _better(score: float, best: float, mode: str) -> bool:
+    return score > best if mode == "max" else score < best
+
+
+@dataclass
+class TrainingSplit:
+    """The training embeddings, labels and batching of one fit: the training loader's, as tensors."""
+
+    plain: torch.Tensor  # (N, D)
+    views: torch.Tensor | None  # (K, N, D) augmented, or None
+    labels: torch.Tensor  # (N,)
+    batch: int
+    batches: int  # per epoch: the last partial batch dropped where the loader drops it
+    weights: np.ndarray | None  # class-balanced sampling weights, or None
+
+    @classmethod
+    def of(cls, datamodule: PainDataModule) -> TrainingSplit:
+        train = datamodule.dataset("train")
+        n_items, batch = len(train), datamodule.batch_size
+        batches = n_items // batch if n_items > batch else 1
+        weights = class_balanced_weights(train.labels) if datamodule.balanced_sampling else None
+        return cls(train.plain, train.views, torch.from_numpy(train.labels.copy()), batch, batches, weights)
+
+    @property
+    def seen(self) -> int:
+        """Crops per epoch."""
+        return min(self.batches * self.batch, len(self.labels))
+
+
+def _fit(module: PainLightningModule, datamodule: PainDataModule, settings: ProbeTraining,
+         callbacks: Sequence) -> ProbeFit:
+    train = TrainingSplit.of(datamodule)
+    optimizer, scheduler = _optimizer(module, settings.max_epochs * train.batches, train.batches)
+    monitor = EpochMonitor(module, datamodule, settings.monitor)
+    state, history = EpochState(), []
+    best_epoch, best_score, best_state, waited = -1, -math.inf if settings.monitor_mode == "max" else math.inf, {}, 0
+    for epoch in range(settings.max_epochs):
+        state.current_epoch = epoch
+        for callback in callbacks:  # a lease check: before the epoch's batches
+            callback.on_train_batch_start(state, module, None, 0)
+        metrics = {**_train_epoch(module, datamodule, train, epoch, optimizer, scheduler, settings.gradient_clip_val),
+                   **monitor.scores()}
+        score = metrics[settings.monitor]
+        history.append({"epoch": epoch, **metrics, "lr/head": optimizer.param_groups[-1]["lr"]})
+        if _better(score, best_score, settings.monitor_mode):  # strictly better, as Lightning's checkpoint selects
+            best_epoch, best_score, waited = epoch, float(score), 0
+            best_state = {key: value.detach().clone() for key, value in module.state_dict().items()
+                          if not key.startswith(BACKBONE_PREFIX)}
+        else:
+            waited += 1
+        state.callback_metrics = {name: torch.tensor(value) for name, value in metrics.items()}
+        for callback in callbacks:  # a trial's pruning: after the epoch
+            callback.on_train_epoch_end(state, module)
+        if waited >= settings.patience or state.should_stop:
+            break
+    module.load_state_dict(copy.deepcopy(best_state), strict=False)
+    _, validation, _ = score_split(module, datamodule, "val")  # the best epoch's whole validation, as it scored
+    log.info("probe fitted in memory: best epoch %d of %d (%s %.4f)", best_epoch, len(history), settings.monitor,
+             best_score)
+    return ProbeFit(best_epoch, best_score, history, validation)
+
+
+def _train_epoch(module: PainLightningModule, datamodule: PainDataModule, train: TrainingSplit, epoch: int,
+                 optimizer, scheduler, clip: float | None) -> dict[str, float]:
+    """One epoch over the training embeddings in the loader's order; its mean loss and frame accuracy."""
+    sampler = EpochSampler(len(train.labels), datamodule.seed, stream=datamodule.fold, weights=train.weights,
+                           epoch=epoch)
+    order, draws = (torch.from_numpy(values) for values in sampler.draw())
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    stochastic = draws_randomness(module)
+    module.train()
+    loss_sum, correct = torch.zeros(()), torch.zeros(())
+    for index in range(train.batches):
+        chosen = order[index * train.batch:(index + 1) * train.batch]
+        embeddings = (train.views[draws[index * train.batch:(index + 1) * train.batch] % len(train.views), chosen]
+                      if train.views is not None else train.plain[chosen])
+        if stochastic:  # as SeedEachBatch seeds torch's generators (the head is on the CPU: its generator)
+            torch.default_generator.manual_seed(derived_seed(datamodule.seed, datamodule.fold, epoch, index))
+        logits = module(embeddings)
+        loss = module._loss(logits, train.labels[chosen])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(parameters, clip)
+        optimizer.step()
+        scheduler.step()
+        with torch.no_grad():
+            loss_sum += loss * len(chosen)
+            called = (logits.argmax(dim=1) if module.level_head is None
+                      else module.level_head.predicted_level(logits.float()))
+            correct += (called == train.labels[chosen]).sum()
+    return {"train/loss": float(loss_sum) / train.seen, "train/frame_accuracy": float(correct) / train.seen}
+
+
+def draws_randomness(module: nn.Module) -> bool:
+    """Whether a training step of `module` draws random numbers (a dropout layer in training mode): a linear probe
+    on embeddings draws none, so seeding each batch would change nothing."""
+    return any(isinstance(layer, nn.modules.dropout._DropoutNd) and layer.training and layer.p > 0
+               for layer in module.modules())
+
+
+class EpochMonitor:
+    """The validation losses and the monitored metric after each epoch: `val/loss` over the validation crops and,
+    for the default monitor (`val/video_auroc` of a two-class softmax head, its crops' probabilities averaged per
+    video), that AUROC from the videos' mean probability; any other monitor from the whole evaluation."""
+
+    def __init__(self, module: PainLightningModule, datamodule: PainDataModule, monitor: str) -> None:
+        self.module, self.datamodule, self.monitor = module, datamodule, monitor
+        rows = datamodule.prediction_rows("val").loc[datamodule.dataset("val").rows]
+        self.videos, names = pd.factorize(pd.MultiIndex.from_frame(rows[VIDEO_KEYS]))
+        self.counts = np.bincount(self.videos, minlength=len(names))
+        self.video_labels = rows.groupby(self.videos)["label"].first().to_numpy()
+        self.fast = (monitor in ("val/loss", "val/video_auroc") and module.aggregation == "mean"
+                     and module.level_head is None and len(module.class_names) == 2)
+
+    def scores(self) -> dict[str, float]:
+        if not self.fast:
+            _, evaluation, loss = score_split(self.module, self.datamodule, "val")
+            scores = {"val/loss": loss, **evaluation.metrics(prefix="val/")}
+        else:
+            probabilities, loss = split_probabilities(self.module, self.datamodule, "val")
+            scores = {"val/loss": loss}
+            if self.monitor == "val/video_auroc":
+                means = np.bincount(self.videos, weights=probabilities[:, 1].astype(float)) / self.counts
+                both = len(np.unique(self.video_labels)) == 2
+                scores[self.monitor] = float(roc_auc_score(self.video_labels, means)) if both else math.nan
+        if not np.isfinite(scores.get(self.monitor, math.nan)):
+            raise ValueError(f"the monitored metric {self.monitor} is undefined (NaN) on the validation split; "
+                             f"monitor another metric (trainer.monitor=val/loss, trainer.monitor_mode=min) or give "
+                             f"the fold more validation subjects")
+        return scores
+
+
+def score_test(module: PainLightningModule, datamodule: PainDataModule) -> tuple[pd.DataFrame, Evaluation]:
+    """The fitted probe scored once on the test subjects: per-crop predictions and their evaluation."""
+    predictions, evaluation, _ = score_split(module, datamodule, "test")
+    return predictions, evaluation
