@@ -337,15 +337,15 @@ def test_slurm_launcher_refuses_what_cannot_work(tiny_config, tmp_path: Path, mo
     cfg = tiny_config(*FAST, "launcher=slurm")
     monkeypatch.setenv("PATH", str(tmp_path))  # a machine without SLURM
     with pytest.raises(SystemExit, match="sbatch"):
-        check_launcher(cfg.launcher, "http://127.0.0.1:5000")
+        check_launcher(cfg.launcher.name, "http://127.0.0.1:5000")
     (tmp_path / "sbatch").write_text("#!/bin/sh\n")
     (tmp_path / "sbatch").chmod(0o755)
     with pytest.raises(SystemExit, match="tracking server that the compute nodes reach"):
-        check_launcher(cfg.launcher, cfg.mlflow.tracking_uri)  # sqlite
+        check_launcher(cfg.launcher.name, cfg.mlflow.tracking_uri)  # sqlite
     with pytest.raises(SystemExit, match="does not answer"):  # asked once before anything is submitted
-        check_launcher(cfg.launcher, "http://login-node.invalid:5000")
+        check_launcher(cfg.launcher.name, "http://login-node.invalid:5000")
     with pytest.raises(SystemExit, match="MLFLOW_TRACKING_USERNAME"):  # credentials in the URI: into job files
-        check_launcher(cfg.launcher, "http://user:secret@login-node.invalid:5000")
+        check_launcher(cfg.launcher.name, "http://user:secret@login-node.invalid:5000")
 
 
 def test_several_seeds_give_one_child_per_fold_and_seed_and_resume_exactly(tiny_config, tmp_path: Path,

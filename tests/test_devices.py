@@ -74,7 +74,7 @@ def test_auto_precision_is_left_to_the_fold_job_and_resolved_from_its_device(tin
     job = FoldJob({}, 0, "parent", "sqlite:///x.db", "/tmp/fold", decisions)
     assert FoldJob.read(job.write(Path(cfg.cv.work_dir) / "job.json")).decisions.precision == "auto"
     # a GPU node with bf16 resolves it to bf16 for every backbone family; one without, and a CPU, to float32
-    gpu = settings_on_device(cfg, decisions, "cuda")
+    gpu = settings_on_device(decisions, cfg.trainer.channels_last, "cuda")
     assert gpu.device == "cuda" and gpu.precision == ("bf16-mixed" if torch.cuda.is_available()
                                                       and torch.cuda.is_bf16_supported() else "32-true")
     for family in ("mobilevit", "cvt", "vit"):

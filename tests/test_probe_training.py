@@ -17,6 +17,7 @@ from pipeline.models.temporal_heads import HeadConfig
 from pipeline.runs.jobs.fold_job import check_head, plan_decisions, settings_here, train
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.store import cv_runs, tracking
+from pipeline.runs.store.cv_runs import WhatTrains
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # two folds of a frozen probe with two augmented views a crop (the draw of a view per crop and epoch is exercised)
@@ -103,7 +104,7 @@ def test_a_callback_sees_each_epoch_and_stops_the_fit(tiny_config, tmp_path: Pat
 ])
 def test_what_the_in_memory_fit_cannot_fit_is_refused(tiny_config, changes, message) -> None:
     with pytest.raises(ValueError, match=message):
-        check_head(tiny_config("model=mobilevit_xxs", "model.head.fit=in_memory", *changes))
+        check_head(WhatTrains.from_config(tiny_config("model=mobilevit_xxs", "model.head.fit=in_memory", *changes)))
 
 
 def test_a_temporal_head_or_an_unknown_fit_is_refused() -> None:

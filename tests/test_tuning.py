@@ -195,7 +195,7 @@ def test_pruning_stops_a_trial_below_the_median(tiny_base: Path, tmp_path: Path)
     (child,) = client.search_runs([experiment], f"tags.`{tracking.PARENT_TAG}` = '{run.info.run_id}'")
     assert child.data.tags[tracking.TRIAL_STATE_TAG] == "PRUNED" and child.data.metrics["epochs_trained"] == 1
     assert len(client.get_metric_history(child.info.run_id, "val/loss")) == 1
-    here = settings_here(cfg, plan_decisions(cfg, Path(cfg.fold_file)))
+    here = settings_here(plan_decisions(cfg, Path(cfg.fold_file)), cfg.trainer.channels_last, cfg.trainer.accelerator)
     assert (child.data.tags["precision_asked"], child.data.tags["precision"]) == ("auto", here.precision)
 
 

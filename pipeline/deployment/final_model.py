@@ -39,7 +39,8 @@ from pipeline.data.personalise import PersonaliseConfig
 from pipeline.evaluation.thresholds import binary_metrics_at, threshold_scores, video_threshold
 from pipeline.models.model_file import MODEL_ARTIFACT
 from pipeline.models.temporal_heads import HeadConfig
-from pipeline.runs.jobs.fold_job import build_fold, plan_decisions, settings_here, train
+from pipeline.runs.jobs.fold_decisions import plan_decisions, settings_here
+from pipeline.runs.jobs.fold_job import build_fold, train
 from pipeline.runs.serving.mlflow_model import log_mlflow_model, model_config
 from pipeline.runs.store import cv_runs, tracking
 from pipeline.runs.store.cv_runs import CvNotFound
@@ -208,7 +209,8 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     mlflow.log_text(OmegaConf.to_yaml(train_cfg), "config.yaml")
     mlflow.log_artifact(str(split_path))
     decisions = plan_decisions(train_cfg, split_path)  # the weights and backbone family, decided once here too
-    settings = settings_here(train_cfg, decisions)  # precision and channels_last: this machine's device decides
+    # precision and channels_last: this machine's device decides
+    settings = settings_here(decisions, train_cfg.trainer.channels_last, train_cfg.trainer.accelerator)
     print(settings.line)
     mlflow.set_tags(settings.tags())
     module, datamodule, weights = built = build_fold(train_cfg, 0, decisions, settings, FinalDataModule)

@@ -19,7 +19,7 @@ JSON is refused with its name, never used.
 
 Without views (`cache.views=0`, the default) a frozen head trains on the plain embedding every epoch: no training
 augmentation at all, whatever `augment.*` says. Its runs keep those settings as params (identity) and say that they
-were not applied (tags `augment_applied=false`, `augmentation`: `pipeline.runs.store.cv_runs.augmentation_label`).
+were not applied (tags `augment_applied=false`, `augmentation`: `pipeline.runs.store.cv_runs.WhatTrains`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """One fold's training: the one path a fold of a cross-validation, the final model and a tuning trial share.
 
-What the plan decides once for every fold travels in `FoldDecisions` (`plan_decisions`); what depends on the device is
-resolved on the device the fold trains on (`settings_on_device`). A `FoldJob` holds plain values only (the resolved
-config, the fold id, the parent run id, the tracking URI and a work folder), so it pickles for submitit and writes as
-JSON for a subprocess; `pipeline.runs.jobs.fold_run.run_fold_job` runs it under a child run of its own.
+What the plan decides once for every fold travels in `FoldDecisions` (`pipeline.runs.jobs.fold_decisions`); what
+depends on the device is resolved on the device the fold trains on (`settings_on_device`). A `FoldJob` holds plain
+values only (the resolved config, the fold id, the parent run id, the tracking URI and a work folder), so it pickles
+for submitit and writes as JSON for a subprocess; `pipeline.runs.jobs.fold_run.run_fold_job` runs it under a child
+run of its own.
 
 The steps, each a function: `build_fold` (model, data, LightningModule), `train` (the fit where the head mode fits,
 `pipeline.runs.jobs.fold_fit`: select on the inner validation subjects, epoch checkpoints; the best checkpoint scored
@@ -31,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.embeddings import embedding_variant
-from pipeline.data.personalise import PersonaliseConfig, refuse_unapplied
+from pipeline.data.personalise import refuse_unapplied
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.graded import decided_levels, fold_graded_metrics, write_level_confusion
 from pipeline.evaluation.metrics import (
@@ -44,78 +45,36 @@ from pipeline.evaluation.metrics import (
     plot_training_curves,
 )
 from pipeline.evaluation.thresholds import decide_fold, rule_name, threshold_spread
-from pipeline.models.backbones import PainNet, model_family, weights_source
+from pipeline.models.backbones import PainNet
 from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings
 from pipeline.models.factory import create_model
 from pipeline.models.finetune import FinetuneConfig, FinetuneStrategy, parameter_counts, strategy_for
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import MODEL_ARTIFACT
-from pipeline.models.ordinal import OutputConfig, graded_scoring, task_levels
+from pipeline.models.ordinal import OutputConfig, task_levels
 from pipeline.models.temporal_heads import ClipNet, HeadConfig
-from pipeline.models.weights import WeightsSource
+from pipeline.runs.jobs.fold_decisions import (  # noqa: F401  (plan_decisions, settings_on_device: as before)
+    DecisionNotHonoured,
+    FoldDecisions,
+    plan_decisions,
+    settings_here,
+    settings_on_device,
+)
 from pipeline.runs.jobs.head_modes import FirstStage, HeadMode, head_mode
 from pipeline.runs.jobs.sealing import FRAME_PREDICTIONS, VIDEO_PREDICTIONS
 from pipeline.runs.jobs.step_times import StepTimes
 from pipeline.runs.jobs.two_stage import RECORD as TWO_STAGE_RECORD
 from pipeline.runs.jobs.two_stage import SecondStage, second_stage, write_record
 from pipeline.runs.serving.mlflow_model import log_fold_model
-from pipeline.runs.store.cv_runs import augmentation_label, finetune_tags
+from pipeline.runs.store.cv_runs import WhatTrains
 from pipeline.runs.store.registry import split_videos, subjects_dataset
 from pipeline.runs.store.tracking import redact_uri, uri_has_credentials
-from pipeline.utils.accelerator import TrainingDevice, training_device
 from pipeline.utils.atomic_io import atomic_path, fsync_tree
-from pipeline.utils.devices import DeviceSettings, device_settings
+from pipeline.utils.devices import DeviceSettings
 from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
 VAL_VIDEO_PREDICTIONS = "predictions_videos_val.csv"  # the best checkpoint on the validation subjects
-
-
-@dataclass(frozen=True)
-class FoldDecisions:
-    """What the plan decides once for every fold of a cross-validation. A fold job uses it as given: on a SLURM node
-    it only checks that it can honour it (the same weights file, the same backbone family) and fails loudly if not.
-    What depends on the device (precision, channels_last) is not decided here but by the fold job on the device it
-    trains on (`settings_on_device`), within what the plan allows."""
-
-    fold_file: str  # the checked fold file, absolute
-    precision: str  # trainer.precision as asked: `auto` (each fold resolves it on its device) or an explicit value
-    model_family: str  # the backbone adapter's family (pipeline.models.backbones.FAMILIES)
-    weights: dict[str, str | None]  # where the initial weights come from: WeightsSource's kind, ref, sha256
-
-    @property
-    def weights_source(self) -> WeightsSource:
-        return WeightsSource(**self.weights)
-
-
-def plan_decisions(cfg: DictConfig, fold_file: Path) -> FoldDecisions:
-    """Resolve the fold file, the backbone family and the weights source of `cfg`, once; carry the precision as
-    asked (the fold job resolves `auto` on its device).
-
-    A missing weights file or hub cache entry fails here, in seconds, not in the first fold.
-    """
-    family = model_family(cfg.model.name, cfg.model.img_size)
-    weights = weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
-    return FoldDecisions(str(resolve_path(fold_file)), str(cfg.trainer.precision), family, asdict(weights))
-
-
-def settings_on_device(cfg: DictConfig, decisions: FoldDecisions, device_kind: str) -> DeviceSettings:
-    """Precision and channels_last for a fold training on a `device_kind` device: `auto` resolved from that
-    device's facts, an explicit value honoured; an error if the result is not one the plan allows."""
-    try:
-        return device_settings(decisions.precision, cfg.trainer.channels_last, decisions.model_family, device_kind)
-    except ValueError as error:
-        raise DecisionNotHonoured(str(error)) from error
-
-
-def settings_here(cfg: DictConfig, decisions: FoldDecisions, device: TrainingDevice | None = None) -> DeviceSettings:
-    """`settings_on_device` for the device this process trains on (trainer.accelerator)."""
-    device = device or training_device(cfg.trainer.accelerator)
-    return settings_on_device(cfg, decisions, device.kind)
-
-
-class DecisionNotHonoured(RuntimeError):
-    """A fold job cannot do what its plan decided (other weights on this node, another backbone family)."""
 
 
 @dataclass(frozen=True)
@@ -222,14 +181,16 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     (`pipeline.deployment.final_model`) read its train / validation split the same way."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = get_task(cfg.task.name)
-    finetune = FinetuneConfig.from_config(cfg)
-    mode = head_mode(check_head(cfg))
+    trains = WhatTrains.from_config(cfg)
+    finetune = trains.finetune
+    mode = head_mode(check_head(trains))
     # a frozen backbone's features are the same in every fold: read them from the embedding cache (built if missing)
     cached = finetune.reads_cache
     strategy = strategy_for(finetune, embeddings=cached)
-    channels_last = not cached and (settings or settings_here(cfg, decisions)).channels_last
+    channels_last = not cached and (settings or settings_here(decisions, cfg.trainer.channels_last,
+                                                              cfg.trainer.accelerator)).channels_last
     # end to end: the backbone runs on every frame of a clip and trains through the temporal head
-    n_levels = task_levels(task, OutputConfig.from_config(cfg.model.get("output")))  # a graded task's, if ordinal
+    n_levels = task_levels(task, trains.output)  # a graded task's, if ordinal
     net = build_network(cfg, n_levels, decisions, head=mode.network_head(), strategy=strategy,
                         channels_last=channels_last)
     fold_file = Path(decisions.fold_file)
@@ -244,7 +205,7 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
         datamodule: PainDataModule = embedding_variant(datamodule_class)(
             processed_dir, fold_file, fold, task, net.backbone.data_config, augment, loader, seed=cfg.seed,
             embeddings=entry.table, source=entry.path,
-            personalise=PersonaliseConfig.from_config(cfg.get("personalise")))
+            personalise=trains.personalise)
     else:
         datamodule = datamodule_class(processed_dir, fold_file, fold, task, net.backbone.data_config, augment, loader,
                                       seed=cfg.seed, clips=mode.clips)
@@ -260,12 +221,11 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
     return module, datamodule, decisions.weights_source.as_tags()
 
 
-def check_head(cfg: DictConfig) -> HeadConfig:
-    """The config's head, checked against its fine-tuning strategy (also before a CV plans anything)."""
-    head = HeadConfig.from_config(cfg.model.head)
-    finetune = FinetuneConfig.from_config(cfg)
+def check_head(trains: WhatTrains) -> HeadConfig:
+    """The head, checked against the fine-tuning strategy (also before a CV plans anything)."""
+    head, finetune = trains.head, trains.finetune
     # applied to a fixed backbone's cached embeddings only (under a frame head or a two-stage head's clips)
-    refuse_unapplied(PersonaliseConfig.from_config(cfg.get("personalise")), reads_cache=finetune.reads_cache)
+    refuse_unapplied(trains.personalise, reads_cache=finetune.reads_cache)
     if head.fit == "in_memory" and not finetune.reads_cache:
         raise ValueError(f"model.head.fit=in_memory fits the linear head on a fixed backbone's cached embeddings "
                          f"(model.finetune=frozen, cache.embeddings=true); this run has model.finetune="
@@ -390,22 +350,23 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     started = time.time()
     times = StepTimes()
     work_dir.mkdir(parents=True, exist_ok=True)
+    trains = WhatTrains.from_config(cfg)
     with times("setup"):
-        settings = settings or settings_here(cfg, decisions)
-        built = set_up_fold(cfg, fold, decisions, settings)
+        settings = settings or settings_here(decisions, cfg.trainer.channels_last, cfg.trainer.accelerator)
+        built = set_up_fold(cfg, fold, decisions, settings, trains)
     trained = train(cfg, fold, decisions, work_dir, settings, callbacks=callbacks, times=times, built=built)
     validation, evaluation = trained.validation, trained.evaluation
     assert validation is not None and evaluation is not None and trained.predictions is not None
     class_names = trained.module.class_names
-    mlflow.log_params({"head": HeadConfig.from_config(cfg.model.head).label,
-                       "head_parameters": head_parameters(trained)})
+    mlflow.log_params({"head": trained.mode.head.label, "head_parameters": head_parameters(trained)})
     with times("threshold"):  # the threshold sees the validation subjects only; the test videos get it as it is
         threshold, evaluation.video_predictions, decided, fallback = decide_fold(
             validation.video_predictions, evaluation.video_predictions, class_names, cfg.eval.threshold)
-    metrics = fold_test_metrics(cfg, trained, threshold, decided)
+    metrics = fold_test_metrics(trained, threshold, decided, trains.graded)
     rule = rule_name(cfg.eval.threshold, len(class_names))
     with times("artifacts"):
-        log_fold_artifacts(cfg, fold, trained, work_dir / "artifacts", metrics, rule, fallback)
+        log_fold_artifacts(fold, trained, work_dir / "artifacts", metrics, rule, fallback, trains.graded,
+                           bool(cfg.cv.fold_plots))
     if keep_model:
         with times("model_logging"):
             keep_fold_model(cfg, fold, trained, work_dir, threshold, rule)
@@ -414,19 +375,19 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     return FoldResult(fold, metrics, trained.predictions, evaluation.video_predictions, time.time() - started)
 
 
-def set_up_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions,
-                settings: DeviceSettings) -> tuple[PainLightningModule, PainDataModule, dict]:
-    """`build_fold`, with what it built logged on the fold run: the device settings, the parameters trainable, the
-    fine-tuning strategy and the subjects' videos (an MLflow dataset)."""
+def set_up_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: DeviceSettings,
+                trains: WhatTrains) -> tuple[PainLightningModule, PainDataModule, dict]:
+    """`build_fold`, with what it built logged on the fold run: the device settings, the parameters trainable, what
+    trains (`trains`: the fine-tuning strategy, the augmentation) and the subjects' videos (an MLflow dataset)."""
     mlflow.set_tags(settings.tags())
     built = build_fold(cfg, fold, decisions, settings)
     module, datamodule, _ = built
     counts = parameter_counts(module.model)
     log.info("fold %d: %s, %d of %d parameters trainable (backbone %d of %d); augmentation: %s", fold,
              module.finetune.name, counts["parameters_trainable"], counts["parameters_total"],
-             counts["backbone_parameters_trainable"], counts["backbone_parameters"], augmentation_label(cfg))
+             counts["backbone_parameters_trainable"], counts["backbone_parameters"], trains.augmentation_label)
     mlflow.log_params(counts)
-    mlflow.set_tags(finetune_tags(cfg))
+    mlflow.set_tags(trains.tags())
     mlflow.log_input(subjects_dataset(split_videos(datamodule), f"{cfg.data.name}-{cfg.task.name}-fold{fold}"),
                      context="training")
     return built
@@ -439,14 +400,10 @@ def head_parameters(trained: Trained) -> int:
     return sum(p.numel() for p in trained.module.model.head.parameters())
 
 
-def is_graded(cfg: DictConfig) -> bool:
-    """Whether the fold's calls are scored as levels too (`ordinal.graded_scoring`: MAE, kappa, ...)."""
-    return bool(graded_scoring(get_task(cfg.task.name), OutputConfig.from_config(cfg.model.get("output"))))
-
-
-def fold_test_metrics(cfg: DictConfig, trained: Trained, threshold: float, decided: dict[str, float]) -> dict:
+def fold_test_metrics(trained: Trained, threshold: float, decided: dict[str, float], graded: bool) -> dict:
     """The fold run's metrics: the test split's scores (at the fold's threshold too), what was selected, the frame
-    model's of a two-stage head, the protocol's; the threshold's spread, calibration, and a graded task's levels."""
+    model's of a two-stage head, the protocol's; the threshold's spread, calibration, and where `graded` (a graded
+    task, `ordinal.graded_scoring`) its levels."""
     validation, evaluation, class_names = trained.validation, trained.evaluation, trained.module.class_names
     assert validation is not None and evaluation is not None
     metrics = {**evaluation.metrics(prefix="test/"), **{f"test/{k}": v for k, v in decided.items()},
@@ -461,25 +418,25 @@ def fold_test_metrics(cfg: DictConfig, trained: Trained, threshold: float, decid
         videos["label"].to_numpy(), videos[[f"prob_{c}" for c in class_names]].to_numpy()).items()})
     if videos["subject_name"].nunique() == 1:  # leave one subject out: AUROC within a person
         metrics["test/within_subject_video_auroc"] = metrics["test/video_auroc"]
-    if is_graded(cfg):  # MAE, kappa, Spearman within subject of the calls as made (test/video_mae, ...)
+    if graded:  # MAE, kappa, Spearman within subject of the calls as made (test/video_mae, ...)
         metrics.update({f"test/{k}": v for k, v in fold_graded_metrics(videos, class_names).items()})
     return metrics
 
 
-def log_fold_artifacts(cfg: DictConfig, fold: int, trained: Trained, out: Path, metrics: dict, rule: str,
-                       fallback: str) -> None:
-    """The fold's plots and tables (`write_fold_artifacts`, a second stage's record and epochs, the validation
-    videos, a graded task's level confusion) written to `out`, flushed, and logged with the metrics and the rule."""
+def log_fold_artifacts(fold: int, trained: Trained, out: Path, metrics: dict, rule: str, fallback: str,
+                       graded: bool, plots: bool = True) -> None:
+    """The fold's plots (`plots`: cv.fold_plots) and tables (`write_fold_artifacts`, a second stage's record and
+    epochs, the validation videos, a graded task's level confusion) written to `out`, flushed, and logged with the
+    metrics and the rule."""
     validation, evaluation, class_names = trained.validation, trained.evaluation, trained.module.class_names
     assert validation is not None and evaluation is not None and trained.predictions is not None
-    plots = bool(cfg.cv.fold_plots)
     write_fold_artifacts(out, fold, class_names, trained.predictions, evaluation, trained.history,
                          trained.datamodule.split_summary(), plots)
     if trained.stage is not None:
         write_record(trained.stage.record, out / TWO_STAGE_RECORD)
         pd.DataFrame(trained.stage.history).to_csv(out / "head_training.csv", index=False)
     validation.video_predictions.to_csv(out / VAL_VIDEO_PREDICTIONS, index=False)
-    if is_graded(cfg):
+    if graded:
         write_level_confusion(decided_levels(evaluation.video_predictions, class_names), class_names, out,
                               "confusion_levels", f"fold {fold}: videos by level, as called", plot=plots)
     mlflow.log_params({"threshold_rule": rule})

@@ -28,7 +28,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.runs.jobs.fold_job import FoldJob, FoldResult, settings_on_device, train_fold
+from pipeline.runs.jobs.fold_decisions import settings_on_device
+from pipeline.runs.jobs.fold_job import FoldJob, FoldResult, train_fold
 from pipeline.runs.jobs.sealing import (
     FRAME_PREDICTIONS,
     VIDEO_PREDICTIONS,
@@ -147,7 +148,8 @@ def train_attempt(client: MlflowClient, job: FoldJob, cfg: DictConfig, attempt: 
         with heartbeat:
             mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
             device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
-            settings = settings_on_device(cfg, job.decisions, device.kind)  # decided where the device is known
+            # decided where the device is known
+            settings = settings_on_device(job.decisions, cfg.trainer.channels_last, device.kind)
             log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
             mlflow.set_tags(device.tags)
             result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models,

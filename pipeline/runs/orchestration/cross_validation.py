@@ -43,7 +43,8 @@ from pipeline.data.tasks import Task, get_task
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource, weights_provenance
-from pipeline.runs.jobs.fold_job import FoldDecisions, FoldJob, FoldResult, check_head, plan_decisions
+from pipeline.runs.jobs.fold_decisions import FoldDecisions, plan_decisions
+from pipeline.runs.jobs.fold_job import FoldJob, FoldResult, check_head
 from pipeline.runs.jobs.fold_run import result_from_run
 from pipeline.runs.jobs.sealing import retire_unreadable
 from pipeline.runs.orchestration import launchers
@@ -55,7 +56,7 @@ from pipeline.runs.orchestration.cv_summary import (
     record_precisions,
 )
 from pipeline.runs.store import cv_runs, fold_lease, registry, tracking
-from pipeline.runs.store.cv_runs import augmentation_label, finetune_tags
+from pipeline.runs.store.cv_runs import WhatTrains
 from pipeline.runs.store.environment import library_versions, log_environment
 from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
@@ -109,6 +110,7 @@ class Plan:
 
     cfg: DictConfig
     decisions: FoldDecisions  # fold file, precision, backbone family, weights: decided here, once
+    trains: WhatTrains  # what trains (strategy, head, output, protocol), read once from `cfg`
     fold_ids: list[int]
     class_names: tuple[str, ...]
     tracking_uri: str
@@ -162,11 +164,13 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     """The CV's plan: the data prepared and checked, the folds this task can test, the decisions every fold uses
     (`plan_decisions`), and the parent run: the unfinished one of the same identity (resumed), or a new one."""
     parse_rule(cfg.eval.threshold)  # a wrong setting fails before any data or training
-    check_head(cfg)
+    trains = WhatTrains.from_config(cfg)
+    check_head(trains)
     frames_result, fold_file = prepare_data(cfg)
     folds = read_fold_file(fold_file, sorted(set(frames_result.frames.subject_name)))
     task = get_task(cfg.task.name)
-    fold_ids, unusable, skipped = usable_folds(cfg, frames_result.frames, folds, task)
+    requested = None if cfg.trainer.folds is None else [int(fold) for fold in cfg.trainer.folds]
+    fold_ids, unusable, skipped = usable_folds(requested, frames_result.frames, folds, task)
     # Where the weights come from, before any training: a missing checkpoint fails in seconds, not after fold 1.
     decisions = plan_decisions(cfg, fold_file)
     weights = decisions.weights_source
@@ -177,7 +181,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         PROJECT_ROOT)
     experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
     tags = cv_runs.identity_tags(cfg, fold_file, weights)  # the weights file hashed once, by plan_decisions()
-    plan = Plan(cfg, decisions, fold_ids, task.classes, tracking_uri, experiment_id, "", Path())
+    plan = Plan(cfg, decisions, trains, fold_ids, task.classes, tracking_uri, experiment_id, "", Path())
     parent = cv_runs.newest_cv(client, experiment_id, tags) if cfg.cv.resume == "auto" else None
     if parent is None and cfg.cv.resume == "auto":
         why = cv_runs.why_not_resumed(client, experiment_id, tags, cfg)
@@ -186,7 +190,8 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     if parent is None:
         complete = (len(fold_ids) + len(skipped) == folds.fold.nunique() and cfg.trainer.limit_train_batches is None
                     and cfg.trainer.limit_val_batches is None)
-        described = {**new_parent_tags(cfg, plan, fold_file, complete, unusable, skipped), **people_checked}
+        device = device_tags(cfg.launcher.name, cfg.trainer.accelerator)
+        described = {**new_parent_tags(plan, fold_file, complete, unusable, skipped, device), **people_checked}
         parent = create_parent(cfg, client, experiment_id, tags, described, fold_file, frames_result)
     else:
         # a finished fold whose artifacts have gone from the store is not done: marked FAILED, trained again
@@ -202,11 +207,12 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     return plan
 
 
-def usable_folds(cfg: DictConfig, frames: pd.DataFrame, folds: pd.DataFrame,
+def usable_folds(requested: list[int] | None, frames: pd.DataFrame, folds: pd.DataFrame,
                  task: Task) -> tuple[list[int], dict[str, str], list[int]]:
-    """The folds to run (`trainer.folds`, or every fold of the file), the participants whose kept videos cannot
-    serve this task (named, with the reason), and the folds left out because none of their test subjects is usable."""
-    fold_ids = sorted(int(f) for f in folds.fold.unique()) if cfg.trainer.folds is None else list(cfg.trainer.folds)
+    """The folds to run (`requested`: `trainer.folds`, or None: every fold of the file), the participants whose kept
+    videos cannot serve this task (named, with the reason), and the folds left out because none of their test
+    subjects is usable."""
+    fold_ids = sorted(int(f) for f in folds.fold.unique()) if requested is None else list(requested)
     unusable = unusable_for_task(frames, task)
     skipped = folds_without_test_subjects(folds, unusable, fold_ids)
     for name, reason in unusable.items():
@@ -217,20 +223,20 @@ def usable_folds(cfg: DictConfig, frames: pd.DataFrame, folds: pd.DataFrame,
     return fold_ids, unusable, skipped
 
 
-def new_parent_tags(cfg: DictConfig, plan: Plan, fold_file: Path, complete: bool, unusable: dict[str, str],
-                    skipped: list[int]) -> dict[str, str]:
+def new_parent_tags(plan: Plan, fold_file: Path, complete: bool, unusable: dict[str, str], skipped: list[int],
+                    device: dict[str, str]) -> dict[str, str]:
     """What a new parent run is tagged with besides its identity: the commit, the fold file, whether it is a full
-    CV, the plan's decisions, the machine and libraries, the strategy and protocol, the subject set, the task's
-    unusable subjects and skipped folds, and the standard tags."""
+    CV, the plan's decisions, the machine (`device`: `device_tags`) and libraries, the strategy and protocol, the
+    subject set, the task's unusable subjects and skipped folds, and the standard tags."""
     decisions = plan.decisions
     return {tracking.RUN_KIND_TAG: tracking.CV_RUN, "git_commit": git_commit(),
             "fold_file": str(fold_file), "n_folds": str(len(plan.fold_ids)),
             # a smoke run (some folds, limited batches) is marked so nobody mistakes it for a full CV
             tracking.COMPLETE_TAG: str(complete).lower(),
             tracking.PRECISION_ASKED_TAG: decisions.precision, "model_family": decisions.model_family,
-            "cpu": cpu_description(), **device_tags(cfg), **library_versions(), **decisions.weights_source.as_tags(),
-            **finetune_tags(cfg),  # with whether augment.* was applied (a frozen head on plain embeddings)
-            **cv_runs.protocol_tags(cfg),  # output and personalisation protocol (descriptive: not identity)
+            "cpu": cpu_description(), **device, **library_versions(), **decisions.weights_source.as_tags(),
+            **plan.trains.tags(),  # with whether augment.* was applied (a frozen head on plain embeddings)
+            **plan.trains.protocol_tags(),  # output and personalisation protocol (descriptive: not identity)
             **subject_set_tags(fold_file),
             "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped)),
             **registry.standard_tags("make cv")}
@@ -264,11 +270,12 @@ def create_parent(cfg: DictConfig, client: MlflowClient, experiment_id: str, ide
     return parent
 
 
-def device_tags(cfg: DictConfig) -> dict[str, str]:
-    """The training device's tags; on SLURM each fold's node chooses its own, and its fold run carries them."""
-    if cfg.launcher.name == "slurm":
+def device_tags(launcher: str, accelerator: str) -> dict[str, str]:
+    """The training device's tags (`trainer.accelerator` here); under the `slurm` launcher each fold's node chooses
+    its own, and its fold run carries them."""
+    if launcher == "slurm":
         return {"device": "chosen on each SLURM node (see the fold runs' device tags)"}
-    return training_device(cfg.trainer.accelerator).tags
+    return training_device(accelerator).tags
 
 
 def log_exclusions(client: MlflowClient, run_id: str, frames_result, frames_per_video: int) -> None:
@@ -370,7 +377,7 @@ def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Prog
 def run_cv(cfg: DictConfig) -> dict:
     """Plan, launch the pending folds, aggregate; returns the aggregate metrics (empty if folds remain)."""
     tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
-    launchers.check_launcher(cfg.launcher, tracking_uri)
+    launchers.check_launcher(cfg.launcher.name, tracking_uri)
     client = MlflowClient(tracking_uri)
     # Said first, and a GPU that was asked for but cannot be used refused, before any data is prepared or trained
     if cfg.launcher.name == "slurm":
@@ -434,7 +441,8 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
         runs += [finished[fold] for fold in plan.fold_ids]
     results = [result_from_run(client, run) for run in runs]
     record_precisions(client, plan.parent_run_id, runs)
-    summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, plan.cfg)
+    summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, resolve_path(plan.cfg.fold_file),
+                            several_seeds=bool(plan.cfg.cv.get("seeds")), graded=plan.trains.graded)
     client.set_tag(plan.parent_run_id, tracking.HEADLINE_TAG, HEADLINE)  # the number to quote beside the literature
     client.set_terminated(plan.parent_run_id, tracking.FINISHED)
     remove_fold_folders(plan.work_dir)
@@ -442,7 +450,7 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
     calibration = calibration_line(summary, len(results))
     client.set_tag(plan.parent_run_id, "calibration_note", calibration)
     print(calibration)
-    print(f"augmentation: {augmentation_label(plan.cfg)}")
+    print(f"augmentation: {plan.trains.augmentation_label}")
     registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.cfg.model.name}: video-level test "
                           f"scores per fold", table.rename_axis("").reset_index())
     return summary

@@ -14,9 +14,7 @@ import numpy as np
 import pandas as pd
 from mlflow import MlflowClient
 from mlflow.entities import Metric
-from omegaconf import DictConfig
 
-from pipeline.data.tasks import get_task
 from pipeline.evaluation.graded import cv_graded_table, decided_levels, write_level_confusion
 from pipeline.evaluation.metrics import (
     classification_metrics,
@@ -28,10 +26,8 @@ from pipeline.evaluation.metrics import (
     summarize_folds,
 )
 from pipeline.evaluation.statistics import calibration_intervals, subject_intervals, subject_scores
-from pipeline.models.ordinal import OutputConfig, graded_scoring
 from pipeline.runs.jobs.fold_job import FoldResult
 from pipeline.runs.store import cv_runs, tracking
-from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
 REPORTED = ("auroc", "accuracy", "balanced_accuracy", "f1")
@@ -87,10 +83,11 @@ def spread_over_folds_and_seeds(results: list[FoldResult]) -> dict[str, float]:
     return summary
 
 
-def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], class_names,
-                  cfg: DictConfig) -> dict[str, float]:
+def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], class_names, fold_file: Path, *,
+                  several_seeds: bool, graded: bool) -> dict[str, float]:
+    """The CV's summary over `results` (tested on `fold_file`'s subjects; `several_seeds`: cv.seeds; `graded`: a
+    graded task's levels too) logged onto the parent run `run_id`, with its tables and plots; returns the summary."""
     summary = spread_over_folds_and_seeds(results)
-    several_seeds = bool(cfg.cv.get("seeds"))
     videos = pd.concat([r.video_predictions.assign(seed=r.seed) if several_seeds else r.video_predictions
                         for r in results], ignore_index=True)
     frames = pd.concat([r.frame_predictions for r in results], ignore_index=True)
@@ -103,9 +100,9 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     summary.update(pooled_argmax(videos, class_names))
     # with subject-bootstrap intervals; pooled over the fold models (cv/video_brier_mean, _ece_mean: per fold)
     summary.update({f"pooled/video_{k}": v for k, v in calibration_intervals(videos, class_names).items()})
-    summary.update(tested_counts(videos, resolve_path(cfg.fold_file), sorted({r.fold for r in results})))
-    graded = graded_cv(cfg, results, class_names)  # a graded task's MAE, kappa, ... pooled and per fold, or None
-    summary.update(graded[1] if graded else {})
+    summary.update(tested_counts(videos, fold_file, sorted({r.fold for r in results})))
+    levels = graded_cv(results, class_names) if graded else None  # a graded task's MAE, kappa, ... pooled, per fold
+    summary.update(levels[1] if levels else {})
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
     for chunk in cv_runs.chunks(metrics, 500):
@@ -134,21 +131,18 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
                           (videos["label"].to_numpy(), videos[prob_columns].to_numpy())},
                          out / "reliability_video_pooled.png")
         decided_per_subject(videos).to_csv(out / "accuracy_per_subject.csv", index=False)
-        if graded:
-            graded[0].to_csv(out / "graded_metrics.csv", index=False)
-            write_level_confusion(graded[2], class_names, out, "confusion_levels_pooled",
+        if levels:
+            levels[0].to_csv(out / "graded_metrics.csv", index=False)
+            write_level_confusion(levels[2], class_names, out, "confusion_levels_pooled",
                                   "all test videos by level, at each fold's decision")
         subject_scores(videos, class_names).to_csv(out / "scores_per_subject.csv", index=False)
         client.log_artifacts(run_id, str(out))
     return summary
 
 
-def graded_cv(cfg: DictConfig, results: list[FoldResult],
-              class_names) -> tuple[pd.DataFrame, dict[str, float], pd.DataFrame] | None:
+def graded_cv(results: list[FoldResult], class_names) -> tuple[pd.DataFrame, dict[str, float], pd.DataFrame]:
     """A graded task's (`ordinal.graded_scoring`) metrics over every fold's test videos: the table pooled and per
-    fold, the pooled metrics with subject-bootstrap intervals, the graded videos; None for another task."""
-    if not graded_scoring(get_task(cfg.task.name), OutputConfig.from_config(cfg.model.get("output"))):
-        return None
+    fold, the pooled metrics with subject-bootstrap intervals, the graded videos."""
     videos = pd.concat([r.video_predictions.assign(fold=r.fold) for r in results], ignore_index=True)
     table, pooled = cv_graded_table(videos, class_names)
     return table, pooled, decided_levels(videos, class_names)

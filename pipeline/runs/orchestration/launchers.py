@@ -89,14 +89,14 @@ class LaunchOutcome:
     submitted: dict[int | str, str] = field(default_factory=dict)
 
 
-def check_launcher(launcher: DictConfig, tracking_uri: str) -> None:
-    """Refuse, before any work, a launcher that cannot run here."""
-    if launcher.name not in LAUNCHERS:
-        raise LauncherError(f"unknown launcher {launcher.name!r}; known: {', '.join(LAUNCHERS)}")
+def check_launcher(name: str, tracking_uri: str) -> None:
+    """Refuse, before any work, a launcher (`launcher.name`) that cannot run here."""
+    if name not in LAUNCHERS:
+        raise LauncherError(f"unknown launcher {name!r}; known: {', '.join(LAUNCHERS)}")
     if tracking_uri.startswith(("http://", "https://")) and uri_has_credentials(tracking_uri):  # into job files
         raise LauncherError(f"the tracking URI carries a user or password; it is written into job files and run tags. "
                             f"Use {USERNAME_ENV} and {PASSWORD_ENV} (MLflow reads them) and a URI without them")
-    if launcher.name != "slurm":
+    if name != "slurm":
         return
     if shutil.which("sbatch") is None:
         raise LauncherError("LAUNCHER=slurm needs SLURM's `sbatch` on PATH, and it is not there. Run `make cv` on a "

@@ -14,8 +14,8 @@ from typing import Any
 import optuna
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.models.finetune import STRATEGY_NAMES, FinetuneConfig
-from pipeline.runs.store.cv_runs import augmentation_applied, augmentation_label
+from pipeline.models.finetune import STRATEGY_NAMES
+from pipeline.runs.store.cv_runs import WhatTrains
 from pipeline.utils.config import CONFIG_DIR
 
 SPACES_DIR = CONFIG_DIR / "tune" / "spaces"
@@ -103,19 +103,20 @@ def _space_entries(name: str, seen: tuple[str, ...] = ()) -> tuple[dict, dict, l
 
 def load_space(cfg: DictConfig) -> SearchSpace:
     """The search space for `cfg`: its backbone's file (or `tune.space`), with the fine-tuning strategy's changes.
-    A run whose training applies no augmentation (a frozen head on plain cached embeddings, `augmentation_applied`)
-    does not search `augment.*`: those settings would change nothing it trains on."""
+    A run whose training applies no augmentation (a frozen head on plain cached embeddings,
+    `WhatTrains.augmentation_applied`) does not search `augment.*`: those settings would change nothing it trains on."""
     name = cfg.tune.space
     if name == "auto":
         name = cfg.model.name if (SPACES_DIR / f"{cfg.model.name}.yaml").is_file() else "default"
     entries, strategies, sources = _space_entries(str(name))
-    strategy = FinetuneConfig.from_config(cfg).strategy
+    trains = WhatTrains.from_config(cfg)
+    strategy = trains.finetune.strategy
     if strategy in strategies:
         entries = {**entries, **strategies[strategy]}
     source = " + ".join(sources) + (f" (strategy {strategy})" if strategy in strategies else "")
-    unaugmented = not augmentation_applied(cfg)
+    unaugmented = not trains.augmentation_applied
     if unaugmented:
-        source += f" (augment.* not searched: {augmentation_label(cfg)})"
+        source += f" (augment.* not searched: {trains.augmentation_label})"
     parameters = []
     for key, spec in entries.items():
         if spec is None or (unaugmented and key.startswith("augment.")):  # removed, or nothing it would change

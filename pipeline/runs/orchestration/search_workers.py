@@ -26,13 +26,14 @@ from mlflow import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.datamodule import PainDataModule
-from pipeline.runs.jobs.fold_job import FoldDecisions, Trained, settings_here, train
+from pipeline.runs.jobs.fold_decisions import FoldDecisions, settings_here
+from pipeline.runs.jobs.fold_job import Trained, train
 from pipeline.runs.jobs.fold_run import job_owner_tags
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.orchestration.search_space import SearchSpace, TuneError, load_space, with_params
 from pipeline.runs.orchestration.studies import FINISHED_STATES, finished_trials, open_storage, open_study, study_lock
 from pipeline.runs.store import tracking
-from pipeline.runs.store.cv_runs import finetune_tags
+from pipeline.runs.store.cv_runs import WhatTrains
 from pipeline.utils.atomic_io import atomic_path
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,9 @@ def train_trial(worker: TuneWorker, trial: optuna.Trial, fold: int, params: dict
     work_dir = Path(worker.work_dir) / f"fold_{fold}" / f"trial_{trial.number}"
     try:
         mlflow.log_params({"fold": fold, "trial": trial.number, **params})
-        settings = settings_here(cfg, decisions)  # precision and channels_last decided on this worker's device
-        mlflow.set_tags({**settings.tags(), **finetune_tags(cfg)})  # a frozen trial reads the embedding cache
+        # precision and channels_last decided on this worker's device
+        settings = settings_here(decisions, cfg.trainer.channels_last, cfg.trainer.accelerator)
+        mlflow.set_tags({**settings.tags(), **WhatTrains.from_config(cfg).tags()})  # a frozen trial: the cache
         reporter = ReportToTrial(trial, cfg.trainer.monitor, step_offset, report)
         # the CV's training path on the study's subjects, second stage included: the value is the validation score of
         # what the tuned CV would keep (a two-stage head's, after its frame model's epochs fed the pruner)

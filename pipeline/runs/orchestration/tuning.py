@@ -161,7 +161,7 @@ def run_tune(cfg: DictConfig) -> dict:
     space = load_space(cfg)
     space.defaults(cfg)  # a default outside its range fails before any data or training
     tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
-    launchers.check_launcher(cfg.launcher, tracking_uri)
+    launchers.check_launcher(cfg.launcher.name, tracking_uri)
     client = MlflowClient(tracking_uri)
     if cfg.launcher.name != "slurm":  # said first; on SLURM each node says its own
         announce_device(cfg.trainer.accelerator)

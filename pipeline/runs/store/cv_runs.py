@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -30,9 +31,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.fold_files import fold_file_sha256
 from pipeline.data.personalise import PersonaliseConfig
+from pipeline.data.tasks import Task, get_task
 from pipeline.models.backbones import weights_source
 from pipeline.models.finetune import FinetuneConfig
-from pipeline.models.ordinal import OutputConfig
+from pipeline.models.ordinal import OutputConfig, graded_scoring
 from pipeline.models.temporal_heads import HeadConfig
 from pipeline.models.weights import WeightsSource
 from pipeline.runs.store import tracking
@@ -56,37 +58,64 @@ class CvNotFound(LookupError):
 # Identity
 
 
-def augmentation_applied(cfg: DictConfig) -> bool:
-    """Whether training applies the `augment.*` settings. Not for a frozen head on cached embeddings without
-    augmented views (`cache.views=0`: the plain embedding every epoch), nor for a frozen backbone's two-stage head
-    (it trains on plain embeddings); the settings stay in the run's params, as part of its identity."""
-    finetune = FinetuneConfig.from_config(cfg)
-    if finetune.backbone_fixed and HeadConfig.from_config(cfg.model.head).two_stage:
-        return False
-    return not (finetune.reads_cache and int(cfg.cache.views) == 0)
+@dataclass(frozen=True)
+class WhatTrains:
+    """What a run trains, read once from its config: the task, the fine-tuning strategy, the head, the embedding
+    cache's augmented views, the output and the personalisation protocol. It answers whether `augment.*` is applied
+    and whether the calls are scored as levels too (`graded`), and says so as tags (`tags`, `protocol_tags`) and in
+    words (`augmentation_label`)."""
 
+    task: Task
+    finetune: FinetuneConfig
+    head: HeadConfig
+    cache_views: int  # cache.views: augmented views per crop in the embedding cache (0: the plain embedding)
+    output: OutputConfig
+    personalise: PersonaliseConfig
 
-def augmentation_label(cfg: DictConfig) -> str:
-    """What augmentation training saw, in words: the `augmentation` tag and the fold's and the CV's lines."""
-    views = int(cfg.cache.views)
-    two_stage = HeadConfig.from_config(cfg.model.head).two_stage
-    finetune = FinetuneConfig.from_config(cfg)
-    if finetune.backbone_fixed and two_stage:
-        return "none (frozen backbone: the two-stage head trains on plain embeddings; augment.* not applied)"
-    if finetune.reads_cache:
-        return ("none (frozen embeddings, cache.views=0; augment.* not applied)" if views == 0 else
-                f"{views} augmented view(s) per crop (frozen embeddings, cache.views={views}, drawn with augment.*)")
-    if two_stage:
-        return "augment.* on the frame model's images (the two-stage head trains on plain embeddings)"
-    return "augment.* on the images"
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> WhatTrains:
+        return cls(get_task(cfg.task.name), FinetuneConfig.from_config(cfg), HeadConfig.from_config(cfg.model.head),
+                   int(cfg.cache.views), OutputConfig.from_config(cfg.model.get("output")),
+                   PersonaliseConfig.from_config(cfg.get("personalise")))
 
+    @property
+    def graded(self) -> bool:
+        """Whether the calls are scored as levels too (`ordinal.graded_scoring`: MAE, kappa, ...)."""
+        return bool(graded_scoring(self.task, self.output))
 
-def finetune_tags(cfg: DictConfig) -> dict[str, str]:
-    """What trains, as tags: the strategy's label (full, frozen, top_blocks2, lora_r8), whether embeddings fed it,
-    and whether the `augment.*` settings (logged as params either way) were applied, in words."""
-    finetune = FinetuneConfig.from_config(cfg)
-    return {"finetune": finetune.label, "embedding_cache": str(finetune.reads_cache).lower(),
-            "augment_applied": str(augmentation_applied(cfg)).lower(), "augmentation": augmentation_label(cfg)}
+    @property
+    def augmentation_applied(self) -> bool:
+        """Whether training applies the `augment.*` settings. Not for a frozen head on cached embeddings without
+        augmented views (`cache.views=0`: the plain embedding every epoch), nor for a frozen backbone's two-stage head
+        (it trains on plain embeddings); the settings stay in the run's params, as part of its identity."""
+        if self.finetune.backbone_fixed and self.head.two_stage:
+            return False
+        return not (self.finetune.reads_cache and self.cache_views == 0)
+
+    @property
+    def augmentation_label(self) -> str:
+        """What augmentation training saw, in words: the `augmentation` tag and the fold's and the CV's lines."""
+        views = self.cache_views
+        if self.finetune.backbone_fixed and self.head.two_stage:
+            return "none (frozen backbone: the two-stage head trains on plain embeddings; augment.* not applied)"
+        if self.finetune.reads_cache:
+            return ("none (frozen embeddings, cache.views=0; augment.* not applied)" if views == 0 else
+                    f"{views} augmented view(s) per crop (frozen embeddings, cache.views={views}, drawn with "
+                    f"augment.*)")
+        if self.head.two_stage:
+            return "augment.* on the frame model's images (the two-stage head trains on plain embeddings)"
+        return "augment.* on the images"
+
+    def tags(self) -> dict[str, str]:
+        """What trains, as tags: the strategy's label (full, frozen, top_blocks2, lora_r8), whether embeddings fed
+        it, and whether the `augment.*` settings (logged as params either way) were applied, in words."""
+        return {"finetune": self.finetune.label, "embedding_cache": str(self.finetune.reads_cache).lower(),
+                "augment_applied": str(self.augmentation_applied).lower(), "augmentation": self.augmentation_label}
+
+    def protocol_tags(self) -> dict[str, str]:
+        """The output and personalisation protocol as tags (`tracking.OUTPUT_TAG`, `PERSONALISE_TAG`): descriptive,
+        not identity tags, on every new CV; `cv_label` names a CV by them when they are not softmax / none."""
+        return {tracking.OUTPUT_TAG: self.output.label, tracking.PERSONALISE_TAG: self.personalise.label}
 
 
 def identity_config(cfg: DictConfig) -> dict:
@@ -134,20 +163,14 @@ def identity_tags(cfg: DictConfig, fold_file: Path, weights: WeightsSource | Non
     `weights`: the initial weights as the plan already resolved them (resolved, and a weights file hashed, here
     otherwise)."""
     weights = weights or weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
+    trains = WhatTrains.from_config(cfg)
     return {"model": cfg.model.name, "dataset": cfg.data.name, "protocol": cfg.protocol.name, "task": cfg.task.name,
             "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
             "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg),
             # what trains (full, frozen, top_blocks2, lora_r8) and the SHA-256 of the weights it starts from
-            "finetune": finetune_tags(cfg)["finetune"],
+            "finetune": trains.finetune.label,
             "initial_weights": weights.sha256 or "random",
-            "head": HeadConfig.from_config(cfg.model.head).label}  # linear, or a temporal head and its mode
-
-
-def protocol_tags(cfg: DictConfig) -> dict[str, str]:
-    """A CV's output and personalisation protocol as tags (`tracking.OUTPUT_TAG`, `PERSONALISE_TAG`): descriptive,
-    not identity tags, on every new CV; `cv_label` names a CV by them when they are not softmax / none."""
-    return {tracking.OUTPUT_TAG: OutputConfig.from_config(cfg.model.get("output")).label,
-            tracking.PERSONALISE_TAG: PersonaliseConfig.from_config(cfg.get("personalise")).label}
+            "head": trains.head.label}  # linear, or a temporal head and its mode
 
 
 class CvSettings(NamedTuple):
@@ -160,8 +183,8 @@ class CvSettings(NamedTuple):
 def planned_settings(cfg: DictConfig, fold_file: Path, weights: WeightsSource | None = None) -> CvSettings:
     """The identity tags and parameters a complete CV of `cfg` on `fold_file` would log, before it runs: what
     `make compare` checks, asked of configs (tests/test_compare.py runs the default backbones' configs through it)."""
-    return CvSettings({**identity_tags(cfg, fold_file, weights), **protocol_tags(cfg), tracking.COMPLETE_TAG: "true"},
-                      identity_params(cfg))
+    return CvSettings({**identity_tags(cfg, fold_file, weights), **WhatTrains.from_config(cfg).protocol_tags(),
+                       tracking.COMPLETE_TAG: "true"}, identity_params(cfg))
 
 
 def cv_label(tags: Mapping[str, str]) -> str:
@@ -188,9 +211,10 @@ def cv_label(tags: Mapping[str, str]) -> str:
 def config_label(cfg: DictConfig) -> str:
     """`cv_label` of the CV a config describes (what `source_cv` looks for)."""
     source = weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
-    return cv_label({"model": cfg.model.name, "finetune": finetune_tags(cfg)["finetune"],
+    trains = WhatTrains.from_config(cfg)
+    return cv_label({"model": cfg.model.name, "finetune": trains.finetune.label,
                      "weights_source": source.kind, "weights_sha256": source.sha256 or "",
-                     "head": HeadConfig.from_config(cfg.model.head).label, **protocol_tags(cfg)})
+                     "head": trains.head.label, **trains.protocol_tags()})
 
 
 def crop_settings(cfg: DictConfig) -> dict[str, str]:
