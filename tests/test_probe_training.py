@@ -92,7 +92,8 @@ def test_a_callback_sees_each_epoch_and_stops_the_fit(tiny_config, tmp_path: Pat
                        "trainer.max_epochs=1"))  # prepares the fold file and builds the embedding cache
     decisions = plan_decisions(cfg, fold_file_path(cfg))
     stop = StopAfter(2)
-    trained = train(cfg, 0, decisions, tmp_path / "fold", settings_here(cfg, decisions), callbacks=[stop])
+    trained = train(cfg, 0, decisions, tmp_path / "fold", settings_here(decisions, cfg.trainer.channels_last,
+                                                                     cfg.trainer.accelerator), callbacks=[stop])
     assert stop.started == 2 and len(stop.scores) == 2 and len(trained.history) == 2
     assert trained.best_path is None and trained.validation is not None and trained.evaluation is not None
     assert stop.scores[trained.selected["best_epoch"]] == pytest.approx(trained.selected["best_val_score"])
