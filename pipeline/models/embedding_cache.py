@@ -130,8 +130,36 @@ def entry_paths(processed_dir: Path, backbone_name: str, key: dict) -> tuple[Pat
     return stem.with_suffix(".npz"), stem.with_suffix(".json")
 
 
+_CHECKED: dict[tuple, EmbeddingTable] = {}  # entries read and checked in this process, by file identity (2 kept)
+
+
 def read_entry(arrays: Path, record: Path, key: dict) -> EmbeddingTable:
-    """A stored entry, checked: the record's key and the arrays' SHA-256 must match, else CorruptEmbeddings."""
+    """A stored entry, checked: the record's key and the arrays' SHA-256 must match, else CorruptEmbeddings.
+
+    An entry this process has read and checked is served again while neither file changed (same size and
+    modification time, the same key): a LOSO CV's 87 folds read and hash the arrays once, not 87 times."""
+    identity = _file_identity(arrays, record, key)
+    if identity is not None and identity in _CHECKED:
+        return _CHECKED[identity]
+    table = _read_checked(arrays, record, key)
+    for array in (table.rows, table.plain, table.views):
+        array.flags.writeable = False  # served to every fold of the process: no fold may change it in place
+    if identity is not None:
+        while len(_CHECKED) >= 2:
+            _CHECKED.pop(next(iter(_CHECKED)))
+        _CHECKED[identity] = table
+    return table
+
+
+def _file_identity(arrays: Path, record: Path, key: dict) -> tuple | None:
+    try:
+        stats = [path.stat() for path in (arrays, record)]
+    except OSError:
+        return None
+    return (str(arrays), *((st.st_ino, st.st_size, st.st_mtime_ns) for st in stats), key_digest(key))
+
+
+def _read_checked(arrays: Path, record: Path, key: dict) -> EmbeddingTable:
     try:
         stored = json.loads(record.read_text())
     except (OSError, json.JSONDecodeError) as error:
