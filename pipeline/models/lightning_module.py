@@ -232,18 +232,26 @@ class PainLightningModule(pl.LightningModule):
                                  gradient_clip_algorithm or "norm")
 
     def configure_optimizers(self):
-        groups = parameter_groups(self.model, self.optim)
         # The fused kernel (CPU and CUDA) updates all parameters in one pass: on a ViT-B at a small input the
         # optimizer step is otherwise about a third of the training step on a laptop CPU.
         # Not under fp16 AMP: its grad scaler would leave the gradients scaled at clipping time.
         no_scaler = getattr(self.trainer.precision_plugin, "scaler", None) is None
-        optimizer = torch.optim.AdamW(groups, fused=no_scaler and fused_adamw_supported(self.model))
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         steps_per_epoch = max(1, total_steps // max(1, self.trainer.max_epochs or 1))
-        warmup_steps = int(round(self.optim.warmup_epochs * steps_per_epoch))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, warmup_steps, total_steps))
+        optimizer, scheduler = optimizer_and_schedule(self.model, self.optim, total_steps, steps_per_epoch,
+                                                      fused=no_scaler)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def optimizer_and_schedule(model: nn.Module, optim: OptimConfig, total_steps: int, steps_per_epoch: int,
+                           fused: bool = True) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the model's parameter groups (fused where torch can and `fused`) and its per-step warm-up and
+    cosine schedule: a Lightning fit's (`configure_optimizers`) and an in-memory probe's."""
+    optimizer = torch.optim.AdamW(parameter_groups(model, optim), fused=fused and fused_adamw_supported(model))
+    warmup_steps = int(round(optim.warmup_epochs * steps_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, warmup_steps,
+                                                                                        total_steps))
+    return optimizer, scheduler
 
 
 def fused_adamw_supported(model: nn.Module) -> bool:

@@ -42,9 +42,7 @@ from pipeline.evaluation.metrics import VIDEO_KEYS, Evaluation, evaluate_predict
 from pipeline.models.lightning_module import (
     BACKBONE_PREFIX,
     PainLightningModule,
-    fused_adamw_supported,
-    parameter_groups,
-    warmup_cosine,
+    optimizer_and_schedule,
 )
 from pipeline.models.ordinal import output_probabilities
 from pipeline.utils.cpus import one_torch_thread
@@ -141,16 +139,6 @@ def cuda_check_by_runtime() -> Iterator[None]:
             os.environ[NVML_CHECK] = saved
 
 
-def _optimizer(module: PainLightningModule, total_steps: int, steps_per_epoch: int):
-    """AdamW over the module's parameter groups and its per-step schedule, as `configure_optimizers` makes them."""
-    optimizer = torch.optim.AdamW(parameter_groups(module.model, module.optim),
-                                  fused=fused_adamw_supported(module.model))
-    warmup_steps = int(round(module.optim.warmup_epochs * steps_per_epoch))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
-                                                  lambda step: warmup_cosine(step, warmup_steps, total_steps))
-    return optimizer, scheduler
-
-
 def _better(score: float, best: float, mode: str) -> bool:
     return score > best if mode == "max" else score < best
 
@@ -183,7 +171,8 @@ class TrainingSplit:
 def _fit(module: PainLightningModule, datamodule: PainDataModule, settings: ProbeTraining,
          callbacks: Sequence) -> ProbeFit:
     train = TrainingSplit.of(datamodule)
-    optimizer, scheduler = _optimizer(module, settings.max_epochs * train.batches, train.batches)
+    optimizer, scheduler = optimizer_and_schedule(module.model, module.optim, settings.max_epochs * train.batches,
+                                                  train.batches)
     monitor = EpochMonitor(module, datamodule, settings.monitor)
     state, history = EpochState(), []
     best_epoch, best_score, best_state, waited = -1, -math.inf if settings.monitor_mode == "max" else math.inf, {}, 0
