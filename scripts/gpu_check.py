@@ -121,6 +121,12 @@ class Check:
     def gpu(self) -> bool:
         return self.device == "cuda"
 
+    def config(self):
+        """The configuration the project's commands of this check compose (where their data and store are)."""
+        from pipeline.utils.config import load_config
+
+        return load_config(self.common)
+
     def own_step(self, name: str) -> list[str]:
         """This script in a fresh process, running one of its in-process steps."""
         return [self.python, str(Path(__file__).resolve()), "--run-step", name, "--device", self.device,
@@ -191,7 +197,9 @@ def read_device(check: Check, log: Path) -> dict[str, Any]:
 def read_data(check: Check, log: Path) -> dict[str, Any]:
     import pandas as pd
 
-    frames = pd.read_csv(check.out / "data" / "processed" / "frames.csv")
+    from pipeline.utils.paths import resolve_path
+
+    frames = pd.read_csv(resolve_path(check.config().data.processed_dir) / "frames.csv")
     summary = next((line for line in log.read_text().splitlines() if line.startswith("data ready:")), "")
     return {"crops": len(frames), "summary": summary.removeprefix("data ready: ")}
 
@@ -209,7 +217,7 @@ def read_fold(check: Check, log: Path) -> dict[str, Any]:
 
     from pipeline.runs.store import tracking
 
-    client = MlflowClient(f"sqlite:///{check.out / 'mlflow.db'}")
+    client = MlflowClient(tracking.store_uri(check.config().mlflow.tracking_uri))
     runs = client.search_runs([experiment.experiment_id for experiment in client.search_experiments()],
                               f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.FOLD_RUN}' and tags.`{tracking.FOLD_TAG}` "
                               f"= '0' and attributes.status = 'FINISHED'")
@@ -232,7 +240,7 @@ def read_predict(check: Check, log: Path) -> dict[str, Any]:
 
     table = pd.read_csv(check.out / "predict" / f"{check.clip().name}.csv")
     return {"frames": len(table), "faces": int(table["face_found"].sum()),
-            "model": "the fold's" if check.fold_model() else "random weights (mobilevit_s)"}
+            "model": "the fold's" if check.fold_model() else "random weights"}
 
 
 READERS = {"device": read_device, "data": read_data, "bench": read_bench, "fold": read_fold,
