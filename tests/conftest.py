@@ -168,6 +168,17 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def postgres_cluster():
+    """A real PostgreSQL (Debian's package) for the session: a cluster of its own in a temporary folder, on 127.0.0.1
+    and a socket there, with a role that logs in by password; each test makes the databases it needs
+    (`new_database`)."""
+    from tests.postgres_cluster import PostgresCluster
+
+    with PostgresCluster(()) as cluster:
+        yield cluster
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for a module of small tensors (tiny models, MTCNN as preprocessing runs it): they gain nothing

@@ -17,6 +17,7 @@ from mlflow import MlflowClient
 
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.orchestration.launchers import job_slots, tracking_server
+from pipeline.runs.store.cv_runs import run_key
 from pipeline.utils.paths import PROJECT_ROOT
 from tests.conftest import tiny_overrides
 from tests.gated_cv import rendezvous_sitecustomize
@@ -146,7 +147,7 @@ def test_kill_9_at_two_points_then_resume_gives_the_uninterrupted_results(tiny_b
 
     first = run_until_held(gated_cv_command(tiny_base, (1, 0, "before"), tmp_path / "held_1", *extra),
                            tmp_path / "held_1")
-    (fold_dir,) = (tmp_path / "runs").glob("*/fold_1")
+    (fold_dir,) = (tmp_path / "runs").glob("*/*/fold_1")
     assert not (fold_dir / "last.ckpt").exists()
     kill_9(first)
     (parent,) = cv_parent(client)
@@ -217,7 +218,8 @@ def test_a_preempted_fold_is_requeued_and_continues_from_its_epoch_checkpoint(sl
     client = MlflowClient(uri)
     (parent,) = cv_parent(client)
     job_id = next(iter(json.loads(parent.data.tags["painvit.slurm_jobs"]).values()))
-    checkpoint = Path(tiny_config(*fold).cv.work_dir) / parent.info.run_id / "fold_0" / "last.ckpt"
+    fold_cfg = tiny_config(*fold)
+    checkpoint = Path(fold_cfg.cv.work_dir) / run_key(fold_cfg, uri) / parent.info.run_id / "fold_0" / "last.ckpt"
 
     # Wait for the event itself: epoch 1's checkpoint on disk (written atomically, so a file that exists is whole).
     # Then hold the job's python where it is (SIGSTOP) and preempt it there: it is continued only once the
@@ -274,7 +276,7 @@ def test_a_two_stage_fold_killed_in_its_second_stage_resumes_with_the_uninterrup
     (tmp_path / "killed").mkdir()
     db = tmp_path / "killed" / "m.db"
     kill_9(run_until_held(command(db, str(tmp_path / "held")), tmp_path / "held"))
-    (fold_dir,) = (db.parent / "runs").glob("*/fold_0")
+    (fold_dir,) = (db.parent / "runs").glob("*/*/fold_0")
     assert list((fold_dir / "embeddings").glob("*.json")) and (fold_dir / "last.ckpt").is_file()
 
     rerun = subprocess.run(command(db), cwd=PROJECT_ROOT, env=RUN_ENV, capture_output=True, text=True)
