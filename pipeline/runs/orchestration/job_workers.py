@@ -91,7 +91,7 @@ def run_on_workers(jobs: Sequence[Any], environments: Sequence[Mapping[str, str]
                     continue
                 if worker is None or worker.process.poll() is not None:
                     worker = workers[slot] = start_worker(slot, environment, queue[0].file("log").with_name(
-                        f"worker_{slot}.log"))
+                        f"job_worker_{slot}.log"))
                 give(worker, queue.pop(0), report)
             busy = {worker.connection: worker for worker in workers.values() if worker.busy}
             for connection in wait(list(busy), timeout=1.0):  # an answer, or the end of a worker that died
