@@ -41,6 +41,7 @@ def test_job_slots_give_each_job_its_gpu_or_its_share_of_the_cores() -> None:
     assert [slot["PAINVIT_CPUS"] for slot in cpu] == ["0,1", "2,3"]
     assert all(slot["OMP_NUM_THREADS"] == "2" and slot["CUDA_VISIBLE_DEVICES"] == "" for slot in cpu)
     assert len(job_slots(None, [], [0, 1])) == 1  # no GPU: one job unless told otherwise
+    assert job_slots(1, [], [0, 1], max_threads=1)[0]["OMP_NUM_THREADS"] == "1"  # OMP_NUM_THREADS=1 was set
     with pytest.raises(SystemExit, match="one job per GPU"):
         job_slots(3, ["0", "1"], [0, 1])
 

@@ -36,10 +36,11 @@ def command(base: Path, own: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def undisturbed(tiny_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The fold metrics of the same CV run straight through, in this process's launcher and a store of its own."""
+    """The fold metrics of the same CV run straight through, in a store of its own: on the same launcher (two
+    workers of one thread each: a fold's sums in another number of threads would round otherwise)."""
     own = tmp_path_factory.mktemp("undisturbed")
-    done = subprocess.run(command(tiny_base, own, f"mlflow.tracking_uri=sqlite:///{own / 'm.db'}"), cwd=PROJECT_ROOT,
-                          env=RUN_ENV, capture_output=True, text=True)
+    done = subprocess.run(command(tiny_base, own, f"mlflow.tracking_uri=sqlite:///{own / 'm.db'}", "launcher=parallel",
+                                  "launcher.jobs=2"), cwd=PROJECT_ROOT, env=RUN_ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     store = MlflowClient(f"sqlite:///{own / 'm.db'}")
     (parent,) = cv_parent(store)

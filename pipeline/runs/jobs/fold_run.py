@@ -191,6 +191,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:
         if not is_unreachable(error):
             raise
-        print(unreachable_line(job.tracking_uri, f"fold {job.fold}"), file=sys.stderr, flush=True)
+        print(unreachable_line(job.tracking_uri, job.name), file=sys.stderr, flush=True)
         return EXIT_UNREACHABLE
     return 0

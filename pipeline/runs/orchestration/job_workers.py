@@ -181,7 +181,7 @@ def run_one(job: Any, log_path: Path) -> tuple[str, str]:
             job.run()
         except Exception as error:  # noqa: BLE001 - the job's failure: its log has the traceback, the worker goes on
             if is_unreachable(error):
-                line = unreachable_line(getattr(job, "tracking_uri", ""), f"{type(job).__name__} {job.key}")
+                line = unreachable_line(getattr(job, "tracking_uri", ""), job.name)
                 print(line, file=sys.stderr, flush=True)
                 return UNREACHABLE, line
             traceback.print_exc()

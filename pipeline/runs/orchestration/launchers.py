@@ -51,7 +51,8 @@ Report = Callable[[int, str, Any], None]
 class Job(Protocol):
     """What a launcher runs, as plain values (pickled for submitit, JSON for a subprocess): `FoldJob`, `TuneWorker`.
 
-    `key` names it in reports and outcomes (the fold; the worker's index); `tool` is the command that runs its spec in
+    `key` names it in reports and outcomes (the fold; the worker's index), `name` in words (`fold 3`, `search worker
+    0`); `tool` is the command that runs its spec in
     a process of its own (`python -m pipeline <tool> <spec.json>`); `file("json")` and `file("log")` are where that
     process's spec and output go; `write(path)` writes the spec (owner only, no password); `run()` runs the job in
     this process and returns its result."""
@@ -60,6 +61,9 @@ class Job(Protocol):
 
     @property
     def key(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
 
     def file(self, kind: str) -> Path: ...
 
@@ -159,11 +163,13 @@ def visible_gpus() -> list[str]:
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
-def job_slots(n_jobs: int | None, gpus: list[str], cpus: list[int]) -> list[dict[str, str]]:
+def job_slots(n_jobs: int | None, gpus: list[str], cpus: list[int],
+              max_threads: int | None = None) -> list[dict[str, str]]:
     """One environment per concurrent job: its own GPU, or on a CPU an equal share of the cores.
 
-    Default: one job per GPU, else 1. On a CPU each job gets len(cpus) // n_jobs cores as its torch threads,
-    dataloader workers (the loader's automatic count follows the affinity mask) and affinity mask.
+    Default: one job per GPU, else 1. On a CPU each job gets len(cpus) // n_jobs cores as its affinity mask and
+    dataloader workers (the loader's automatic count follows the mask), and as many torch threads, at most
+    `max_threads` (an OMP_NUM_THREADS the user set: fewer threads than cores were asked for).
     """
     n_jobs = n_jobs or max(1, len(gpus))
     if gpus:
@@ -175,7 +181,7 @@ def job_slots(n_jobs: int | None, gpus: list[str], cpus: list[int]) -> list[dict
     slots = []
     for slot in range(n_jobs):
         mine = cpus[slot * share:(slot + 1) * share] or cpus[-share:]
-        threads = str(len(mine))
+        threads = str(min(len(mine), max_threads or len(mine)))
         slots.append({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                       "PAINVIT_CPUS": ",".join(map(str, mine))})
     return slots
@@ -195,7 +201,9 @@ def launch_parallel(jobs: Sequence[Job], n_jobs: int | None, report: Report, res
     share of the cores), each fed one job after another, with `credentials` (the tracking server's user for the run)
     as their only secret. A job is done when its worker says so and `result_of(key)` is not None; else it failed,
     reported with its log's tail. Ctrl-C stops them."""
-    slots = job_slots(n_jobs, visible_gpus(), sorted(_cpu_ids()))[:max(1, len(jobs))]
+    asked = os.environ.get("OMP_NUM_THREADS", "")
+    slots = job_slots(n_jobs, visible_gpus(), sorted(_cpu_ids()), int(asked) if asked.isdigit() else None)
+    slots = slots[:max(1, len(jobs))]
     outcome = LaunchOutcome()
     run_on_workers(jobs, [job_environment(slot, credentials or {}) for slot in slots], report, result_of, outcome)
     return outcome
