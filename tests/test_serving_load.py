@@ -5,6 +5,7 @@ requests at once (`pipeline.deployment.serve_load`, what `scripts/load_serve.py`
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import os
@@ -134,6 +135,26 @@ def test_clients_that_honour_retry_after_all_get_their_answer(busy_server, kinds
     assert [answer.status for answer in answers] == [expected[kind] for kind in plan], figures
     assert figures["not_strict_json"] == 0 and not figures["problems"], figures["problems"]
     assert_answers_as_alone(answers, strict_json(alone)["predictions"])
+
+
+def test_every_answer_is_json_other_paths_and_errors_included(busy_server) -> None:
+    """What MLflow answers in text (`/ping` and `/health` a newline, `/version` the bare version, 415 for another
+    content type, FastAPI's 404 and 405) reaches the client as JSON too."""
+    port = busy_server["port"]
+    answers = {path: request(port, "GET", path) for path in ("/ping", "/health", "/version", "/no-such-path",
+                                                            "/invocations")}
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("POST", "/invocations", body=b"image\nabc\n", headers={"Content-Type": "text/plain"})
+    reply = connection.getresponse()
+    answers["text/plain"] = (reply.status, reply.read())
+    connection.close()
+    assert {key: status for key, (status, _) in answers.items()} == {
+        "/ping": 200, "/health": 200, "/version": 200, "/no-such-path": 404, "/invocations": 405, "text/plain": 415}
+    parsed = {key: strict_json(body) for key, (_, body) in answers.items()}
+    assert parsed["/ping"] == parsed["/health"] == {"status": "ok"}
+    assert parsed["/version"] == {"version": mlflow.__version__}
+    for key in ("/no-such-path", "/invocations", "text/plain"):
+        assert set(parsed[key]) == {"error_code", "message"} and "\n" not in parsed[key]["message"], parsed[key]
 
 
 def test_twelve_requests_at_once_on_a_fresh_model_are_all_scored(untrained_model) -> None:

@@ -17,6 +17,7 @@ In front of the app, `RequestGuard`:
   (uvicorn reads and drops what the client still sends after the answer, so its connection is not reset);
 - refuses a body over `serve.max_body_mb` with 413 before the model sees it (the declared length, or the bytes
   received so far: a body without a length cannot go round the limit);
+- sends MLflow's plain answers to `/ping`, `/health` (`"\n"`) and `/version` (the bare version) as JSON objects;
 - turns every error answer into one line of JSON, `{"error_code": ..., "message": ...}`: no stack trace, no echo of
   the request's data;
 - names the time limit in the 504 of a request that ran over it.
@@ -57,6 +58,9 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+# MLflow's answers to these, as its content type says JSON: "\n" (/ping, /health) and the bare version (/version);
+# sent as {"status": "ok"} and {"version": "3.17.2"} instead, so that every answer a client reads is JSON
+PLAIN_ANSWERS = {"/ping": "status", "/health": "status", "/version": "version"}
 RECENT_ANSWERS = 20  # the requests scored last, whose mean time gives a 503's Retry-After
 
 
@@ -122,19 +126,25 @@ class RequestGuard:
 
         start: Message = {}
         held = bytearray()
+        plain = scope.get("path") in PLAIN_ANSWERS  # MLflow answers these in text that is not JSON
 
         async def guarded_send(message: Message) -> None:
             nonlocal start
             if message["type"] == "http.response.start":
                 start = message
-                if message["status"] < 400:
+                if message["status"] < 400 and not plain:
                     await send(message)
                 return
-            if message["type"] != "http.response.body" or start.get("status", 200) < 400:
+            if message["type"] != "http.response.body" or (start.get("status", 200) < 400 and not plain):
                 await send(message)
                 return
             held.extend(message.get("body", b""))
-            if not message.get("more_body", False):
+            if message.get("more_body", False):
+                return
+            if start["status"] < 400:
+                text = held.decode("utf-8", "replace").strip() or "ok"
+                await self.send_json(send, start["status"], {PLAIN_ANSWERS[scope["path"]]: text})
+            else:
                 await self.answer(send, start["status"], *self.error_of(start["status"], bytes(held)))
 
         await self.app(scope, replay, guarded_send)
@@ -199,10 +209,15 @@ class RequestGuard:
                                                   f" ({ServingLimits.ENV['timeout_s']})")
         return code, one_line(message)
 
-    @staticmethod
-    async def answer(send: Send, status: int, code: str, message: str,
+    @classmethod
+    async def answer(cls, send: Send, status: int, code: str, message: str,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        content = json.dumps({"error_code": code, "message": message}).encode()
+        await cls.send_json(send, status, {"error_code": code, "message": message}, headers)
+
+    @staticmethod
+    async def send_json(send: Send, status: int, answer: dict[str, str],
+                        headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        content = json.dumps(answer).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(content)).encode()), *(headers or [])]})
