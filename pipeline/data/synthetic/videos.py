@@ -59,19 +59,28 @@ def video_is_complete(path: Path, config: SyntheticConfig) -> bool:
 
 def write_video(path: Path, config: SyntheticConfig, subject: Subject, sample: Sample) -> None:
     """Render and encode one video atomically (a temp .mp4 beside it, renamed when complete)."""
-    for stale in path.parent.glob(f".{path.stem}.*{path.suffix}"):  # left by a killed run
-        stale.unlink(missing_ok=True)
+    remove_stale(path)
     with atomic_path(path) as tmp:
-        writer = cv2.VideoWriter(
-            str(tmp), cv2.VideoWriter.fourcc(*config.fourcc), config.fps, (config.width, config.height)
-        )
-        if not writer.isOpened():
-            raise RuntimeError(f"OpenCV cannot write {config.fourcc} video to {tmp}")
-        try:
-            for frame in render_frames(config, subject, sample):
-                writer.write(frame)
-        finally:
-            writer.release()
+        encode_video(tmp, config, subject, sample)
+
+
+def remove_stale(path: Path) -> None:
+    """Delete the temporary files a killed run left beside `path`."""
+    for stale in path.parent.glob(f".{path.stem}.*{path.suffix}"):
+        stale.unlink(missing_ok=True)
+
+
+def encode_video(path: Path, config: SyntheticConfig, subject: Subject, sample: Sample) -> None:
+    """Render one video and encode it into `path` (as it is: the caller makes it atomic)."""
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter.fourcc(*config.fourcc), config.fps,
+                             (config.width, config.height))
+    if not writer.isOpened():
+        raise RuntimeError(f"OpenCV cannot write {config.fourcc} video to {path}")
+    try:
+        for frame in render_frames(config, subject, sample):
+            writer.write(frame)
+    finally:
+        writer.release()
 
 
 def _region_outlines(subject: Subject) -> dict[str, np.ndarray]:
