@@ -140,7 +140,10 @@ def plot_curves(rows: dict[str, dict], path: Path, title: str) -> None:
         x = np.arange(len(tasks))
         published = np.array([rows[t]["published"] for t in tasks])
         bands = np.array([rows[t]["band"] for t in tasks])
-        axis.fill_between(x, published - bands, published + bands, color="tab:grey", alpha=0.25, label="band")
+        if len(tasks) > 1:
+            axis.fill_between(x, published - bands, published + bands, color="tab:grey", alpha=0.25, label="band")
+        else:
+            axis.bar(x, 2 * bands, bottom=published - bands, width=0.5, color="tab:grey", alpha=0.25)
         axis.plot(x, published, "s--", color="tab:grey", label="published (BioVid)")
         twin = np.array([rows[t]["twin"] for t in tasks])
         error = np.array([[rows[n]["twin"] - rows[n]["low"] for n in tasks],
