@@ -51,7 +51,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.utils.atomic_io import SettingsMismatch
 from pipeline.utils.config import CONFIG_DIR, load_config
-from pipeline.utils.config_checks import UsageError, unknown_model
+from pipeline.utils.config_checks import UsageError, check_required, unknown_model
 from pipeline.utils.logging_setup import is_verbose, setup_logging
 from pipeline.utils.permissions import StoreNotPrivate, private_umask, refuse_open_stores
 
@@ -273,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options["overrides"] = overrides
     setup_logging()
     try:
+        check_required(command, options)  # make predict without VIDEO: said before anything heavy is imported
         return run_command(command, overrides, options)
     except UsageError as error:  # a mistake on the command line: its one line (VERBOSE=1: the traceback too)
         if is_verbose():

@@ -23,7 +23,7 @@ MISTAKES = {
     "group_as_key": (["cv", "ARGS=model.output=ordinal"], ["model/output is a group: write model/output=ordinal"]),
     "wrong_type": (["cv", "ARGS=trainer.max_epochs=abc"], ["trainer.max_epochs=abc: expected a number"]),
     "missing_biovid_root": (["cv", "DATA=biovid"], ["BIOVID_ROOT is not set", "BIOVID_ROOT=/"]),
-    "missing_video": (["predict"], ["VIDEO is not set", "make predict VIDEO="]),
+    "missing_video": (["predict"], ["VIDEO is not set", "make predict VIDEO=path/to/clip.mp4"]),
 }
 
 

@@ -28,6 +28,8 @@ BOOL_WORDS = ("auto",)
 # Files a group's options extend, never named by a user: base.yaml (protocol/, task/), and model/timm.yaml, which a
 # model name without a file of its own gets (MODEL=<any timm name>)
 SHARED_RECIPES = ("base", "timm")
+# A command's options it cannot run without: option -> the Makefile variable that sets it, and an example
+REQUIRED_OPTIONS = {"predict": {"video": ("VIDEO", "make predict VIDEO=path/to/clip.mp4 (or a folder)")}}
 ALL_KEYS = "every key: .venv/bin/python -m pipeline config"
 
 
@@ -208,3 +210,10 @@ def unknown_model(name: str, config_dir: Path, model_names: Sequence[str]) -> Us
     hint = f"nearest: {', '.join(near)}" if near else f"configs/model/ has {', '.join(files)}"
     return UsageError(f"MODEL={name}: no configs/model/{name}.yaml and no timm model of that name; {hint} "
                       f"(timm's: .venv/bin/python -c 'import timm; print(timm.list_models())')")
+
+
+def check_required(command: str, options: dict) -> None:
+    """A UsageError for the first option of REQUIRED_OPTIONS that `command` was not given (make predict's VIDEO)."""
+    for option, (variable, example) in REQUIRED_OPTIONS.get(command, {}).items():
+        if not options.get(option):
+            raise UsageError(f"{variable} is not set: say which, e.g. {example}")
