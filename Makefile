@@ -140,7 +140,7 @@ QUOTED_PY = $(call quote,$(PY))
 QUOTED_BIN = $(call quote,$(VENV)/bin)
 
 .PHONY: help install lock data aug-preview cv embed pretrain tune compare table power fidelity inspect calc ui server test lint notebooks bench bench-data clean clean-data \
-	final promote predict serve export
+	final promote predict serve export gpu-check
 
 help: ## list the targets
 	@echo "Pain detection from facial video: fine-tune and compare backbones on BioVid Part A (or its synthetic twin)."
@@ -244,6 +244,9 @@ bench-data: install ## data benchmark: preprocessing throughput, detection rate,
 
 bench: install ## training throughput: Lightning + DataModule against a bare PyTorch loop, per backbone (FINETUNE=full,lora)
 	$(QUOTED_PY) scripts/bench_train.py $(call if_set,--finetune=,FINETUNE)
+
+gpu-check: install ## on one CUDA GPU within 8 minutes: device, bench, a ViT-B/16 fold, detection, predict, as JSON (reports/gpu_check/)
+	@$(QUOTED_PY) scripts/gpu_check.py
 
 clean-data: ## delete generated data (data/)
 	rm -rf data
