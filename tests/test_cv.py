@@ -181,7 +181,7 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
 
     task = get_task(cfg.task.name)
     net, _ = create_model(cfg.model.name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
-    module = PainLightningModule(net, task.classes, OptimConfig(**cfg.model.optim))
+    module = PainLightningModule(net, task.classes, OptimConfig(**cfg.model.optim), decoding="argmax")
     module.load_state_dict(checkpoint["state_dict"])
     module.eval()
     datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 1, task,

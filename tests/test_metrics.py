@@ -72,7 +72,7 @@ def expected_video_probs(frames: pd.DataFrame, method: str, k: int) -> dict[tupl
 @pytest.mark.parametrize("method,k", [("mean", 3), ("max", 3), ("topk", 1), ("topk", 3), ("topk", 50)])
 def test_aggregate_videos_matches_loops(method: str, k: int) -> None:
     frames = random_frames(seed=1, n_classes=3)
-    videos = aggregate_videos(frames, method=method, k=k)
+    videos = aggregate_videos(frames, method=method, k=k, decoding="argmax")
     expected = expected_video_probs(frames, method, k)
     assert len(videos) == len(expected)
     columns = ["prob_c0", "prob_c1", "prob_c2"]
@@ -90,7 +90,8 @@ def test_aggregate_videos_matches_loops(method: str, k: int) -> None:
 
 def test_topk_one_equals_max() -> None:
     frames = random_frames(seed=2)
-    pd.testing.assert_frame_equal(aggregate_videos(frames, "topk", k=1), aggregate_videos(frames, "max"))
+    pd.testing.assert_frame_equal(aggregate_videos(frames, "topk", k=1, decoding="argmax"),
+                                  aggregate_videos(frames, "max", decoding="argmax"))
 
 
 def test_aggregate_small_hand_example() -> None:
@@ -103,10 +104,10 @@ def test_aggregate_small_hand_example() -> None:
             "prob_PA4": [0.1, 0.8, 0.6, 0.9],
         }
     )
-    mean = aggregate_videos(frames, "mean").iloc[0]
+    mean = aggregate_videos(frames, "mean", decoding="argmax").iloc[0]
     assert mean["prob_BL1"] == pytest.approx(0.4) and mean["prob_PA4"] == pytest.approx(0.6)
     assert mean["pred"] == 1
-    top2 = aggregate_videos(frames, "topk", k=2).iloc[0]
+    top2 = aggregate_videos(frames, "topk", k=2, decoding="argmax").iloc[0]
     # top-2 BL1: (0.9 + 0.4) / 2 = 0.65, top-2 PA4: (0.9 + 0.8) / 2 = 0.85, renormalised over 1.5.
     assert top2["prob_BL1"] == pytest.approx(0.65 / 1.5) and top2["prob_PA4"] == pytest.approx(0.85 / 1.5)
 
@@ -117,15 +118,15 @@ def test_conflicting_labels_name_the_video() -> None:
     same_video = (frames["subject_name"] == first["subject_name"]) & (frames["sample_name"] == first["sample_name"])
     frames = pd.concat([frames, frames[same_video].head(1).assign(label=1 - int(first["label"]))], ignore_index=True)
     with pytest.raises(ValueError, match=f"{first['subject_name']}/{first['sample_name']}"):
-        aggregate_videos(frames)
+        aggregate_videos(frames, decoding="argmax")
 
 
 def test_aggregate_rejects_unknown_method_and_missing_columns() -> None:
     frames = random_frames(seed=4)
     with pytest.raises(ValueError, match="unknown aggregation"):
-        aggregate_videos(frames, "median")
+        aggregate_videos(frames, "median", decoding="argmax")
     with pytest.raises(ValueError, match="label"):
-        aggregate_videos(frames.drop(columns=["label"]))
+        aggregate_videos(frames.drop(columns=["label"]), decoding="argmax")
 
 
 def pairwise_auroc(labels: np.ndarray, scores: np.ndarray) -> float:
@@ -223,8 +224,9 @@ def test_per_subject_accuracy_with_and_without_pred() -> None:
 def test_evaluate_predictions_ties_the_pieces_together() -> None:
     frames = random_frames(seed=7).rename(columns={"prob_c0": "prob_BL1", "prob_c1": "prob_PA4"})
     frames["extra"] = "ignored"
-    result = evaluate_predictions(frames, CLASSES, aggregation="topk", k=2)
-    videos = aggregate_videos(frames[["subject_name", "sample_name", "label", "prob_BL1", "prob_PA4"]], "topk", 2)
+    result = evaluate_predictions(frames, CLASSES, aggregation="topk", k=2, decoding="argmax")
+    videos = aggregate_videos(frames[["subject_name", "sample_name", "label", "prob_BL1", "prob_PA4"]], "topk", 2,
+                              decoding="argmax")
     pd.testing.assert_frame_equal(result.video_predictions, videos)
     assert result.video_metrics == classification_metrics(
         videos["label"].to_numpy(), videos[["prob_BL1", "prob_PA4"]].to_numpy()
@@ -236,7 +238,7 @@ def test_evaluate_predictions_ties_the_pieces_together() -> None:
     assert result.confusion_video.sum() == len(videos)
     assert result.per_subject["n"].sum() == len(videos)
     with pytest.raises(ValueError, match="prob_PA1"):
-        evaluate_predictions(frames, ("BL1", "PA1"))
+        evaluate_predictions(frames, ("BL1", "PA1"), decoding="argmax")
 
 
 def test_summarize_folds_ignores_nan() -> None:

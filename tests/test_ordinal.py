@@ -271,14 +271,14 @@ def test_an_ordinal_module_trains_on_its_heads_loss_and_refuses_cross_entropy_se
     output = OutputConfig("ordinal", "coral", pain_level=1)
     torch.manual_seed(0)
     net, _ = create_model("mobilevit_xxs", K, pretrained=False, img_size=32, output=output)
-    module = PainLightningModule(net, TASKS["five_class"].classes, optim)
+    module = PainLightningModule(net, TASKS["five_class"].classes, optim, decoding="median")
     images, levels = torch.randn(3, 3, 32, 32), torch.tensor([0, 2, 4])
     logits = module(images)
     assert logits.shape == (3, K - 1)
     torch.testing.assert_close(module._loss(logits, levels), net.head.loss(logits, levels))
     for bad in ({"class_weights": [1.0] * K}, {"label_smoothing": 0.1}):
         with pytest.raises(ValueError, match="trainer.class_weights and trainer.label_smoothing .* CoralHead"):
-            PainLightningModule(net, TASKS["five_class"].classes, optim, **bad)
+            PainLightningModule(net, TASKS["five_class"].classes, optim, **bad, decoding="median")
 
 
 @pytest.mark.parametrize("name", ["gru", "attention", "transformer"])
@@ -302,7 +302,8 @@ def test_a_temporal_head_over_levels_trains_on_its_last_layers_loss_and_exports_
     torch.manual_seed(0)
     net, _ = create_model("mobilevit_xxs", K, pretrained=False, img_size=32, head=config, output=output)
     assert isinstance(net, ClipNet) and isinstance(net.head, ClipLevels) and isinstance(net.head.levels, CoralHead)
-    module = PainLightningModule(net, TASKS["five_class"].classes, OptimConfig(1e-2, 1e-2, 0.5, 0.0, 0.0, 0))
+    module = PainLightningModule(net, TASKS["five_class"].classes, OptimConfig(1e-2, 1e-2, 0.5, 0.0, 0.0, 0),
+                                 decoding="median")
     clips, levels = torch.randn(3, 2, 3, 32, 32), torch.tensor([0, 2, 4])
     outputs = module(clips)
     assert outputs.shape == (3, K - 1)

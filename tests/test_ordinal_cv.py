@@ -32,7 +32,7 @@ from tests.onnx_contract_client import ContractRuntime
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ORDINAL = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
            "loader.batch_size=8", "trainer.max_epochs=2", "trainer.patience=1", "trainer.folds=[0,1]",
-           "augment=light", "task=five_class", "model/output=ordinal")
+           "augment=light", "task=five_class", "model/output=ordinal", "eval.decoding=median")
 LEVELS = ["BL1", "PA1", "PA2", "PA3", "PA4"]
 
 
@@ -65,7 +65,7 @@ def test_each_fold_and_the_cv_log_graded_metrics_and_level_ordered_confusions(or
         assert levels["true"].tolist() == LEVELS  # rows and columns in level order
         videos = pd.read_csv(client.download_artifacts(run.info.run_id, "predictions_videos.csv"))
         assert levels.drop(columns="true").to_numpy().sum() == len(videos)
-        # the called level is the ordinal rule on the video's level probabilities, not their argmax
+        # the called level is the median-level rule (eval.decoding=median) on the video's level probabilities
         called = ordinal_decision(videos[[f"prob_{name}" for name in LEVELS]].to_numpy())
         assert videos["pred"].tolist() == videos["decision"].tolist() == called.tolist()
         mae = np.abs(videos["label"] - videos["decision"]).mean()
@@ -83,7 +83,8 @@ def test_each_fold_and_the_cv_log_graded_metrics_and_level_ordered_confusions(or
 def test_the_cv_carries_its_output_and_protocol_and_is_named_by_them(ordinal_cv, tiny_config) -> None:
     tags = ordinal_cv["parent"].data.tags
     assert (tags["output"], tags["personalise"]) == ("ordinal_coral", "none")
-    assert cv_label(tags) == "mobilevit_xxs ordinal_coral"  # not the label of the backbone's softmax CVs
+    assert tags[tracking.DECODING_TAG] == "median"
+    assert cv_label(tags) == "mobilevit_xxs ordinal_coral by_median"  # not the label of the backbone's softmax CVs
     # a personalisation protocol on a path that does not apply it (a backbone trained on images) is refused, never
     # trained as a plain CV under its name
     with pytest.raises(ValueError, match=r"personalise=baseline \(baseline_k1\) is applied to a frozen backbone's "

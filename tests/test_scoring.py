@@ -77,7 +77,7 @@ def test_a_video_is_scored_as_the_cross_validation_aggregates_it(aggregation: st
         table = pd.DataFrame({"face_found": [True] * n_frames + [False, False],
                               "prob_BL1": [*probs[:, 0], np.nan, np.nan], "prob_PA4": [*probs[:, 1], np.nan, np.nan]})
         predicted.append(frame_scorer.video_score(table))
-    videos = aggregate_videos(pd.DataFrame(rows), aggregation, 3)
+    videos = aggregate_videos(pd.DataFrame(rows), aggregation, 3, decoding="argmax")
     assert videos.prob_BL1.std() > 0  # the videos differ: the comparison can tell them apart
     np.testing.assert_allclose(predicted, 1.0 - videos.prob_BL1.to_numpy(), atol=1e-6)
     assert np.isnan(frame_scorer.video_score(pd.DataFrame({"face_found": [False], "prob_BL1": [np.nan],

@@ -105,11 +105,27 @@ def comparability_problems(runs: Mapping[str, Run | cv_runs.CvSettings], allow_i
             if len(set(values.values())) > 1:
                 listing = "; ".join(f"{model}: {value}" for model, value in sorted(values.items()))
                 problems.append(f"{key} differs ({listing})")
+    problems += decoding_problems(settings, allowed)
     incomplete = sorted(model for model, cv in settings.items() if cv.tags.get("complete", "true") != "true")
     if incomplete and not allow_incomplete:
         problems.append("incomplete CVs (some folds or limited batches: complete=false): " + ", ".join(incomplete)
                         + "; ARGS=\"compare.allow_incomplete=true\" compares them as a smoke test, marked as one")
     return problems
+
+
+def decoding_problems(settings: Mapping[str, cv_runs.CvSettings], allowed: Sequence[str]) -> list[str]:
+    """The decoding rule (`eval.decoding`; a CV made before it: its output's own rule, `cv_runs.decoding_of`) where
+    it differs on a task of more than two classes: an ordinal model at its median level against a softmax at argmax
+    measures the rules as much as the models. `allowed` naming `eval.decoding` lets it differ (the labels then name
+    each rule)."""
+    rules = {model: cv_runs.decoding_of(cv.tags, cv.params) for model, cv in settings.items()}
+    tasks = {cv.tags.get("task", "") for cv in settings.values()}
+    if (is_allowed(cv_runs.DECODING_PARAM, allowed) or len(set(rules.values())) < 2
+            or not any(cv_runs.levels_decoded(task) for task in tasks)):
+        return []
+    listing = "; ".join(f"{model}: {rule}" for model, rule in sorted(rules.items()))
+    return [f"{cv_runs.DECODING_PARAM} differs ({listing}): the same rule for every output, e.g. "
+            f"ARGS=\"eval.decoding=median\" on each CV"]
 
 
 def check_comparable(runs: Mapping[str, Run], allow_incomplete: bool = False, allowed: Sequence[str] = ()) -> None:

@@ -113,7 +113,7 @@ class VideoMaps:
                 if self.display_masks is not None and mask is not None:
                     self.display_masks[video] = mask
 
-    def video_table(self, class_names: Sequence[str], aggregation: str, topk: int) -> pd.DataFrame:
+    def video_table(self, class_names: Sequence[str], aggregation: str, topk: int, decoding: str) -> pd.DataFrame:
         """One row per test video, in the order of the arrays: probabilities aggregated as the CV does, the call,
         whether it is right, each method's mean region score and the number of crops."""
         crops = self.frames.loc[self.crop_rows, ["subject_name", "sample_name", "frame_index", "label"]].copy()
@@ -122,7 +122,7 @@ class VideoMaps:
             crops[f"prob_{name}"] = probs[:, index]
         for method in self.methods:
             crops[f"region_score_{method}"] = self.crop_scores[method]
-        videos = aggregate_videos(crops, aggregation, topk)
+        videos = aggregate_videos(crops, aggregation, topk, decoding=decoding)
         scores = crops.groupby(["subject_name", "sample_name"], sort=True)[
             [f"region_score_{method}" for method in self.methods]].mean()
         videos = videos.merge(scores, left_on=["subject_name", "sample_name"], right_index=True, how="left")
@@ -140,7 +140,7 @@ class VideoMaps:
 
 def inspect_fold(net: PainNet, datamodule: PainDataModule, class_names: Sequence[str], fold: int, run_id: str,
                  regions: RegionMasks | None = None, crop_fraction: float = 1.0, aggregation: str = "mean",
-                 topk: int = 3) -> FoldInspection:
+                 topk: int = 3, *, decoding: str) -> FoldInspection:
     """Maps, predictions and region scores of `net` on the fold's test crops (`datamodule`, set up)."""
     net.eval()
     data_config = net.backbone.data_config
@@ -161,7 +161,7 @@ def inspect_fold(net: PainNet, datamodule: PainDataModule, class_names: Sequence
         probs = output_probabilities(net.head, logits.float())  # softmax, or an ordinal head's levels
         maps["gradcam"] = gradcam_maps(net, images, probs.argmax(dim=1).tolist(), layer)
         gathered.add(rows.tolist(), images, probs, maps, regions, data_config, crop_fraction)
-    inspection = FoldInspection(fold, run_id, methods, gathered.video_table(class_names, aggregation, topk),
+    inspection = FoldInspection(fold, run_id, methods, gathered.video_table(class_names, aggregation, topk, decoding),
                                 gathered.mean_maps(), gathered.display, gathered.display_masks,
                                 gathered.mean_distance(), layer.name)
     inspection.metrics = fold_metrics(inspection, gathered.empty, len(gathered.crop_rows))

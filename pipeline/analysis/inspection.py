@@ -154,7 +154,8 @@ def inspect_kept_model(job: Inspecting, fold: int, child: Run) -> FoldInspection
     inspection = inspect_fold(net, datamodule, meta["class_names"], fold, child.info.run_id, job.regions,
                               crop_fraction=loader.get("crop_fraction") or 1.0,
                               aggregation=params.get("trainer.aggregation", "mean"),
-                              topk=int(params.get("trainer.topk", 3)))
+                              topk=int(params.get("trainer.topk", 3)),
+                              decoding=cv_runs.decoding_of(job.parent.data.tags, params))
     title = (f"{job.parent.data.tags.get('model')} fold {fold} ({job.kind}), {len(inspection.videos)} test videos; "
              f"Grad-CAM at {inspection.cam_layer}")
     outputs = write_fold_outputs(inspection, net, job.out_root / f"fold_{fold}", title)

@@ -3,9 +3,12 @@ videos) and by scoring new video (`pipeline.models.scoring.FrameScorer.video_sco
 
 `mean` averages each class's probability over the frames; `max` takes each class's highest frame probability and
 `topk` the mean of each class's `k` highest (all frames when a video has fewer); both are renormalised to sum to 1,
-since per-class maxima come from different frames. The class a video is called (`called_classes`): argmax of its
-probabilities, or for an ordinal or regression model over ordered levels `ordinal_decision`. Light on purpose (NumPy
-only): `make predict` imports it.
+since per-class maxima come from different frames. The class a video is called (`called_classes`) follows one
+decoding rule, `eval.decoding`, whatever the output (`DECODINGS`): `argmax` (the most probable class or level),
+`median` (the median level: the number of k with P(level > k) > 0.5, CORAL's rule, which minimises the expected
+absolute error) or `expected` (the expected level, rounded). Each reads only the probabilities, so a softmax and an
+ordinal model decoded by one rule differ only in what they learned. On two classes the three agree (a tie, p = 0.5,
+is no pain under each). Light on purpose (NumPy only): `make predict` imports it.
 """
 
 from __future__ import annotations
@@ -40,19 +43,46 @@ def aggregate_class_probabilities(probabilities: np.ndarray, method: str = "mean
     return video / total
 
 
-def ordinal_decision(probs: np.ndarray) -> np.ndarray:
-    """The level an ordinal model calls from level probabilities (N, K), a video's averaged ones included: the
-    number of k with P(level > k) > 0.5 (CORAL's rule, and CORN's on its product-rule probabilities)."""
+def _as_probabilities(probs: np.ndarray) -> np.ndarray:
     probs = np.asarray(probs, dtype=float)
-    above = 1.0 - np.cumsum(probs, axis=1)[:, :-1]
+    if probs.ndim != 2 or probs.shape[1] < 2:
+        raise ValueError(f"need class or level probabilities of shape (N, K >= 2), got {probs.shape}")
+    return probs
+
+
+def argmax_decision(probs: np.ndarray) -> np.ndarray:
+    """The most probable class (the lowest of tied ones): the mode of a level distribution."""
+    return np.argmax(_as_probabilities(probs), axis=1)
+
+
+def ordinal_decision(probs: np.ndarray) -> np.ndarray:
+    """The median level of level probabilities (N, K), a video's averaged ones included: the number of k with
+    P(level > k) > 0.5 (CORAL's rule, and CORN's on its product-rule probabilities)."""
+    above = 1.0 - np.cumsum(_as_probabilities(probs), axis=1)[:, :-1]
     return (above > 0.5).sum(axis=1)
 
 
-def called_classes(probs: np.ndarray, ordinal: bool = False) -> np.ndarray:
-    """The class each row of probabilities (N, C) is called: argmax, or with `ordinal` the level `ordinal_decision`
-    calls (an ordinal or regression output's rule, which the mode of its level probabilities is not)."""
-    probs = np.asarray(probs, dtype=float)
-    return ordinal_decision(probs) if ordinal else np.argmax(probs, axis=1)
+def expected_decision(probs: np.ndarray) -> np.ndarray:
+    """The expected level sum_k k P(level = k), rounded to the nearest level (a half rounds down, toward no pain)."""
+    probs = _as_probabilities(probs)
+    expected = probs @ np.arange(probs.shape[1], dtype=float)
+    return np.clip(np.ceil(expected - 0.5), 0, probs.shape[1] - 1).astype(int)
+
+
+# `eval.decoding`: how class or level probabilities (N, K) become the class each row is called, for every output
+DECODINGS = {"argmax": argmax_decision, "median": ordinal_decision, "expected": expected_decision}
+
+
+def check_decoding(rule: str) -> None:
+    if rule not in DECODINGS:
+        raise ValueError(f"eval.decoding={rule!r}: expected one of {', '.join(DECODINGS)}")
+
+
+def called_classes(probs: np.ndarray, decoding: str) -> np.ndarray:
+    """The class each row of probabilities (N, C) is called by the rule `decoding` (`DECODINGS`), the same rule for a
+    softmax's class probabilities and an ordinal or regression output's level probabilities."""
+    check_decoding(decoding)
+    return DECODINGS[decoding](probs)
 
 
 def pain_probability(probs: np.ndarray, level: int) -> np.ndarray:

@@ -44,10 +44,10 @@ def _require_columns(table: pd.DataFrame, columns: Sequence[str], what: str) -> 
         raise ValueError(f"{what} is missing columns {missing}; it has {list(table.columns)}")
 
 
-def aggregate_videos(frames: pd.DataFrame, method: str = "mean", k: int = 3, ordinal: bool = False) -> pd.DataFrame:
+def aggregate_videos(frames: pd.DataFrame, method: str = "mean", k: int = 3, *, decoding: str) -> pd.DataFrame:
     """One row per video from per-frame class probabilities, by the rule of `pipeline.evaluation.aggregation`
-    (the one `make predict` applies to a new video); `pred` is the argmax class index (`ordinal`: the level
-    `aggregation.ordinal_decision` calls from the video's level probabilities)."""
+    (the one `make predict` applies to a new video); `pred` is the class the video's probabilities are called by
+    the rule `decoding` (`aggregation.DECODINGS`: argmax, median or expected level, for every output)."""
     check_aggregation(method, k)
     _require_columns(frames, [*VIDEO_KEYS, "label"], "frame table")
     prob_columns = probability_columns(frames)
@@ -89,7 +89,7 @@ def aggregate_videos(frames: pd.DataFrame, method: str = "mean", k: int = 3, ord
 
     videos = labels_per_video[["first"]].rename(columns={"first": "label"}).astype({"label": int})
     videos = videos.join(probs)
-    videos["pred"] = called_classes(videos[prob_columns].to_numpy(), ordinal)
+    videos["pred"] = called_classes(videos[prob_columns].to_numpy(), decoding)
     videos["n_frames"] = labels_per_video["size"].astype(int)
     return videos.reset_index()
 
@@ -192,18 +192,18 @@ class Evaluation:
 
 
 def evaluate_predictions(
-    frames: pd.DataFrame, class_names: Sequence[str], aggregation: str = "mean", k: int = 3, ordinal: bool = False
+    frames: pd.DataFrame, class_names: Sequence[str], aggregation: str = "mean", k: int = 3, *, decoding: str
 ) -> Evaluation:
-    """Frame and video metrics for one fold's per-frame predictions; per-subject accuracy is video-level. `ordinal`:
-    the probabilities are an ordinal or regression output's level probabilities, and frames and videos are called
-    by `aggregation.ordinal_decision` instead of argmax."""
+    """Frame and video metrics for one fold's per-frame predictions; per-subject accuracy is video-level. Frames and
+    videos are called by the rule `decoding` (`eval.decoding`: argmax, median or expected level), the same for a
+    softmax's class probabilities and an ordinal or regression output's level probabilities."""
     prob_columns = probability_columns(frames, class_names)
     _require_columns(frames, [*VIDEO_KEYS, "label"], "frame table")
     frames = frames[[*VIDEO_KEYS, "label", *prob_columns]]
-    videos = aggregate_videos(frames, method=aggregation, k=k, ordinal=ordinal)
+    videos = aggregate_videos(frames, method=aggregation, k=k, decoding=decoding)
     frame_labels = frames["label"].to_numpy()
     frame_probs = frames[prob_columns].to_numpy(dtype=float)
-    frame_preds = called_classes(frame_probs, ordinal)
+    frame_preds = called_classes(frame_probs, decoding)
     video_labels = videos["label"].to_numpy()
     n_classes = len(class_names)
     return Evaluation(

@@ -89,7 +89,7 @@ class PainLightningModule(pl.LightningModule):
     def __init__(self, model: nn.Module, class_names: Sequence[str], optim: OptimConfig,
                  label_smoothing: float = 0.0, class_weights: Sequence[float] | None = None,
                  aggregation: str = "mean", topk: int = 3, channels_last: bool = False,
-                 monitor: str | None = None, finetune: FinetuneStrategy | None = None) -> None:
+                 monitor: str | None = None, finetune: FinetuneStrategy | None = None, *, decoding: str) -> None:
         super().__init__()
         self.model = model
         # what trains and how the frozen part behaves (pipeline.models.finetune); prepared on `model` by its builder
@@ -103,6 +103,7 @@ class PainLightningModule(pl.LightningModule):
         weights = None if class_weights is None else torch.tensor(list(class_weights), dtype=torch.float32)
         self.register_buffer("class_weights", weights, persistent=False)
         self.aggregation, self.topk = aggregation, topk
+        self.decoding = decoding  # eval.decoding: the rule that calls a frame or video from its probabilities
         self.channels_last = channels_last
         self.monitor = monitor  # the metric early stopping and checkpoint selection read: NaN there is an error
         self._outputs: dict[str, list] = {"val": [], "test": []}
@@ -196,7 +197,7 @@ class PainLightningModule(pl.LightningModule):
         """
         predictions = self._predictions(stage)
         evaluation = evaluate_predictions(predictions, self.class_names, aggregation=self.aggregation, k=self.topk,
-                                          ordinal=self.level_head is not None)
+                                          decoding=self.decoding)
         metrics = evaluation.metrics(prefix=f"{stage}/")
         undefined = sorted(name for name, value in metrics.items() if not np.isfinite(value))
         if undefined and stage not in self._warned_undefined:

@@ -108,7 +108,7 @@ def score_split(module: PainLightningModule, datamodule: PainDataModule, role: s
     for index, name in enumerate(module.class_names):
         predictions[f"prob_{name}"] = probabilities[:, index]
     evaluation = evaluate_predictions(predictions, module.class_names, aggregation=module.aggregation,
-                                      k=module.topk, ordinal=module.level_head is not None)
+                                      k=module.topk, decoding=module.decoding)
     return predictions, evaluation, loss
 
 

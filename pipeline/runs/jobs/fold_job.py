@@ -221,7 +221,7 @@ def build_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: D
         class_weights=class_weights_for(cfg.trainer.class_weights, train_labels, task.n_classes),
         aggregation=mode.aggregation(cfg), topk=cfg.trainer.topk,
         channels_last=channels_last,
-        monitor=cfg.trainer.monitor, finetune=strategy)
+        monitor=cfg.trainer.monitor, finetune=strategy, decoding=trains.decoding)
     return module, datamodule, decisions.weights_source.as_tags()
 
 

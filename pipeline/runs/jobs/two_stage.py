@@ -44,7 +44,7 @@ from pipeline.models.embedding_cache import (
 from pipeline.models.factory import clip_model
 from pipeline.models.head_training import HeadTraining, clip_predictions, embedded_clips, train_head
 from pipeline.models.lightning_module import PainLightningModule
-from pipeline.models.ordinal import LevelHead, OutputConfig
+from pipeline.models.ordinal import OutputConfig
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head, head_parameters
 from pipeline.utils.atomic_io import atomic_write_text
 from pipeline.utils.paths import resolve_path
@@ -144,8 +144,8 @@ def second_stage(cfg: DictConfig, fold: int, module: PainLightningModule, datamo
                             seed=int(cfg.seed), stream=fold)
     trained = train_head(head, clips["train"], clips["val"], settings)
     names = module.class_names
-    # one row per video: its clip's score is the video's, called by the ordinal rule where the head is over levels
-    aggregation = {"aggregation": "mean", "k": 1, "ordinal": isinstance(trained.head, LevelHead)}
+    # one row per video: its clip's score is the video's, called by the module's decoding rule (eval.decoding)
+    aggregation = {"aggregation": "mean", "k": 1, "decoding": module.decoding}
     validation = evaluate_predictions(clip_predictions(trained.head, clips["val"], names), names, **aggregation)
     predictions = clip_predictions(trained.head, clips["test"], names)
     evaluation = evaluate_predictions(predictions, names, **aggregation)

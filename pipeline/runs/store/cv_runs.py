@@ -31,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.fold_files import fold_file_sha256
 from pipeline.data.personalise import PersonaliseConfig
-from pipeline.data.tasks import Task, get_task
+from pipeline.data.tasks import TASKS, Task, get_task
+from pipeline.evaluation.aggregation import check_decoding
 from pipeline.models.backbones import weights_source
 from pipeline.models.finetune import FinetuneConfig
 from pipeline.models.ordinal import OutputConfig, graded_scoring
@@ -46,6 +47,7 @@ NOT_IDENTITY = ("launcher", "mlflow", "cv", "reports_dir", "preprocess.workers",
                 "data.synthetic.workers", "data.synthetic.classes", "final", "predict", "serve", "compare",
                 "cache.batch_size")  # data.synthetic.classes: which videos get truth crops, not how they are made
 CROP_PREFIXES = ("preprocess.", "data.synthetic.")  # how the crops were made (twin look and size, detector, align)
+DECODING_PARAM = "eval.decoding"
 CV_QUERY = f"tags.`{tracking.RUN_KIND_TAG}` = '{tracking.CV_RUN}'"
 FINISHED_QUERY = f"attributes.status = '{tracking.FINISHED}'"
 
@@ -71,12 +73,14 @@ class WhatTrains:
     cache_views: int  # cache.views: augmented views per crop in the embedding cache (0: the plain embedding)
     output: OutputConfig
     personalise: PersonaliseConfig
+    decoding: str  # eval.decoding: how every output's probabilities become the class a video is called
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> WhatTrains:
+        check_decoding(str(cfg.eval.decoding))
         return cls(get_task(cfg.task.name), FinetuneConfig.from_config(cfg), HeadConfig.from_config(cfg.model.head),
                    int(cfg.cache.views), OutputConfig.from_config(cfg.model.get("output")),
-                   PersonaliseConfig.from_config(cfg.get("personalise")))
+                   PersonaliseConfig.from_config(cfg.get("personalise")), str(cfg.eval.decoding))
 
     @property
     def graded(self) -> bool:
@@ -113,9 +117,30 @@ class WhatTrains:
                 "augment_applied": str(self.augmentation_applied).lower(), "augmentation": self.augmentation_label}
 
     def protocol_tags(self) -> dict[str, str]:
-        """The output and personalisation protocol as tags (`tracking.OUTPUT_TAG`, `PERSONALISE_TAG`): descriptive,
-        not identity tags, on every new CV; `cv_label` names a CV by them when they are not softmax / none."""
-        return {tracking.OUTPUT_TAG: self.output.label, tracking.PERSONALISE_TAG: self.personalise.label}
+        """The output, personalisation protocol and decoding rule as tags (`tracking.OUTPUT_TAG`, `PERSONALISE_TAG`,
+        `DECODING_TAG`): descriptive, not identity tags, on every new CV; `cv_label` names a CV by them when they are
+        not softmax / none / argmax."""
+        return {tracking.OUTPUT_TAG: self.output.label, tracking.PERSONALISE_TAG: self.personalise.label,
+                tracking.DECODING_TAG: self.decoding}
+
+
+def former_decoding(output_label: str) -> str:
+    """The rule a CV made before `eval.decoding` called its videos by: argmax for softmax, the median level for an
+    ordinal or regression output (`output_label` as `tracking.OUTPUT_TAG` holds it; absent or empty: softmax)."""
+    return "argmax" if output_label in ("", "softmax") else "median"
+
+
+def decoding_of(tags: Mapping[str, str], params: Mapping[str, str]) -> str:
+    """The rule a CV's videos were called by: its `eval.decoding` parameter, else its output's former rule (a CV made
+    before the setting, or one whose rule was its output's former one: `identity_config` leaves it out then)."""
+    return params.get(DECODING_PARAM) or former_decoding(tags.get(tracking.OUTPUT_TAG, ""))
+
+
+def levels_decoded(task_name: str) -> bool:
+    """Whether the decoding rule changes a task's calls: more than two classes (on two the rules agree); a task this
+    project does not know: yes."""
+    task = TASKS.get(task_name)
+    return task is None or task.n_classes > 2
 
 
 def identity_config(cfg: DictConfig) -> dict:
@@ -130,6 +155,10 @@ def identity_config(cfg: DictConfig) -> dict:
         node.pop(leaf, None)
     if seeds is not None:  # several training seeds change what is computed; none keeps older CVs' identity
         config["cv"] = {"seeds": list(seeds)}
+    output = OutputConfig.from_config(config.get("model", {}).get("output"))
+    if config.get("eval", {}).get("decoding") == former_decoding(output.label):
+        # the rule every CV before eval.decoding used for this output: those CVs keep their identity
+        config["eval"].pop("decoding")
     if config.get("model", {}).get("head", {}).get("name", "linear") == "linear":
         # the per-frame head reads no clip settings: older CVs (before model.head) keep their identity
         config["model"].pop("head", None)
@@ -201,9 +230,10 @@ def cv_label(tags: Mapping[str, str]) -> str:
     """How a comparison names a CV: the backbone, then what trained when it is not every weight (`frozen`,
     `top_blocks2`, `lora_r8`), the weights file it started from when there was one (`weights 1a2b3c4d`) and a
     temporal head when there is one (`gru_h64x1_two_stage`), then its output when it is not softmax
-    (`ordinal_coral`) and its personalisation protocol when there is one (`baseline_k2`), so that strategies,
-    starting points, heads, outputs and protocols of one backbone are compared with each other (a run without the
-    tags: softmax, none)."""
+    (`ordinal_coral`), its personalisation protocol when there is one (`baseline_k2`) and, on a task of more than two
+    classes, its decoding rule when it is not argmax (`by_median`), so that strategies, starting points, heads,
+    outputs, protocols and decoding rules of one backbone are compared with each other (a run without the tags:
+    softmax, none, argmax)."""
     label = tags["model"]
     if tags.get("finetune", "full") not in ("", "full"):
         label += f" {tags['finetune']}"
@@ -215,6 +245,8 @@ def cv_label(tags: Mapping[str, str]) -> str:
         label += f" {tags[tracking.OUTPUT_TAG]}"
     if tags.get(tracking.PERSONALISE_TAG, "none") not in ("", "none"):
         label += f" {tags[tracking.PERSONALISE_TAG]}"
+    if tags.get(tracking.DECODING_TAG, "argmax") not in ("", "argmax") and levels_decoded(tags.get("task", "")):
+        label += f" by_{tags[tracking.DECODING_TAG]}"
     return label
 
 
@@ -224,7 +256,7 @@ def config_label(cfg: DictConfig) -> str:
     trains = WhatTrains.from_config(cfg)
     return cv_label({"model": cfg.model.name, "finetune": trains.finetune.label,
                      "weights_source": source.kind, "weights_sha256": source.sha256 or "",
-                     "head": trains.head.label, **trains.protocol_tags()})
+                     "head": trains.head.label, "task": cfg.task.name, **trains.protocol_tags()})
 
 
 def crop_settings(cfg: DictConfig) -> dict[str, str]:

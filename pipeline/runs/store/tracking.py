@@ -100,6 +100,10 @@ IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", 
 # still find it; the config_sha256 already differs): a CV's output (softmax, ordinal_coral, regression_huber) and
 # personalisation protocol (none, subject_normalised, baseline_k2). Absent: softmax, none.
 OUTPUT_TAG, PERSONALISE_TAG = "output", "personalise"
+# How a CV's videos were called from their class or level probabilities (`eval.decoding`: argmax, median, expected),
+# the same rule for every output. Absent (a CV made before the setting): its output's own rule, argmax for softmax
+# and the median level for an ordinal or regression output (`cv_runs.decoding_of`).
+DECODING_TAG = "decoding"
 COMPLETE_TAG = "complete"  # "true" when every fold of the fold file ran, without batch limits
 HEADLINE_TAG = "headline_metric"
 NOTE_TAG = "mlflow.note.content"  # a run's description: the UI renders it as Markdown on the run's Overview
