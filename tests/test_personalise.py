@@ -20,7 +20,9 @@ from pipeline.data.personalise import (
     reference_statistics,
     relative_to_reference,
     select_baseline,
+    shown_protocol,
     subject_normalise,
+    unbalanced_test,
 )
 from pipeline.data.tasks import CLASS_NAMES
 from pipeline.evaluation.statistics import common_videos
@@ -178,7 +180,14 @@ def test_the_personalise_group_composes_each_protocol_and_none_is_the_default() 
     cfg = load_config(["personalise=baseline", "personalise.k=2"])
     assert PersonaliseConfig.from_config(cfg.personalise).label == "baseline_k2"
     assert PersonaliseConfig.from_config(load_config(["personalise=subject_normalised"]).personalise).label == \
-        "subject_normalised"
+        "subject_normalised_transductive"  # it reads every test video of the person: named so everywhere
+    unbalanced = load_config(["personalise=subject_normalised", "personalise.test_pain_share=0.2"]).personalise
+    assert PersonaliseConfig.from_config(unbalanced).label == "subject_normalised_transductive_test1to4"
+    assert shown_protocol("subject_normalised") == "subject_normalised_transductive"  # a CV tagged before
+    assert shown_protocol("subject_normalised_transductive") == "subject_normalised_transductive"
+    assert shown_protocol("baseline_k2") == "baseline_k2"
+    with pytest.raises(ValueError, match=r"personalise.test_pain_share=1.5: expected a share in \(0, 1\)"):
+        PersonaliseConfig.from_config({"mode": "subject_normalised", "test_pain_share": 1.5})
     with pytest.raises(ValueError, match="personalise=baseline needs personalise.k >= 1"):
         PersonaliseConfig.from_config(load_config(["personalise=baseline", "personalise.k=0"]).personalise)
 
@@ -201,3 +210,22 @@ def test_a_baseline_cv_and_a_plain_one_are_paired_on_the_videos_both_tested() ->
     assert record.set_index("cv").to_dict("index") == {
         "plain": {"n_videos": 60, "n_common_videos": 54, "n_dropped_videos": 6},
         "baseline_k2": {"n_videos": 54, "n_common_videos": 54, "n_dropped_videos": 0}}
+
+
+def test_an_unbalanced_test_keeps_every_no_pain_video_and_one_pain_video_to_four() -> None:
+    """Each person's videos of a binary task, subsampled to one pain video per four no-pain videos: whole videos
+    (every crop), drawn per person from (seed, person), at least one pain video."""
+    frames = frame_table(n_subjects=4, videos_per_class=8, seed=3)
+    task = frames[frames["class_name"].isin(["BL1", "PA2"])]
+    kept = unbalanced_test(task, (task["class_name"] != "BL1").to_numpy(), 0.2, seed=0)
+    videos = kept.drop_duplicates(["subject_name", "sample_name"])
+    counts = videos.groupby(["subject_name", "class_name"]).size().unstack()
+    assert counts["BL1"].eq(8).all() and counts["PA2"].eq(2).all()  # 8 no-pain: 2 pain (one to four)
+    assert kept.groupby(["subject_name", "sample_name"]).size().eq(CROPS).all()  # every crop of a kept video
+    again = unbalanced_test(task, (task["class_name"] != "BL1").to_numpy(), 0.2, seed=0)
+    assert again.index.equals(kept.index)
+    other = unbalanced_test(task, (task["class_name"] != "BL1").to_numpy(), 0.2, seed=1)
+    assert not other.index.equals(kept.index)
+    few = unbalanced_test(task, (task["class_name"] != "BL1").to_numpy(), 0.05, seed=0)
+    assert few.drop_duplicates(["subject_name", "sample_name"]).groupby("subject_name")["class_name"].apply(
+        lambda names: (names == "PA2").sum()).eq(1).all()  # at least one pain video a person

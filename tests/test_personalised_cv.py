@@ -131,6 +131,29 @@ def test_subject_normalised_statistics_of_a_person_come_from_their_own_rows_of_t
     assert not np.allclose(served(again, "train")[0][~mine], served(data, "train")[0][~mine])
 
 
+def test_subject_normalised_on_unbalanced_test_people_recomputes_their_statistics(tiny_config) -> None:
+    """personalise.test_pain_share=0.2: each test person's videos one pain to four no-pain before the statistics,
+    so the served test embeddings are standardised by the unbalanced videos (mean 0, spread 1 over those) and differ
+    from the balanced split's; training and validation are untouched."""
+    cfg = tiny_config()
+    table = embedding_table(resolve_path(cfg.data.processed_dir))
+    balanced = datamodule(cfg, table, PersonaliseConfig("subject_normalised"))
+    unbalanced = datamodule(cfg, table, PersonaliseConfig("subject_normalised", test_pain_share=0.2))
+    rows = unbalanced.frames("test")
+    videos = rows.drop_duplicates(["subject_name", "sample_name"])
+    for person, group in videos.groupby("subject_name"):
+        pain, rest = int((group["class_name"] != "BL1").sum()), int((group["class_name"] == "BL1").sum())
+        assert pain == max(1, rest // 4), person
+        got = served(unbalanced, "test")[0][(rows["subject_name"] == person).to_numpy()]
+        np.testing.assert_allclose(got.mean(axis=0), 0, atol=1e-4)
+    assert len(rows) < len(balanced.frames("test"))
+    kept = balanced.frames("test").index.isin(rows.index)
+    assert not np.allclose(served(balanced, "test")[0][kept], served(unbalanced, "test")[0], atol=1e-3)
+    for role in ("train", "val"):
+        np.testing.assert_array_equal(served(balanced, role)[0], served(unbalanced, role)[0])
+    assert unbalanced.protocol_metrics() == {"personalise/test_videos": float(len(videos))}
+
+
 @pytest.fixture(scope="module")
 def baseline_cv(tiny_config, tmp_path_factory: pytest.TempPathFactory) -> dict:
     work = tmp_path_factory.mktemp("personalised")

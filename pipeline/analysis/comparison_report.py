@@ -21,6 +21,7 @@ from pipeline.analysis.comparison_statistics import (
     PRIMARY_METRIC,
     fold_test_note,
 )
+from pipeline.data.personalise import TRANSDUCTIVE_LABEL
 from pipeline.utils.atomic_io import save_png
 
 
@@ -158,6 +159,11 @@ def print_report(result: Mapping) -> None:
         print(f"compared although (compare.allow_differences): {difference}")
     if result["common_videos"] is not None:
         print(common_line(result["common_videos"]))
+    transductive = sorted(model for model in result["parent_run_ids"] if TRANSDUCTIVE_LABEL in model)
+    if transductive:
+        print(f"TRANSDUCTIVE: {', '.join(transductive)} standardise(s) each test person by all of that person's test "
+              f"videos, both classes in the test set's mix (the task's 50/50 unless _test1to<n>): a deployed model "
+              f"never knows that mix; personalise.test_pain_share=0.2 measures it on unbalanced test people")
     wide = result["summary"].pivot_table(index="model", columns="metric", values="mean")
     print("mean over folds (each fold's test subjects; at_threshold: the fold's validation threshold):")
     print(wide.to_string(float_format=lambda v: f"{v:.3f}"))

@@ -77,7 +77,7 @@ def check_same_folds(runs: Mapping[str, Run]) -> None:
 # "(not set)": `cv.seeds` is only logged where several seeds were asked for.
 SAME_TAGS = ("dataset", "task", "protocol", "subject_set", FOLD_FILE_TAG)
 SAME_PARAMS = ("eval.threshold", "cv.seeds", "trainer.aggregation", "trainer.topk", "loader.frames_per_video",
-               "loader.from_s", "personalise.mode", "personalise.k")
+               "loader.from_s", "personalise.mode", "personalise.k", "personalise.test_pain_share")
 NOT_SET = "(not set)"
 PERSONALISE = "personalise"  # compare.allow_differences=[personalise] allows every personalise.* key
 

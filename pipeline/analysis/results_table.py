@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 
-from pipeline.data.personalise import PersonaliseConfig
+from pipeline.data.personalise import PersonaliseConfig, shown_protocol
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.orchestration.tuning import run_tune
 from pipeline.runs.store import cv_runs, tracking
@@ -182,7 +182,7 @@ def project_row(model: str, task: str, run, protocol: str = "none") -> dict:
     is nothing. `protocol`: the personalisation protocol asked for (`PersonaliseConfig.label`); a finished run's
     own tag wins (a run without one is plain, `none`)."""
     if run is not None:
-        protocol = run.data.tags.get(tracking.PERSONALISE_TAG) or "none"
+        protocol = shown_protocol(run.data.tags.get(tracking.PERSONALISE_TAG) or "none")
     row = {"model": model, "task": task, "personalise": protocol, "parent_run_id": run.info.run_id if run else "",
            "complete": run.data.tags.get("complete", "") if run else "",
            "unusable_subjects": run.data.tags.get("task_unusable_subjects", "") if run else "",

@@ -13,7 +13,9 @@ is only ever seen against their own statistics: `subject_normalised` standardise
 views) by the mean and spread of that person's plain embeddings in the split; `baseline` takes k of each person's BL1
 videos out of the split as their reference and serves every other crop minus the reference's mean plain embedding. A
 training person's reference comes from their training videos, a test person's from their test videos; the videos a
-split lost are in `protocol_metrics` and `split_summary`.
+split lost are in `protocol_metrics` and `split_summary`. With `personalise.test_pain_share` each test person's
+videos are first subsampled to that share of pain (`unbalanced_test`), so a transductive protocol's statistics come
+from an unbalanced person, as a deployed model's would.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from pipeline.data.personalise import (
     select_baseline,
     standardised,
     subject_statistics,
+    unbalanced_test,
 )
+from pipeline.data.tasks import NO_PAIN
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,10 @@ class EmbeddingDataModule(PainDataModule):
         if self._splits is not None:
             return
         self._splits = self.split_frames()  # no image dataset is built: the items are embeddings
+        if self.personalise.test_pain_share is not None:  # test people as a deployed model meets them: unbalanced
+            test = self._splits["test"]
+            self._splits["test"] = unbalanced_test(test, (test["class_name"] != NO_PAIN).to_numpy(),
+                                                   self.personalise.test_pain_share, self.seed)
         if self.personalise.mode == "baseline":
             for role in ROLES:
                 self._splits[role], self.references[role] = self._without_reference(self._splits[role])
@@ -141,7 +149,9 @@ class EmbeddingDataModule(PainDataModule):
     def protocol_metrics(self) -> dict[str, float]:
         """What the personalisation protocol cost each split: its reference videos and the videos left."""
         if self.personalise.mode != "baseline":
-            return {}
+            if self.personalise.test_pain_share is None:
+                return {}
+            return {"personalise/test_videos": float(len(self.frames("test")[VIDEO_KEYS].drop_duplicates()))}
         out = {}
         for role in ROLES:
             for name, rows in (("reference_videos", self.references[role]), ("videos", self.frames(role))):

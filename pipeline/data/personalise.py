@@ -5,7 +5,10 @@ Faces differ more between people than one person's BL1 and PA1 do; two protocols
 
 - `subject_normalised` (`subject_normalise`): each person's embeddings standardised by that person's own mean and
   standard deviation over all of their rows. It takes subject ids and features only, so it cannot read a label; a
-  test person's statistics come from their unlabelled test recordings.
+  test person's statistics come from their unlabelled test recordings. It is TRANSDUCTIVE, and named so in every
+  label (`subject_normalised_transductive`): a test person's statistics are those of all of their test videos, both
+  classes in the task's balance (50/50), a mix a deployed model never knows. `test_pain_share` measures it on test
+  people whose videos are not balanced (`unbalanced_test`: 0.2 keeps one pain video to four no-pain videos).
 - `baseline` with k (`select_baseline`, `relative_to_reference`): k of a person's BL1 videos (every crop of each) are
   their resting reference, drawn from (seed, person); they leave the rows the person is tested (or trained) on, and
   every other crop is seen as its embedding minus the reference mean. The only label read is "which videos are BL1"
@@ -34,6 +37,8 @@ from pipeline.utils.seeds import derived_seed
 
 MODES = ("none", "subject_normalised", "baseline")
 VIDEO_KEYS = ["subject_name", "sample_name"]
+# subject_normalised standardises a test person by all of their test videos: transductive, and named so
+TRANSDUCTIVE_LABEL = "subject_normalised_transductive"
 LABEL_COLUMNS = ("class_name", "class_id", "label")  # what a baseline selection must never be handed
 
 
@@ -44,6 +49,7 @@ class PersonaliseConfig:
     mode: str
     k: int | None = None  # baseline: reference videos per person
     seed: int | None = None  # baseline: which BL1 videos, drawn per person
+    test_pain_share: float | None = None  # each test person's videos subsampled to this share of pain (None: all)
 
     @classmethod
     def from_config(cls, section: Mapping[str, Any] | None) -> PersonaliseConfig:
@@ -56,17 +62,37 @@ class PersonaliseConfig:
         if config.mode == "baseline" and (config.k is None or config.k < 1 or config.seed is None):
             raise ValueError(f"personalise=baseline needs personalise.k >= 1 and personalise.seed, got k={config.k}, "
                              f"seed={config.seed}")
+        if config.test_pain_share is not None and not 0.0 < config.test_pain_share < 1.0:
+            raise ValueError(f"personalise.test_pain_share={config.test_pain_share}: expected a share in (0, 1), or "
+                             f"null for every test video")
         return config
 
     @property
     def label(self) -> str:
-        """How tables and tags name the protocol: none, subject_normalised, baseline_k2."""
-        return f"baseline_k{self.k}" if self.mode == "baseline" else self.mode
+        """How tables and tags name the protocol: none, subject_normalised_transductive, baseline_k2; on unbalanced
+        test people with `_test1to4` (test_pain_share 0.2)."""
+        label = {"baseline": f"baseline_k{self.k}", "subject_normalised": TRANSDUCTIVE_LABEL}.get(self.mode, self.mode)
+        if self.test_pain_share is not None:
+            label += f"_test1to{(1 - self.test_pain_share) / self.test_pain_share:g}"
+        return label
 
     def meta(self) -> dict[str, Any]:
         """What a kept model records of its protocol (`meta["personalise"]`, read back with `from_config`): nothing
         for none, so a plain model's file is as before."""
         return {} if self.mode == "none" else {"personalise": {"mode": self.mode, "k": self.k, "seed": self.seed}}
+
+    @property
+    def transductive(self) -> bool:
+        """Whether a test person's statistics come from all of their test videos (subject_normalised)."""
+        return self.mode == "subject_normalised"
+
+
+def shown_protocol(label: str) -> str:
+    """A protocol's label as tables show it: a CV tagged before the protocol was named transductive
+    (`subject_normalised`, with or without a test suffix) shown as `subject_normalised_transductive`."""
+    if label.startswith("subject_normalised") and not label.startswith(TRANSDUCTIVE_LABEL):
+        return TRANSDUCTIVE_LABEL + label.removeprefix("subject_normalised")
+    return label
 
 
 def refuse_unapplied(config: PersonaliseConfig, *, reads_cache: bool) -> None:
@@ -194,6 +220,30 @@ def select_baseline(rows: pd.DataFrame, is_bl1: Sequence[bool] | np.ndarray, k: 
                                                                                              names=VIDEO_KEYS))
     return BaselineSplit(rows[in_reference], rows[~in_reference], pd.DataFrame(
         record, columns=["subject_name", "n_videos", "n_bl1_videos", "n_reference_videos", "n_remaining_videos"]))
+
+
+def unbalanced_test(rows: pd.DataFrame, is_pain: Sequence[bool] | np.ndarray, pain_share: float,
+                    seed: int) -> pd.DataFrame:
+    """A test split's rows (crops or videos) with each person's pain videos subsampled so that they are
+    `pain_share` of the person's videos (0.2: one pain video to four no-pain videos; at least one pain video): every
+    no-pain video kept, the pain videos drawn from (seed, person). What a deployed person's recordings look like: not
+    the task's 50/50, which a transductive protocol would otherwise know. An evaluation design, read before the
+    protocol: the model's statistics then come from the unbalanced videos, without their labels."""
+    is_pain = np.asarray(is_pain, dtype=bool)
+    if is_pain.shape != (len(rows),):
+        raise ValueError(f"the pain mask has shape {is_pain.shape}, the rows {len(rows)} rows")
+    videos = rows[VIDEO_KEYS].assign(is_pain=is_pain).drop_duplicates(VIDEO_KEYS)
+    kept = []
+    for subject, group in videos.groupby("subject_name", sort=True):
+        pain = sorted(group.loc[group["is_pain"], "sample_name"])
+        n_no_pain = int((~group["is_pain"]).sum())
+        wanted = max(1, int(np.floor(n_no_pain * pain_share / (1.0 - pain_share) + 1e-9)))
+        rng = np.random.default_rng(derived_seed(seed, _person_key(subject)))
+        picked = [pain[int(i)] for i in rng.permutation(len(pain))[:wanted]]
+        kept += [(subject, sample) for sample in group.loc[~group["is_pain"], "sample_name"]]
+        kept += [(subject, sample) for sample in picked]
+    keep = pd.MultiIndex.from_frame(rows[VIDEO_KEYS]).isin(pd.MultiIndex.from_tuples(kept, names=VIDEO_KEYS))
+    return rows[keep]
 
 
 def reference_means(subjects: np.ndarray, features: np.ndarray) -> dict[str, np.ndarray]:

@@ -30,7 +30,7 @@ from mlflow.entities import Run
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.fold_files import fold_file_sha256
-from pipeline.data.personalise import PersonaliseConfig
+from pipeline.data.personalise import PersonaliseConfig, shown_protocol
 from pipeline.data.tasks import TASKS, Task, get_task
 from pipeline.evaluation.aggregation import check_decoding
 from pipeline.models.backbones import weights_source
@@ -155,6 +155,8 @@ def identity_config(cfg: DictConfig) -> dict:
         node.pop(leaf, None)
     if seeds is not None:  # several training seeds change what is computed; none keeps older CVs' identity
         config["cv"] = {"seeds": list(seeds)}
+    if config.get("personalise", {}).get("test_pain_share", "absent") is None:
+        config["personalise"].pop("test_pain_share")  # every test video: personalised CVs before it keep their identity
     output = OutputConfig.from_config(config.get("model", {}).get("output"))
     if config.get("eval", {}).get("decoding") == former_decoding(output.label):
         # the rule every CV before eval.decoding used for this output: those CVs keep their identity
@@ -244,7 +246,7 @@ def cv_label(tags: Mapping[str, str]) -> str:
     if tags.get(tracking.OUTPUT_TAG, "softmax") not in ("", "softmax"):
         label += f" {tags[tracking.OUTPUT_TAG]}"
     if tags.get(tracking.PERSONALISE_TAG, "none") not in ("", "none"):
-        label += f" {tags[tracking.PERSONALISE_TAG]}"
+        label += f" {shown_protocol(tags[tracking.PERSONALISE_TAG])}"  # subject_normalised: named transductive
     if tags.get(tracking.DECODING_TAG, "argmax") not in ("", "argmax") and levels_decoded(tags.get("task", "")):
         label += f" by_{tags[tracking.DECODING_TAG]}"
     return label
