@@ -177,7 +177,7 @@ def _server(argv: list[str]) -> int:
 
 
 def _ui(argv: list[str]) -> int:
-    from pipeline.runs.store.tracking_server import ui_main
+    from pipeline.runs.store.private_server import ui_main
 
     return ui_main(argv)
 

@@ -22,7 +22,8 @@ import torch
 from pipeline.models.factory import create_model
 from pipeline.models.finetune import FinetuneConfig, parameter_counts, strategy_for
 from pipeline.runs.jobs.embed import run_embed
-from pipeline.runs.jobs.fold_job import build_fold, plan_decisions
+from pipeline.runs.jobs.fold_decisions import plan_decisions
+from pipeline.runs.jobs.fold_job import build_fold
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import resolve_path
@@ -40,7 +41,8 @@ class EpochTimer(pl.Callback):
 
 
 def epoch_seconds(cfg, epochs: int) -> list[float]:
-    module, datamodule, _ = build_fold(cfg, 0, plan_decisions(cfg, resolve_path(cfg.fold_file)))
+    built = build_fold(cfg, 0, plan_decisions(cfg, resolve_path(cfg.fold_file)))
+    module, datamodule = built.module, built.datamodule
     timer = EpochTimer()
     trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -22,7 +22,8 @@ from pipeline.data.tasks import get_task
 from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import load_model_file
-from pipeline.runs.jobs.fold_job import plan_decisions, train_fold
+from pipeline.runs.jobs.fold_decisions import plan_decisions
+from pipeline.runs.jobs.fold_job import train_fold
 from pipeline.runs.orchestration.cross_validation import identity_lock, plan_cv, run_cv
 from pipeline.runs.store.environment import FREEZE_ARTIFACT
 from pipeline.runs.store.tracking import get_or_create_experiment
@@ -153,7 +154,7 @@ def test_early_stopping_stops(tiny_config, tmp_path: Path) -> None:
                       "trainer.patience=2", "model.optim.head_lr=0", "model.optim.backbone_lr=0")
     with fold_run(cfg):
         result = train_fold(cfg, 0, plan_decisions(cfg, fold_file_path(cfg)), tmp_path)
-    assert result.epochs == 3 and result.best_epoch == 0
+    assert result.epochs_trained == 3 and result.best_epoch == 0
 
 
 def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Path) -> None:

@@ -65,7 +65,8 @@ def test_isa_caps_below_amx_turn_bf16_off(cap: str, monkeypatch) -> None:
 
 
 def test_auto_precision_is_left_to_the_fold_job_and_resolved_from_its_device(tiny_config) -> None:
-    from pipeline.runs.jobs.fold_job import FoldJob, plan_decisions, settings_on_device
+    from pipeline.runs.jobs.fold_decisions import plan_decisions, settings_on_device
+    from pipeline.runs.jobs.fold_run import FoldJob
     from pipeline.utils.devices import device_settings
 
     cfg = tiny_config("model=mobilevit_xxs", "model.img_size=32", "trainer.precision=auto")

@@ -14,7 +14,8 @@ from pipeline.data.prepare import fold_file_path
 from pipeline.models.embedding_cache import state_dict_sha256
 from pipeline.models.model_file import load_model_file
 from pipeline.models.temporal_heads import ClipNet
-from pipeline.runs.jobs.fold_job import build_fold, plan_decisions, train_fold
+from pipeline.runs.jobs.fold_decisions import plan_decisions
+from pipeline.runs.jobs.fold_job import build_fold, train_fold
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.store.tracking import get_or_create_experiment
 from tests.test_two_stage import FAST
@@ -26,7 +27,8 @@ def test_an_end_to_end_fold_trains_the_backbone_through_the_head_and_keeps_the_c
                                                                                         tmp_path: Path) -> None:
     cfg = tiny_config(*END_TO_END, "model.head.name=attention", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}")
     decisions = plan_decisions(cfg, fold_file_path(cfg))
-    module, datamodule, _ = build_fold(cfg, 0, decisions)
+    built = build_fold(cfg, 0, decisions)
+    module, datamodule = built.module, built.datamodule
     clips, labels, videos = next(iter(datamodule.train_dataloader()))
     assert clips.shape == (4, 3, 3, 32, 32) and labels.shape == videos.shape == (4,)  # (B, T, C, H, W) per video
     table = datamodule.prediction_rows("test")

@@ -16,7 +16,8 @@ import torch
 from mlflow import MlflowClient
 
 from pipeline.runs.orchestration.cross_validation import run_cv
-from pipeline.runs.orchestration.launchers import job_slots, tracking_server
+from pipeline.runs.orchestration.launchers import job_slots
+from pipeline.runs.store.private_server import tracking_server
 from pipeline.utils.paths import PROJECT_ROOT
 from tests.conftest import tiny_overrides
 from tests.gated_cv import rendezvous_sitecustomize

@@ -25,7 +25,8 @@ from pipeline.data.augment import (
     read_rgb,
 )
 from pipeline.deployment.export import export_scorer, run_export
-from pipeline.deployment.predict import load_scorer, sampled_frames
+from pipeline.deployment.predict import find_scorer
+from pipeline.deployment.video_frames import sampled_frames
 from pipeline.models.backbones import DataConfig
 from pipeline.models.factory import create_model
 from pipeline.models.model_file import model_meta, save_model_file
@@ -86,7 +87,7 @@ def test_the_contract_alone_gives_each_runs_inputs_and_probabilities_on_the_crop
     for fold, run_id in folds["runs"].items():
         path = folds["exported"][fold]
         runtime = ContractRuntime(path.with_suffix(".json"))
-        scorer, _ = load_scorer(cfg, run=run_id)
+        scorer, _ = find_scorer(cfg, run=run_id)
         # the export is of the run asked for (this store has no champion to fall back on), deciding at its threshold
         assert runtime.contract["source"].startswith(f"run {run_id} ")
         assert runtime.contract["threshold"] == pytest.approx(scorer.threshold) and scorer.threshold != 0.5
@@ -109,7 +110,7 @@ def test_the_contract_alone_crops_video_frames_as_predict_does(folds) -> None:
     settings and weights); the alignment, warp, JPEG round trip and transform come from the contract alone."""
     cfg = folds["cfg"]
     runtime = ContractRuntime(folds["exported"][0].with_suffix(".json"))
-    scorer, _ = load_scorer(cfg, run=folds["runs"][0])
+    scorer, _ = find_scorer(cfg, run=folds["runs"][0])
     frames = twin_frames(cfg)
     table = scorer.score(frames)
     follower = scorer.follower()
@@ -132,7 +133,7 @@ def test_the_contract_alone_makes_square_crops_as_predict_does(folds, tmp_path) 
     """A model trained on square crops (no landmarks): the box rounding, margin, border and resize from the contract;
     boxes inside the frame, over its edges, smaller and larger than the crop."""
     cfg = folds["cfg"]
-    aligned, _ = load_scorer(cfg, run=folds["runs"][0])
+    aligned, _ = find_scorer(cfg, run=folds["runs"][0])
     settings = dataclasses.replace(aligned.settings, detector="haar", align=False)
     scorer = FrameScorer(aligned.net, aligned.meta, settings, threshold=aligned.threshold)
     runtime = ContractRuntime(export_scorer(scorer, "square", tmp_path).with_suffix(".json"))

@@ -17,7 +17,8 @@ from pipeline.data.datamodule import PainDataModule
 from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
 from pipeline.deployment.export import run_export
-from pipeline.deployment.predict import load_scorer, sampled_frames
+from pipeline.deployment.predict import find_scorer
+from pipeline.deployment.video_frames import sampled_frames
 from pipeline.evaluation.aggregation import ordinal_decision
 from pipeline.models.model_file import load_model_file
 from pipeline.models.ordinal import CoralHead, output_probabilities
@@ -117,7 +118,7 @@ def test_the_kept_ordinal_model_loads_and_gives_the_folds_test_probabilities(ord
 
 def test_the_ordinal_model_scores_frames_and_its_onnx_export_gives_the_same_pain_probabilities(ordinal_cv) -> None:
     cfg, run = ordinal_cv["cfg"], ordinal_cv["folds"][1]
-    scorer, _ = load_scorer(cfg, run=run.info.run_id)
+    scorer, _ = find_scorer(cfg, run=run.info.run_id)
     video = sorted(Path(cfg.data.root, "video").rglob("*PA4*.mp4"))[0]
     frames = list(next(sampled_frames(video, 5))[2][:8])
     table = scorer.score(frames)
@@ -163,7 +164,7 @@ def test_a_two_stage_clip_model_over_levels_trains_scores_windows_and_exports(ti
     assert isinstance(net, ClipNet) and isinstance(net.head, ClipLevels) and meta["output"]["name"] == "ordinal"
     biases = net.head.levels.biases().detach()
     assert (biases[1:] < biases[:-1]).all()
-    scorer, _ = load_scorer(cfg, run=run.info.run_id)
+    scorer, _ = find_scorer(cfg, run=run.info.run_id)
     video = sorted(Path(cfg.data.root, "video").rglob("*PA4*.mp4"))[0]
     table = scorer.score(list(next(sampled_frames(video, 5))[2][:8]))
     found = table[table.face_found.astype(bool)]

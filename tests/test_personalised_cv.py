@@ -25,7 +25,7 @@ from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import NO_PAIN, get_task
 from pipeline.deployment.export import run_export
 from pipeline.deployment.final_model import run_final
-from pipeline.deployment.predict import load_scorer, run_predict
+from pipeline.deployment.predict import find_scorer, run_predict
 from pipeline.deployment.reference import attach_reference, video_embeddings
 from pipeline.deployment.serving import guarded_app, limits_of
 from pipeline.deployment.video_frames import PredictError, sampled_frames
@@ -203,7 +203,7 @@ def test_a_personalised_two_stage_cv_keeps_a_clip_model_that_scores_against_the_
                          dtype={"subject_name": str, "sample_name": str})
     tested = set(videos["subject_name"] + "/" + videos["sample_name"])
     assert tested and not tested & set(splits["test"]["reference_videos"])
-    scorer, _ = load_scorer(cfg, run=fold.info.run_id)
+    scorer, _ = find_scorer(cfg, run=fold.info.run_id)
     assert isinstance(scorer.net, ClipNet) and scorer.personalise.label == "baseline_k1"
     person = sorted(Path(cfg.data.root, "video").iterdir())[0]
     reference = tmp_path / "rest"
@@ -249,7 +249,7 @@ def test_a_personalised_final_model_scores_a_person_against_their_reference_and_
         personal_final, tmp_path: Path) -> None:
     cfg, uri, reference = personal_final["cfg"], personal_final["final"]["model_uri"], personal_final["reference"]
     pain = str(personal_final["pain"])
-    scorer, _ = load_scorer(cfg, uri)
+    scorer, _ = find_scorer(cfg, uri)
     assert scorer.personalise == PersonaliseConfig("baseline", k=1, seed=int(cfg.personalise.seed))
     with pytest.raises(SystemExit, match=r"personalised \(baseline_k1, the person's resting \(BL1\) recordings.*"
                                          r"REFERENCE=<folder of the person's recordings>"):
@@ -296,7 +296,7 @@ def test_a_personalised_model_is_not_served_or_exported_and_a_plain_one_takes_no
     served = mlflow.pyfunc.load_model(local)  # as `mlflow models serve` loads it: every request is told why
     with pytest.raises(MlflowException, match=r"personalised \(baseline_k1\)"):
         served.predict(pd.DataFrame({"image": [encode_image(frame) for frame in synthetic_frames(1)]}))
-    scorer, _ = load_scorer(cfg, uri)
+    scorer, _ = find_scorer(cfg, uri)
     meta = {key: value for key, value in scorer.meta.items() if key != "personalise"}
     plain = FrameScorer(scorer.net, meta, scorer.settings)
     with pytest.raises(PredictError, match=r"REFERENCE=.*not personalised \(personalise=none\)"):

@@ -14,7 +14,8 @@ from pipeline.data.prepare import fold_file_path
 from pipeline.models.model_file import MODEL_ARTIFACT, load_model_file
 from pipeline.models.probe_training import EpochState
 from pipeline.models.temporal_heads import HeadConfig
-from pipeline.runs.jobs.fold_job import check_head, plan_decisions, settings_here, train
+from pipeline.runs.jobs.fold_decisions import plan_decisions, settings_here
+from pipeline.runs.jobs.fold_job import check_head, train
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.store import cv_runs, tracking
 from pipeline.runs.store.cv_runs import WhatTrains

@@ -21,11 +21,12 @@ import pytest
 from mlflow.exceptions import MlflowException
 from omegaconf import OmegaConf
 
-from pipeline.deployment.predict import run_predict, sampled_frames
-from pipeline.runs.orchestration.launchers import stop_process_group
+from pipeline.deployment.predict import run_predict
+from pipeline.deployment.video_frames import sampled_frames
 from pipeline.runs.serving.mlflow_model import encode_image, frames_from_input
 from pipeline.runs.serving.serving_input import ServingLimits
 from pipeline.utils.paths import PROJECT_ROOT
+from pipeline.utils.processes import stop_process_group
 from tests.image_files import bomb_png
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -21,12 +21,11 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.runs.jobs.fold_job import FoldJob
-from pipeline.runs.jobs.fold_run import result_from_run
+from pipeline.runs.jobs.fold_run import FoldJob, result_from_run
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.orchestration.cross_validation import plan_cv
 from pipeline.runs.orchestration.search_workers import TuneWorker
-from pipeline.runs.store import tracking
+from pipeline.runs.store import private_server, tracking
 from pipeline.runs.store.tracking_server import ADMIN_PASSWORD_ENV, PASSWORD_ENV, USERNAME_ENV, auth_call
 from pipeline.utils.paths import PROJECT_ROOT
 from pipeline.utils.permissions import SHARED_OK_ENV
@@ -216,7 +215,7 @@ def test_fold_jobs_get_the_runs_own_user_and_no_password_leaks(tiny_config, tmp_
     artifact_root = client.get_experiment(plan.experiment_id).artifact_location
     seen: dict = {}
 
-    with launchers.tracking_server(uri, artifact_root, experiment_ids=[plan.experiment_id]) as server:
+    with private_server.tracking_server(uri, artifact_root, experiment_ids=[plan.experiment_id]) as server:
         def report(fold: int, state: str, detail) -> None:
             if state != "running":
                 return

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from pipeline.analysis.compare import compare
 from pipeline.analysis.comparison_runs import VERSUS_UNTUNED
 from pipeline.data.fold_files import fold_subjects, read_folds
-from pipeline.runs.jobs.fold_job import plan_decisions, settings_here
+from pipeline.runs.jobs.fold_decisions import plan_decisions, settings_here
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.orchestration.search_space import load_space
 from pipeline.runs.orchestration.search_workers import TuneWorker, objective, run_worker
@@ -280,7 +280,8 @@ def test_a_frozen_trial_reads_the_embedding_cache_and_still_never_the_test_subje
 
     cfg = tune_config(tiny_base, "model.finetune=frozen")
     decisions = plan_decisions(cfg, Path(cfg.fold_file))
-    module, datamodule, _ = build_fold(cfg, 0, decisions, datamodule_class=StudyDataModule)
+    built = build_fold(cfg, 0, decisions, datamodule_class=StudyDataModule)
+    module, datamodule = built.module, built.datamodule
     assert isinstance(datamodule, EmbeddingDataModule) and isinstance(datamodule, StudyDataModule)
     assert module.finetune.name == "frozen" and type(module.finetune).__name__ == "FrozenOnEmbeddings"
     roles = fold_subjects(read_folds(Path(cfg.fold_file)), 0)

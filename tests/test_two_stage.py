@@ -21,7 +21,8 @@ from pipeline.models.embedding_cache import state_dict_sha256
 from pipeline.models.factory import create_model
 from pipeline.models.model_file import load_model_file
 from pipeline.models.temporal_heads import ClipNet
-from pipeline.runs.jobs.fold_job import plan_decisions, train_fold
+from pipeline.runs.jobs.fold_decisions import plan_decisions
+from pipeline.runs.jobs.fold_job import train_fold
 from pipeline.runs.store.cv_runs import config_sha256
 from pipeline.runs.store.tracking import get_or_create_experiment
 from pipeline.utils.paths import resolve_path

@@ -395,7 +395,9 @@ def test_a_folder_with_several_weight_files_is_ambiguous(mobilevit_source: dict,
 def test_a_fold_job_uses_the_planned_weights_or_says_why_it_cannot(mobilevit_source: dict, tmp_path: Path,
                                                                      tiny_config) -> None:
     """The plan decides the weights once; a node that finds another file under the same path refuses to train."""
-    from pipeline.runs.jobs.fold_job import DecisionNotHonoured, FoldJob, build_network, plan_decisions
+    from pipeline.runs.jobs.fold_decisions import DecisionNotHonoured, plan_decisions
+    from pipeline.runs.jobs.fold_job import build_network
+    from pipeline.runs.jobs.fold_run import FoldJob
 
     path = _save(mobilevit_source, tmp_path / "mobilevit.safetensors", None)
     cfg = tiny_config(f"model={MOBILEVIT}", f"model.weights={path}", "model.pretrained=true")

@@ -43,7 +43,8 @@ from pipeline.models.lightning_module import (
     parameter_groups,
     warmup_cosine,
 )
-from pipeline.runs.jobs.fold_job import build_fold, plan_decisions
+from pipeline.runs.jobs.fold_decisions import plan_decisions
+from pipeline.runs.jobs.fold_job import build_fold
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.atomic_io import atomic_write_csv, atomic_write_text
 from pipeline.utils.config import CONFIG_DIR, load_config
@@ -108,7 +109,8 @@ def listed(cfg: DictConfig, dataset: Mapping[str, Any]) -> DictConfig:
 def build(cfg: DictConfig, dataset: Mapping[str, Any]) -> tuple[PainLightningModule, PainDataModule]:
     """The LightningModule and the data of fold 0 over `dataset`, built by `make cv`'s own `build_fold`."""
     cfg = listed(cfg, dataset)
-    module, datamodule, _ = build_fold(cfg, 0, plan_decisions(cfg, Path(dataset["fold_file"])))
+    built = build_fold(cfg, 0, plan_decisions(cfg, Path(dataset["fold_file"])))
+    module, datamodule = built.module, built.datamodule
     return module, datamodule
 
 

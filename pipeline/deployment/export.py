@@ -170,12 +170,13 @@ def run_export(cfg: DictConfig, model_uri: str | None = None, run: str | None = 
                out: str | None = None) -> Path:
     """`make export [MODEL_URI=... | RUN=<fold or final run>] [FORMAT=onnx] [OUT=folder]`: default the champion of
     MODEL / TASK."""
-    from pipeline.deployment.predict import PredictError, load_scorer
+    from pipeline.deployment.predict import find_scorer
+    from pipeline.deployment.video_frames import PredictError
 
     if format not in FORMATS:
         raise SystemExit(f"export: FORMAT={format!r} is not supported; choose one of {', '.join(FORMATS)}")
     try:
-        scorer, name = load_scorer(cfg, model_uri or None, run or None)
+        scorer, name = find_scorer(cfg, model_uri or None, run or None)
     except PredictError as error:
         raise SystemExit(f"export: {error}") from None
     if scorer.personalise.mode != "none":

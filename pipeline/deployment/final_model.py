@@ -213,16 +213,14 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
     settings = settings_here(decisions, train_cfg.trainer.channels_last, train_cfg.trainer.accelerator)
     print(settings.line)
     mlflow.set_tags(settings.tags())
-    module, datamodule, weights = built = build_fold(train_cfg, 0, decisions, settings, FinalDataModule)
+    built = build_fold(train_cfg, 0, decisions, settings, FinalDataModule)
+    module, datamodule, weights = built.module, built.datamodule, built.weights
     used = split_videos(datamodule, ("train", "val"))
     mlflow.log_input(subjects_dataset(used, f"{train_cfg.data.name}-{train_cfg.task.name}-final"), context="training")
     # the fold's path: its test split is the held-out validation subjects, scored once (a two-stage head on them too)
-    trained = train(train_cfg, 0, decisions, work_dir, settings, datamodule_class=FinalDataModule, scored=("test",),
-                    built=built)
-    evaluation = trained.held_out
-    best_epoch = int(trained.selected.get("best_epoch", -1))
-    epochs_trained = int(trained.selected.get("epochs_trained", 0))
-    best_score = float(trained.selected.get("best_val_score", float("nan")))
+    result = train(train_cfg, 0, decisions, work_dir, settings, scored=("test",), built=built)
+    evaluation = result.held_out
+    best_epoch, epochs_trained, best_score = result.best_epoch, result.epochs_trained, float(result.best_score)
     class_names = list(module.class_names)
     videos = evaluation.video_predictions
     rule = threshold_rule(train_cfg, cfg)
@@ -236,7 +234,7 @@ def train_final(cfg: DictConfig, train_cfg: DictConfig, client: MlflowClient, ru
         videos.to_csv(Path(tmp) / "predictions_val_videos.csv", index=False)
         mlflow.log_artifact(str(Path(tmp) / "predictions_val_videos.csv"))
     kept = {"final": True, "best_epoch": best_epoch, "threshold": threshold, "source_cv_run": source.info.run_id}
-    model_path = trained.keep(train_cfg, work_dir / "model.pt", **kept)
+    model_path = built.mode.keep(train_cfg, module, datamodule, weights, result, work_dir / "model.pt", **kept)
     mlflow.log_artifact(str(model_path), "model")
     name, version, info = register_final(train_cfg, client, run_id, source.info.run_id, model_path, weights,
                                          model_config(train_cfg, class_names, threshold, rule))

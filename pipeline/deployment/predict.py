@@ -136,7 +136,7 @@ def output_paths(stem: Path) -> tuple[Path, Path]:
     return stem.with_name(f"{stem.name}.csv"), stem.with_name(f"{stem.name}.png")
 
 
-def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None = None) -> tuple[FrameScorer, str]:
+def find_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None = None) -> tuple[FrameScorer, str]:
     """The scorer of an MLflow model (`model_uri`, default the registered champion) or of the MLflow model a fold or
     final run logged (`run`), built by the one factory (`pipeline.runs.serving.mlflow_model.load_scorer`) once the model
     folder is found to be the project's (a refusal names the reason); and its name. A fold run's model decides at the
@@ -352,7 +352,7 @@ def run_predict(cfg: DictConfig, video: str | None = None, model_uri: str | None
         if not inputs.videos:  # every folder unreadable: the summary says which, no model needed
             summary = predict(None, inputs, out_dir, float(cfg.predict.fps))
         else:
-            scorer, name = load_scorer(cfg, model_uri or None, run or None)
+            scorer, name = find_scorer(cfg, model_uri or None, run or None)
             print(f"model {name}: {scorer.meta['model_name']}, threshold {scorer.threshold:.3f} "
                   f"(loaded in {time.perf_counter() - started:.1f} s)")
             said = attach_reference(scorer, reference or None, float(cfg.predict.fps))

@@ -26,16 +26,16 @@ import pandas as pd
 import torch
 
 from pipeline.data.augment import build_eval_transform, opencv_name
-from pipeline.data.faces import (
+from pipeline.data.crop_geometry import (
     ALIGN_INTERPOLATION,
     CROP_BORDER,
-    LANDMARK_NAMES,
     SQUARE_GROW_INTERPOLATION,
     SQUARE_SHRINK_INTERPOLATION,
+    aligned_crop,
     alignment_target,
-    plausibility,
-    retry_rotated,
+    square_crop,
 )
+from pipeline.data.faces import LANDMARK_NAMES, plausibility, retry_rotated
 from pipeline.data.personalise import PersonaliseConfig, ReferenceStatistics, no_reference
 from pipeline.data.tasks import no_pain_index
 from pipeline.evaluation.aggregation import aggregate_class_probabilities, check_aggregation, pain_probability
@@ -333,8 +333,6 @@ class FrameScorer:
 
     def crop(self, frame_bgr: np.ndarray, face: np.ndarray) -> np.ndarray:
         """The face as the network saw its training crops: an RGB crop after the JPEG round trip."""
-        from pipeline.data.faces import aligned_crop, square_crop
-
         s = self.settings
         if s.align:
             landmarks = np.stack([face[5:10], face[10:15]], axis=1)

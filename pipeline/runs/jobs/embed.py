@@ -14,7 +14,8 @@ from pipeline.data.datamodule import LoaderConfig
 from pipeline.data.prepare import prepare_data
 from pipeline.data.tasks import get_task
 from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings
-from pipeline.runs.jobs.fold_job import build_network, plan_decisions
+from pipeline.runs.jobs.fold_decisions import plan_decisions
+from pipeline.runs.jobs.fold_job import build_network
 from pipeline.utils.paths import resolve_path
 
 

@@ -1,8 +1,8 @@
 """A fold's fit: Lightning on the fold's training subjects with early stopping on its validation subjects, an epoch
 checkpoint every epoch (written atomically; a fold that finds one resumes from it exactly), the best epoch's
-checkpoint selected, then validated again where needed (`validate_fold`) and tested once (`test_fold`).
+checkpoint selected (`lightning_fit`), then validated again where needed and tested once (`fit_fold`).
 
-`fit_fold` is what `pipeline.runs.jobs.fold_job.train` calls where the head mode fits a network.
+`fit_fold` is how a head mode fits a network with Lightning (`pipeline.runs.jobs.head_modes.HeadMode.fit`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
 import numpy as np
-import pandas as pd
 import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig
@@ -27,7 +25,9 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pipeline.data.datamodule import PainDataModule
 from pipeline.evaluation.metrics import Evaluation
 from pipeline.models.callbacks import FreezeBackbone, KeepBestValidation, ResumableEarlyStopping, SeedEachBatch
+from pipeline.models.fold_result import FoldResult
 from pipeline.models.lightning_module import PainLightningModule
+from pipeline.runs.jobs.step_times import StepTimes
 from pipeline.runs.store.tracking import RESUMED_AFTER_EPOCH_TAG
 from pipeline.utils.atomic_io import atomic_path
 from pipeline.utils.cpus import one_torch_thread
@@ -86,19 +86,30 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, tmp, storage_options)
 
 
-@dataclass
-class Fitted:
-    trainer: pl.Trainer
-    best_path: str
-    best_epoch: int
-    best_score: float
-    history: list[dict]
-    best_validation: Evaluation | None = None  # the best epoch's validation, kept as it ran (None: not seen here)
-
-
 def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
-             precision: str, extra_callbacks: Sequence[pl.Callback] = ()) -> Fitted:
-    """Train with early stopping; select the best epoch on the inner validation subjects.
+             precision: str, extra_callbacks: Sequence[pl.Callback], scored: Sequence[str],
+             times: StepTimes) -> FoldResult:
+    """The fold's fit (`lightning_fit`), then its best checkpoint scored on the splits in `scored`: re-validated
+    (`val`: the predictions the threshold is chosen on) and tested once (`test`)."""
+    with times("fit"):
+        trainer, result, kept = lightning_fit(cfg, module, datamodule, work_dir, precision, extra_callbacks)
+    if "val" in scored:
+        with times("validation_repass"):
+            result.validation = kept if kept is not None else validate_best(trainer, result, module, datamodule)
+    if "test" in scored:
+        with times("test"):
+            with one_torch_thread(module.finetune.on_embeddings):
+                trainer.test(module, datamodule=datamodule, ckpt_path=result.best_path, verbose=False)
+            result.frame_predictions, result.evaluation = module.test_predictions, module.test_evaluation
+    return result
+
+
+def lightning_fit(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
+                  precision: str, extra_callbacks: Sequence[pl.Callback] = ()
+                  ) -> tuple[pl.Trainer, FoldResult, Evaluation | None]:
+    """Train with early stopping; select the best epoch on the inner validation subjects. Returns the trainer, the
+    fold's result so far (its epochs, the best checkpoint, what was selected) and the best epoch's validation as it
+    ran (None where the best epoch did not run in this process).
 
     Every epoch writes `last.ckpt` into work_dir; a fold that finds one there continues from it, exactly: the
     checkpoint holds the weights, optimizer, LR schedule, early-stopping counter, best-checkpoint record and epoch
@@ -145,23 +156,15 @@ def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataM
     best_epoch = next((h["epoch"] for h in epoch_logger.history
                        if np.isclose(h.get(cfg.trainer.monitor, np.nan), best_score)), -1)
     kept = keeper.evaluation if keeper.epoch == best_epoch >= 0 else None
-    return Fitted(trainer, best.best_model_path, best_epoch, best_score, epoch_logger.history, kept)
+    result = FoldResult(datamodule.fold, history=epoch_logger.history, best_path=best.best_model_path,
+                        best_epoch=best_epoch, epochs_trained=len(epoch_logger.history), best_score=best_score)
+    return trainer, result, kept
 
 
-def test_fold(fitted: Fitted, module: PainLightningModule,
-              datamodule: PainDataModule) -> tuple[pd.DataFrame, Evaluation]:
-    """Score the best checkpoint once on the test subjects: per-crop predictions and their evaluation."""
+def validate_best(trainer: pl.Trainer, result: FoldResult, module: PainLightningModule,
+                  datamodule: PainDataModule) -> Evaluation:
+    """The best checkpoint's scores on the fold's validation subjects (the last epoch's may be another epoch's), for a
+    fold resumed after its best epoch: validated again."""
     with one_torch_thread(module.finetune.on_embeddings):
-        fitted.trainer.test(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
-    return module.test_predictions, module.test_evaluation
-
-
-def validate_fold(fitted: Fitted, module: PainLightningModule, datamodule: PainDataModule) -> Evaluation:
-    """The best checkpoint's scores on the fold's validation subjects (the last epoch's may be another epoch's): the
-    predictions the decision threshold is chosen on. Kept from training when the best epoch ran in this process;
-    otherwise (a fold resumed after its best epoch) the best checkpoint is validated again."""
-    if fitted.best_validation is not None:
-        return fitted.best_validation
-    with one_torch_thread(module.finetune.on_embeddings):
-        fitted.trainer.validate(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
+        trainer.validate(module, datamodule=datamodule, ckpt_path=result.best_path, verbose=False)
     return module.val_evaluation

@@ -1,5 +1,7 @@
-"""A fold job's child run: one fold of a cross-validation trained anywhere (this process, another process, a SLURM
-node) under a run of its own, idempotently.
+"""A fold job (`FoldJob`) and its child run: one fold of a cross-validation trained anywhere (this process, another
+process, a SLURM node) under a run of its own, idempotently. A `FoldJob` holds plain values only (the resolved config,
+the fold id, the parent run id, the tracking URI and a work folder), so it pickles for submitit and writes as JSON
+for a subprocess.
 
 `run_fold_job` does not train a fold that already has a FINISHED child run; a child run left RUNNING by a killed
 attempt is marked KILLED, and training continues from the fold's last epoch checkpoint when one exists. A lease in
@@ -19,7 +21,9 @@ import logging
 import os
 import sys
 import traceback
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import mlflow
 import pandas as pd
@@ -28,8 +32,9 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.runs.jobs.fold_decisions import settings_on_device
-from pipeline.runs.jobs.fold_job import FoldJob, FoldResult, train_fold
+from pipeline.models.fold_result import FoldResult
+from pipeline.runs.jobs.fold_decisions import FoldDecisions, settings_on_device
+from pipeline.runs.jobs.fold_job import train_fold
 from pipeline.runs.jobs.sealing import (
     FRAME_PREDICTIONS,
     VIDEO_PREDICTIONS,
@@ -53,10 +58,53 @@ from pipeline.runs.store.tracking import (
     STORED_ARTIFACTS_TAG,
     fold_runs,
     redact_uri,
+    uri_has_credentials,
 )
 from pipeline.utils.accelerator import training_device
+from pipeline.utils.atomic_io import atomic_path
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FoldJob:
+    """Everything a fold needs, as plain values; a launcher's job (`launchers.Job`), keyed by its fold."""
+
+    config: dict  # the resolved config (OmegaConf.to_container)
+    fold: int
+    parent_run_id: str
+    tracking_uri: str
+    work_dir: str  # the fold's own folder: epoch checkpoints (for resuming) and the kept model before upload
+    decisions: FoldDecisions
+    seed: int | None = None  # cv.seeds: this training seed instead of the config's `seed` (tagged on the child run)
+    store_uri: str = ""  # the store the records live in (behind a launcher's server), tagged; "": tracking_uri
+    tool: ClassVar[str] = "fold-job"  # `python -m pipeline fold-job <job.json>` runs it in a process of its own
+
+    @property
+    def key(self) -> int:
+        return self.fold
+
+    def file(self, kind: str) -> Path:
+        """Its spec ("json") or log ("log") beside the fold's folder."""
+        return Path(self.work_dir).parent / f"fold_{self.fold}.{kind}"
+
+    def run(self) -> FoldResult:
+        return run_fold_job(self)
+
+    def write(self, path: Path) -> Path:
+        """The job as JSON, owner only; no password in it: a tracking URI with one is refused (a job reaches its
+        server with the credentials in its environment), and the store URI is written redacted."""
+        if uri_has_credentials(self.tracking_uri):
+            raise ValueError(f"fold job {path}: the tracking URI {redact_uri(self.tracking_uri)} carries a password, "
+                             f"and a job file holds none")
+        with atomic_path(path, mode=0o600) as tmp:
+            tmp.write_text(json.dumps({**asdict(self), "store_uri": redact_uri(self.store_uri)}))
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> FoldJob:
+        values = json.loads(Path(path).read_text())
+        return cls(**{**values, "decisions": FoldDecisions(**values["decisions"])})
 
 
 class StopWhenLeaseLost(pl.Callback):
@@ -81,8 +129,11 @@ def result_from_run(client: MlflowClient, run) -> FoldResult:
     videos = pd.read_csv(client.download_artifacts(run_id, VIDEO_PREDICTIONS))
     seconds = ((run.info.end_time or run.info.start_time) - run.info.start_time) / 1000
     seed = run.data.tags.get("seed")
-    return FoldResult(int(run.data.tags["fold"]), dict(run.data.metrics), frames, videos, seconds, run_id,
-                      int(seed) if seed not in (None, "") else None)
+    metrics = dict(run.data.metrics)
+    return FoldResult(int(run.data.tags["fold"]), metrics, frames, videos, seconds, run_id,
+                      int(seed) if seed not in (None, "") else None, best_epoch=int(metrics.get("best_epoch", -1)),
+                      epochs_trained=int(metrics.get("epochs_trained", 0)),
+                      best_score=metrics.get("best_val_score", float("nan")))
 
 
 def job_owner_tags() -> dict[str, str]:

@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import mlflow
-import pandas as pd
 import torch
 from mlflow import MlflowClient
 from mlflow.entities import Metric
@@ -37,33 +34,16 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.data.clips import clip_spacing_s
 from pipeline.data.datamodule import PainDataModule
 from pipeline.data.personalise import PersonaliseConfig
-from pipeline.evaluation.metrics import Evaluation
 from pipeline.models.factory import clip_model
 from pipeline.models.finetune import FinetuneConfig
+from pipeline.models.fold_result import FoldResult
 from pipeline.models.lightning_module import PainLightningModule
 from pipeline.models.model_file import model_meta, save_model_file
 from pipeline.models.ordinal import OutputConfig
 from pipeline.models.probe_training import ProbeTraining, fit_probe, score_test
 from pipeline.models.temporal_heads import ClipNet, HeadConfig
-from pipeline.runs.jobs.fold_fit import fit_fold, test_fold, validate_fold
+from pipeline.runs.jobs.fold_fit import fit_fold
 from pipeline.runs.jobs.step_times import StepTimes
-from pipeline.runs.jobs.two_stage import SecondStage
-
-if TYPE_CHECKING:
-    from pipeline.runs.jobs.fold_job import Trained
-
-
-@dataclass
-class FirstStage:
-    """What the first stage's fit kept: its best checkpoint (None: in memory, or no fit), its epochs, what was
-    selected, and the kept network's scores on the splits asked for (None where not scored)."""
-
-    best_path: str | None = None
-    history: list[dict] = field(default_factory=list)
-    selected: dict[str, float] = field(default_factory=dict)  # best_epoch, epochs_trained, best_val_score
-    validation: Evaluation | None = None
-    predictions: pd.DataFrame | None = None  # test predictions, per crop (per video for clips)
-    evaluation: Evaluation | None = None
 
 
 class HeadMode:
@@ -89,27 +69,16 @@ class HeadMode:
         return str(cfg.trainer.aggregation)
 
     def fit(self, cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
-            precision: str, callbacks: Sequence, scored: Sequence[str], times: StepTimes) -> FirstStage:
-        """The first stage: a Lightning fit selected on the validation subjects (`fit_fold`), the best checkpoint
-        re-validated (`val` in `scored`: for the threshold) and tested once (`test`)."""
-        with times("fit"):
-            fitted = fit_fold(cfg, module, datamodule, work_dir, precision, callbacks)
-        stage = FirstStage(fitted.best_path, fitted.history, {"best_epoch": fitted.best_epoch,
-                                                               "epochs_trained": len(fitted.history),
-                                                               "best_val_score": fitted.best_score})
-        if "val" in scored:
-            with times("validation_repass"):
-                stage.validation = validate_fold(fitted, module, datamodule)
-        if "test" in scored:
-            with times("test"):
-                stage.predictions, stage.evaluation = test_fold(fitted, module, datamodule)
-        return stage
+            precision: str, callbacks: Sequence, scored: Sequence[str], times: StepTimes) -> FoldResult:
+        """The first stage: a Lightning fit selected on the validation subjects, the best checkpoint re-validated
+        (`val` in `scored`: for the threshold) and tested once (`test`): `fold_fit.fit_fold`."""
+        return fit_fold(cfg, module, datamodule, work_dir, precision, callbacks, scored, times)
 
-    def keep(self, cfg: DictConfig, trained: Trained, path: Path, **extra) -> Path:
+    def keep(self, cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, weights: dict,
+             result: FoldResult, path: Path, **extra) -> Path:
         """The network to keep, as a self-describing file: the best checkpoint's."""
-        assert trained.best_path is not None, "a mode without a second stage always fits"
-        return keep_fold_model(cfg, trained.module, trained.best_path, trained.weights, path,
-                               kept_loader(cfg, trained.datamodule), **extra)
+        assert result.best_path is not None, "a mode without a second stage always fits"
+        return save_frame_model(cfg, module, result.best_path, weights, path, kept_loader(cfg, datamodule), **extra)
 
 
 class FrameHead(HeadMode):
@@ -123,7 +92,7 @@ class InMemoryProbe(FrameHead):
     name = "in_memory_probe"
 
     def fit(self, cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
-            precision: str, callbacks: Sequence, scored: Sequence[str], times: StepTimes) -> FirstStage:
+            precision: str, callbacks: Sequence, scored: Sequence[str], times: StepTimes) -> FoldResult:
         if precision not in ("32", "32-true"):  # a head on float32 embeddings: nothing for a lower precision to speed
             raise ValueError(f"model.head.fit=in_memory trains in float32; trainer.precision resolved to {precision}")
         limits = {k: cfg.trainer[k] for k in ("limit_train_batches", "limit_val_batches") if cfg.trainer[k] is not None}
@@ -132,21 +101,18 @@ class InMemoryProbe(FrameHead):
         settings = ProbeTraining(int(cfg.trainer.max_epochs), int(cfg.trainer.patience), str(cfg.trainer.monitor),
                                  str(cfg.trainer.monitor_mode), cfg.trainer.gradient_clip_val)
         with times("fit"):
-            fitted = fit_probe(module, datamodule, settings, callbacks)
-        stage = FirstStage(None, fitted.history, {"best_epoch": fitted.best_epoch,
-                                                  "epochs_trained": len(fitted.history),
-                                                  "best_val_score": fitted.best_score})
-        if "val" in scored:
-            stage.validation = fitted.validation  # the best epoch's, as it was scored then
+            result = fit_probe(module, datamodule, settings, callbacks)  # its validation: the best epoch's, as scored
+        if "val" not in scored:
+            result.validation = None
         if "test" in scored:
             with times("test"):
-                stage.predictions, stage.evaluation = score_test(module, datamodule)
-        log_history(fitted.history)
-        return stage
+                result.frame_predictions, result.evaluation = score_test(module, datamodule)
+        log_history(result.history)
+        return result
 
-    def keep(self, cfg: DictConfig, trained: Trained, path: Path, **extra) -> Path:
-        return keep_fold_model(cfg, trained.module, None, trained.weights, path, kept_loader(cfg, trained.datamodule),
-                               **extra)
+    def keep(self, cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, weights: dict,
+             result: FoldResult, path: Path, **extra) -> Path:
+        return save_frame_model(cfg, module, None, weights, path, kept_loader(cfg, datamodule), **extra)
 
 
 class TwoStageHead(HeadMode):
@@ -158,10 +124,10 @@ class TwoStageHead(HeadMode):
     def trains_first_stage(self, finetune: FinetuneConfig) -> bool:
         return not finetune.backbone_fixed
 
-    def keep(self, cfg: DictConfig, trained: Trained, path: Path, **extra) -> Path:
-        assert trained.stage is not None
-        return keep_clip_model(cfg, trained.module, trained.stage, trained.weights, path,
-                               kept_loader(cfg, trained.datamodule), **extra)
+    def keep(self, cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, weights: dict,
+             result: FoldResult, path: Path, **extra) -> Path:
+        assert result.head is not None
+        return save_clip_model(cfg, module, result.head, weights, path, kept_loader(cfg, datamodule), **extra)
 
 
 class EndToEndHead(HeadMode):
@@ -208,8 +174,8 @@ def log_history(history: list[dict]) -> None:
     MlflowClient().log_batch(run.info.run_id, metrics=metrics)
 
 
-def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str | None, weights: dict, path: Path,
-                    loader: dict, **extra) -> Path:
+def save_frame_model(cfg: DictConfig, module: PainLightningModule, best_path: str | None, weights: dict, path: Path,
+                     loader: dict, **extra) -> Path:
     """The best checkpoint's network as a self-describing file (`pipeline.models.model_file`); `best_path` None:
     the module holds the best weights already (an in-memory fit)."""
     if best_path is not None:
@@ -227,13 +193,13 @@ def keep_fold_model(cfg: DictConfig, module: PainLightningModule, best_path: str
     return save_model_file(net, meta, path)
 
 
-def keep_clip_model(cfg: DictConfig, module: PainLightningModule, stage: SecondStage, weights: dict, path: Path,
+def save_clip_model(cfg: DictConfig, module: PainLightningModule, trained: ClipNet, weights: dict, path: Path,
                     loader: dict, **extra) -> Path:
     """A two-stage fold's clip model (`ClipNet`) as a self-describing file: the frame backbone as its strategy keeps
-    it (`for_keeping`, as `keep_fold_model` does: LoRA's adapters merged into a plain backbone, which an unmerged one
+    it (`for_keeping`, as `save_frame_model` does: LoRA's adapters merged into a plain backbone, which an unmerged one
     is not, so it would not load), the trained temporal head, and the head's settings in its meta."""
     frame_net = module.finetune.for_keeping(module.model)  # the best checkpoint's, as second_stage loaded it
-    net = clip_model(frame_net.backbone, stage.net.head)
+    net = clip_model(frame_net.backbone, trained.head)
     meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size,
                       class_names=list(module.class_names), task=cfg.task.name,
                       loader=loader, weights=weights,

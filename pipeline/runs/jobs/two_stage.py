@@ -22,7 +22,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.data.datamodule import LoaderConfig, PainDataModule
 from pipeline.data.embeddings import EmbeddingDataModule, EmbeddingDataset, EmbeddingTable
 from pipeline.data.fold_checks import ROLES
-from pipeline.evaluation.metrics import Evaluation, evaluate_predictions
+from pipeline.evaluation.metrics import evaluate_predictions
 from pipeline.models.embedding_cache import (
     CacheSettings,
     cache_key,
@@ -42,10 +42,11 @@ from pipeline.models.embedding_cache import (
     state_dict_sha256,
 )
 from pipeline.models.factory import clip_model
+from pipeline.models.fold_result import FoldResult
 from pipeline.models.head_training import HeadTraining, clip_predictions, embedded_clips, train_head
 from pipeline.models.lightning_module import PainLightningModule
 from pipeline.models.ordinal import LevelHead, OutputConfig
-from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head, head_parameters
+from pipeline.models.temporal_heads import HeadConfig, build_temporal_head, head_parameters
 from pipeline.utils.atomic_io import atomic_write_text
 from pipeline.utils.paths import resolve_path
 
@@ -57,20 +58,6 @@ RECORD = "two_stage.json"
 class EmbeddingsSource:
     table: EmbeddingTable
     path: Path  # the cache entry's arrays file
-
-
-@dataclass
-class SecondStage:
-    """The head's validation and test predictions (one row per video), their evaluations, and how it trained."""
-
-    net: ClipNet  # the fold's frame backbone and its trained head
-    validation: Evaluation
-    predictions: pd.DataFrame  # test clips, in the frame-prediction layout (one row per video)
-    evaluation: Evaluation
-    history: list[dict]
-    best_epoch: int
-    best_score: float
-    record: dict  # two_stage.json
 
 
 def fold_embeddings(cfg: DictConfig, fold: int, module: PainLightningModule, datamodule: PainDataModule,
@@ -121,9 +108,11 @@ def served_table(datamodule: PainDataModule, role: str, table: EmbeddingTable) -
 
 
 def second_stage(cfg: DictConfig, fold: int, module: PainLightningModule, datamodule: PainDataModule,
-                 best_path: str | None, work_dir: Path) -> SecondStage:
-    """Train and test the fold's temporal head on its frame model's embeddings; `best_path`: the first stage's best
-    checkpoint (None: the first stage was skipped and the backbone is used as built)."""
+                 first: FoldResult, work_dir: Path) -> FoldResult:
+    """Train and test the fold's temporal head on its frame model's embeddings: the fold's result with the head's
+    selection and scores in place of the first stage's (`first`: its best checkpoint, or None where the first stage
+    was skipped and the backbone is used as built; its test scores kept as `frame_model_metrics`)."""
+    best_path = first.best_path
     config = HeadConfig.from_config(cfg.model.head)
     if best_path is not None:
         state = torch.load(best_path, map_location="cpu", weights_only=True)["state_dict"]
@@ -149,9 +138,11 @@ def second_stage(cfg: DictConfig, fold: int, module: PainLightningModule, datamo
     validation = evaluate_predictions(clip_predictions(trained.head, clips["val"], names), names, **aggregation)
     predictions = clip_predictions(trained.head, clips["test"], names)
     evaluation = evaluate_predictions(predictions, names, **aggregation)
-    net = clip_model(module.model.backbone, trained.head)
-    return SecondStage(net, validation, predictions, evaluation, trained.history, trained.best_epoch,
-                       trained.best_score, facts)
+    frame_model = first.evaluation.metrics(prefix="frame_model/test/") if first.evaluation is not None else {}
+    return replace(first, validation=validation, frame_predictions=predictions, evaluation=evaluation,
+                   best_epoch=trained.best_epoch, epochs_trained=len(trained.history), best_score=trained.best_score,
+                   frame_model_metrics=frame_model, head=clip_model(module.model.backbone, trained.head),
+                   head_history=trained.history, record=facts)
 
 
 def write_record(facts: dict, path: Path) -> Path:

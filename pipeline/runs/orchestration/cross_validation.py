@@ -42,10 +42,11 @@ from pipeline.data.prepare import prepare_data, read_fold_file, subject_set_tags
 from pipeline.data.tasks import Task, get_task
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
+from pipeline.models.fold_result import FoldResult
 from pipeline.models.weights import WeightsSource, weights_provenance
 from pipeline.runs.jobs.fold_decisions import FoldDecisions, plan_decisions
-from pipeline.runs.jobs.fold_job import FoldJob, FoldResult, check_head
-from pipeline.runs.jobs.fold_run import result_from_run
+from pipeline.runs.jobs.fold_job import check_head
+from pipeline.runs.jobs.fold_run import FoldJob, result_from_run
 from pipeline.runs.jobs.sealing import retire_unreadable
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.orchestration.cv_summary import (
@@ -300,7 +301,7 @@ def fold_line(result: FoldResult) -> str:
                f"bal-acc {m['test/video_balanced_accuracy_at_threshold']:.3f} | " if "test/threshold" in m else "")
     return (f"video AUROC {m['test/video_auroc']:.3f} | {decided}argmax acc {m['test/video_accuracy']:.3f} "
             f"bal-acc {m['test/video_balanced_accuracy']:.3f} | frame AUROC {m['test/frame_auroc']:.3f} | "
-            f"{result.epochs} epochs (best {result.best_epoch}) | {result.seconds:.0f} s")
+            f"{result.epochs_trained} epochs (best {result.best_epoch}) | {result.seconds:.0f} s")
 
 
 class Progress:

@@ -26,7 +26,7 @@ from pipeline.evaluation.metrics import (
     summarize_folds,
 )
 from pipeline.evaluation.statistics import calibration_intervals, subject_intervals, subject_scores
-from pipeline.runs.jobs.fold_job import FoldResult
+from pipeline.models.fold_result import FoldResult
 from pipeline.runs.store import cv_runs, tracking
 
 log = logging.getLogger(__name__)

@@ -16,12 +16,9 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,22 +27,17 @@ from typing import Any, ClassVar, Protocol
 from mlflow import MlflowClient
 from omegaconf import DictConfig
 
-from pipeline.runs.store.tracking import open_store, redact_uri, uri_has_credentials
+from pipeline.runs.store.private_server import tracking_server
+from pipeline.runs.store.tracking import redact_uri, uri_has_credentials
 from pipeline.runs.store.tracking_server import (
-    ADMIN_PASSWORD_ENV,
-    ADMIN_USERNAME_ENV,
-    ARTIFACT_ROOT_ENV,
-    BACKEND_STORE_ENV,
     PASSWORD_ENV,
     USERNAME_ENV,
     job_credentials,
-    make_run_user,
-    private_server_environment,
     tracking_access_problem,
     without_credentials,
 )
 from pipeline.utils.cpus import available_cpus
-from pipeline.utils.permissions import PRIVATE_UMASK
+from pipeline.utils.processes import die_with_parent, log_tail
 
 log = logging.getLogger(__name__)
 LAUNCHERS = ("local", "parallel", "slurm")
@@ -153,97 +145,6 @@ def job_store(launcher: str, tracking_uri: str, client: MlflowClient, experiment
 # ---------------------------------------------------------------------------------------------------------------
 # parallel
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In a child process (Linux): receive SIGTERM when the launching process dies, even by kill -9."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _private_child() -> None:
-    """In a server started here: what it creates (a new sqlite store, its journal, artifacts) is this user's alone,
-    whatever umask the caller had; and it dies with its parent (Linux)."""
-    os.umask(PRIVATE_UMASK)
-    if sys.platform == "linux":
-        _die_with_parent()
-
-
-@dataclass
-class TrackingServer:
-    """A private tracking server of one run: its address, the credentials its fold jobs get (a user made for the
-    run; empty when no experiment was named), its admin (for the owner alone: `make ui`) and its 0700 folder."""
-
-    uri: str
-    credentials: dict[str, str]
-    admin: tuple[str, str]
-    folder: Path
-    process: subprocess.Popen
-
-    @property
-    def admin_credentials(self) -> dict[str, str]:
-        return {USERNAME_ENV: self.admin[0], PASSWORD_ENV: self.admin[1]}
-
-    def running(self) -> bool:
-        return self.process.poll() is None
-
-
-@contextlib.contextmanager
-def tracking_server(backend_store_uri: str, artifact_root: str, port: int | None = None,
-                    host: str = "127.0.0.1", timeout_s: float = 120, experiment_ids: Sequence[str] = (),
-                    default_permission: str = "NO_PERMISSIONS") -> Iterator[TrackingServer]:
-    """A private MLflow tracking server over `backend_store_uri` for as long as the block runs.
-
-    MLflow's basic-auth app on loopback too (other accounts on this machine reach 127.0.0.1): users and settings in a
-    0700 folder of its own, a random admin password, and a user made for the run with EDIT on `experiment_ids`,
-    whose credentials are what the fold jobs get (`job_environment`). The store URI, the artifact root and every
-    secret reach the server through its environment, never its command line (`ps` shows that to everyone); what it
-    creates is this user's alone. One worker and no job runner (one driver's fold jobs are all it serves). Stopped at
-    the end of the block, on errors and Ctrl-C too; if this process is killed the server dies with it (Linux).
-    """
-    open_store(backend_store_uri)  # a new sqlite store is created here, under its lock, not by the server
-    port = port or free_port(host)
-    folder = Path(tempfile.mkdtemp(prefix="painvit-server-"))  # 0700, this user's
-    secrets_env = private_server_environment(folder, default_permission)
-    command = [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port), "--workers", "1",
-               "--app-name", "basic-auth"]
-    env = {**without_credentials(os.environ), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-           BACKEND_STORE_ENV: backend_store_uri, ARTIFACT_ROOT_ENV: artifact_root, **secrets_env}
-    admin = (secrets_env[ADMIN_USERNAME_ENV], secrets_env[ADMIN_PASSWORD_ENV])
-    started = time.time()
-    # its log goes to a file: a pipe nobody reads would fill up with access lines and stall the server
-    server_log = folder / "server.log"
-    with open(server_log, "wb") as log_file:
-        server = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                  preexec_fn=_private_child, start_new_session=True)
-    uri = f"http://{host}:{port}"
-    shown = redact_uri(backend_store_uri)
-    try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the MLflow server on {uri} over {shown} exited with code {server.returncode}: "
-                                   f"{_log_tail(server_log, 30)}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            if time.time() - started > timeout_s:
-                raise RuntimeError(f"the MLflow server on {uri} did not answer within {timeout_s:.0f} s")
-            time.sleep(0.5)
-        credentials = make_run_user(uri, admin, experiment_ids) if experiment_ids else {}
-        log.info("MLflow server %s over %s answered after %.1f s", uri, shown, time.time() - started)
-        yield TrackingServer(uri, credentials, admin, folder, server)
-    finally:
-        stop_process_group(server, grace_s=15)
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def visible_gpus() -> list[str]:
     """The GPU ids this process may use (CUDA_VISIBLE_DEVICES if set, else every device torch sees)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -291,7 +192,7 @@ def _start_job(job: Job, slot: dict[str, str], credentials: Mapping[str, str]) -
 
     def prepare_child() -> None:
         if sys.platform == "linux":
-            _die_with_parent()
+            die_with_parent()
         if cpus and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cpus)
 
@@ -300,13 +201,6 @@ def _start_job(job: Job, slot: dict[str, str], credentials: Mapping[str, str]) -
                                    env=job_environment(slot, credentials), stdout=log_file,
                                    stderr=subprocess.STDOUT, preexec_fn=prepare_child)
     return process, log_path
-
-
-def _log_tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def launch_parallel(jobs: Sequence[Job], n_jobs: int | None, report: Report, result_of: Callable[[int], Any],
@@ -337,7 +231,7 @@ def launch_parallel(jobs: Sequence[Job], n_jobs: int | None, report: Report, res
                     outcome.done.append(key)
                     report(key, "done", result)
                 else:
-                    outcome.failed[key] = f"exit code {process.returncode}, log {log_path}:\n{_log_tail(log_path)}"
+                    outcome.failed[key] = f"exit code {process.returncode}, log {log_path}:\n{log_tail(log_path)}"
                     report(key, "failed", outcome.failed[key])
     finally:  # Ctrl-C or an error in the driver: stop the jobs (SIGINT lets each mark its run KILLED)
         for process, _, _ in running.values():
@@ -479,16 +373,3 @@ def wait_slurm(job_ids: dict[int, str], report: Report, result_of: Callable[[int
         if pending:
             time.sleep(poll_s)
     return outcome
-
-
-def stop_process_group(process: subprocess.Popen, grace_s: float = 30) -> None:
-    """End a process started in its own session (`start_new_session=True`) and everything it started: SIGTERM to
-    the group, SIGKILL after `grace_s` seconds; gone already is fine."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)

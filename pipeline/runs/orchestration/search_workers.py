@@ -26,8 +26,9 @@ from mlflow import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.datamodule import PainDataModule
+from pipeline.models.fold_result import FoldResult
 from pipeline.runs.jobs.fold_decisions import FoldDecisions, settings_here
-from pipeline.runs.jobs.fold_job import Trained, train
+from pipeline.runs.jobs.fold_job import train
 from pipeline.runs.jobs.fold_run import job_owner_tags
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.orchestration.search_space import SearchSpace, TuneError, load_space, with_params
@@ -136,12 +137,12 @@ def train_trial(worker: TuneWorker, trial: optuna.Trial, fold: int, params: dict
         reporter = ReportToTrial(trial, cfg.trainer.monitor, step_offset, report)
         # the CV's training path on the study's subjects, second stage included: the value is the validation score of
         # what the tuned CV would keep (a two-stage head's, after its frame model's epochs fed the pruner)
-        trained = train(cfg, fold, decisions, work_dir, settings, datamodule_class=StudyDataModule,
-                        callbacks=[reporter], scored=())
-        value = trial_value(cfg, trained)
-        mlflow.log_metrics({"tune/value": value, "best_epoch": trained.selected["best_epoch"],
-                            "epochs_trained": trained.selected["epochs_trained"],
-                            **({"tune/frame_model_epochs": len(trained.history)} if trained.stage else {})})
+        result = train(cfg, fold, decisions, work_dir, settings, datamodule_class=StudyDataModule,
+                       callbacks=[reporter], scored=())
+        value = trial_value(cfg, result)
+        mlflow.log_metrics({"tune/value": value, "best_epoch": result.best_epoch,
+                            "epochs_trained": result.epochs_trained,
+                            **({"tune/frame_model_epochs": len(result.history)} if result.head is not None else {})})
         mlflow.set_tag(tracking.TRIAL_STATE_TAG, "PRUNED" if reporter.pruned_at is not None else "COMPLETE")
     except BaseException as error:
         mlflow.log_text(traceback.format_exc(), "traceback.txt")
@@ -155,12 +156,12 @@ def train_trial(worker: TuneWorker, trial: optuna.Trial, fold: int, params: dict
     return value, reporter.pruned_at
 
 
-def trial_value(cfg: DictConfig, trained: Trained) -> float:
+def trial_value(cfg: DictConfig, result: FoldResult) -> float:
     """A trial's value in the study's direction (`trainer.monitor_mode`): the best validation score of what the CV
     would keep. A second stage's head scores higher-better (validation video AUROC, or minus the loss), so a study
     that minimises gets it negated."""
-    score = float(trained.selected["best_val_score"])
-    return -score if trained.stage is not None and cfg.trainer.monitor_mode == "min" else score
+    score = float(result.best_score)
+    return -score if result.head is not None and cfg.trainer.monitor_mode == "min" else score
 
 
 def objective(worker: TuneWorker, space: SearchSpace, trial: optuna.Trial, fold: int | None) -> float:

@@ -39,7 +39,8 @@ import optuna
 from mlflow import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.runs.jobs.fold_job import FoldDecisions, FoldJob
+from pipeline.runs.jobs.fold_decisions import FoldDecisions
+from pipeline.runs.jobs.fold_run import FoldJob
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.orchestration.cross_validation import Plan, aggregate, identity_lock, launch, plan_cv
 from pipeline.runs.orchestration.search_space import SearchSpace, TuneError, load_space, with_params
