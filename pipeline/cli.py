@@ -51,105 +51,112 @@ from pipeline.utils.config import load_config
 from pipeline.utils.logging_setup import setup_logging
 from pipeline.utils.permissions import StoreNotPrivate, private_umask, refuse_open_stores
 
+Command = Callable[..., Any]  # a command: the composed config and its --name=value options
 
-def _data(cfg: DictConfig, **options) -> None:
+
+def _data() -> Command:
     from pipeline.data.prepare import run_data
 
-    run_data(cfg, **options)
+    return run_data
 
 
-def _aug_preview(cfg: DictConfig, **options) -> None:
+def _aug_preview() -> Command:
     from pipeline.analysis.aug_preview import run_aug_preview
 
-    run_aug_preview(cfg, **options)
+    return run_aug_preview
 
 
-def _cv(cfg: DictConfig, **options) -> None:
+def _cv() -> Command:
     from pipeline.runs.orchestration.cross_validation import run_cv
 
-    run_cv(cfg, **options)
+    return run_cv
 
 
-def _embed(cfg: DictConfig, **options) -> None:
+def _embed() -> Command:
     from pipeline.runs.jobs.embed import run_embed
 
-    run_embed(cfg)
+    return run_embed
 
 
-def _pretrain(cfg: DictConfig, **options) -> None:
+def _pretrain() -> Command:
     from pipeline.runs.jobs.pretrain import run_pretrain
 
-    run_pretrain(cfg)
+    return run_pretrain
 
 
-def _tune(cfg: DictConfig, **options) -> None:
+def _tune() -> Command:
     from pipeline.runs.orchestration.tuning import run_tune
 
-    run_tune(cfg, **options)
+    return run_tune
 
 
-def _compare(cfg: DictConfig, **options) -> None:
+def _compare() -> Command:
     from pipeline.analysis.compare import run_compare
 
-    run_compare(cfg, **options)
+    return run_compare
 
 
-def _inspect(cfg: DictConfig, **options) -> None:
+def _inspect() -> Command:
     from pipeline.analysis.inspection import run_inspect
 
-    run_inspect(cfg, **options)
+    return run_inspect
 
 
-def _calc(cfg: DictConfig, **options) -> None:
+def _calc() -> Command:
     from pipeline.analysis.calculator import run_calc
 
-    run_calc(cfg, **options)
+    return run_calc
 
 
-def _table(cfg: DictConfig, **options) -> None:
+def _table() -> Command:
     from pipeline.analysis.results_table import run_table
 
-    run_table(cfg, **options)
+    return run_table
 
 
-def _power(cfg: DictConfig, **options) -> None:
+def _power() -> Command:
     from pipeline.analysis.power import run_power
 
-    run_power(cfg, **options)
+    return run_power
 
 
-def _final(cfg: DictConfig, **options) -> None:
+def _final() -> Command:
     from pipeline.deployment.final_model import run_final
 
-    run_final(cfg, **options)
+    return run_final
 
 
-def _promote(cfg: DictConfig, **options) -> None:
+def _promote() -> Command:
     from pipeline.runs.store.registry import run_promote
 
-    run_promote(cfg, **options)
+    return run_promote
 
 
-def _predict(cfg: DictConfig, **options) -> None:
+def _predict() -> Command:
     from pipeline.deployment.predict import run_predict
 
-    run_predict(cfg, **options)
+    return run_predict
 
 
-def _serve(cfg: DictConfig, **options) -> None:
+def _serve() -> Command:
     from pipeline.deployment.serving import run_serve
 
-    run_serve(cfg, **options)
+    return run_serve
 
 
-def _export(cfg: DictConfig, **options) -> None:
+def _export() -> Command:
     from pipeline.deployment.export import run_export
 
-    run_export(cfg, **options)
+    return run_export
 
 
-def _print_config(cfg: DictConfig, **options) -> None:
+def print_config(cfg: DictConfig) -> None:
+    """`python -m pipeline config`: the composed config, as every command sees it."""
     print(OmegaConf.to_yaml(cfg))
+
+
+def _print_config() -> Command:
+    return print_config
 
 
 def _fold_job(argv: list[str]) -> int:
@@ -189,8 +196,9 @@ def _ui_url(argv: list[str]) -> int:
     return 0
 
 
-# commands over the composed config (key=value overrides, --name=value options)
-COMMANDS: dict[str, Callable[..., None]] = {
+# commands over the composed config (key=value overrides, --name=value options): each entry imports its command
+# when it runs (so that `--help` and `ui-url` answer at once) and returns it; the command takes the config
+COMMANDS: dict[str, Callable[[], Command]] = {
     "data": _data, "aug-preview": _aug_preview, "cv": _cv, "embed": _embed, "pretrain": _pretrain, "tune": _tune,
     "compare": _compare,
     "inspect": _inspect, "calc": _calc, "table": _table, "power": _power, "final": _final, "promote": _promote,
@@ -264,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pipeline.utils.accelerator import GpuUnavailable  # here, not on top: `ui-url` must not import torch
 
     try:
-        COMMANDS[command](cfg, **options)
+        COMMANDS[command]()(cfg, **options)
     except KeyboardInterrupt:
         print(f"\ninterrupted: `make {command}` with the same settings continues where this one stopped",
               file=sys.stderr)

@@ -19,11 +19,14 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 
+from pipeline.data.datamodule import SubjectRoles
 from pipeline.models.factory import create_model
 from pipeline.models.finetune import FinetuneConfig, parameter_counts, strategy_for
 from pipeline.runs.jobs.embed import run_embed
 from pipeline.runs.jobs.fold_decisions import plan_decisions
 from pipeline.runs.jobs.fold_job import build_fold
+from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import resolve_path
@@ -41,7 +44,9 @@ class EpochTimer(pl.Callback):
 
 
 def epoch_seconds(cfg, epochs: int) -> list[float]:
-    built = build_fold(cfg, 0, plan_decisions(cfg, resolve_path(cfg.fold_file)))
+    training = TrainingSettings.from_config(cfg)
+    built = build_fold(training, WhatTrains.of(training).check(), SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
+                       plan_decisions(training, resolve_path(cfg.fold_file)))
     module, datamodule = built.module, built.datamodule
     timer = EpochTimer()
     trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,

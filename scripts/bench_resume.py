@@ -90,7 +90,7 @@ def draw_cost(base: Path, rounds: int = 5, items: int = 200) -> dict[str, float]
     import numpy as np
     import torch
 
-    from pipeline.data.datamodule import LoaderConfig, PainDataModule
+    from pipeline.data.datamodule import LoaderConfig, PainDataModule, SubjectRoles
     from pipeline.data.prepare import fold_file_path
     from pipeline.data.tasks import get_task
     from pipeline.models.backbones import create_backbone
@@ -101,7 +101,8 @@ def draw_cost(base: Path, rounds: int = 5, items: int = 200) -> dict[str, float]
     backbone, _ = create_backbone(cfg.model.name, img_size=cfg.model.img_size)
     from omegaconf import OmegaConf
 
-    datamodule = PainDataModule(Path(cfg.data.processed_dir), fold_file_path(cfg), 0, get_task(cfg.task.name),
+    datamodule = PainDataModule(Path(cfg.data.processed_dir), SubjectRoles.of_fold(fold_file_path(cfg), 0),
+                                get_task(cfg.task.name),
                                 backbone.data_config, OmegaConf.to_container(cfg.augment),
                                 LoaderConfig.from_config(cfg.loader, num_workers=0), seed=cfg.seed)
     datamodule.setup()

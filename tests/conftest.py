@@ -144,6 +144,40 @@ def loader_config(**changes):
     return LoaderConfig.from_config(load_config(["data=biovid"]).loader, **changes)
 
 
+def planned(cfg, fold_file=None):
+    """The plan's decisions for a config (`fold_decisions.plan_decisions`), on its fold file unless one is given."""
+    from pipeline.runs.jobs.fold_decisions import plan_decisions
+    from pipeline.runs.jobs.training_settings import TrainingSettings
+
+    return plan_decisions(TrainingSettings.from_config(cfg), fold_file or Path(cfg.fold_file))
+
+
+def training_of(cfg):
+    """A config's typed training settings and what they train (checked): what `fold_job.build_fold` takes."""
+    from pipeline.runs.jobs.training_settings import TrainingSettings
+    from pipeline.runs.jobs.what_trains import WhatTrains
+
+    training = TrainingSettings.from_config(cfg)
+    return training, WhatTrains.of(training).check()
+
+
+def head_config(**changes):
+    """The `model.head` group of configs/model/timm.yaml as a HeadConfig, with test-sized changes."""
+    from omegaconf import OmegaConf
+
+    from pipeline.models.temporal_heads import HeadConfig
+    from pipeline.utils.paths import PROJECT_ROOT
+
+    return HeadConfig.from_config({**OmegaConf.load(PROJECT_ROOT / "configs" / "model" / "timm.yaml").head, **changes})
+
+
+def head_settings(**changes) -> dict:
+    """`head_config` as the dict a kept model file records (`model.head`)."""
+    from dataclasses import asdict
+
+    return asdict(head_config(**changes))
+
+
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A prepared tiny synthetic dataset (raw videos, crops, frame table, fold file), shared read-only by tests."""

@@ -19,14 +19,14 @@ import pytest
 
 from pipeline.analysis.throughput import build, load_configs, loader_dataset, training_settings
 from pipeline.data.augment import build_train_transform
+from pipeline.data.datamodule import SubjectRoles
 from pipeline.data.prepare import fold_file_path
 from pipeline.models.lightning_module import OptimConfig
-from pipeline.runs.jobs.fold_decisions import plan_decisions
 from pipeline.runs.jobs.fold_job import build_fold
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import PROJECT_ROOT
-from tests.conftest import tiny_overrides
+from tests.conftest import planned, tiny_overrides, training_of
 
 SCRIPTS = PROJECT_ROOT / "scripts"
 
@@ -49,7 +49,8 @@ def test_bench_builds_what_make_cv_builds(tiny_base: Path, tmp_path: Path, extra
     module, datamodule = build(cfg, loader_dataset(tiny_base / "processed", tmp_path, 1, cfg))
     measured = training_settings(cfg, module, datamodule)
     # make cv: pipeline.runs.jobs.fold_job.build_fold on the config itself, over the real fold file
-    built = build_fold(cfg, 0, plan_decisions(cfg, fold_file_path(cfg)))
+    built = build_fold(*training_of(cfg), SubjectRoles.of_fold(fold_file_path(cfg), 0),
+                       planned(cfg))
     cv_module, cv_datamodule = built.module, built.datamodule
     assert measured == training_settings(cfg, cv_module, cv_datamodule)
 

@@ -16,20 +16,21 @@ from mlflow import MlflowClient
 
 from pipeline.analysis.compare import compare, run_compare
 from pipeline.analysis.comparison_runs import ComparisonError
-from pipeline.data.datamodule import PainDataModule
+from pipeline.data.datamodule import PainDataModule, SubjectRoles
 from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import load_model_file
-from pipeline.runs.jobs.fold_decisions import plan_decisions
 from pipeline.runs.jobs.fold_job import train_fold
+from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.runs.orchestration.cross_validation import identity_lock, plan_cv, run_cv
+from pipeline.runs.store import tracking
 from pipeline.runs.store.environment import FREEZE_ARTIFACT
 from pipeline.runs.store.tracking import get_or_create_experiment
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.paths import resolve_path
-from tests.conftest import loader_config
+from tests.conftest import loader_config, planned
 
 # Tiny and fast: a small timm model, 32 px inputs, no workers, two folds.
 FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
@@ -96,7 +97,8 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
     assert parent.data.metrics["data/share_lost_BL1"] == pytest.approx(lost.set_index("class_name").share_lost["BL1"])
     # what it ran on and with: the device, the key libraries' versions, the whole environment
     device = training_device(cfg.trainer.accelerator)
-    assert {k: tags[k] for k in device.tags} == device.tags and tags["device"] == device.kind
+    expected = tracking.training_device_tags(device)
+    assert {k: tags[k] for k in expected} == expected and tags["device"] == device.kind
     assert tags["version.torch"] == torch.__version__ and tags["version.timm"] == timm.__version__
     assert tags["version.python"] == platform.python_version() and tags["version.lightning"] == pl.__version__
     freeze = Path(client.download_artifacts(parent.info.run_id, FREEZE_ARTIFACT)).read_text()
@@ -153,7 +155,7 @@ def test_early_stopping_stops(tiny_config, tmp_path: Path) -> None:
     cfg = tiny_config(*FAST, "model=timm", "model.name=vit_tiny_patch16_224", "trainer.max_epochs=8",
                       "trainer.patience=2", "model.optim.head_lr=0", "model.optim.backbone_lr=0")
     with fold_run(cfg):
-        result = train_fold(cfg, 0, plan_decisions(cfg, fold_file_path(cfg)), tmp_path)
+        result = train_fold(TrainingSettings.from_config(cfg), 0, planned(cfg), tmp_path)
     assert result.epochs_trained == 3 and result.best_epoch == 0
 
 
@@ -161,7 +163,7 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
     # the crop window travels from the config to the data: crops at 2.0, 3.8 and 5.5 s, only the later two used
     cfg = tiny_config(*FAST, "trainer.max_epochs=3", "trainer.patience=5", "loader.from_s=3.0")
     with fold_run(cfg):
-        result = train_fold(cfg, 1, plan_decisions(cfg, fold_file_path(cfg)), tmp_path)
+        result = train_fold(TrainingSettings.from_config(cfg), 1, planned(cfg), tmp_path)
     assert result.frame_predictions["time_s"].min() >= 3.0
     assert result.frame_predictions.groupby("sample_name").size().eq(2).all()
     checkpoint = torch.load(tmp_path / "best.ckpt", map_location="cpu", weights_only=True)
@@ -171,11 +173,13 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
 
     task = get_task(cfg.task.name)
     net, _ = create_model(cfg.model.name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
-    module = PainLightningModule(net, task.classes, OptimConfig(**cfg.model.optim))
+    module = PainLightningModule(net, task.classes, OptimConfig(**cfg.model.optim), aggregation=cfg.trainer.aggregation,
+                                 topk=cfg.trainer.topk)
     module.load_state_dict(checkpoint["state_dict"])
     module.eval()
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 1, task,
-                                net.backbone.data_config, {}, loader_config(num_workers=0, from_s=3.0))
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), SubjectRoles.of_fold(fold_file_path(cfg), 1),
+                                task,
+                                net.backbone.data_config, {}, loader_config(num_workers=0, from_s=3.0), cfg.seed)
     datamodule.setup()
     with torch.no_grad():
         probs = torch.cat([module(images).softmax(1) for images, _, _ in datamodule.test_dataloader()])
@@ -236,7 +240,8 @@ def test_a_seeded_fold_is_reproducible(tiny_config, tmp_path: Path) -> None:
     predictions = []
     for attempt in range(2):
         with fold_run(cfg):
-            result = train_fold(cfg, 0, plan_decisions(cfg, fold_file_path(cfg)), tmp_path / str(attempt))
+            result = train_fold(TrainingSettings.from_config(cfg),
+                                0, planned(cfg), tmp_path / str(attempt))
         predictions.append(result.frame_predictions["prob_PA4"].to_numpy())
     np.testing.assert_array_equal(predictions[0], predictions[1])
 
@@ -279,10 +284,11 @@ def test_kept_model_reloads_and_gives_the_same_test_predictions(cv_runs, tiny_co
 
     fold = int(child.data.tags["fold"])
     task = get_task(meta["task"])
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), fold, task,
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), SubjectRoles.of_fold(fold_file_path(cfg), fold),
+                                task,
                                 net.backbone.data_config, {}, loader_config(num_workers=0, **{
                                     key: meta["loader"][key] for key in ("frames_per_video", "from_s", "crop_fraction")
-                                    if key in meta["loader"]}))
+                                    if key in meta["loader"]}), cfg.seed)
     datamodule.setup()  # fed as the kept model's own record says it was trained and tested
     with torch.no_grad():
         probs = torch.cat([net(images).softmax(1) for images, _, _ in datamodule.test_dataloader()])

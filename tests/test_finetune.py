@@ -31,7 +31,7 @@ def prepared(name: str, finetune: FinetuneConfig, seed: int = 0) -> tuple[PainNe
     net, _ = create_model(name, n_classes=2, img_size=32)
     strategy = strategy_for(finetune)
     strategy.prepare(net)
-    return net, PainLightningModule(net, ("BL1", "PA4"), OPTIM, finetune=strategy)
+    return net, PainLightningModule(net, ("BL1", "PA4"), OPTIM, aggregation="mean", topk=3, finetune=strategy)
 
 
 def one_step(module: PainLightningModule) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from pipeline.data.augment import (
 from pipeline.deployment.export import export_scorer, run_export
 from pipeline.deployment.predict import find_scorer
 from pipeline.deployment.video_frames import sampled_frames
-from pipeline.models.backbones import DataConfig
+from pipeline.models.backbone_adapter import DataConfig
 from pipeline.models.factory import create_model
 from pipeline.models.model_file import model_meta, save_model_file
 from pipeline.models.scoring import FrameScorer
@@ -135,7 +135,8 @@ def test_the_contract_alone_makes_square_crops_as_predict_does(folds, tmp_path) 
     cfg = folds["cfg"]
     aligned, _ = find_scorer(cfg, run=folds["runs"][0])
     settings = dataclasses.replace(aligned.settings, detector="haar", align=False)
-    scorer = FrameScorer(aligned.net, aligned.meta, settings, threshold=aligned.threshold)
+    scorer = FrameScorer(aligned.net, aligned.meta, settings, aggregation=aligned.aggregation, topk=aligned.topk,
+                         threshold=aligned.threshold)
     runtime = ContractRuntime(export_scorer(scorer, "square", tmp_path).with_suffix(".json"))
     assert runtime.contract["face_crop"]["crop"]["method"] == "square"
     frame = twin_frames(cfg, 1)[0]
@@ -156,13 +157,15 @@ def test_a_clip_models_contract_gives_its_window_probabilities(tiny_config, tmp_
     frame_net, source = create_model("mobilevit_xxs", n_classes=2, pretrained=False, img_size=32)
     head = {"name": "transformer", "mode": "two_stage", "hidden": 16, "layers": 1, "attention_heads": 4,
             "dropout": 0.0, "max_frames": 8, "epochs": 1, "patience": 1}
-    net = ClipNet(frame_net.backbone, build_temporal_head(HeadConfig(**head), frame_net.backbone.num_features, 2))
+    net = ClipNet(frame_net.backbone,
+                  build_temporal_head(HeadConfig.from_model_file(head), frame_net.backbone.num_features, 2))
     meta = model_meta(net, model_name="mobilevit_xxs", img_size=32, class_names=["BL1", "PA4"], task="bl1_vs_pa4",
                       loader={"crop_fraction": 0.8, "clip_frames": 3, "clip_spacing_s": 0.42},
-                      weights=source.as_tags(), head=head)
+                      weights=tracking.weights_tags(source), head=head)
     path = save_model_file(net, meta, tmp_path / "model.pt")
     crop = {"crop_size": int(cfg.preprocess.crop_size), "margin": float(cfg.preprocess.margin)}
-    scorer = build_scorer({WEIGHTS_ARTIFACT: str(path)}, {"threshold": 0.5, "crop": crop})
+    scorer = build_scorer({WEIGHTS_ARTIFACT: str(path)},
+                          {"threshold": 0.5, "aggregation": "mean", "topk": 3, "crop": crop})
     runtime = ContractRuntime(export_scorer(scorer, "clip", tmp_path).with_suffix(".json"))
     assert runtime.contract["layout"] == "NTCHW" and runtime.contract["clip_frames"] == 3
     assert runtime.contract["transform"][0]["step"] == "central_crop"

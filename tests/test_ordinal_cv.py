@@ -13,7 +13,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipeline.data.datamodule import PainDataModule
+from pipeline.data.datamodule import PainDataModule, SubjectRoles
 from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
 from pipeline.deployment.export import run_export
@@ -99,10 +99,10 @@ def test_the_kept_ordinal_model_loads_and_gives_the_folds_test_probabilities(ord
     assert isinstance(net.head, CoralHead) and meta["output"]["name"] == "ordinal" and meta["class_names"] == LEVELS
     biases = net.head.biases().detach()
     assert (biases[1:] < biases[:-1]).all()  # CORAL's K-1 thresholds stay ordered after training
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, get_task("five_class"),
-                                net.backbone.data_config, {}, loader_config(num_workers=0, **{
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), SubjectRoles.of_fold(fold_file_path(cfg), 0),
+                                get_task("five_class"), net.backbone.data_config, {}, loader_config(num_workers=0, **{
                                     key: meta["loader"][key] for key in ("frames_per_video", "from_s", "crop_fraction")
-                                    if key in meta["loader"]}))
+                                    if key in meta["loader"]}), cfg.seed)
     datamodule.setup()
     with torch.no_grad():
         probs = torch.cat([output_probabilities(net.head, net(images))

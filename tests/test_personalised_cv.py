@@ -18,7 +18,7 @@ import torch
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from pipeline.data.datamodule import ROLES
+from pipeline.data.datamodule import ROLES, SubjectRoles
 from pipeline.data.embeddings import EmbeddingDataModule, EmbeddingTable
 from pipeline.data.personalise import PersonaliseConfig
 from pipeline.data.prepare import fold_file_path
@@ -61,8 +61,9 @@ def embedding_table(processed: Path, seed: int = 0, views: int = 2) -> Embedding
 
 
 def datamodule(cfg, table: EmbeddingTable, protocol: PersonaliseConfig) -> EmbeddingDataModule:
-    data = EmbeddingDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, get_task("bl1_vs_pa4"),
-                               DataConfig(), {}, loader_config(batch_size=4, num_workers=0), seed=0,
+    data = EmbeddingDataModule(resolve_path(cfg.data.processed_dir), SubjectRoles.of_fold(fold_file_path(cfg), 0),
+                               get_task("bl1_vs_pa4"), DataConfig(), {}, loader_config(batch_size=4, num_workers=0),
+                               seed=0,
                                embeddings=table, source=Path("test.npz"), personalise=protocol)
     data.setup()
     return data
@@ -139,7 +140,7 @@ def baseline_cv(tiny_config, tmp_path_factory: pytest.TempPathFactory) -> dict:
     cfg = tiny_config(*FROZEN, *store, "personalise=baseline", "personalise.k=1")
     run_cv(cfg)
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    parent = cv_runs.finished_cv(client, cfg)
+    parent = cv_runs.finished_cv(client, cv_runs.CvConfig.from_config(cfg))
     return {"cfg": cfg, "client": client, "parent": parent,
             "folds": tracking.fold_runs(client, parent.info.run_id)}
 
@@ -195,7 +196,7 @@ def test_a_personalised_two_stage_cv_keeps_a_clip_model_that_scores_against_the_
                       f"mlflow.artifact_root={tmp_path / 'art'}", f"cv.work_dir={tmp_path / 'runs'}")
     run_cv(cfg)
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    parent = cv_runs.finished_cv(client, cfg)
+    parent = cv_runs.finished_cv(client, cv_runs.CvConfig.from_config(cfg))
     assert parent.data.tags[tracking.PERSONALISE_TAG] == "baseline_k1"
     fold = tracking.fold_runs(client, parent.info.run_id)[0]
     splits = json.loads(Path(client.download_artifacts(fold.info.run_id, "splits.json")).read_text())
@@ -298,7 +299,7 @@ def test_a_personalised_model_is_not_served_or_exported_and_a_plain_one_takes_no
         served.predict(pd.DataFrame({"image": [encode_image(frame) for frame in synthetic_frames(1)]}))
     scorer, _ = find_scorer(cfg, uri)
     meta = {key: value for key, value in scorer.meta.items() if key != "personalise"}
-    plain = FrameScorer(scorer.net, meta, scorer.settings)
+    plain = FrameScorer(scorer.net, meta, scorer.settings, aggregation=scorer.aggregation, topk=scorer.topk)
     with pytest.raises(PredictError, match=r"REFERENCE=.*not personalised \(personalise=none\)"):
         attach_reference(plain, str(reference), 5.0)
     assert attach_reference(plain, None, 5.0) is None

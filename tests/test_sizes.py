@@ -106,3 +106,29 @@ def test_the_allowances_name_what_exists() -> None:
     stale += [f for f in LONG_FUNCTIONS if lengths.get(f, 0) <= FUNCTION_LINES]
     stale += [m for m, _ in LAZY_IMPORTS if m not in sizes]
     assert stale == [], f"allowances no longer needed: {stale}"
+
+
+# Functions of pipeline/ that take the composed config (a parameter annotated `DictConfig`, or an unannotated one named
+# `cfg` / `*_cfg`): the commands and the builders of typed settings should be the only ones (issue 44, item 1: at
+# most 25). The training path takes typed settings (`runs.jobs.training_settings.TrainingSettings`, read once by a
+# fold job, a trial, the final model); the count may only go down until the rest is converted.
+CONFIG_TAKERS_CEILING = 82  # baseline 144 in 31 modules (issue 44); the target 25
+
+
+def config_takers() -> list[str]:
+    found = []
+    for path in modules():
+        for node in functions(ast.parse(path.read_text())):
+            arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            if any((argument.annotation is not None and "DictConfig" in ast.unparse(argument.annotation))
+                   or (argument.annotation is None and (argument.arg == "cfg" or argument.arg.endswith("_cfg")))
+                   for argument in arguments):
+                found.append(f"{relative(path)}::{node.name}")
+    return found
+
+
+def test_few_functions_take_the_composed_config() -> None:
+    takers = config_takers()
+    assert len(takers) <= CONFIG_TAKERS_CEILING, (f"{len(takers)} functions take the composed config (ceiling "
+                                                  f"{CONFIG_TAKERS_CEILING}): pass typed settings down instead:\n"
+                                                  + "\n".join(takers))

@@ -11,7 +11,8 @@ import pytest
 
 from pipeline.data.biovid_folds import biovid_subjects
 from pipeline.data.fold_files import fold_file_sha256, read_fold_parameters, read_folds
-from pipeline.data.prepare import ensure_folds, exclusion_reasons, subject_set_tags
+from pipeline.data.prepare import ensure_folds, exclusion_reasons
+from pipeline.runs.store.cv_runs import subject_set_tags
 from pipeline.utils.config import load_config
 
 FAILED = ["071309_w_21", "082315_w_60"]  # one responder, one non-responder

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -146,3 +147,37 @@ def test_ui_url_answers_without_mlflow(store) -> None:
     assert printed.returncode == 0, printed.stderr
     assert f"http://127.0.0.1:5123/#/experiments/{experiment_id}/runs?workflowType=machine_learning" in printed.stdout
     assert "mlflow not imported" in printed.stdout
+
+
+class LeaseTakenOver(RuntimeError):
+    """Stands for `fold_lease.LeaseLost`: an error that ends a run KILLED, without a traceback."""
+
+
+def test_a_run_ends_finished_killed_or_failed_with_its_traceback(store) -> None:
+    """`tracking.run_lifecycle`, the one life of every run a command opens: FINISHED when the block returns, FAILED
+    with traceback.txt on an error, KILLED on Ctrl-C or on a `stopped` error (no traceback), a run the block ends
+    itself left as it is; the active run (`mlflow.start_run`) ended through MLflow, so the next one can start."""
+    import mlflow
+
+    client = store["client"]
+    experiment_id = tracking.get_or_create_experiment("pain-cv", store["artifacts"], client=client)
+
+    def ended(block, **options) -> tuple[str, list[str]]:
+        run_id = client.create_run(experiment_id).info.run_id
+        with pytest.raises(BaseException) if block is not None else contextlib.nullcontext():
+            with tracking.run_lifecycle(run_id, client, **options):
+                if block is not None:
+                    raise block
+        return client.get_run(run_id).info.status, [a.path for a in client.list_artifacts(run_id)]
+
+    assert ended(None) == (tracking.FINISHED, [])
+    assert ended(ValueError("a bad fold")) == (tracking.FAILED, ["traceback.txt"])
+    assert ended(KeyboardInterrupt()) == (tracking.KILLED, ["traceback.txt"])
+    assert ended(LeaseTakenOver(), stopped=(LeaseTakenOver,)) == (tracking.KILLED, [])
+    assert ended(None, finish=False)[0] == tracking.RUNNING
+    mlflow.set_tracking_uri(store["uri"])
+    for attempt in range(2):  # the active run is ended, so the next one can start
+        active = mlflow.start_run(experiment_id=experiment_id)
+        with pytest.raises(ValueError), tracking.run_lifecycle(active.info.run_id, client):
+            raise ValueError(f"attempt {attempt}")
+        assert mlflow.active_run() is None and client.get_run(active.info.run_id).info.status == tracking.FAILED

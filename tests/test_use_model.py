@@ -217,6 +217,7 @@ def test_run_and_the_fold_model_decide_alike_at_the_folds_own_threshold(chain) -
     import mlflow
 
     from pipeline.deployment.predict import find_scorer
+    from pipeline.models.backbone_adapter import family_traits
     from pipeline.models.backbones import model_family
     from pipeline.runs.serving.mlflow_model import encode_image, logged_model_uri
     from pipeline.utils.devices import precision_for
@@ -227,7 +228,7 @@ def test_run_and_the_fold_model_decide_alike_at_the_folds_own_threshold(chain) -
     fold_run = client.search_runs([client.get_run(parent_id).info.experiment_id],
                                   f"tags.`mlflow.parentRunId` = '{parent_id}'")[0]
     resolved = precision_for("auto", training_device(cfg.trainer.accelerator).kind,
-                             model_family(cfg.model.name, cfg.model.img_size))
+                             family_traits(model_family(cfg.model.name, cfg.model.img_size)))
     assert fold_run.data.tags["precision"] == resolved == client.get_run(parent_id).data.tags["precision"]
     threshold = fold_run.data.metrics["test/threshold"]
     assert threshold != 0.5

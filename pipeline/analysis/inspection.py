@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from pipeline.analysis.fold_maps import PREFIX, FoldInspection, RegionMasks, inspect_fold
 from pipeline.analysis.inspection_plots import write_fold_outputs
-from pipeline.data.datamodule import LoaderConfig, PainDataModule
+from pipeline.data.datamodule import LoaderConfig, PainDataModule, SubjectRoles
 from pipeline.data.fold_files import fold_file_sha256
 from pipeline.data.prepare import is_twin
 from pipeline.data.tasks import get_task
@@ -80,11 +80,12 @@ def inspect_cv(cfg: DictConfig, run_id: str | None = None, untrained: bool = Fal
     client = MlflowClient(uri)
     parent, children = inspected_cv(client, cfg, run_id)
     parent_id, tags = parent.info.run_id, parent.data.tags
-    dataset = tags.get("dataset", cfg.data.name)
+    dataset = tags.get(tracking.DATASET_TAG, cfg.data.name)
     # face images go to MLflow only for a twin's drawn faces; recordings of people (BioVid) stay on disk
     images_allowed = dataset == cfg.data.name and is_twin(cfg)
     out_root = (resolve_path(cfg.reports_dir) / "inspect" /
-                f"{tags.get('model')}_{dataset}_{tags.get('protocol')}_{tags.get('task')}_{parent_id[:8]}"
+                f"{tags.get(tracking.MODEL_TAG)}_{dataset}_{tags.get(tracking.PROTOCOL_TAG)}_"
+                f"{tags.get(tracking.TASK_TAG)}_{parent_id[:8]}"
                 f"{'_untrained' if untrained else ''}")
     job = Inspecting(cfg, client, uri, parent, untrained, regions, images_allowed, out_root)
     print(f"inspecting {parent.info.run_name!r} (parent run {parent_id}), {len(children)} fold(s), {job.kind} models")
@@ -111,19 +112,20 @@ def inspected_cv(client: MlflowClient, cfg: DictConfig, run_id: str | None) -> t
     config's (the test subjects could not be recovered), when it has no finished fold, or when it trained clip
     models (maps are of single crops)."""
     try:
-        parent = cv_runs.source_cv(client, cfg, run_id)
+        parent = cv_runs.source_cv(client, cv_runs.CvConfig.from_config(cfg), run_id)
     except CvNotFound as error:
         raise InspectionError(str(error)) from None
     parent_id, tags = parent.info.run_id, parent.data.tags
     fold_file = resolve_path(cfg.fold_file)
-    if not fold_file.is_file() or fold_file_sha256(fold_file) != tags.get("fold_file_sha256"):
+    if not fold_file.is_file() or fold_file_sha256(fold_file) != tags.get(tracking.FOLD_FILE_TAG):
         raise InspectionError(f"the fold file {fold_file} is not the one cross-validation {parent_id} ran on "
-                              f"(SHA-256 {tags.get('fold_file_sha256')}); its test subjects cannot be recovered")
+                              f"(SHA-256 {tags.get(tracking.FOLD_FILE_TAG)}); its test subjects cannot be recovered")
     children = tracking.finished_fold_runs(client, parent_id)
     if not children:
         raise InspectionError(f"cross-validation {parent_id} has no finished fold runs")
-    if tags.get("head", "linear") not in ("", "linear"):  # maps and region scores are of single crops
-        raise InspectionError(f"cross-validation {parent_id} trained clip models ({tags['head']}): make inspect draws "
+    if tags.get(tracking.HEAD_TAG, "linear") not in ("", "linear"):  # maps and region scores are of single crops
+        raise InspectionError(f"cross-validation {parent_id} trained clip models ({tags[tracking.HEAD_TAG]}): make "
+                              f"inspect draws "
                               f"attention and Grad-CAM maps of frame models only; inspect the frame model's CV of "
                               f"the same backbone (model.head.name=linear)")
     return parent, children
@@ -147,16 +149,16 @@ def inspect_kept_model(job: Inspecting, fold: int, child: Run) -> FoldInspection
         cfg.loader, eval_batch_size=int(cfg.loader.batch_size), num_workers=0,
         frames_per_video=loader.get("frames_per_video"), crop_fraction=loader.get("crop_fraction") or 1.0,
         from_s=loader.get("from_s"))
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), resolve_path(cfg.fold_file), fold,
-                                get_task(meta["task"]), net.backbone.data_config, {}, settings)
+    roles = SubjectRoles.of_fold(resolve_path(cfg.fold_file), fold)
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), roles, get_task(meta["task"]),
+                                net.backbone.data_config, {}, settings, int(cfg.seed))
     datamodule.setup()
     started = time.perf_counter()
     inspection = inspect_fold(net, datamodule, meta["class_names"], fold, child.info.run_id, job.regions,
                               crop_fraction=loader.get("crop_fraction") or 1.0,
-                              aggregation=params.get("trainer.aggregation", "mean"),
-                              topk=int(params.get("trainer.topk", 3)))
-    title = (f"{job.parent.data.tags.get('model')} fold {fold} ({job.kind}), {len(inspection.videos)} test videos; "
-             f"Grad-CAM at {inspection.cam_layer}")
+                              aggregation=params["trainer.aggregation"], topk=int(params["trainer.topk"]))
+    title = (f"{job.parent.data.tags.get(tracking.MODEL_TAG)} fold {fold} ({job.kind}), {len(inspection.videos)} "
+             f"test videos; Grad-CAM at {inspection.cam_layer}")
     outputs = write_fold_outputs(inspection, net, job.out_root / f"fold_{fold}", title)
     log_fold(job.client, inspection, outputs, job.images_allowed, job.prefix)
     print(f"fold {fold}: {len(inspection.videos)} test videos, {int(inspection.videos['n_crops'].sum())} crops, "

@@ -109,11 +109,12 @@ def run_repeat(power: DictConfig, base: Sequence[str], seed: int, out_dir: Path)
     configs = {}
     for side in ("a", "b"):
         cfg = load_config([*twin, *entry[side].overrides])
-        print(f"== {effect_name(power)} twin seed {seed}: {entry[side].label} ({cv_runs.config_label(cfg)})",
+        print(f"== {effect_name(power)} twin seed {seed}: {entry[side].label} "
+              f"({cv_runs.config_label(cv_runs.CvConfig.from_config(cfg))})",
               flush=True)
         run_cv(cfg)
         configs[side] = cfg
-    labels = {side: cv_runs.config_label(cfg) for side, cfg in configs.items()}
+    labels = {side: cv_runs.config_label(cv_runs.CvConfig.from_config(cfg)) for side, cfg in configs.items()}
     if labels["a"] == labels["b"]:
         raise SystemExit(f"power: both settings of {effect_name(power)} are the CV label {labels['a']!r}; compare "
                          f"cannot tell them apart")
@@ -122,8 +123,10 @@ def run_repeat(power: DictConfig, base: Sequence[str], seed: int, out_dir: Path)
     try:
         result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, out_dir / f"seed_{seed}",
                          tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
-                         subject_set=cfg.data.subject_set, fold_file_sha256=cv_runs.current_fold_file_sha256(cfg),
-                         crop_params=cv_runs.crop_settings(cfg), only=[labels["a"], labels["b"]],
+                         subject_set=cfg.data.subject_set,
+                         fold_file_sha256=cv_runs.current_fold_file_sha256(cv_runs.CvConfig.from_config(cfg)),
+                         crop_params=cv_runs.crop_settings(cv_runs.CvConfig.from_config(cfg)),
+                         only=[labels["a"], labels["b"]],
                          allow_differences=list(entry.get("allow_differences") or []), primary=primary)
     except ComparisonError as error:
         raise SystemExit(f"power: {error}") from None
@@ -240,12 +243,13 @@ def log_power(cfg: DictConfig, summary: dict, paths: dict[str, Path]) -> None:
                      else tracking.artifact_root(PROJECT_ROOT))
     experiment_id = tracking.get_or_create_experiment(EXPERIMENT, artifact_root, client=client)
     run = client.create_run(experiment_id, run_name=f"power {summary['effect']} ({summary['repeats']} twins)",
-                            tags={tracking.RUN_KIND_TAG: tracking.POWER_RUN, "effect": summary["effect"],
-                                  "measures": summary["measures"], "comparison": summary["comparison"]})
-    for key in ("rejection_rate", "rate_ci95_low", "rate_ci95_high", "mean_diff", "mean_mde80", "repeats"):
-        client.log_metric(run.info.run_id, f"power/{key}", float(summary[key]))
-    client.log_param(run.info.run_id, "planted", summary["planted"][:500])
-    client.log_text(run.info.run_id, OmegaConf.to_yaml(cfg.power), "power.yaml")
-    for path in paths.values():
-        client.log_artifact(run.info.run_id, str(path), "power")
-    client.set_terminated(run.info.run_id, tracking.FINISHED)
+                            tags={tracking.RUN_KIND_TAG: tracking.POWER_RUN, tracking.EFFECT_TAG: summary["effect"],
+                                  tracking.MEASURES_TAG: summary["measures"],
+                                  tracking.COMPARISON_TAG: summary["comparison"]})
+    with tracking.run_lifecycle(run.info.run_id, client):
+        for key in ("rejection_rate", "rate_ci95_low", "rate_ci95_high", "mean_diff", "mean_mde80", "repeats"):
+            client.log_metric(run.info.run_id, f"power/{key}", float(summary[key]))
+        client.log_param(run.info.run_id, "planted", summary["planted"][:500])
+        client.log_text(run.info.run_id, OmegaConf.to_yaml(cfg.power), "power.yaml")
+        for path in paths.values():
+            client.log_artifact(run.info.run_id, str(path), "power")

@@ -26,7 +26,6 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
-from mlflow.entities import RunStatus
 
 from pipeline.data.personalise import PersonaliseConfig
 from pipeline.runs.orchestration.cross_validation import run_cv
@@ -81,13 +80,6 @@ def describe_subject_set(name: str, dataset: str) -> str:
         text = (f"synthetic people under the subject names of {BIOVID_SUBJECT_SETS[base]} (dataset {dataset}: not "
                 f"BioVid's people or videos)")
     return text + (" (only those with face crops; the fold file's sidecar names the others)" if base != name else "")
-
-
-def model_overrides(model: str) -> list[str]:
-    """The config overrides that pick a backbone, as the Makefile does: its own file, or any timm model name."""
-    if (PROJECT_ROOT / "configs" / "model" / f"{model}.yaml").is_file():
-        return [f"model={model}"]
-    return ["model=timm", f"model.name={model}"]
 
 
 def read_literature(path: Path = LITERATURE) -> pd.DataFrame:
@@ -184,9 +176,9 @@ def project_row(model: str, task: str, run, protocol: str = "none") -> dict:
     if run is not None:
         protocol = run.data.tags.get(tracking.PERSONALISE_TAG) or "none"
     row = {"model": model, "task": task, "personalise": protocol, "parent_run_id": run.info.run_id if run else "",
-           "complete": run.data.tags.get("complete", "") if run else "",
-           "unusable_subjects": run.data.tags.get("task_unusable_subjects", "") if run else "",
-           "skipped_folds": run.data.tags.get("task_skipped_folds", "") if run else "",
+           "complete": str(tracking.is_complete(run.data.tags)).lower() if run else "",
+           "unusable_subjects": run.data.tags.get(tracking.TASK_UNUSABLE_TAG, "") if run else "",
+           "skipped_folds": run.data.tags.get(tracking.TASK_SKIPPED_FOLDS_TAG, "") if run else "",
            "interval": interval_kind(run)}
     for column, metric in METRICS.items():
         for suffix, name in (("", column), ("_ci95_low", f"{column}_ci95_low"), ("_ci95_high", f"{column}_ci95_high")):
@@ -202,7 +194,7 @@ def interval_kind(run) -> str:
     """Which kind of interval a run's pooled metrics carry (the tag the CV writes; subjects only before it)."""
     if run is None:
         return ""
-    return run.data.tags.get("interval_kind", "subject bootstrap")
+    return run.data.tags.get(tracking.INTERVAL_KIND_TAG, "subject bootstrap")
 
 
 def cell(row: pd.Series, column: str) -> str:
@@ -405,16 +397,17 @@ def project_rows(cfg, client: MlflowClient, overrides: Sequence[str], model_name
     for model in model_names:
         for task in task_names:
             if tuned:  # the tuned CV's identity includes its `tune` section: cv_runs.finished_cv finds that one
-                run_cfg = load_config([*base, *model_overrides(model), f"task={task}", *search],
+                run_cfg = load_config([*base, f"model={model}", f"task={task}", *search],
                                       groups=("tune=default",))
                 print(f"== {model} on {task}, tuned ({run_cfg.tune.trials} trials, {run_cfg.tune.scope})")
                 run_tune(run_cfg)
             else:
-                run_cfg = load_config([*base, *model_overrides(model), f"task={task}"])
+                run_cfg = load_config([*base, f"model={model}", f"task={task}"])
                 print(f"== {model} on {task}")
                 run_cv(run_cfg)
             asked = PersonaliseConfig.from_config(run_cfg.get("personalise")).label
-            rows.append(project_row(model, task, cv_runs.finished_cv(client, run_cfg), asked))
+            finished = cv_runs.finished_cv(client, cv_runs.CvConfig.from_config(run_cfg))
+            rows.append(project_row(model, task, finished, asked))
     return rows
 
 
@@ -440,13 +433,13 @@ def log_table_run(client: MlflowClient, cfg, stem: str, model_names: Sequence[st
         PROJECT_ROOT)
     experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
     run = client.create_run(experiment_id, run_name=stem, tags={
-        tracking.RUN_KIND_TAG: tracking.TABLE_RUN, "dataset": cfg.data.name, "protocol": cfg.protocol.name,
-        "subject_set": cfg.data.subject_set,
-        "subject_set_description": describe_subject_set(cfg.data.subject_set, cfg.data.name)})
-    for key, value in {"models": ",".join(model_names), "tasks": ",".join(task_names),
-                       **{f"parent_run_id.{r.model}.{r.task}": r.parent_run_id for r in rows.itertuples()}}.items():
-        client.log_param(run.info.run_id, key, value)
-    for path in paths.values():
-        client.log_artifact(run.info.run_id, str(path), "table")
-    client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FINISHED))
+        tracking.RUN_KIND_TAG: tracking.TABLE_RUN, tracking.DATASET_TAG: cfg.data.name,
+        tracking.PROTOCOL_TAG: cfg.protocol.name, tracking.SUBJECT_SET_TAG: cfg.data.subject_set,
+        tracking.SUBJECT_SET_DESCRIPTION_TAG: describe_subject_set(cfg.data.subject_set, cfg.data.name)})
+    with tracking.run_lifecycle(run.info.run_id, client):
+        for key, value in {"models": ",".join(model_names), "tasks": ",".join(task_names),
+                           **{f"parent_run_id.{r.model}.{r.task}": r.parent_run_id for r in rows.itertuples()}}.items():
+            client.log_param(run.info.run_id, key, value)
+        for path in paths.values():
+            client.log_artifact(run.info.run_id, str(path), "table")
     return run.info.run_id

@@ -30,12 +30,13 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from pipeline.data.biovid import load_samples
-from pipeline.data.datamodule import PainDataModule, evenly_spaced_frames, frames_from
+from pipeline.data.datamodule import PainDataModule, SubjectRoles, evenly_spaced_frames, frames_from
 from pipeline.data.face_crops import PreprocessConfig, preprocess
 from pipeline.data.fold_files import MIN_SUBJECTS, make_folds, write_folds
 from pipeline.data.prepare import preprocess_config
 from pipeline.data.tasks import get_task
-from pipeline.models.backbones import BACKBONE_NAMES, VIT_REF_VARIANTS, model_family
+from pipeline.models.backbone_adapter import family_traits
+from pipeline.models.backbones import backbone_names, model_family
 from pipeline.models.finetune import FinetuneConfig
 from pipeline.models.lightning_module import (
     PainLightningModule,
@@ -45,9 +46,11 @@ from pipeline.models.lightning_module import (
 )
 from pipeline.runs.jobs.fold_decisions import plan_decisions
 from pipeline.runs.jobs.fold_job import build_fold
+from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.atomic_io import atomic_write_csv, atomic_write_text
-from pipeline.utils.config import CONFIG_DIR, load_config
+from pipeline.utils.config import load_config
 from pipeline.utils.cpus import available_cpus
 from pipeline.utils.devices import precision_for
 from pipeline.utils.paths import PROJECT_ROOT, git_commit
@@ -59,19 +62,12 @@ DEFAULT_WORK = PROJECT_ROOT / "data" / "bench"
 # --- settings: the config of `make cv` -------------------------------------------------------------------------------
 
 
-def model_overrides(name: str) -> list[str]:
-    """The overrides that pick backbone `name`, as the Makefile's MODEL= does: its own file, else any timm model."""
-    if (CONFIG_DIR / "model" / f"{name}.yaml").is_file():
-        return [f"model={name}"]
-    return ["model=timm", f"model.name={name}"]
-
-
 def check_model_names(names: Sequence[str]) -> None:
     """Fail in a second, before any data is generated, on a backbone name that does not exist."""
     import timm
 
 
-    known = (*BACKBONE_NAMES, *VIT_REF_VARIANTS)
+    known = backbone_names()
     unknown = [name for name in names if name not in known and not timm.is_model(name)]
     if unknown:
         raise SystemExit(
@@ -92,7 +88,7 @@ def load_configs(
     if picks_model:
         configs = [load_config(overrides)]
     else:
-        configs = [load_config([*model_overrides(name), *overrides]) for name in models or default_models]
+        configs = [load_config([f"model={name}", *overrides]) for name in models or default_models]
     check_model_names([cfg.model.name for cfg in configs])
     return configs
 
@@ -109,7 +105,10 @@ def listed(cfg: DictConfig, dataset: Mapping[str, Any]) -> DictConfig:
 def build(cfg: DictConfig, dataset: Mapping[str, Any]) -> tuple[PainLightningModule, PainDataModule]:
     """The LightningModule and the data of fold 0 over `dataset`, built by `make cv`'s own `build_fold`."""
     cfg = listed(cfg, dataset)
-    built = build_fold(cfg, 0, plan_decisions(cfg, Path(dataset["fold_file"])))
+    fold_file = Path(dataset["fold_file"])
+    training = TrainingSettings.from_config(cfg)
+    built = build_fold(training, WhatTrains.of(training).check(), SubjectRoles.of_fold(fold_file, 0),
+                       plan_decisions(training, fold_file))
     module, datamodule = built.module, built.datamodule
     return module, datamodule
 
@@ -118,7 +117,7 @@ def precision(cfg: DictConfig) -> str:
     """The precision a fold of `make cv` would train `cfg` at on this machine's device (resolved the way the fold
     job resolves it)."""
     return precision_for(cfg.trainer.precision, training_device(cfg.trainer.accelerator).kind,
-                         model_family(cfg.model.name, cfg.model.img_size))
+                         family_traits(model_family(cfg.model.name, cfg.model.img_size)))
 
 
 def training_settings(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from pipeline.data.fold_files import (
     fold_parameters,
     make_folds,
     parameters_path,
-    read_fold_parameters,
     read_folds,
     subject_strata,
     write_folds,
@@ -205,23 +204,6 @@ def ensure_folds(cfg: DictConfig, subjects: list[str], reasons: dict[str, str] |
     for name, reason in excluded.items():
         log.warning("excluded from %s: %s (%s)", path.name, name, reason)
     return path
-
-
-MAX_TAG_CHARS = 5000  # MLflow's limit on a tag value
-
-
-def subject_set_tags(fold_file: Path) -> dict[str, str]:
-    """Run tags naming the participants a fold file leaves out of its subject set, and why (from its sidecar):
-    `excluded_subjects` (comma-separated names), `n_excluded_subjects`, `excluded_subjects_reasons`
-    ("name: reason | ..."; cut to MLflow's tag length, the sidecar has all). Empty values for a complete set."""
-    recorded = read_fold_parameters(fold_file) or {}
-    excluded: dict[str, str] = recorded.get("excluded_subjects", {})
-    reasons = " | ".join(f"{name}: {reason}" for name, reason in excluded.items())
-    if len(reasons) > MAX_TAG_CHARS:
-        tail = f" ... (all in {parameters_path(fold_file)})"
-        reasons = reasons[: MAX_TAG_CHARS - len(tail)] + tail
-    return {"n_excluded_subjects": str(len(excluded)), "excluded_subjects": ",".join(excluded),
-            "excluded_subjects_reasons": reasons}
 
 
 def truth_crops(cfg: DictConfig, root: Path, progress: bool) -> tuple[PreprocessResult, pd.DataFrame]:

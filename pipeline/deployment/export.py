@@ -179,7 +179,7 @@ def run_export(cfg: DictConfig, model_uri: str | None = None, run: str | None = 
         scorer, name = find_scorer(cfg, model_uri or None, run or None)
     except PredictError as error:
         raise SystemExit(f"export: {error}") from None
-    if scorer.personalise.mode != "none":
+    if scorer.personalise.personal:
         raise SystemExit(f"export: {name}: {not_served(scorer.personalise)}")
     out_dir = Path(out).expanduser().resolve() if out else resolve_path(cfg.reports_dir) / "export"
     return export_scorer(scorer, name, out_dir)

@@ -156,7 +156,7 @@ def guarded_app(model_path: str, limits: ServingLimits) -> ASGIApp:
     os.environ["MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"] = str(int(limits.timeout_s) + 5)
     model = scoring_server.load_model_with_mlflow_config(model_path)
     personalise = model.unwrap_python_model().scorer.personalise
-    if personalise.mode != "none":  # said once at start, not as the answer to every request
+    if personalise.personal:  # said once at start, not as the answer to every request
         raise SystemExit(f"serve: {not_served(personalise)}")
     return RequestGuard(scoring_server.init(model), limits)
 

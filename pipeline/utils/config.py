@@ -15,6 +15,16 @@ from pipeline.utils.paths import PROJECT_ROOT
 CONFIG_DIR = PROJECT_ROOT / "configs"
 
 
+def backbone_choice(override: str, config_dir: Path = CONFIG_DIR) -> list[str]:
+    """`model=<name>` as every command (and the Makefile's MODEL=) means it: a backbone with its own file in
+    configs/model/ selects that file, any other name is a timm model (`model=timm`, `model.name=<name>`). Any other
+    override is itself."""
+    key, equals, name = override.partition("=")
+    if key.strip() != "model" or not equals or name in {path.stem for path in (config_dir / "model").glob("*.yaml")}:
+        return [override]
+    return ["model=timm", f"model.name={name}"]
+
+
 def load_config(overrides: Sequence[str] = (), config_dir: Path = CONFIG_DIR, groups: Sequence[str] = ()) -> DictConfig:
     """Compose configs/config.yaml with overrides; unknown keys are errors (no `+key=` additions).
 
@@ -25,6 +35,7 @@ def load_config(overrides: Sequence[str] = (), config_dir: Path = CONFIG_DIR, gr
     added = [o for o in overrides if o.lstrip().startswith("+")]
     if added:
         raise ValueError(f"adding keys is not allowed ({', '.join(added)}): every key must exist in configs/")
+    overrides = [word for override in overrides for word in backbone_choice(override, config_dir)]
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"+{group}" for group in groups] + list(overrides),
                       return_hydra_config=True)

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import sys
-import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -30,7 +29,7 @@ import pandas as pd
 import pytorch_lightning as pl
 from mlflow import MlflowClient
 from mlflow.entities import Run
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from pipeline.models.fold_result import FoldResult
 from pipeline.runs.jobs.fold_decisions import FoldDecisions, settings_on_device
@@ -42,10 +41,10 @@ from pipeline.runs.jobs.sealing import (
     retire_unreadable,
     seal_fold,
 )
+from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.runs.store import fold_lease
 from pipeline.runs.store.tracking import (
     ATTEMPT_TAG,
-    FINISHED,
     FOLD_RUN,
     FOLD_TAG,
     HOST_TAG,
@@ -54,10 +53,14 @@ from pipeline.runs.store.tracking import (
     PARENT_TAG,
     PID_TAG,
     RUN_KIND_TAG,
+    SEED_TAG,
     SLURM_JOB_TAG,
     STORED_ARTIFACTS_TAG,
     fold_runs,
+    inherited_tags,
     redact_uri,
+    run_lifecycle,
+    training_device_tags,
     uri_has_credentials,
 )
 from pipeline.utils.accelerator import training_device
@@ -128,9 +131,9 @@ def result_from_run(client: MlflowClient, run) -> FoldResult:
     frames = pd.read_csv(client.download_artifacts(run_id, FRAME_PREDICTIONS))
     videos = pd.read_csv(client.download_artifacts(run_id, VIDEO_PREDICTIONS))
     seconds = ((run.info.end_time or run.info.start_time) - run.info.start_time) / 1000
-    seed = run.data.tags.get("seed")
+    seed = run.data.tags.get(SEED_TAG)
     metrics = dict(run.data.metrics)
-    return FoldResult(int(run.data.tags["fold"]), metrics, frames, videos, seconds, run_id,
+    return FoldResult(int(run.data.tags[FOLD_TAG]), metrics, frames, videos, seconds, run_id,
                       int(seed) if seed not in (None, "") else None, best_epoch=int(metrics.get("best_epoch", -1)),
                       epochs_trained=int(metrics.get("epochs_trained", 0)),
                       best_score=metrics.get("best_val_score", float("nan")))
@@ -158,9 +161,10 @@ def run_fold_job(job: FoldJob) -> FoldResult:
     whose attempt is taken over by another job (`fold_lease.LeaseLost`) leaves that attempt unfinished and waits
     for the fold like any other job: it returns the result of whichever attempt finishes it."""
     client = MlflowClient(job.tracking_uri)
-    cfg = OmegaConf.create(job.config)
+    cfg = OmegaConf.create(job.config)  # the job's entry: its config read once, into typed settings
+    training = TrainingSettings.from_config(cfg)
     # a lease in the store: a fold another machine trains now is waited for, a dead attempt replaced (fold_lease)
-    lease_s = float(OmegaConf.select(cfg, "cv.lease_s", default=300))
+    lease_s = float(cfg.cv.lease_s)
     owner = fold_lease.new_owner()
     watch = fold_lease.Watch(lease_s)  # what this job has seen of other attempts, on its own clock
     while True:
@@ -170,21 +174,21 @@ def run_fold_job(job: FoldJob) -> FoldResult:
             log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished.info.run_id)
             return result_from_run(client, finished)
         try:
-            return train_attempt(client, job, cfg, attempt, owner, lease_s)
+            return train_attempt(client, job, training, attempt, owner, lease_s)
         except fold_lease.LeaseLost as lost:
             print(f"fold {job.fold}{'' if job.seed is None else f' (seed {job.seed})'}: {lost}; this job stopped "
                   f"without finishing it and waits for the fold", flush=True)
 
 
-def train_attempt(client: MlflowClient, job: FoldJob, cfg: DictConfig, attempt: int, owner: str,
+def train_attempt(client: MlflowClient, job: FoldJob, training: TrainingSettings, attempt: int, owner: str,
                   lease_s: float) -> FoldResult:
     """Attempt `attempt` of the fold, claimed by `owner`: its child run, trained under a heartbeat, sealed, FINISHED.
     `fold_lease.LeaseLost` when another job took it over meanwhile (the run is then left KILLED, never FINISHED)."""
     parent = client.get_run(job.parent_run_id)
-    tags = {k: parent.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed")}
+    tags = inherited_tags(parent)
     if job.seed is not None:  # one of several training seeds: the fold is trained with it, and tagged so
-        cfg.seed = job.seed
-        tags["seed"] = str(job.seed)
+        training = training.with_seed(job.seed)
+        tags[SEED_TAG] = str(job.seed)
     work_dir = Path(job.work_dir)
     mlflow.set_tracking_uri(job.tracking_uri)
     name = f"fold {job.fold}" + (f" seed {job.seed}" if job.seed is not None else "")
@@ -195,32 +199,33 @@ def train_attempt(client: MlflowClient, job: FoldJob, cfg: DictConfig, attempt: 
                                  **job_owner_tags(),
                                  **fold_lease.lease_tags(owner)})
     heartbeat = fold_lease.Heartbeat(client, run.info.run_id, lease_s / 5, owner)  # renewed while the fold trains
-    try:
-        with heartbeat:
-            mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
-            device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
-            # decided where the device is known
-            settings = settings_on_device(job.decisions, cfg.trainer.channels_last, device.kind)
-            log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
-            mlflow.set_tags(device.tags)
-            result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models,
-                                settings=settings, callbacks=[StopWhenLeaseLost(heartbeat)])
-            heartbeat.check()
-            stored = seal_fold(client, run.info.run_id, work_dir, keep_model=cfg.cv.log_models)
-            mlflow.set_tag(STORED_ARTIFACTS_TAG, json.dumps(stored, sort_keys=True))
-        heartbeat.confirm()  # the run read once more, the heartbeat stopped: a job taken over never finishes it
-    except fold_lease.LeaseLost as lost:
-        mlflow.set_tag(LEASE_LOST_TAG, str(lost))
-        mlflow.end_run("KILLED")
-        raise
-    except BaseException as error:
-        mlflow.log_text(traceback.format_exc(), "traceback.txt")
-        interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
-        mlflow.end_run("KILLED" if interrupted else "FAILED")
-        raise
-    mlflow.end_run(FINISHED)
+    with run_lifecycle(run.info.run_id, client, stopped=(fold_lease.LeaseLost,)):  # FINISHED only once sealed
+        try:
+            with heartbeat:
+                result = train_under_heartbeat(client, job, training, run.info.run_id, work_dir, heartbeat)
+            heartbeat.confirm()  # the run read once more, the heartbeat stopped: a job taken over never finishes it
+        except fold_lease.LeaseLost as lost:
+            mlflow.set_tag(LEASE_LOST_TAG, str(lost))
+            raise
     keep_only_artifacts(work_dir)  # the rest of the folder goes once the CV is FINISHED (its aggregate step)
     result.run_id, result.seed = run.info.run_id, job.seed
+    return result
+
+
+def train_under_heartbeat(client: MlflowClient, job: FoldJob, training: TrainingSettings, run_id: str, work_dir: Path,
+                          heartbeat: fold_lease.Heartbeat) -> FoldResult:
+    """The fold trained on this node's device, its run sealed (`seal_fold`): what the CV will read is in the store."""
+    mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
+    device = training_device(training.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
+    # decided where the device is known
+    settings = settings_on_device(job.decisions, training.trainer.channels_last, device.kind)
+    log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
+    mlflow.set_tags(training_device_tags(device))
+    result = train_fold(training, job.fold, job.decisions, work_dir, keep_model=training.log_models, settings=settings,
+                        callbacks=[StopWhenLeaseLost(heartbeat)])
+    heartbeat.check()
+    stored = seal_fold(client, run_id, work_dir, keep_model=training.log_models)
+    mlflow.set_tag(STORED_ARTIFACTS_TAG, json.dumps(stored, sort_keys=True))
     return result
 
 

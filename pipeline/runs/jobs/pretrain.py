@@ -57,9 +57,11 @@ from pipeline.data.datamodule import default_num_workers
 from pipeline.data.face_crops import preprocess
 from pipeline.data.frame_dataset import FrameDataset
 from pipeline.data.prepare import preprocess_config, synthetic_config, synthetic_fingerprint
-from pipeline.models.backbones import Backbone, PainNet
+from pipeline.models.backbone_adapter import Backbone, family_traits
+from pipeline.models.backbones import PainNet
 from pipeline.models.factory import create_model
 from pipeline.models.weights import provenance_path, sha256_of_file
+from pipeline.runs.store import tracking
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text
 from pipeline.utils.devices import precision_for
@@ -371,13 +373,14 @@ def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
     last = fit.history[-1] if fit.history else {}
     provenance = {
         "weights": path.name, "sha256": sha256_of_file(path), "model": cfg.model.name,
-        "architecture": net.backbone.architecture, "img_size": img_size, "started_from": source.as_tags(),
+        "architecture": net.backbone.architecture, "img_size": img_size, "started_from": tracking.weights_tags(source),
         "target": p.target, "target_names": pool.targets, "outputs": targets.n_outputs,
         "pool": {**pool.provenance, "identities": sorted(set(pool.rows["identity"])),
                  "held_out_identities": targets.outside, "crops": len(pool.rows),
                  "training_crops": fit.training_crops, "held_out_crops": fit.held_out_crops},
         "epochs": fit.epochs, "history": fit.history, "held_out_loss": last.get("val_loss", math.nan),
-        "held_out_baseline_loss": targets.baseline, "seconds": round(fit.seconds, 1), "device": device.tags,
+        "held_out_baseline_loss": targets.baseline, "seconds": round(fit.seconds, 1),
+        "device": tracking.training_device_tags(device),
         "precision": fit.precision, "git_commit": git_commit(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": OmegaConf.to_container(p, resolve=True),
     }
@@ -450,7 +453,7 @@ def train_on_pool(cfg: DictConfig, net: PainNet, pool: Pool, targets: PoolTarget
                   if len(val_set) else None)
     epochs = int(p.epochs or OmegaConf.select(p, f"presets.{cfg.model.name}.epochs", default=p.default_epochs))
     module = PretrainModule(net, targets.classify, float(p.lr), float(p.backbone_lr), float(p.weight_decay))
-    precision = precision_for(cfg.trainer.precision, device_kind, getattr(net.backbone, "family", ""))
+    precision = precision_for(cfg.trainer.precision, device_kind, family_traits(net.backbone.family))
     trainer = pl.Trainer(max_epochs=epochs, accelerator=cfg.trainer.accelerator, devices=1, precision=precision,
                          logger=False, enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=progress, num_sanity_val_steps=0)

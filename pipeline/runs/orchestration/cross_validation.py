@@ -38,16 +38,17 @@ from pipeline.data.exclusions import (
     lost_share_warning,
     unusable_for_task,
 )
-from pipeline.data.prepare import prepare_data, read_fold_file, subject_set_tags
+from pipeline.data.prepare import prepare_data, read_fold_file
 from pipeline.data.tasks import Task, get_task
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
 from pipeline.models.fold_result import FoldResult
 from pipeline.models.weights import WeightsSource, weights_provenance
 from pipeline.runs.jobs.fold_decisions import FoldDecisions, plan_decisions
-from pipeline.runs.jobs.fold_job import check_head
 from pipeline.runs.jobs.fold_run import FoldJob, result_from_run
 from pipeline.runs.jobs.sealing import retire_unreadable
+from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.orchestration.cv_summary import (
     HEADLINE,
@@ -57,7 +58,6 @@ from pipeline.runs.orchestration.cv_summary import (
     record_precisions,
 )
 from pipeline.runs.store import cv_runs, fold_lease, registry, tracking
-from pipeline.runs.store.cv_runs import WhatTrains
 from pipeline.runs.store.environment import library_versions, log_environment
 from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
@@ -92,7 +92,7 @@ def check_pretraining_people(weights: WeightsSource, folds: pd.DataFrame, fold_f
         why = f"no provenance file {sidecar}" if provenance is None else f"{sidecar} names no pool identities"
         log.warning("WEIGHTS=%s: %s, so nothing could be checked about the people these weights were trained on; "
                     "make sure none of them is among the subjects of %s", weights.ref, why, fold_file)
-        return {"pretraining_people": f"unchecked: {why}"}
+        return {tracking.PRETRAINING_PEOPLE_TAG: f"unchecked: {why}"}
     subjects = set(folds["subject_name"])
     shared = sorted({str(name) for name in identities} & subjects)
     if shared:
@@ -101,8 +101,8 @@ def check_pretraining_people(weights: WeightsSource, folds: pd.DataFrame, fold_f
             f"({', '.join(shared[:10])}{', ...' if len(shared) > 10 else ''}; listed in their provenance {sidecar}): "
             f"a fold would test people its starting point has seen. Pretrain on a pool apart from this dataset "
             f"(make pretrain DATA=<this dataset> checks it) or start from other weights")
-    return {"pretraining_people": f"checked: none of the {len(identities)} identities in {sidecar.name} is among "
-                                  f"the {len(subjects)} subjects of {fold_file.name}"}
+    return {tracking.PRETRAINING_PEOPLE_TAG: f"checked: none of the {len(identities)} identities in {sidecar.name} "
+                                             f"is among the {len(subjects)} subjects of {fold_file.name}"}
 
 
 @dataclass
@@ -165,15 +165,15 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     """The CV's plan: the data prepared and checked, the folds this task can test, the decisions every fold uses
     (`plan_decisions`), and the parent run: the unfinished one of the same identity (resumed), or a new one."""
     parse_rule(cfg.eval.threshold)  # a wrong setting fails before any data or training
-    trains = WhatTrains.from_config(cfg)
-    check_head(trains)
+    training = TrainingSettings.from_config(cfg)  # what every fold trains, read once
+    trains = WhatTrains.of(training).check()
     frames_result, fold_file = prepare_data(cfg)
     folds = read_fold_file(fold_file, sorted(set(frames_result.frames.subject_name)))
     task = get_task(cfg.task.name)
     requested = None if cfg.trainer.folds is None else [int(fold) for fold in cfg.trainer.folds]
     fold_ids, unusable, skipped = usable_folds(requested, frames_result.frames, folds, task)
     # Where the weights come from, before any training: a missing checkpoint fails in seconds, not after fold 1.
-    decisions = plan_decisions(cfg, fold_file)
+    decisions = plan_decisions(training, fold_file)
     weights = decisions.weights_source
     warn_from_scratch(cfg.model.name, weights)
     people_checked = check_pretraining_people(weights, folds, fold_file)  # a WEIGHTS= file's people: none tested
@@ -181,11 +181,12 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
     artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
         PROJECT_ROOT)
     experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
-    tags = cv_runs.identity_tags(cfg, fold_file, weights)  # the weights file hashed once, by plan_decisions()
+    cv = cv_runs.CvConfig.from_config(cfg)  # what identifies this CV, read once
+    tags = cv_runs.identity_tags(cv, fold_file, weights)  # the weights file hashed once, by plan_decisions()
     plan = Plan(cfg, decisions, trains, fold_ids, task.classes, tracking_uri, experiment_id, "", Path())
     parent = cv_runs.newest_cv(client, experiment_id, tags) if cfg.cv.resume == "auto" else None
     if parent is None and cfg.cv.resume == "auto":
-        why = cv_runs.why_not_resumed(client, experiment_id, tags, cfg)
+        why = cv_runs.why_not_resumed(client, experiment_id, tags, cv)
         if why:
             print(why)
     if parent is None:
@@ -199,7 +200,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         lost = retire_unreadable(client, tracking.fold_runs(client, parent.info.run_id))
         plan.finished = parent.info.status == tracking.FINISHED and not lost
         if not plan.finished:
-            client.update_run(parent.info.run_id, status="RUNNING")
+            client.update_run(parent.info.run_id, status=tracking.RUNNING)
     plan.parent_run_id = parent.info.run_id
     plan.work_dir = resolve_path(cfg.cv.work_dir) / plan.parent_run_id
     plan.seeds = [int(seed) for seed in cfg.cv.seeds] if cfg.cv.seeds else [None]
@@ -230,16 +231,18 @@ def new_parent_tags(plan: Plan, fold_file: Path, complete: bool, unusable: dict[
     CV, the plan's decisions, the machine (`device`: `device_tags`) and libraries, the strategy and protocol, the
     subject set, the task's unusable subjects and skipped folds, and the standard tags."""
     decisions = plan.decisions
-    return {tracking.RUN_KIND_TAG: tracking.CV_RUN, "git_commit": git_commit(),
-            "fold_file": str(fold_file), "n_folds": str(len(plan.fold_ids)),
+    return {tracking.RUN_KIND_TAG: tracking.CV_RUN, tracking.GIT_COMMIT_TAG: git_commit(),
+            tracking.FOLD_FILE_PATH_TAG: str(fold_file), tracking.N_FOLDS_TAG: str(len(plan.fold_ids)),
             # a smoke run (some folds, limited batches) is marked so nobody mistakes it for a full CV
             tracking.COMPLETE_TAG: str(complete).lower(),
-            tracking.PRECISION_ASKED_TAG: decisions.precision, "model_family": decisions.model_family,
-            "cpu": cpu_description(), **device, **library_versions(), **decisions.weights_source.as_tags(),
+            tracking.PRECISION_ASKED_TAG: decisions.precision, tracking.MODEL_FAMILY_TAG: decisions.model_family,
+            tracking.CPU_TAG: cpu_description(), **device, **library_versions(),
+            **tracking.weights_tags(decisions.weights_source),
             **plan.trains.tags(),  # with whether augment.* was applied (a frozen head on plain embeddings)
             **plan.trains.protocol_tags(),  # output and personalisation protocol (descriptive: not identity)
-            **subject_set_tags(fold_file),
-            "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped)),
+            **cv_runs.subject_set_tags(fold_file),
+            tracking.TASK_UNUSABLE_TAG: ",".join(unusable),
+            tracking.TASK_SKIPPED_FOLDS_TAG: ",".join(map(str, skipped)),
             **registry.standard_tags("make cv")}
 
 
@@ -253,7 +256,7 @@ def create_parent(cfg: DictConfig, client: MlflowClient, experiment_id: str, ide
     run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
     parent = client.create_run(experiment_id, run_name=run_name, tags={**identity, **described})
     run_id = parent.info.run_id
-    for chunk in cv_runs.chunks(list(cv_runs.identity_params(cfg).items()), 100):
+    for chunk in cv_runs.chunks(list(cv_runs.identity_params(cv_runs.CvConfig.from_config(cfg)).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
     client.log_text(run_id, OmegaConf.to_yaml(cfg), "config.yaml")
     log_environment(client, run_id)
@@ -275,8 +278,8 @@ def device_tags(launcher: str, accelerator: str) -> dict[str, str]:
     """The training device's tags (`trainer.accelerator` here); under the `slurm` launcher each fold's node chooses
     its own, and its fold run carries them."""
     if launcher == "slurm":
-        return {"device": "chosen on each SLURM node (see the fold runs' device tags)"}
-    return training_device(accelerator).tags
+        return {tracking.DEVICE_TAG: "chosen on each SLURM node (see the fold runs' device tags)"}
+    return tracking.training_device_tags(training_device(accelerator))
 
 
 def log_exclusions(client: MlflowClient, run_id: str, frames_result, frames_per_video: int) -> None:
@@ -288,7 +291,7 @@ def log_exclusions(client: MlflowClient, run_id: str, frames_result, frames_per_
     warning = lost_share_warning(per_class)
     if warning:
         log.warning(warning)
-        client.set_tag(run_id, "data_warning", warning)
+        client.set_tag(run_id, tracking.DATA_WARNING_TAG, warning)
     with tempfile.TemporaryDirectory() as tmp:
         per_class.to_csv(Path(tmp) / "exclusions_per_class.csv", index=False)
         per_subject.to_csv(Path(tmp) / "exclusions_per_subject.csv", index=False)
@@ -400,17 +403,14 @@ def run_cv(cfg: DictConfig) -> dict:
               f"precision {plan.decisions.precision}{auto}")
         print(f"MLflow: {tracking.redact_uri(tracking_uri)} (experiment {cfg.mlflow.experiment}, parent run "
               f"{plan.parent_run_id}); `make ui` to review")
-        try:
+        with tracking.run_lifecycle(plan.parent_run_id, client, finish=False):  # aggregate() finishes it
             outcome = launch(plan, client) if len(plan.done) < len(plan.units) else launchers.LaunchOutcome()
-        except BaseException:
-            client.set_terminated(plan.parent_run_id, "KILLED")
-            raise
         if outcome.submitted:
             print(f"{len(outcome.submitted)} fold(s) queued on SLURM; run the same command again to follow them "
                   f"and aggregate once all are done")
             return {}
         if outcome.failed:
-            client.set_terminated(plan.parent_run_id, "FAILED")
+            client.set_terminated(plan.parent_run_id, tracking.FAILED)
             failed = ", ".join(str(fold) for fold in sorted(outcome.failed))
             message = data_error_message(outcome.failed)
             if message:
@@ -449,7 +449,7 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
     remove_fold_folders(plan.work_dir)
     table = print_table(results, summary)
     calibration = calibration_line(summary, len(results))
-    client.set_tag(plan.parent_run_id, "calibration_note", calibration)
+    client.set_tag(plan.parent_run_id, tracking.CALIBRATION_NOTE_TAG, calibration)
     print(calibration)
     print(f"augmentation: {plan.trains.augmentation_label}")
     registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.cfg.model.name}: video-level test "

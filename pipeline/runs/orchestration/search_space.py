@@ -14,8 +14,8 @@ from typing import Any
 import optuna
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.models.finetune import STRATEGY_NAMES
-from pipeline.runs.store.cv_runs import WhatTrains
+from pipeline.models.finetune import STRATEGIES
+from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.utils.config import CONFIG_DIR
 
 SPACES_DIR = CONFIG_DIR / "tune" / "spaces"
@@ -92,10 +92,10 @@ def _space_entries(name: str, seen: tuple[str, ...] = ()) -> tuple[dict, dict, l
     if raw.get("extends"):
         parameters, strategies, sources = _space_entries(str(raw["extends"]), (*seen, name))
     parameters = {**parameters, **(raw.get("parameters") or {})}
-    wrong = sorted(set(raw.get("strategies") or {}) - set(STRATEGY_NAMES))
+    wrong = sorted(set(raw.get("strategies") or {}) - set(STRATEGIES))
     if wrong:  # a key no `model.finetune` takes would never apply: its study would search settings that do nothing
         raise TuneError(f"{path}: strategies key(s) {', '.join(map(repr, wrong))} name no fine-tuning strategy; "
-                        f"model.finetune is one of {', '.join(STRATEGY_NAMES)}")
+                        f"model.finetune is one of {', '.join(STRATEGIES)}")
     for strategy, extra in (raw.get("strategies") or {}).items():
         strategies[strategy] = {**strategies.get(strategy, {}), **(extra or {})}
     return parameters, strategies, [*sources, str(path)]

@@ -15,7 +15,8 @@ import contextlib
 import fcntl
 import os
 import sqlite3
-from collections.abc import Iterator
+import traceback
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
@@ -28,6 +29,10 @@ from pipeline.utils.paths import PROJECT_ROOT, resolve_path
 if TYPE_CHECKING:  # mlflow takes seconds to import; `python -m pipeline ui-url` must answer at once
     from mlflow import MlflowClient
     from mlflow.entities import Run
+
+    from pipeline.models.weights import WeightsSource
+    from pipeline.utils.accelerator import TrainingDevice
+    from pipeline.utils.devices import DeviceSettings
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 DEFAULT_EXPERIMENT = "pain-cv"
@@ -73,9 +78,15 @@ FOLD_FILE_TAG = "fold_file_sha256"  # on a CV's parent: the SHA-256 of its fold 
 LEASE_TAG, HEARTBEAT_TAG = "painvit.lease", "painvit.heartbeat"
 LEASE_PARAM = "painvit.lease"  # prefix of the parent run's claim parameters
 PARENT_TAG = "mlflow.parentRunId"
+# MLflow's own tags (mlflow.utils.mlflow_tags): the run description (Markdown), who ran it, from what and which commit.
+NOTE_TAG, USER_TAG = "mlflow.note.content", "mlflow.user"
+SOURCE_TYPE_TAG, SOURCE_NAME_TAG = "mlflow.source.type", "mlflow.source.name"
+SOURCE_COMMIT_TAG = "mlflow.source.git.commit"
 FOLD_TAG = "fold"
 SEED_TAG = "seed"  # the training seed a fold run used (the config's, or one of cv.seeds)
-FINISHED = "FINISHED"
+# A run's status (MLflow's RunStatus names) and an Optuna trial's state on a trial run (TRIAL_STATE_TAG).
+FINISHED, FAILED, KILLED, RUNNING = "FINISHED", "FAILED", "KILLED", "RUNNING"
+TRIAL_COMPLETE, TRIAL_PRUNED, TRIAL_FAIL = "COMPLETE", "PRUNED", "FAIL"
 RESUMED_AFTER_EPOCH_TAG = "painvit.resumed_after_epoch"
 ATTEMPT_TAG = "painvit.attempt"
 SLURM_JOBS_TAG = "painvit.slurm_jobs"  # on the parent: fold -> SLURM job id of its submitted task
@@ -92,14 +103,117 @@ LEASE_LOST_TAG = "painvit.lease_lost"
 # when they differ). precision_asked: trainer.precision as planned (auto or an explicit value).
 PRECISION_TAG, PRECISION_ASKED_TAG = "precision", "precision_asked"
 # What identifies a cross-validation (pipeline.runs.store.cv_runs): resume continues the newest CV with these equal.
-IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256",
-                 "finetune", "initial_weights", "head")
+MODEL_TAG, DATASET_TAG, PROTOCOL_TAG, TASK_TAG, SUBJECT_SET_TAG = "model", "dataset", "protocol", "task", "subject_set"
+CONFIG_SHA256_TAG = "config_sha256"  # the identity config's SHA-256
+INITIAL_WEIGHTS_TAG = "initial_weights"  # the initial weights' SHA-256, or random
+FINETUNE_TAG = "finetune"  # the strategy's label: full, frozen, top_blocks2, lora_r8
+HEAD_TAG = "head"  # the head's label: linear, gru_h64x1_two_stage, ...
+IDENTITY_TAGS = (MODEL_TAG, DATASET_TAG, PROTOCOL_TAG, TASK_TAG, SUBJECT_SET_TAG, SEED_TAG, FOLD_FILE_TAG,
+                 CONFIG_SHA256_TAG, FINETUNE_TAG, INITIAL_WEIGHTS_TAG, HEAD_TAG)
+# What a CV's fold, final model and trial runs copy of their parent's tags (`inherited_tags`; a trial: no seed).
+INHERITED_TAGS = (MODEL_TAG, DATASET_TAG, PROTOCOL_TAG, TASK_TAG, SUBJECT_SET_TAG, SEED_TAG)
+# What trains, on a CV's parent and every fold, trial and final run (`what_trains.WhatTrains.tags`): whether
+# embeddings fed the head, whether augment.* was applied, and in words what augmentation training saw.
+EMBEDDING_CACHE_TAG, AUGMENT_APPLIED_TAG, AUGMENTATION_TAG = "embedding_cache", "augment_applied", "augmentation"
+# The initial weights (`weights_tags`): hub, file or random, where from, their SHA-256.
+WEIGHTS_SOURCE_TAG, WEIGHTS_REF_TAG, WEIGHTS_SHA256_TAG = "weights_source", "weights_ref", "weights_sha256"
+# The device a run trained on (`training_device_tags`) and the settings it decided there (`device_settings_tags`).
+DEVICE_TAG, CPU_TAG, GPU_TAG, GPU_DRIVER_TAG, CUDA_RUNTIME_TAG = "device", "cpu", "gpu", "gpu_driver", "cuda_runtime"
+CHANNELS_LAST_TAG = "channels_last"
+# On a CV's parent: its commit, fold file and number of folds, the backbone's family, what the task could not use,
+# the people check of a WEIGHTS= file, what face detection lost, the subject set's exclusions, the calibration note.
+GIT_COMMIT_TAG, FOLD_FILE_PATH_TAG, N_FOLDS_TAG = "git_commit", "fold_file", "n_folds"
+MODEL_FAMILY_TAG = "model_family"
+TASK_UNUSABLE_TAG, TASK_SKIPPED_FOLDS_TAG = "task_unusable_subjects", "task_skipped_folds"
+PRETRAINING_PEOPLE_TAG, DATA_WARNING_TAG = "pretraining_people", "data_warning"
+CALIBRATION_NOTE_TAG = "calibration_note"
+N_EXCLUDED_TAG, EXCLUDED_TAG, EXCLUDED_REASONS_TAG = ("n_excluded_subjects", "excluded_subjects",
+                                                      "excluded_subjects_reasons")
+SUBJECT_SET_DESCRIPTION_TAG = "subject_set_description"  # on `make table`'s run
+MAX_TAG_CHARS = 5000  # MLflow's limit on a tag value
+# On a fold run: the rule its threshold was chosen by, and why it fell back to 0.5 where it did.
+THRESHOLD_RULE_TAG, THRESHOLD_FALLBACK_TAG = "threshold_rule", "threshold_fallback"
+# On a comparison run (`make compare`): the family of its tests' correction, settings that differed, the videos paired.
+CORRECTION_FAMILY_TAG, COMPARED_DESPITE_TAG, PAIRED_ON_TAG = "correction_family", "compared_despite", "paired_on"
+# On `make power`'s run: the planted effect, what it measures, the comparison it repeats.
+EFFECT_TAG, MEASURES_TAG, COMPARISON_TAG = "effect", "measures", "comparison"
+INTERVAL_KIND_TAG = "interval_kind"  # on a CV's parent: how its pooled intervals were drawn
+# On a registered model version: the CV its settings came from, its threshold, the folds of a fold ensemble.
+VERSION_SOURCE_CV_TAG, VERSION_THRESHOLD_TAG, VERSION_FOLDS_TAG = "source_cv_run", "threshold", "folds"
 # Descriptive, not identity (a run made before outputs and personalisation existed lacks them: resume's query must
 # still find it; the config_sha256 already differs): a CV's output (softmax, ordinal_coral, regression_huber) and
 # personalisation protocol (none, subject_normalised, baseline_k2). Absent: softmax, none.
 OUTPUT_TAG, PERSONALISE_TAG = "output", "personalise"
 COMPLETE_TAG = "complete"  # "true" when every fold of the fold file ran, without batch limits
 HEADLINE_TAG = "headline_metric"
+
+
+def inherited_tags(parent: Run, names: tuple[str, ...] = INHERITED_TAGS) -> dict[str, str]:
+    """What a child run (a fold's, a trial's, a final model's) copies of its parent's tags."""
+    return {name: parent.data.tags.get(name, "") for name in names}
+
+
+def is_complete(tags: Mapping[str, str]) -> bool:
+    """Whether a CV ran every fold of its fold file without batch limits (`COMPLETE_TAG`); a CV without the tag, from
+    before it existed, is taken as complete, by `make compare` and `make table` alike."""
+    return tags.get(COMPLETE_TAG, "true") == "true"
+
+
+def weights_tags(source: WeightsSource) -> dict[str, str]:
+    """Where the initial weights came from, as tags (and as a kept model's `weights` record)."""
+    return {WEIGHTS_SOURCE_TAG: source.kind, WEIGHTS_REF_TAG: source.ref, WEIGHTS_SHA256_TAG: source.sha256 or ""}
+
+
+def training_device_tags(device: TrainingDevice) -> dict[str, str]:
+    """The device a run trains on, as tags: its kind, and the GPU, CPU, driver and CUDA runtime it knows of."""
+    facts = {GPU_TAG: device.gpu, CPU_TAG: device.cpu, GPU_DRIVER_TAG: device.gpu_driver,
+             CUDA_RUNTIME_TAG: device.cuda_runtime}
+    return {DEVICE_TAG: device.kind, **{name: value for name, value in facts.items() if value is not None}}
+
+
+def device_settings_tags(settings: DeviceSettings) -> dict[str, str]:
+    """What the device a fold trains on decided (precision, channels-last), and the precision asked, as tags."""
+    return {PRECISION_TAG: settings.precision, PRECISION_ASKED_TAG: settings.precision_asked,
+            CHANNELS_LAST_TAG: str(settings.channels_last).lower()}
+
+
+def failure_status(error: BaseException) -> str:
+    """How a run that `error` ended is marked: KILLED when stopped (Ctrl-C, SystemExit), FAILED otherwise."""
+    return KILLED if isinstance(error, KeyboardInterrupt | SystemExit) else FAILED
+
+
+@contextlib.contextmanager
+def run_lifecycle(run_id: str, client: MlflowClient | None = None, *, finish: bool = True,
+                  stopped: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """The one life of a run a command opened (a fold's, a trial's, a final model's, a CV's parent, a search, a
+    comparison, a table, a power study): when the block raises, the run ends KILLED (Ctrl-C, SystemExit, or one of
+    `stopped`, such as a fold lease another job took over) or FAILED, with the traceback as `traceback.txt` (not for
+    `stopped`); when it returns, FINISHED, unless `finish` is false (the block ends the run itself: a CV aggregates
+    it, or leaves it RUNNING for folds queued on SLURM). The active run (`mlflow.start_run`) ends through
+    `mlflow.end_run`, so that the next one can start; any other through the client."""
+    import mlflow
+
+    active = mlflow.active_run()
+    fluent = active is not None and active.info.run_id == run_id
+    client = client or mlflow.MlflowClient()
+
+    def end(status: str) -> None:
+        if fluent:
+            mlflow.end_run(status)
+        else:
+            client.set_terminated(run_id, status)
+
+    try:
+        yield
+    except stopped:
+        end(KILLED)
+        raise
+    except BaseException as error:
+        client.log_text(run_id, traceback.format_exc(), "traceback.txt")
+        end(failure_status(error))
+        raise
+    if finish:
+        end(FINISHED)
 
 
 def tracking_uri(project_root: Path) -> str:
