@@ -16,6 +16,7 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline table       [key=value ...] [--models="vit_b16 cvt_13"] [--tasks="bl1_vs_pa4 ..."]
                                        the BioVid benchmark table: every task's CV run or reused, beside published rows
     python -m pipeline power       [key=value ...]   error rates of make compare's test on twins with a planted effect
+    python -m pipeline fidelity    [key=value ...]   a twin's difficulty: a reference method's curve beside BioVid's
     python -m pipeline final       [key=value ...] [--run=<CV parent run>]
                                        one model on all subjects with a CV's settings, registered in MLflow
     python -m pipeline promote     [key=value ...] --version=<n>   move the registered model's champion alias
@@ -120,6 +121,12 @@ def _power() -> Command:
     return run_power
 
 
+def _fidelity() -> Command:
+    from pipeline.analysis.fidelity import run_fidelity
+
+    return run_fidelity
+
+
 def _final() -> Command:
     from pipeline.deployment.final_model import run_final
 
@@ -201,7 +208,8 @@ def _ui_url(argv: list[str]) -> int:
 COMMANDS: dict[str, Callable[[], Command]] = {
     "data": _data, "aug-preview": _aug_preview, "cv": _cv, "embed": _embed, "pretrain": _pretrain, "tune": _tune,
     "compare": _compare,
-    "inspect": _inspect, "calc": _calc, "table": _table, "power": _power, "final": _final, "promote": _promote,
+    "inspect": _inspect, "calc": _calc, "table": _table, "power": _power, "fidelity": _fidelity,
+    "final": _final, "promote": _promote,
     "predict": _predict,
     "serve": _serve,
     "export": _export,
@@ -213,7 +221,7 @@ TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "tune-wor
                                                 "ui": _ui}
 # config groups a command adds to the defaults list: `make tune` has a `tune` section, `make pretrain` a `pretrain` one
 COMMAND_GROUPS: dict[str, tuple[str, ...]] = {"tune": ("tune=default",), "pretrain": ("pretrain=default",),
-                                              "power": ("power=default",)}
+                                              "power": ("power=default",), "fidelity": ("fidelity=default",)}
 
 
 ARGS_OPTION = "--args="
