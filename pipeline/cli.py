@@ -273,7 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pipeline.runs.store.tracking import store_paths
 
         try:
-            refuse_open_stores(store_paths(cfg))
+            refuse_open_stores(store_paths(OmegaConf.select(cfg, "mlflow.tracking_uri"),
+                                           OmegaConf.select(cfg, "mlflow.artifact_root"),
+                                           [OmegaConf.select(cfg, key) for key in
+                                            ("cv.work_dir", "tune.storage_dir", "data.processed_dir")]))
         except StoreNotPrivate as error:
             print(f"{command}: error: {error}", file=sys.stderr)
             return 2

@@ -66,7 +66,7 @@ def main() -> None:
     cfg = load_config([f"model={args.model}", "model.finetune=lora"])
     with torch.device("meta"):
         net, _ = create_model(args.model, img_size=224)
-    strategy_for(FinetuneConfig.from_config(cfg)).prepare(net)
+    strategy_for(FinetuneConfig.from_config(cfg.model, cfg.cache)).prepare(net)
     counts = parameter_counts(net)
     result["lora_r8_224px"] = {**counts, "trainable_share_of_backbone":
                                counts["backbone_parameters_trainable"] / counts["backbone_parameters"]}

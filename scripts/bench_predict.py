@@ -77,10 +77,12 @@ def save_model(name: str, folder: Path, head: str = "linear") -> tuple[Path, int
 
 
 def per_frame(model_dir: Path, clip: Path, fps: float) -> dict[str, float]:
-    from pipeline.deployment.predict import find_scorer, score_video
+    from pipeline.deployment.predict import ScorerSource, find_scorer, score_video
     from pipeline.utils.config import load_config as compose
 
-    scorer, _ = find_scorer(compose([]), model_uri=str(model_dir))
+    cfg = compose([])
+    scorer, _ = find_scorer(ScorerSource.of(cfg.mlflow.tracking_uri, cfg.model.name, cfg.task.name, cfg.predict),
+                            model_uri=str(model_dir))
     score_video(scorer, clip, fps)  # warm-up: first calls allocate
     scorer.timings.__init__()
     result = score_video(scorer, clip, fps)

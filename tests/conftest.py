@@ -181,10 +181,10 @@ def head_settings(**changes) -> dict:
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A prepared tiny synthetic dataset (raw videos, crops, frame table, fold file), shared read-only by tests."""
-    from pipeline.data.prepare import prepare_data
+    from pipeline.data.prepare import DataSettings, prepare_data
 
     base = tmp_path_factory.mktemp("tiny")
-    prepare_data(load_config(tiny_overrides(base)), progress=False)
+    prepare_data(DataSettings.from_config(load_config(tiny_overrides(base))), progress=False)
     return base
 
 
@@ -283,3 +283,10 @@ def finished_cv_store(tmp_path_factory: pytest.TempPathFactory):
                 task_unusable_subjects="020101_m_30" if task == "five_class" else "",
                 task_skipped_folds="4" if task == "five_class" and protocol == "kfold5" else "")
     return {"client": client, "experiment_id": experiment_id, "runs": runs, "root": root}
+
+
+def scorer_source(cfg):
+    """Where `make predict` with this config finds its model, and how the scorer runs."""
+    from pipeline.deployment.predict import ScorerSource
+
+    return ScorerSource.of(cfg.mlflow.tracking_uri, cfg.model.name, cfg.task.name, cfg.predict)

@@ -17,14 +17,13 @@ from mlflow import MlflowClient
 from pipeline.analysis.compare import compare, run_compare
 from pipeline.analysis.comparison_runs import ComparisonError
 from pipeline.data.datamodule import PainDataModule, SubjectRoles
-from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import load_model_file
 from pipeline.runs.jobs.fold_job import train_fold
 from pipeline.runs.jobs.training_settings import TrainingSettings
-from pipeline.runs.orchestration.cross_validation import identity_lock, plan_cv, run_cv
+from pipeline.runs.orchestration.cross_validation import CvRunSettings, identity_lock, plan_cv, run_cv
 from pipeline.runs.store import tracking
 from pipeline.runs.store.environment import FREEZE_ARTIFACT
 from pipeline.runs.store.tracking import get_or_create_experiment
@@ -177,7 +176,8 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
                                  topk=cfg.trainer.topk)
     module.load_state_dict(checkpoint["state_dict"])
     module.eval()
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), SubjectRoles.of_fold(fold_file_path(cfg), 1),
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir),
+                                SubjectRoles.of_fold(resolve_path(cfg.fold_file), 1),
                                 task,
                                 net.backbone.data_config, {}, loader_config(num_workers=0, from_s=3.0), cfg.seed)
     datamodule.setup()
@@ -284,7 +284,8 @@ def test_kept_model_reloads_and_gives_the_same_test_predictions(cv_runs, tiny_co
 
     fold = int(child.data.tags["fold"])
     task = get_task(meta["task"])
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), SubjectRoles.of_fold(fold_file_path(cfg), fold),
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir),
+                                SubjectRoles.of_fold(resolve_path(cfg.fold_file), fold),
                                 task,
                                 net.backbone.data_config, {}, loader_config(num_workers=0, **{
                                     key: meta["loader"][key] for key in ("frames_per_video", "from_s", "crop_fraction")
@@ -302,7 +303,7 @@ def test_kept_model_reloads_and_gives_the_same_test_predictions(cv_runs, tiny_co
 def test_a_crashed_fold_fails_alone_and_a_rerun_runs_only_it(tiny_config, tmp_path: Path, capsys) -> None:
     cfg = tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'crash.db'}", "trainer.max_epochs=1")
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    plan = plan_cv(cfg, client, cfg.mlflow.tracking_uri)
+    plan = plan_cv(CvRunSettings.from_config(cfg), client, cfg.mlflow.tracking_uri)
     # fold 1 finds a damaged epoch checkpoint in its work folder and crashes when it tries to continue from it
     damaged = plan.work_dir / "fold_1" / "last.ckpt"
     damaged.parent.mkdir(parents=True)
@@ -362,7 +363,7 @@ def test_several_seeds_give_one_child_per_fold_and_seed_and_resume_exactly(tiny_
     summary = run_cv(cfg)
     assert "2 training seeds each" in capsys.readouterr().out
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    plan = plan_cv(cfg, client, cfg.mlflow.tracking_uri)
+    plan = plan_cv(CvRunSettings.from_config(cfg), client, cfg.mlflow.tracking_uri)
     children = children_of(client, plan.parent_run_id)
     assert sorted((c.data.tags["fold"], c.data.tags["seed"]) for c in children) == [("0", "0"), ("0", "1")]
     values = sorted(c.data.metrics["test/frame_accuracy"] for c in children)
@@ -386,12 +387,13 @@ def test_several_seeds_give_one_child_per_fold_and_seed_and_resume_exactly(tiny_
     lost = next(c for c in children if c.data.tags["seed"] == "1")
     client.set_terminated(lost.info.run_id, "FAILED")
     client.set_terminated(plan.parent_run_id, "FAILED")
-    again = plan_cv(cfg, client, cfg.mlflow.tracking_uri)
+    again = plan_cv(CvRunSettings.from_config(cfg), client, cfg.mlflow.tracking_uri)
     assert again.parent_run_id == plan.parent_run_id and again.done == [(0, 0)]
     assert again.pending(0) == [] and again.pending(1) == [0]
     # one seed only is another cross-validation (cv.seeds is part of its identity)
-    single = plan_cv(tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'seeds.db'}",
-                                 "trainer.folds=[0]", "trainer.max_epochs=1"), client, cfg.mlflow.tracking_uri)
+    single_cfg = tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'seeds.db'}", "trainer.folds=[0]",
+                             "trainer.max_epochs=1")
+    single = plan_cv(CvRunSettings.from_config(single_cfg), client, cfg.mlflow.tracking_uri)
     assert single.parent_run_id != plan.parent_run_id and single.seeds == [None]
 
 

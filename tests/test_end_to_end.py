@@ -11,7 +11,6 @@ import torch
 from mlflow import MlflowClient
 
 from pipeline.data.datamodule import SubjectRoles
-from pipeline.data.prepare import fold_file_path
 from pipeline.models.embedding_cache import state_dict_sha256
 from pipeline.models.model_file import load_model_file
 from pipeline.models.temporal_heads import ClipNet
@@ -19,6 +18,7 @@ from pipeline.runs.jobs.fold_job import build_fold, train_fold
 from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.store.tracking import get_or_create_experiment
+from pipeline.utils.paths import resolve_path
 from tests.conftest import planned, training_of
 from tests.test_two_stage import FAST
 
@@ -29,7 +29,7 @@ def test_an_end_to_end_fold_trains_the_backbone_through_the_head_and_keeps_the_c
                                                                                         tmp_path: Path) -> None:
     cfg = tiny_config(*END_TO_END, "model.head.name=attention", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}")
     decisions = planned(cfg)
-    built = build_fold(*training_of(cfg), SubjectRoles.of_fold(fold_file_path(cfg), 0), decisions)
+    built = build_fold(*training_of(cfg), SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0), decisions)
     module, datamodule = built.module, built.datamodule
     clips, labels, videos = next(iter(datamodule.train_dataloader()))
     assert clips.shape == (4, 3, 3, 32, 32) and labels.shape == videos.shape == (4,)  # (B, T, C, H, W) per video
@@ -58,7 +58,7 @@ def test_end_to_end_refuses_a_frozen_backbone_and_says_what_to_use(tiny_config, 
     cfg = tiny_config(*END_TO_END, "model.head.name=gru", "model.finetune=frozen",
                       f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}")
     with pytest.raises(ValueError, match="model.head.mode=two_stage"):
-        build_fold(*training_of(cfg), SubjectRoles.of_fold(fold_file_path(cfg), 0),
+        build_fold(*training_of(cfg), SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
                    planned(cfg))
     with pytest.raises(ValueError, match="model.head.mode=two_stage"):  # make cv: before any run is created
         run_cv(cfg)

@@ -10,7 +10,6 @@ import torch
 
 from pipeline.data.datamodule import PainDataModule, SubjectRoles
 from pipeline.data.frame_dataset import FrameDataset
-from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
 from pipeline.models.callbacks import FreezeBackbone, ResumableEarlyStopping
 from pipeline.models.factory import create_model
@@ -58,7 +57,8 @@ def test_scheduler_applies_each_groups_own_rate(tiny_config) -> None:
     cfg = tiny_config()
     task = get_task("bl1_vs_pa4")
     net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), SubjectRoles.of_fold(fold_file_path(cfg), 0),
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir),
+                                SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
                                 task,
                                 net.backbone.data_config, {}, loader_config(batch_size=4, num_workers=0), cfg.seed)
     module = PainLightningModule(net, task.classes, OPTIM, aggregation="mean", topk=3)
@@ -89,7 +89,8 @@ def test_frozen_backbone_does_not_move(tiny_config) -> None:
     net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
     before = {k: v.clone() for k, v in net.backbone.state_dict().items()}
     head_before = net.head.weight.clone()
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), SubjectRoles.of_fold(fold_file_path(cfg), 0),
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir),
+                                SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
                                 task,
                                 net.backbone.data_config, {}, loader_config(batch_size=4, num_workers=0), cfg.seed)
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
@@ -131,7 +132,8 @@ def test_fused_adamw_still_clips_gradients(tiny_config, precision: str) -> None:
     cfg = tiny_config()
     task = get_task("bl1_vs_pa4")
     net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), SubjectRoles.of_fold(fold_file_path(cfg), 0),
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir),
+                                SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
                                 task,
                                 net.backbone.data_config, {}, loader_config(batch_size=4, num_workers=0), cfg.seed)
     recorder = RecordGradientNorms()
@@ -160,7 +162,8 @@ class OneClassValidation(PainDataModule):
 def one_class_fit(cfg, monitor: str) -> tuple[PainLightningModule, pl.Trainer]:
     task = get_task("bl1_vs_pa4")
     net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
-    datamodule = OneClassValidation(resolve_path(cfg.data.processed_dir), SubjectRoles.of_fold(fold_file_path(cfg), 0),
+    datamodule = OneClassValidation(resolve_path(cfg.data.processed_dir),
+                                    SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
                                     task, net.backbone.data_config, {}, loader_config(batch_size=8, num_workers=0),
                                     cfg.seed)
     module = PainLightningModule(net, task.classes, OPTIM, aggregation="mean", topk=3, monitor=monitor)

@@ -36,6 +36,7 @@ from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.serving.mlflow_model import WEIGHTS_ARTIFACT, build_scorer
 from pipeline.runs.store import tracking
 from tests import onnx_contract_client
+from tests.conftest import scorer_source
 from tests.onnx_contract_client import ContractRuntime, network_input
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -87,7 +88,7 @@ def test_the_contract_alone_gives_each_runs_inputs_and_probabilities_on_the_crop
     for fold, run_id in folds["runs"].items():
         path = folds["exported"][fold]
         runtime = ContractRuntime(path.with_suffix(".json"))
-        scorer, _ = find_scorer(cfg, run=run_id)
+        scorer, _ = find_scorer(scorer_source(cfg), run=run_id)
         # the export is of the run asked for (this store has no champion to fall back on), deciding at its threshold
         assert runtime.contract["source"].startswith(f"run {run_id} ")
         assert runtime.contract["threshold"] == pytest.approx(scorer.threshold) and scorer.threshold != 0.5
@@ -110,7 +111,7 @@ def test_the_contract_alone_crops_video_frames_as_predict_does(folds) -> None:
     settings and weights); the alignment, warp, JPEG round trip and transform come from the contract alone."""
     cfg = folds["cfg"]
     runtime = ContractRuntime(folds["exported"][0].with_suffix(".json"))
-    scorer, _ = find_scorer(cfg, run=folds["runs"][0])
+    scorer, _ = find_scorer(scorer_source(cfg), run=folds["runs"][0])
     frames = twin_frames(cfg)
     table = scorer.score(frames)
     follower = scorer.follower()
@@ -133,7 +134,7 @@ def test_the_contract_alone_makes_square_crops_as_predict_does(folds, tmp_path) 
     """A model trained on square crops (no landmarks): the box rounding, margin, border and resize from the contract;
     boxes inside the frame, over its edges, smaller and larger than the crop."""
     cfg = folds["cfg"]
-    aligned, _ = find_scorer(cfg, run=folds["runs"][0])
+    aligned, _ = find_scorer(scorer_source(cfg), run=folds["runs"][0])
     settings = dataclasses.replace(aligned.settings, detector="haar", align=False)
     scorer = FrameScorer(aligned.net, aligned.meta, settings, aggregation=aligned.aggregation, topk=aligned.topk,
                          threshold=aligned.threshold)

@@ -11,7 +11,6 @@ import torch
 from mlflow import MlflowClient
 
 from pipeline.data.datamodule import SubjectRoles
-from pipeline.data.prepare import fold_file_path
 from pipeline.models.model_file import MODEL_ARTIFACT, load_model_file
 from pipeline.models.probe_training import EpochState
 from pipeline.runs.jobs.fold_decisions import settings_here
@@ -21,6 +20,7 @@ from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.store import cv_runs, tracking
+from pipeline.utils.paths import resolve_path
 from tests.conftest import head_config, planned, training_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -97,7 +97,7 @@ def test_a_callback_sees_each_epoch_and_stops_the_fit(tiny_config, tmp_path: Pat
     decisions = planned(cfg)
     stop = StopAfter(2)
     settings = settings_here(decisions, cfg.trainer.channels_last, cfg.trainer.accelerator)
-    built = build_fold(*training_of(cfg), SubjectRoles.of_fold(fold_file_path(cfg), 0), decisions, settings)
+    built = build_fold(*training_of(cfg), SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0), decisions, settings)
     trained = train(TrainingSettings.from_config(cfg), built, tmp_path / "fold", settings, callbacks=[stop])
     assert stop.started == 2 and len(stop.scores) == 2 and len(trained.history) == 2
     assert trained.best_path is None and trained.validation is not None and trained.evaluation is not None
@@ -110,7 +110,8 @@ def test_a_callback_sees_each_epoch_and_stops_the_fit(tiny_config, tmp_path: Pat
 ])
 def test_what_the_in_memory_fit_cannot_fit_is_refused(tiny_config, changes, message) -> None:
     with pytest.raises(ValueError, match=message):
-        WhatTrains.from_config(tiny_config("model=mobilevit_xxs", "model.head.fit=in_memory", *changes)).check()
+        WhatTrains.of(TrainingSettings.from_config(tiny_config("model=mobilevit_xxs", "model.head.fit=in_memory",
+                                                                *changes))).check()
 
 
 def test_a_temporal_head_or_an_unknown_fit_is_refused() -> None:

@@ -313,9 +313,9 @@ def test_serve_refuses_an_open_host_and_the_file_system_root(untrained_model) ->
     for host in ("0.0.0.0", "192.168.1.1", "::", "example.org"):
         with pytest.raises(SystemExit, match=f"serve.host={host} is not a loopback address.*serve.insecure=true"):
             run_serve(OmegaConf.merge(cfg, {"serve": {"host": host}}), model_uri=str(untrained_model["local"]))
-        check_host(OmegaConf.merge(cfg, {"serve": {"host": host, "insecure": True}}))  # said, then allowed
+        check_host(host, insecure=True)  # said, then allowed
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
-        check_host(OmegaConf.merge(cfg, {"serve": {"host": host}}))
+        check_host(host, insecure=False)
     with pytest.raises(SystemExit, match="SERVE_PATH_ROOT=/: the root of the file system"):
         run_serve(cfg, model_uri=str(untrained_model["local"]), path_root="/")
     with pytest.raises(ValueError, match="serve.path_root=/: the root"):

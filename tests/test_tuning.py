@@ -27,12 +27,15 @@ from pipeline.analysis.compare import compare
 from pipeline.analysis.comparison_runs import VERSUS_UNTUNED
 from pipeline.data.fold_files import fold_subjects, read_folds
 from pipeline.runs.jobs.fold_decisions import settings_here
+from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.jobs.what_trains import WhatTrains
+from pipeline.runs.orchestration import search_space
 from pipeline.runs.orchestration.cross_validation import run_cv
-from pipeline.runs.orchestration.search_space import load_space
 from pipeline.runs.orchestration.search_workers import TuneWorker, objective, run_worker
 from pipeline.runs.orchestration.studies import TuneSettings, make_pruner, open_storage, prepare_studies
 from pipeline.runs.orchestration.tuning import CHOSEN_ARTIFACT, run_tune
 from pipeline.runs.store import tracking
+from pipeline.runs.store.cv_runs import CvConfig
 from pipeline.runs.store.cv_runs import latest_finished_cvs as latest_cvs
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import PROJECT_ROOT
@@ -43,6 +46,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
         "loader.batch_size=8", "trainer.max_epochs=1", "trainer.patience=1", "trainer.folds=[0]", "augment=light",
         "trainer.monitor=val/loss", "trainer.monitor_mode=min", "cv.log_models=false", "tune.trials=2")
+
+
+def load_space(cfg) -> search_space.SearchSpace:
+    """The search space of a composed config, as `make tune` and a worker load it."""
+    tune = TuneSettings.from_config(cfg)
+    return search_space.load_space(tune.space, tune.model, WhatTrains.of(TrainingSettings.from_config(cfg)),
+                                   OmegaConf.to_container(cfg, resolve=True))
 
 
 def tune_config(data: Path, *changes: str):
@@ -293,7 +303,6 @@ def test_a_frozen_trial_reads_the_embedding_cache_and_still_never_the_test_subje
 def test_a_strategy_key_that_names_no_strategy_is_an_error(tmp_path: Path, monkeypatch) -> None:
     """A search space's `strategies` keys are `model.finetune` values (STRATEGIES): ViT-B/16's file once keyed its
     frozen override `linear_probe`, so frozen studies searched backbone settings that do nothing."""
-    from pipeline.runs.orchestration import search_space
     from pipeline.utils.config import CONFIG_DIR
 
     for path in (CONFIG_DIR / "tune" / "spaces").glob("*.yaml"):  # every shipped space, with every strategy's changes
@@ -345,7 +354,7 @@ def test_the_study_key_holds_the_weights_sha256_not_their_path(tiny_base: Path, 
 
     def key_for(path: Path) -> str:
         cfg = tune_config(tiny_base, "model.pretrained=true", f"model.weights={path}")
-        return search_key(cfg, load_space(cfg), "f" * 64, planned(cfg))
+        return search_key(CvConfig.from_config(cfg), load_space(cfg), "f" * 64, planned(cfg))
 
     weights = save(0, tmp_path / "start.pt")
     first = key_for(weights)

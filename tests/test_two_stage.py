@@ -15,7 +15,6 @@ from mlflow import MlflowClient
 
 from pipeline.data.datamodule import LoaderConfig, PainDataModule, SubjectRoles
 from pipeline.data.fold_files import fold_subjects, read_folds
-from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
 from pipeline.models.embedding_cache import state_dict_sha256
 from pipeline.models.factory import create_model
@@ -61,7 +60,7 @@ def test_two_stage_never_embeds_a_folds_test_subjects_with_a_model_that_trained_
     cfg = tiny_config(*FAST, "model.head.name=gru", store)
     fold = 1
     metrics, params, record = two_stage_fold(cfg, fold, tmp_path, keep_model=True)
-    roles = fold_subjects(read_folds(fold_file_path(cfg)), fold)  # the fold file, as written
+    roles = fold_subjects(read_folds(resolve_path(cfg.fold_file)), fold)  # the fold file, as written
     # the frame model trained on the fold's training subjects only, and the cache entry's key says so
     assert record["frame_model"] == "fine-tuned in this fold"
     assert record["frame_model_trained_on"] == sorted(roles["train"])
@@ -121,7 +120,7 @@ def test_a_two_stage_lora_folds_kept_model_loads_and_scores_as_in_the_fold(tiny_
     assert isinstance(kept, ClipNet) and meta["finetune"] == "lora_r8" and meta["head"]["mode"] == "two_stage"
     assert not any("lora_" in name for name in kept.state_dict())  # merged: a plain backbone
     # the fold's test clips as images (the evaluation transform, the clip's crops in time order), through the kept model
-    data = PainDataModule(resolve_path(cfg.data.processed_dir), SubjectRoles.of_fold(fold_file_path(cfg), 0),
+    data = PainDataModule(resolve_path(cfg.data.processed_dir), SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
                           get_task(cfg.task.name), kept.backbone.data_config, {}, LoaderConfig.from_config(cfg.loader),
                           cfg.seed, clips=True)
     data.setup()

@@ -27,6 +27,7 @@ from pipeline.runs.store.registry import CANDIDATE, CHAMPION, registered_name, r
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.paths import PROJECT_ROOT
 from pipeline.utils.processes import stop_process_group
+from tests.conftest import scorer_source
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
@@ -201,11 +202,11 @@ def test_fold_ensemble_averages_the_fold_models(chain) -> None:
     name = f"{registered_name('mobilevit_xxs', 'bl1_vs_pa4')}-folds"
     assert str(client.get_model_version_by_alias(name, CANDIDATE).version) == run.data.tags["painvit.ensemble_version"]
     _, _, frames = next(sampled_frames(twin_video(cfg), 5))
-    ensemble, _ = find_scorer(cfg, model_uri=f"models:/{name}@{CANDIDATE}")
+    ensemble, _ = find_scorer(scorer_source(cfg), model_uri=f"models:/{name}@{CANDIDATE}")
     assert len(ensemble.ensemble) == 1  # two folds: one network plus one more
     together = ensemble.score(frames[:4])
     fold_runs = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
-    alone = [find_scorer(cfg, run=r.info.run_id)[0].score(frames[:4]) for r in fold_runs]
+    alone = [find_scorer(scorer_source(cfg), run=r.info.run_id)[0].score(frames[:4]) for r in fold_runs]
     assert len(alone) == 2 and together.face_found.all()
     np.testing.assert_allclose(together.pain_probability, np.mean([a.pain_probability for a in alone], axis=0),
                                atol=1e-6)
@@ -232,7 +233,7 @@ def test_run_and_the_fold_model_decide_alike_at_the_folds_own_threshold(chain) -
     assert fold_run.data.tags["precision"] == resolved == client.get_run(parent_id).data.tags["precision"]
     threshold = fold_run.data.metrics["test/threshold"]
     assert threshold != 0.5
-    scorer, _ = find_scorer(cfg, run=fold_run.info.run_id)
+    scorer, _ = find_scorer(scorer_source(cfg), run=fold_run.info.run_id)
     assert scorer.threshold == pytest.approx(threshold)
     _, _, frames = next(sampled_frames(twin_video(cfg), 5))
     ours = scorer.score(frames[:6])

@@ -158,7 +158,7 @@ def plot_curves(rows: dict[str, dict], path: Path, title: str) -> None:
 def run_fidelity(cfg: DictConfig) -> dict:
     """`make fidelity DATA=<twin>`: the reference curve of the twin beside the published one; JSON and PNG into
     `<reports>/fidelity/`; SystemExit(1) where a task is outside its band or the binary curve does not rise."""
-    if not is_twin(cfg):
+    if not is_twin(cfg.data):
         raise SystemExit(f"fidelity measures a synthetic twin (DATA=synthetic87); {cfg.data.name} has no generator")
     started = time.time()
     section = cfg.fidelity

@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -332,6 +333,15 @@ def plot_table(ours: pd.DataFrame, published: pd.DataFrame, title: str, path: Pa
     save_png(figure, path)
 
 
+@dataclass(frozen=True)
+class TableOf:
+    """What a results table is of: the dataset, protocol and subject set its cells share."""
+
+    dataset: str
+    protocol: str
+    subject_set: str
+
+
 def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tasks: str | None = None,
               tuned: str | None = None, trials: str | None = None, scope: str | None = None) -> dict:
     """Run or reuse every (backbone, task) cross-validation, then write and log the table. `tuned` (any non-empty
@@ -339,11 +349,12 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
     model_names = (models or cfg.model.name).split()
     task_names = (tasks or " ".join(TASKS)).split()
     client = MlflowClient(tracking.store_uri(cfg.mlflow.tracking_uri))
-    rows = pd.DataFrame(project_rows(cfg, client, overrides, model_names, task_names, tuned, trials, scope))
-    report = build_report(rows, model_names, task_names, cfg.data.name, cfg.protocol.name, cfg.data.subject_set)
+    rows = pd.DataFrame(project_rows(client, overrides, model_names, task_names, tuned, trials, scope))
+    of = TableOf(str(cfg.data.name), str(cfg.protocol.name), str(cfg.data.subject_set))
+    report = build_report(rows, model_names, task_names, of.dataset, of.protocol, of.subject_set)
     ours, facts = report["ours"], report["facts"]
     views = {group: published_view(report[group]) for group in GROUPS}
-    title = table_title(cfg, report["interval"], tuned, scope)
+    title = table_title(of, report["interval"], tuned, scope)
     stem = f"table_{cfg.data.name}_{cfg.protocol.name}_{cfg.data.subject_set}"
     if tuple(task_names) != TASKS:  # a subset never overwrites the full table
         stem += "_" + "_".join(task_names)
@@ -371,7 +382,10 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
     atomic_write_csv(paths["csv"], long)
     plot_table(ours, pd.concat([views[group].assign(group=GROUPS[group]) for group in GROUPS], ignore_index=True),
                title, paths["png"])
-    run_id = log_table_run(client, cfg, stem, model_names, task_names, rows, paths)
+    artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
+        PROJECT_ROOT)
+    experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
+    run_id = log_table_run(client, experiment_id, of, stem, model_names, task_names, rows, paths)
     print(f"\n{title}\n{ours.to_string(index=False)}\n")
     print(facts.to_string(index=False))
     for note in report["notes"]:
@@ -387,7 +401,7 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
             "other": report["other"], "published": published, "paths": paths, "run_id": run_id}
 
 
-def project_rows(cfg, client: MlflowClient, overrides: Sequence[str], model_names: Sequence[str],
+def project_rows(client: MlflowClient, overrides: Sequence[str], model_names: Sequence[str],
                  task_names: Sequence[str], tuned: str | None, trials: str | None, scope: str | None) -> list[dict]:
     """One row per (backbone, task): its cross-validation run or reused (`run_cv`; `make tune`'s `run_tune` for a
     tuned table, with TRIALS= and SCOPE=), then read from its finished parent run (`project_row`)."""
@@ -411,12 +425,11 @@ def project_rows(cfg, client: MlflowClient, overrides: Sequence[str], model_name
     return rows
 
 
-def table_title(cfg, interval: str, tuned: str | None, scope: str | None) -> str:
+def table_title(of: TableOf, interval: str, tuned: str | None, scope: str | None) -> str:
     """The table's title: dataset, protocol, subject set, what the numbers are; a tuned table says how it was
     tuned (OPTIMISTIC for a shared study)."""
-    subject_set = (f"subject set {cfg.data.subject_set}: "
-                   f"{describe_subject_set(cfg.data.subject_set, cfg.data.name)}")
-    title = (f"this project: {cfg.data.name}, {PROTOCOL_LABELS.get(cfg.protocol.name, cfg.protocol.name)}, "
+    subject_set = f"subject set {of.subject_set}: {describe_subject_set(of.subject_set, of.dataset)}"
+    title = (f"this project: {of.dataset}, {PROTOCOL_LABELS.get(of.protocol, of.protocol)}, "
              f"{subject_set}.\nPooled test videos, in percent, [95 % CI: {interval}]; accuracy at each "
              f"fold's validation threshold (argmax for five classes) beside argmax accuracy")
     if tuned:
@@ -425,17 +438,14 @@ def table_title(cfg, interval: str, tuned: str | None, scope: str | None) -> str
     return title
 
 
-def log_table_run(client: MlflowClient, cfg, stem: str, model_names: Sequence[str], task_names: Sequence[str],
-                  rows: pd.DataFrame, paths: dict[str, Path]) -> str:
-    """The table's MLflow run (tagged `table`): the backbones, tasks and the parent run of each cell as params, the
-    three files as artifacts; FINISHED. Returns its id."""
-    artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
-        PROJECT_ROOT)
-    experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
+def log_table_run(client: MlflowClient, experiment_id: str, of: TableOf, stem: str, model_names: Sequence[str],
+                  task_names: Sequence[str], rows: pd.DataFrame, paths: dict[str, Path]) -> str:
+    """The table's MLflow run (tagged `table`) in `experiment_id`: the backbones, tasks and the parent run of each
+    cell as params, the three files as artifacts; FINISHED. Returns its id."""
     run = client.create_run(experiment_id, run_name=stem, tags={
-        tracking.RUN_KIND_TAG: tracking.TABLE_RUN, tracking.DATASET_TAG: cfg.data.name,
-        tracking.PROTOCOL_TAG: cfg.protocol.name, tracking.SUBJECT_SET_TAG: cfg.data.subject_set,
-        tracking.SUBJECT_SET_DESCRIPTION_TAG: describe_subject_set(cfg.data.subject_set, cfg.data.name)})
+        tracking.RUN_KIND_TAG: tracking.TABLE_RUN, tracking.DATASET_TAG: of.dataset,
+        tracking.PROTOCOL_TAG: of.protocol, tracking.SUBJECT_SET_TAG: of.subject_set,
+        tracking.SUBJECT_SET_DESCRIPTION_TAG: describe_subject_set(of.subject_set, of.dataset)})
     with tracking.run_lifecycle(run.info.run_id, client):
         for key, value in {"models": ",".join(model_names), "tasks": ",".join(task_names),
                            **{f"parent_run_id.{r.model}.{r.task}": r.parent_run_id for r in rows.itertuples()}}.items():

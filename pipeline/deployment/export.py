@@ -170,13 +170,14 @@ def run_export(cfg: DictConfig, model_uri: str | None = None, run: str | None = 
                out: str | None = None) -> Path:
     """`make export [MODEL_URI=... | RUN=<fold or final run>] [FORMAT=onnx] [OUT=folder]`: default the champion of
     MODEL / TASK."""
-    from pipeline.deployment.predict import find_scorer
+    from pipeline.deployment.predict import ScorerSource, find_scorer
     from pipeline.deployment.video_frames import PredictError
 
     if format not in FORMATS:
         raise SystemExit(f"export: FORMAT={format!r} is not supported; choose one of {', '.join(FORMATS)}")
     try:
-        scorer, name = find_scorer(cfg, model_uri or None, run or None)
+        source = ScorerSource.of(cfg.mlflow.tracking_uri, cfg.model.name, cfg.task.name, cfg.predict)
+        scorer, name = find_scorer(source, model_uri or None, run or None)
     except PredictError as error:
         raise SystemExit(f"export: {error}") from None
     if scorer.personalise.personal:

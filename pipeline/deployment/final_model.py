@@ -98,11 +98,11 @@ def make_split(subjects: list[str], val_fraction: float, seed: int) -> pd.DataFr
     return pd.DataFrame({"subject_name": names, "role": ["val" if n in val else "train" for n in names]})
 
 
-def training_config(cfg: DictConfig, client: MlflowClient, source_run_id: str) -> DictConfig:
-    """The source CV's resolved config, with the current command's runtime settings (`RUNTIME_KEYS`)."""
+def training_config(current: dict, client: MlflowClient, source_run_id: str) -> DictConfig:
+    """The source CV's resolved config, with the runtime settings (`RUNTIME_KEYS`) of the current command's resolved
+    config (`current`)."""
     path = client.download_artifacts(source_run_id, "config.yaml")
     trained = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    current = OmegaConf.to_container(cfg, resolve=True)
     for key in RUNTIME_KEYS:
         if key in current:
             trained[key] = current[key]
@@ -144,7 +144,7 @@ def run_final(cfg: DictConfig, run: str | None = None) -> dict:
     except CvNotFound as error:
         raise SystemExit(f"final: {error}") from None
     source_id = source.info.run_id
-    train_cfg = training_config(cfg, client, source_id)
+    train_cfg = training_config(OmegaConf.to_container(cfg, resolve=True), client, source_id)
     training = TrainingSettings.from_config(train_cfg)  # what trains, read once from the CV's config
     refuse_unservable(bool(cfg.final.ensemble), training, source_id)
     fold_file = resolve_path(train_cfg.fold_file)

@@ -71,13 +71,12 @@ class FinetuneConfig:
         STRATEGIES[self.strategy].check(self)
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> FinetuneConfig:
-        """The strategy of a composed config (its `model` and `cache` groups)."""
-        model = cfg["model"]
+    def from_config(cls, model: Mapping[str, Any], cache: Mapping[str, Any]) -> FinetuneConfig:
+        """The strategy of the `model` and `cache` groups."""
         lora = dict(model["lora"])
         return cls(str(model["finetune"]), model.get("finetune_blocks"),
                    LoraSettings(int(lora["rank"]), float(lora["alpha"]), float(lora["dropout"]),
-                                str(lora["target_modules"])), bool(cfg["cache"]["embeddings"]))
+                                str(lora["target_modules"])), bool(cache["embeddings"]))
 
     @property
     def backbone_fixed(self) -> bool:

@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.datamodule import LoaderConfig
-from pipeline.data.prepare import prepare_data
+from pipeline.data.prepare import DataSettings, prepare_data
 from pipeline.data.tasks import get_task
 from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings
 from pipeline.models.ordinal import OutputConfig
@@ -22,7 +22,7 @@ from pipeline.utils.paths import resolve_path
 
 
 def run_embed(cfg: DictConfig) -> None:
-    _, fold_file = prepare_data(cfg)
+    _, fold_file = prepare_data(DataSettings.from_config(cfg))
     decisions = plan_decisions(TrainingSettings.from_config(cfg), fold_file)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)  # as build_fold: the same random init, if random
     net = build_network(cfg.model.name, cfg.model.img_size, OutputConfig.from_config(cfg.model.get("output")),

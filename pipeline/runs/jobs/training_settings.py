@@ -1,6 +1,7 @@
 """What one training reads of its configuration, read once where it starts (a fold job, a tuning trial, the final
 model) and handed down as a value (`TrainingSettings`): the training path below it (`fold_job`, `head_modes`,
-`fold_fit`, `two_stage`) takes these typed settings, never the config.
+`fold_fit`, `two_stage`) takes these typed settings, never the config. `make pretrain` reads its own
+(`PretrainSettings`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.datamodule import LoaderConfig
 from pipeline.data.personalise import PersonaliseConfig
+from pipeline.data.prepare import DataSettings
 from pipeline.data.tasks import Task, get_task
 from pipeline.models.embedding_cache import CacheSettings
 from pipeline.models.finetune import FinetuneConfig
@@ -93,8 +95,8 @@ class TrainingSettings:
     def from_config(cls, cfg: DictConfig) -> TrainingSettings:
         """The settings of a composed (or a job's resolved) config, checked."""
         loader = OmegaConf.to_container(cfg.loader, resolve=True)
-        return cls(get_task(cfg.task.name), FinetuneConfig.from_config(cfg), HeadConfig.from_config(cfg.model.head),
-                   OutputConfig.from_config(cfg.model.get("output")),
+        return cls(get_task(cfg.task.name), FinetuneConfig.from_config(cfg.model, cfg.cache),
+                   HeadConfig.from_config(cfg.model.head), OutputConfig.from_config(cfg.model.get("output")),
                    PersonaliseConfig.from_config(cfg.get("personalise")),
                    TrainerSettings.from_config(OmegaConf.to_container(cfg.trainer, resolve=True)),
                    OptimConfig(**OmegaConf.to_container(cfg.model.optim, resolve=True)),
@@ -109,3 +111,34 @@ class TrainingSettings:
     def with_seed(self, seed: int) -> TrainingSettings:
         """The same training under another seed (one of `cv.seeds`)."""
         return replace(self, seed=int(seed), config={**self.config, "seed": int(seed)})
+
+
+@dataclass(frozen=True)
+class PretrainSettings:
+    """What `make pretrain` reads of its config, read once by `run_pretrain`: the `pretrain` group, the CV dataset
+    the pool is kept apart from (and whose crop settings it shares), the backbone, and how it trains."""
+
+    target: str  # au | identity
+    pool: str  # synthetic | folder
+    pool_dir: Path
+    out_dir: Path
+    epochs: int  # pretrain.epochs, else the backbone's preset, else default_epochs
+    batch_size: int  # pretrain.batch_size, else loader.batch_size
+    lr: float
+    backbone_lr: float
+    weight_decay: float
+    held_out_share: float
+    synthetic: dict  # pretrain.synthetic: the synthetic pool's generator section
+    folder: dict  # pretrain.folder: crops_dir, labels_csv, target_columns
+    record: dict  # the `pretrain` group, resolved, as the provenance records it
+    data: DataSettings  # the CV dataset
+    model_name: str
+    pretrained: bool | str
+    weights: str | None
+    img_size: int | None
+    augment: dict
+    crop_fraction: float
+    num_workers: int | None
+    accelerator: str
+    precision: str
+    seed: int

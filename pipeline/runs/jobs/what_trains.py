@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
-
 from pipeline.data.personalise import PersonaliseConfig, refuse_unapplied
 from pipeline.data.tasks import Task
 from pipeline.models.finetune import FinetuneConfig
@@ -39,11 +37,6 @@ class WhatTrains:
         """What the training of `training` trains; its head mode's policy built here."""
         return cls(training.task, training.finetune, training.head, training.cache.views, training.output,
                    training.personalise, head_mode(training.head))
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig) -> WhatTrains:
-        """What a config trains (the plan's and a search space's question, before any training settings)."""
-        return cls.of(TrainingSettings.from_config(cfg))
 
     def check(self) -> WhatTrains:
         """Refuse, before anything is planned or built, a head mode the strategy cannot train under, and a

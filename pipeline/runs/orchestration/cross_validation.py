@@ -16,6 +16,7 @@ plan -> launch -> aggregate:
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import json
 import logging
@@ -38,8 +39,8 @@ from pipeline.data.exclusions import (
     lost_share_warning,
     unusable_for_task,
 )
-from pipeline.data.prepare import prepare_data, read_fold_file
-from pipeline.data.tasks import Task, get_task
+from pipeline.data.prepare import DataSettings, prepare_data, read_fold_file
+from pipeline.data.tasks import Task
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
 from pipeline.models.fold_result import FoldResult
@@ -105,11 +106,39 @@ def check_pretraining_people(weights: WeightsSource, folds: pd.DataFrame, fold_f
                                              f"is among the {len(subjects)} subjects of {fold_file.name}"}
 
 
+@dataclass(frozen=True)
+class CvRunSettings:
+    """What a cross-validation's driver reads of its config (`make cv`, and `make tune`'s tuned CV), read once where
+    the command starts and passed down as a value: what every fold trains, the data, what identifies the CV, where
+    its folds run, and where it is tracked."""
+
+    training: TrainingSettings
+    data: DataSettings
+    cv: cv_runs.CvConfig
+    launcher: launchers.LauncherSettings
+    protocol: str  # protocol.name
+    experiment: str  # mlflow.experiment
+    artifact_root: str | None  # mlflow.artifact_root (None: the project's)
+    resume: str  # cv.resume: auto | never
+    work_dir: Path  # cv.work_dir
+    seeds: list[int] | None  # cv.seeds: several training seeds per fold
+    config_yaml: str  # the composed config as the parent run's config.yaml records it
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> CvRunSettings:
+        return cls(TrainingSettings.from_config(cfg), DataSettings.from_config(cfg), cv_runs.CvConfig.from_config(cfg),
+                   launchers.LauncherSettings.of(cfg.launcher), str(cfg.protocol.name), str(cfg.mlflow.experiment),
+                   cfg.mlflow.artifact_root, str(cfg.cv.resume), resolve_path(cfg.cv.work_dir),
+                   [int(seed) for seed in cfg.cv.seeds] if cfg.cv.seeds else None, OmegaConf.to_yaml(cfg))
+
+
 @dataclass
 class Plan:
     """A cross-validation ready to launch: its parent run and the folds still to do."""
 
-    cfg: DictConfig
+    config: dict  # the resolved config each fold job gets
+    launcher: launchers.LauncherSettings
+    model_name: str
     decisions: FoldDecisions  # fold file, precision, backbone family, weights: decided here, once
     trains: WhatTrains  # what trains (strategy, head, output, protocol), read once from `cfg`
     fold_ids: list[int]
@@ -132,7 +161,7 @@ class Plan:
 
     def job(self, fold: int, tracking_uri: str | None = None, seed: int | None = None) -> FoldJob:
         folder = f"fold_{fold}" + (f"_seed_{seed}" if seed is not None else "")
-        return FoldJob(OmegaConf.to_container(self.cfg, resolve=True), int(fold), self.parent_run_id,
+        return FoldJob(copy.deepcopy(self.config), int(fold), self.parent_run_id,
                        tracking_uri or self.tracking_uri, str(self.work_dir / folder), self.decisions, seed,
                        store_uri=tracking.redact_uri(self.tracking_uri))
 
@@ -161,40 +190,41 @@ def identity_lock(work_dir: Path, identity: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
+def plan_cv(run: CvRunSettings, client: MlflowClient, tracking_uri: str) -> Plan:
     """The CV's plan: the data prepared and checked, the folds this task can test, the decisions every fold uses
     (`plan_decisions`), and the parent run: the unfinished one of the same identity (resumed), or a new one."""
-    parse_rule(cfg.eval.threshold)  # a wrong setting fails before any data or training
-    training = TrainingSettings.from_config(cfg)  # what every fold trains, read once
+    training = run.training  # what every fold trains, read once
+    parse_rule(training.threshold_rule)  # a wrong setting fails before any data or training
     trains = WhatTrains.of(training).check()
-    frames_result, fold_file = prepare_data(cfg)
+    frames_result, fold_file = prepare_data(run.data)
     folds = read_fold_file(fold_file, sorted(set(frames_result.frames.subject_name)))
-    task = get_task(cfg.task.name)
-    requested = None if cfg.trainer.folds is None else [int(fold) for fold in cfg.trainer.folds]
+    task = training.task
+    trainer = training.trainer
+    requested = None if trainer.folds is None else [int(fold) for fold in trainer.folds]
     fold_ids, unusable, skipped = usable_folds(requested, frames_result.frames, folds, task)
     # Where the weights come from, before any training: a missing checkpoint fails in seconds, not after fold 1.
     decisions = plan_decisions(training, fold_file)
     weights = decisions.weights_source
-    warn_from_scratch(cfg.model.name, weights)
+    warn_from_scratch(training.model_name, weights)
     people_checked = check_pretraining_people(weights, folds, fold_file)  # a WEIGHTS= file's people: none tested
 
-    artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
-        PROJECT_ROOT)
-    experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
-    cv = cv_runs.CvConfig.from_config(cfg)  # what identifies this CV, read once
+    artifact_root = resolve_path(run.artifact_root) if run.artifact_root else tracking.artifact_root(PROJECT_ROOT)
+    experiment_id = tracking.get_or_create_experiment(run.experiment, artifact_root, client=client)
+    cv = run.cv  # what identifies this CV, read once
     tags = cv_runs.identity_tags(cv, fold_file, weights)  # the weights file hashed once, by plan_decisions()
-    plan = Plan(cfg, decisions, trains, fold_ids, task.classes, tracking_uri, experiment_id, "", Path())
-    parent = cv_runs.newest_cv(client, experiment_id, tags) if cfg.cv.resume == "auto" else None
-    if parent is None and cfg.cv.resume == "auto":
+    plan = Plan(training.config, run.launcher, training.model_name, decisions, trains, fold_ids, task.classes,
+                tracking_uri, experiment_id, "", Path())
+    parent = cv_runs.newest_cv(client, experiment_id, tags) if run.resume == "auto" else None
+    if parent is None and run.resume == "auto":
         why = cv_runs.why_not_resumed(client, experiment_id, tags, cv)
         if why:
             print(why)
     if parent is None:
-        complete = (len(fold_ids) + len(skipped) == folds.fold.nunique() and cfg.trainer.limit_train_batches is None
-                    and cfg.trainer.limit_val_batches is None)
-        device = device_tags(cfg.launcher.name, cfg.trainer.accelerator)
+        complete = (len(fold_ids) + len(skipped) == folds.fold.nunique() and trainer.limit_train_batches is None
+                    and trainer.limit_val_batches is None)
+        device = device_tags(run.launcher.name, trainer.accelerator)
         described = {**new_parent_tags(plan, fold_file, complete, unusable, skipped, device), **people_checked}
-        parent = create_parent(cfg, client, experiment_id, tags, described, fold_file, frames_result)
+        parent = create_parent(run, client, experiment_id, tags, described, fold_file, frames_result)
     else:
         # a finished fold whose artifacts have gone from the store is not done: marked FAILED, trained again
         lost = retire_unreadable(client, tracking.fold_runs(client, parent.info.run_id))
@@ -202,8 +232,8 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         if not plan.finished:
             client.update_run(parent.info.run_id, status=tracking.RUNNING)
     plan.parent_run_id = parent.info.run_id
-    plan.work_dir = resolve_path(cfg.cv.work_dir) / plan.parent_run_id
-    plan.seeds = [int(seed) for seed in cfg.cv.seeds] if cfg.cv.seeds else [None]
+    plan.work_dir = run.work_dir / plan.parent_run_id
+    plan.seeds = list(run.seeds) if run.seeds else [None]
     plan.done = [(fold, seed) for seed in plan.seeds
                  for fold in tracking.finished_fold_runs(client, plan.parent_run_id, seed) if fold in fold_ids]
     return plan
@@ -246,29 +276,29 @@ def new_parent_tags(plan: Plan, fold_file: Path, complete: bool, unusable: dict[
             **registry.standard_tags("make cv")}
 
 
-def create_parent(cfg: DictConfig, client: MlflowClient, experiment_id: str, identity: dict[str, str],
+def create_parent(run: CvRunSettings, client: MlflowClient, experiment_id: str, identity: dict[str, str],
                   described: dict[str, str], fold_file: Path, frames_result) -> Run:
     """A new parent run, tagged with its `identity` and what `described` adds, with the identity params, the resolved
     config, the environment, the backbone's cost, the fold file, what face detection lost and the subjects; where
     another machine's `make cv` of the same CV created its parent meanwhile, the first of the two
     (`fold_lease.first_of_twins`)."""
-    task = get_task(cfg.task.name)
-    run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
+    task, model_name = run.training.task, run.training.model_name
+    run_name = f"{model_name} {run.data.name} {run.protocol} {task.name}"
     parent = client.create_run(experiment_id, run_name=run_name, tags={**identity, **described})
     run_id = parent.info.run_id
-    for chunk in cv_runs.chunks(list(cv_runs.identity_params(cv_runs.CvConfig.from_config(cfg)).items()), 100):
+    for chunk in cv_runs.chunks(list(cv_runs.identity_params(run.cv).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
-    client.log_text(run_id, OmegaConf.to_yaml(cfg), "config.yaml")
+    client.log_text(run_id, run.config_yaml, "config.yaml")
     log_environment(client, run_id)
     now = int(time.time() * 1000)  # what the backbone costs, for `make compare`'s accuracy-against-cost plot
-    cost = backbone_cost(cfg.model.name, cfg.model.img_size, task.n_classes)
+    cost = backbone_cost(model_name, run.training.img_size, task.n_classes)
     client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in cost.items()])
     client.log_artifact(run_id, str(fold_file), "folds")
-    log_exclusions(client, run_id, frames_result, cfg.preprocess.frames_per_video)
+    log_exclusions(client, run_id, frames_result, run.data.preprocess.frames_per_video)
     registry.log_subjects(client, run_id, registry.cv_subjects(fold_file, frames_result.frames, task.classes),
-                          f"{cfg.data.name}-{task.name}-{fold_file.stem}")
+                          f"{run.data.name}-{task.name}-{fold_file.stem}")
     # another machine's `make cv` of the same CV may have created its parent meanwhile: one of the two goes on
-    if cfg.cv.resume == "auto":
+    if run.resume == "auto":
         parent = fold_lease.first_of_twins(client, experiment_id,
                                            {tracking.RUN_KIND_TAG: tracking.CV_RUN, **identity}, parent)
     return parent
@@ -344,7 +374,7 @@ def launch(plan: Plan, client: MlflowClient) -> launchers.LaunchOutcome:
 def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Progress) -> launchers.LaunchOutcome:
     """Run one seed's pending folds on the configured launcher (SLURM jobs of an earlier `launcher.wait=false` run
     that are still queued are followed, not submitted again)."""
-    launcher = plan.cfg.launcher
+    launcher = plan.launcher
     pending = plan.pending(seed)
 
     def result_of(fold: int) -> FoldResult | None:  # a fold is done with its FINISHED child run
@@ -364,7 +394,7 @@ def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Prog
     queued = {fold: job_id for fold, job_id in submitted.items() if fold in pending and job_id in alive}
     to_submit = [fold for fold in pending if fold not in queued]
     if to_submit:
-        name = f"painvit-{plan.cfg.model.name}-{plan.parent_run_id[:8]}"
+        name = f"painvit-{plan.model_name}-{plan.parent_run_id[:8]}"
         with launchers.job_store(launcher.name, plan.tracking_uri, client, plan.experiment_id) as (_, credentials):
             new = launchers.submit_slurm([plan.job(fold, seed=seed) for fold in to_submit], launcher,
                                          plan.work_dir / "slurm", name + (f"-seed{seed}" if seed is not None else ""),
@@ -390,7 +420,7 @@ def run_cv(cfg: DictConfig) -> dict:
         announce_device(cfg.trainer.accelerator)
     identity_dir = resolve_path(cfg.cv.work_dir)
     with identity_lock(identity_dir, f"{cfg.model.name}-{cfg.data.name}-{cfg.protocol.name}-{cfg.task.name}"):
-        plan = plan_cv(cfg, client, tracking_uri)
+        plan = plan_cv(CvRunSettings.from_config(cfg), client, tracking_uri)
         name = client.get_run(plan.parent_run_id).info.run_name
         if plan.finished:
             print(f"cross-validation {name!r} already finished with these settings: parent run {plan.parent_run_id} "
@@ -442,8 +472,8 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
         runs += [finished[fold] for fold in plan.fold_ids]
     results = [result_from_run(client, run) for run in runs]
     record_precisions(client, plan.parent_run_id, runs)
-    summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, resolve_path(plan.cfg.fold_file),
-                            several_seeds=bool(plan.cfg.cv.get("seeds")), graded=plan.trains.graded)
+    summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, Path(plan.decisions.fold_file),
+                            several_seeds=plan.seeds != [None], graded=plan.trains.graded)
     client.set_tag(plan.parent_run_id, tracking.HEADLINE_TAG, HEADLINE)  # the number to quote beside the literature
     client.set_terminated(plan.parent_run_id, tracking.FINISHED)
     remove_fold_folders(plan.work_dir)
@@ -452,7 +482,7 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
     client.set_tag(plan.parent_run_id, tracking.CALIBRATION_NOTE_TAG, calibration)
     print(calibration)
     print(f"augmentation: {plan.trains.augmentation_label}")
-    registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.cfg.model.name}: video-level test "
+    registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.model_name}: video-level test "
                           f"scores per fold", table.rename_axis("").reset_index())
     return summary
 

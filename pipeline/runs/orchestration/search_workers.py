@@ -22,7 +22,7 @@ import numpy as np
 import optuna
 import pytorch_lightning as pl
 from mlflow import MlflowClient
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from pipeline.data.datamodule import SubjectRoles
 from pipeline.runs.jobs.fold_decisions import FoldDecisions, settings_here
@@ -113,8 +113,8 @@ def train_trial(worker: TuneWorker, trial: optuna.Trial, fold: int, params: dict
                 report: bool = True) -> tuple[float, int | None]:
     """Train fold `fold` with the trial's settings under a child run of the tuning run; its best validation score
     and the epoch it was pruned after (None: not pruned)."""
-    cfg = with_params(worker.config, params)
-    training = TrainingSettings.from_config(cfg)  # the trial's settings, read once
+    config = with_params(worker.config, params)
+    training = TrainingSettings.from_config(OmegaConf.create(config))  # the trial's settings, read once
     decisions = FoldDecisions(**worker.decisions)
     client = MlflowClient(worker.tracking_uri)
     parent = client.get_run(worker.tuning_run_id)
@@ -124,7 +124,7 @@ def train_trial(worker: TuneWorker, trial: optuna.Trial, fold: int, params: dict
                            tags={**tags, tracking.PARENT_TAG: worker.tuning_run_id,
                                  tracking.RUN_KIND_TAG: tracking.TRIAL_RUN, tracking.FOLD_TAG: str(fold),
                                  tracking.TRIAL_TAG: str(trial.number), tracking.STUDY_TAG: trial.study.study_name,
-                                 tracking.TUNE_SCOPE_TAG: cfg.tune.scope, **job_owner_tags()})
+                                 tracking.TUNE_SCOPE_TAG: config["tune"]["scope"], **job_owner_tags()})
     work_dir = Path(worker.work_dir) / f"fold_{fold}" / f"trial_{trial.number}"
     try:
         with tracking.run_lifecycle(run.info.run_id, client):
@@ -187,7 +187,8 @@ def objective(worker: TuneWorker, space: SearchSpace, trial: optuna.Trial, fold:
 def run_worker(worker: TuneWorker) -> int:
     """Ask each study for trials until it has `tune.trials` finished ones; returns the number of trials run here."""
     cfg = OmegaConf.create(worker.config)  # the worker's entry: its config read once
-    space, tune = load_space(cfg), TuneSettings.from_config(cfg)
+    tune = TuneSettings.from_config(cfg)
+    space = load_space(tune.space, tune.model, WhatTrains.of(TrainingSettings.from_config(cfg)), worker.config)
     storage = open_storage(worker.storage)
     ran = 0
     for name, fold in worker.studies:
@@ -262,12 +263,12 @@ def worker_result(folder: Path, job_id: str) -> int | None:
     return value if state == "success" else None
 
 
-def launch_workers(cfg: DictConfig, worker: TuneWorker, client: MlflowClient, experiment_id: str) -> None:
+def launch_workers(launcher: launchers.LauncherSettings, model_name: str, worker: TuneWorker, client: MlflowClient,
+                   experiment_id: str) -> None:
     """Run the search's workers on the CV's launchers: one here (`local`), `launcher.jobs` processes here, each in its
     CPU or GPU slot (`parallel`), or one SLURM array task per study, at most `launcher.array_parallelism` (`slurm`),
     writing where `launchers.job_store` says, with the credentials made for them. A worker that fails is reported with
     its log (the search then finds its studies short); Ctrl-C stops the workers."""
-    launcher = cfg.launcher
     if launcher.name == "slurm":  # one SLURM array task per study (per fold), at most launcher.array_parallelism
         n_jobs = max(1, min(int(launcher.array_parallelism or 1), len(worker.studies)))
     else:
@@ -281,7 +282,7 @@ def launch_workers(cfg: DictConfig, worker: TuneWorker, client: MlflowClient, ex
             launchers.launch_parallel(workers, n_jobs, report_worker, lambda _: "exit code 0", credentials)
         else:
             folder = Path(worker.work_dir) / "slurm"
-            job_ids = launchers.submit_slurm(workers, launcher, folder, f"painvit-tune-{cfg.model.name}",
+            job_ids = launchers.submit_slurm(workers, launcher, folder, f"painvit-tune-{model_name}",
                                              credentials)
             print(f"submitted {n_jobs} search worker(s) to SLURM: {', '.join(job_ids.values())}", flush=True)
             launchers.wait_slurm(job_ids, report_worker, lambda k: worker_result(folder, job_ids[k]),

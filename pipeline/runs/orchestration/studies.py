@@ -31,6 +31,7 @@ class TuneSettings:
 
     trials: int
     scope: str  # per_fold | shared
+    space: str  # the search space's file (auto: the backbone's, else default)
     sampler: dict  # name (tpe | random), seed (None: the config's), n_startup_trials, multivariate
     pruner: dict  # name (median | none), n_startup_trials, n_warmup_steps
     storage_dir: Path
@@ -43,8 +44,8 @@ class TuneSettings:
     @classmethod
     def from_config(cls, cfg: DictConfig) -> TuneSettings:
         tune = OmegaConf.to_container(cfg.tune, resolve=True)
-        return cls(int(tune["trials"]), str(tune["scope"]), dict(tune["sampler"]), dict(tune["pruner"]),
-                   resolve_path(tune["storage_dir"]), int(tune["max_failures"]), int(cfg.seed),
+        return cls(int(tune["trials"]), str(tune["scope"]), str(tune["space"]), dict(tune["sampler"]),
+                   dict(tune["pruner"]), resolve_path(tune["storage_dir"]), int(tune["max_failures"]), int(cfg.seed),
                    str(cfg.trainer.monitor_mode), str(cfg.model.name), str(cfg.task.name))
 
 

@@ -41,8 +41,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.runs.jobs.fold_decisions import FoldDecisions
 from pipeline.runs.jobs.fold_run import FoldJob
+from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.runs.orchestration import launchers
-from pipeline.runs.orchestration.cross_validation import Plan, aggregate, identity_lock, launch, plan_cv
+from pipeline.runs.orchestration.cross_validation import CvRunSettings, Plan, aggregate, identity_lock, launch, plan_cv
 from pipeline.runs.orchestration.search_space import SearchSpace, TuneError, load_space, with_params
 from pipeline.runs.orchestration.search_workers import TuneWorker, launch_workers
 from pipeline.runs.orchestration.studies import (
@@ -72,15 +73,15 @@ class TunedPlan(Plan):
 
     def job(self, fold: int, tracking_uri: str | None = None, seed: int | None = None) -> FoldJob:
         job = super().job(fold, tracking_uri, seed)
-        return replace(job, config=OmegaConf.to_container(with_params(job.config, self.fold_params[int(fold)])))
+        return replace(job, config=with_params(job.config, self.fold_params[int(fold)]))
 
 
-def search_key(cfg: DictConfig, space: SearchSpace, fold_file_sha256: str, decisions: FoldDecisions) -> str:
+def search_key(cv: cv_runs.CvConfig, space: SearchSpace, fold_file_sha256: str, decisions: FoldDecisions) -> str:
     """What makes two searches the same study: the settings (without the trial budget, so a rerun with more trials
     continues the study), the search space, the fold file and the starting weights by what they are (the plan's
     SHA-256, or `random`), not by where the file lies: a file changed in place is another study, the same file
     moved is the same one."""
-    config = identity_config(cv_runs.CvConfig.from_config(cfg))
+    config = identity_config(cv)
     config.get("tune", {}).pop("trials", None)
     config.get("tune", {}).pop("max_failures", None)
     config.get("model", {}).pop("weights", None)
@@ -165,8 +166,9 @@ def run_tune(cfg: DictConfig) -> dict:
     tune = TuneSettings.from_config(cfg)  # the search's settings, read once
     if tune.scope not in SCOPES:
         raise TuneError(f"unknown tune.scope {tune.scope!r}; known: {', '.join(SCOPES)}")
-    space = load_space(cfg)
-    space.defaults(cfg)  # a default outside its range fails before any data or training
+    run = CvRunSettings.from_config(cfg)  # the tuned CV's settings, read once
+    space = load_space(tune.space, tune.model, WhatTrains.of(run.training), run.training.config)
+    space.defaults(run.training.config)  # a default outside its range fails before any data or training
     tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
     launchers.check_launcher(cfg.launcher.name, tracking_uri)
     client = MlflowClient(tracking_uri)
@@ -176,19 +178,18 @@ def run_tune(cfg: DictConfig) -> dict:
         print(f"tune.scope=shared: {OPTIMISTIC}", flush=True)
     with identity_lock(resolve_path(cfg.cv.work_dir),
                        f"tune-{cfg.model.name}-{cfg.data.name}-{cfg.protocol.name}-{cfg.task.name}"):
-        plan = tuned_plan(cfg, tune, client, tracking_uri, space)
+        plan = tuned_plan(run, tune, client, tracking_uri, space)
         if plan.finished:
             print(f"tuned cross-validation {plan.parent_run_id} already finished with these settings")
             return dict(client.get_run(plan.parent_run_id).data.metrics)
         fold_file_sha256 = client.get_run(plan.parent_run_id).data.tags[tracking.FOLD_FILE_TAG]
-        key = search_key(cfg, space, fold_file_sha256, plan.decisions)
-        tuning_run_id = open_tuning_run(tune, OmegaConf.to_container(cfg, resolve=True), client, plan, space,
-                                        storage_path(tune, key))
-        chosen = search(cfg, tune, client, plan, space, key, tuning_run_id)
+        key = search_key(run.cv, space, fold_file_sha256, plan.decisions)
+        tuning_run_id = open_tuning_run(tune, run.training.config, client, plan, space, storage_path(tune, key))
+        chosen = search(tune, client, plan, space, key, tuning_run_id)
         plan.fold_params = {fold: entry["params"] for fold, entry in chosen.items()}
         client.log_text(plan.parent_run_id, json.dumps({str(k): v for k, v in chosen.items()}, indent=2,
                                                        default=str), CHOSEN_ARTIFACT)
-        summary = cross_validate(plan, client)
+        summary = cross_validate(plan, tune, client)
         print(f"tuned CV parent run {plan.parent_run_id}, search run {tuning_run_id}")
         return summary
 
@@ -197,11 +198,11 @@ def scope_label(tune: TuneSettings) -> str:
     return f"{tune.trials} trials {'shared, OPTIMISTIC' if tune.scope == 'shared' else 'per fold'}"
 
 
-def tuned_plan(cfg: DictConfig, tune: TuneSettings, client: MlflowClient, tracking_uri: str,
+def tuned_plan(run: CvRunSettings, tune: TuneSettings, client: MlflowClient, tracking_uri: str,
                space: SearchSpace) -> TunedPlan:
     """The CV's plan (`plan_cv`) as a tuned one: its parent run tagged with the search budget (and OPTIMISTIC for a
     shared study) and named as tuned."""
-    base = plan_cv(cfg, client, tracking_uri)
+    base = plan_cv(run, client, tracking_uri)
     plan = TunedPlan(**{f.name: getattr(base, f.name) for f in fields(base)})
     for key, value in {**budget_tags(tune, space), tracking.TUNE_BUDGET_TAGS[0]: str(tune.trials)}.items():
         client.set_tag(plan.parent_run_id, key, value)
@@ -237,7 +238,7 @@ def open_tuning_run(tune: TuneSettings, config: dict, client: MlflowClient, plan
     return tuning.info.run_id
 
 
-def search(cfg: DictConfig, tune: TuneSettings, client: MlflowClient, plan: TunedPlan, space: SearchSpace, key: str,
+def search(tune: TuneSettings, client: MlflowClient, plan: TunedPlan, space: SearchSpace, key: str,
            tuning_run_id: str) -> dict[int, dict[str, Any]]:
     """The studies of the search `key` prepared, their trials run by the launcher's workers, and each fold's choice
     (`choose`) logged on the tuning run, which is then FINISHED; a study short of `tune.trials` finished trials is an
@@ -246,13 +247,13 @@ def search(cfg: DictConfig, tune: TuneSettings, client: MlflowClient, plan: Tune
     print(f"search: {len(names)} stud{'y' if len(names) == 1 else 'ies'} of {tune.trials} trials "
           f"({tune.scope}), space {space.source} ({len(space.parameters)} parameters), storage "
           f"{storage_file}; tuning run {tuning_run_id}; live view: optuna-dashboard {storage_file}", flush=True)
-    prepare_studies(tune, storage_file, names, space.defaults(cfg))
-    worker = TuneWorker(OmegaConf.to_container(cfg, resolve=True), names, list(plan.fold_ids), str(storage_file),
+    prepare_studies(tune, storage_file, names, space.defaults(plan.config))
+    worker = TuneWorker(plan.config, names, list(plan.fold_ids), str(storage_file),
                         tuning_run_id, plan.tracking_uri, str(plan.work_dir / "tuning"), asdict(plan.decisions))
     Path(worker.work_dir).mkdir(parents=True, exist_ok=True)
     with (tracking.run_lifecycle(tuning_run_id, client, finish=False),
           tracking.run_lifecycle(plan.parent_run_id, client, finish=False)):
-        launch_workers(cfg, worker, client, plan.experiment_id)
+        launch_workers(plan.launcher, tune.model, worker, client, plan.experiment_id)
     storage = open_storage(storage_file)
     studies = {name: optuna.load_study(study_name=name, storage=storage) for name, _ in names}
     short = {name: len(finished_trials(study)) for name, study in studies.items()
@@ -270,7 +271,7 @@ def search(cfg: DictConfig, tune: TuneSettings, client: MlflowClient, plan: Tune
     return chosen
 
 
-def cross_validate(plan: TunedPlan, client: MlflowClient) -> dict:
+def cross_validate(plan: TunedPlan, tune: TuneSettings, client: MlflowClient) -> dict:
     """The tuned CV: its folds launched with their chosen settings, then aggregated; folds that did not finish are
     an error that says to run the command again."""
     outcome = launch(plan, client)
@@ -279,6 +280,6 @@ def cross_validate(plan: TunedPlan, client: MlflowClient) -> dict:
         unfinished = ", ".join(sorted(map(str, {**outcome.failed, **outcome.submitted})))
         raise TuneError(f"tuned fold(s) {unfinished} did not finish; run the same command again to continue")
     summary = aggregate(plan, client)
-    if plan.cfg.tune.scope == "shared":
+    if tune.scope == "shared":
         print(f"note: these test scores are {OPTIMISTIC}")
     return summary

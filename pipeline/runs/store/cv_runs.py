@@ -90,7 +90,7 @@ class CvConfig:
         return cls(OmegaConf.to_container(cfg, resolve=True), str(cfg.model.name), str(cfg.data.name),
                    str(cfg.protocol.name), str(cfg.task.name), str(cfg.data.subject_set), int(cfg.seed),
                    str(cfg.mlflow.experiment), resolve_path(cfg.fold_file), cfg.model.pretrained, cfg.model.weights,
-                   FinetuneConfig.from_config(cfg).label, HeadConfig.from_config(cfg.model.head).label,
+                   FinetuneConfig.from_config(cfg.model, cfg.cache).label, HeadConfig.from_config(cfg.model.head).label,
                    protocol_tags(OutputConfig.from_config(cfg.model.get("output")),
                                  PersonaliseConfig.from_config(cfg.get("personalise"))))
 

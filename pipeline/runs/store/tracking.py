@@ -16,13 +16,11 @@ import fcntl
 import os
 import sqlite3
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 from urllib.request import url2pathname
-
-from omegaconf import DictConfig, OmegaConf
 
 from pipeline.utils.paths import PROJECT_ROOT, resolve_path
 
@@ -452,19 +450,17 @@ def uri_has_credentials(uri: str) -> bool:
     return redact_uri(uri) != uri
 
 
-def store_paths(cfg: DictConfig) -> list[Path]:
-    """What a command with this config writes its records and crops into: the sqlite store, the artifact folder,
-    the runs folder (checkpoints, job files, submitit's pickles), the Optuna journals and the face crops. Each must be
-    this user's alone (`pipeline.utils.permissions.refuse_open_stores`); the raw twin and committed fold files are not
-    stores."""
-    paths = [sqlite_file(store_uri(OmegaConf.select(cfg, "mlflow.tracking_uri")))]
-    artifacts = str(OmegaConf.select(cfg, "mlflow.artifact_root") or artifact_root(PROJECT_ROOT))
+def store_paths(tracking_uri: str | None, artifacts: str | None, folders: Sequence[str | None]) -> list[Path]:
+    """What a command writes its records and crops into: the sqlite store of `tracking_uri` (mlflow.tracking_uri),
+    the artifact folder (mlflow.artifact_root; None: the project's), and `folders`: the runs folder (checkpoints, job
+    files, submitit's pickles), the Optuna journals and the face crops (cv.work_dir, tune.storage_dir,
+    data.processed_dir; None where the command has none). Each must be this user's alone
+    (`pipeline.utils.permissions.refuse_open_stores`); the raw twin and committed fold files are not stores."""
+    paths = [sqlite_file(store_uri(tracking_uri))]
+    artifacts = str(artifacts or artifact_root(PROJECT_ROOT))
     if artifacts.startswith("file://"):
         paths.append(Path(url2pathname(urlsplit(artifacts).path)))
     elif "://" not in artifacts:
         paths.append(resolve_path(artifacts))
-    for key in ("cv.work_dir", "tune.storage_dir", "data.processed_dir"):
-        value = OmegaConf.select(cfg, key)
-        if value:
-            paths.append(resolve_path(value))
+    paths += [resolve_path(folder) for folder in folders if folder]
     return [path for path in paths if path is not None]
