@@ -27,6 +27,7 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline config      [key=value ...]   print the resolved config
     python -m pipeline fold-job    JOB.json          run one fold job (what the parallel launcher starts per fold)
     python -m pipeline tune-worker WORKER.json       run one search worker (what `make tune LAUNCHER=parallel` starts)
+    python -m pipeline job-worker  FD                one of the parallel launcher's workers: the jobs sent over FD
     python -m pipeline fold-files  write-biovid | check PATH...   regenerate or check committed fold files
     python -m pipeline server      --artifacts DIR [--host H --port P ...]   the tracking server (store: $SERVER_STORE)
     python -m pipeline ui          [--port 5000]     the MLflow UI on loopback, asking for a password made for it
@@ -173,7 +174,13 @@ def _fold_job(argv: list[str]) -> int:
 
 
 def _tune_worker(argv: list[str]) -> int:
-    from pipeline.runs.orchestration.search_workers import worker_main
+    from pipeline.runs.orchestration.search_workers import tune_worker_main
+
+    return tune_worker_main(argv)
+
+
+def _job_worker(argv: list[str]) -> int:
+    from pipeline.runs.orchestration.job_workers import worker_main
 
     return worker_main(argv)
 
@@ -217,6 +224,7 @@ COMMANDS: dict[str, Callable[[], Command]] = {
 }
 # tools with arguments of their own
 TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "tune-worker": _tune_worker,
+                                                "job-worker": _job_worker,
                                                 "fold-files": _fold_files, "ui-url": _ui_url, "server": _server,
                                                 "ui": _ui}
 # config groups a command adds to the defaults list: `make tune` has a `tune` section, `make pretrain` a `pretrain` one
@@ -270,18 +278,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     cfg = load_config(overrides, groups=COMMAND_GROUPS.get(command, ()))
     if command != "config":  # a store others can read or write: refused before anything is read or written
-        from pipeline.runs.store.tracking import store_paths
+        from pipeline.runs.store.tracking import STORE_SETTINGS, store_paths
 
         try:
-            refuse_open_stores(store_paths(OmegaConf.select(cfg, "mlflow.tracking_uri"),
-                                           OmegaConf.select(cfg, "mlflow.artifact_root"),
-                                           [OmegaConf.select(cfg, key) for key in
-                                            ("cv.work_dir", "tune.storage_dir", "data.processed_dir")]))
+            refuse_open_stores(store_paths({key: OmegaConf.select(cfg, key) for key in STORE_SETTINGS}))
         except StoreNotPrivate as error:
             print(f"{command}: error: {error}", file=sys.stderr)
             return 2
+    from pipeline.runs.store.unreachable import EXIT_UNREACHABLE, bound_retries, is_unreachable, unreachable_line
     from pipeline.utils.accelerator import GpuUnavailable  # here, not on top: `ui-url` must not import torch
 
+    bound_retries(cfg.mlflow.retry_s)  # a tracking server that went away: retried this long, then one line
     try:
         COMMANDS[command]()(cfg, **options)
     except KeyboardInterrupt:
@@ -294,4 +301,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GpuUnavailable as error:  # the GPU asked for cannot be used: why, and which torch to install
         print(f"{command}: error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        if not is_unreachable(error):
+            raise
+        from pipeline.runs.store.tracking import tracking_uri
+        from pipeline.utils.paths import PROJECT_ROOT
+
+        uri = cfg.mlflow.tracking_uri or tracking_uri(PROJECT_ROOT)
+        print(unreachable_line(uri, f"make {command}"), file=sys.stderr)
+        return EXIT_UNREACHABLE
     return 0

@@ -47,7 +47,8 @@ def test_pretrained_weights_load_as_weights_and_say_where_they_come_from(tiny_ba
     # make cv WEIGHTS= reads the identities and finds none of them among the fold file's subjects
     from mlflow import MlflowClient
 
-    from pipeline.runs.orchestration.cross_validation import CvRunSettings, plan_cv
+    from pipeline.runs.orchestration.cross_validation import plan_cv
+    from pipeline.runs.orchestration.cv_settings import CvRunSettings
 
     cfg_cv, uri = cv_config(tiny_base, tmp_path, path)
     plan = plan_cv(CvRunSettings.from_config(cfg_cv), MlflowClient(uri), uri)
@@ -137,7 +138,8 @@ def test_cv_weights_whose_pool_shares_a_person_with_the_fold_file_are_refused(ti
     provenance are used, with a warning and a tag that nothing could be checked."""
     from mlflow import MlflowClient
 
-    from pipeline.runs.orchestration.cross_validation import CvRunSettings, plan_cv
+    from pipeline.runs.orchestration.cross_validation import plan_cv
+    from pipeline.runs.orchestration.cv_settings import CvRunSettings
     from pipeline.utils.paths import PROJECT_ROOT
 
     weights = run_pretrain(biovid_config(tmp_path, PROJECT_ROOT / "data_manifests" / "biovid", "pretrain.epochs=1",

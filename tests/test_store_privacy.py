@@ -23,7 +23,8 @@ from mlflow import MlflowClient
 
 from pipeline.runs.jobs.fold_run import FoldJob, result_from_run
 from pipeline.runs.orchestration import launchers
-from pipeline.runs.orchestration.cross_validation import CvRunSettings, plan_cv
+from pipeline.runs.orchestration.cross_validation import plan_cv
+from pipeline.runs.orchestration.cv_settings import CvRunSettings
 from pipeline.runs.orchestration.search_workers import TuneWorker
 from pipeline.runs.store import private_server, tracking
 from pipeline.runs.store.tracking_server import ADMIN_PASSWORD_ENV, PASSWORD_ENV, USERNAME_ENV, auth_call
@@ -250,9 +251,9 @@ def test_fold_jobs_get_the_runs_own_user_and_no_password_leaks(tiny_config, tmp_
     assert list(probe.values()) == [401, "denied", "denied"], probe
     (child,) = tracking.fold_runs(client, plan.parent_run_id)
     assert child.data.tags[tracking.JOB_TRACKING_URI_TAG] == "postgresql://painvit:***@db.invalid:5432/mlflow"
-    job_file = tmp_path / "runs" / plan.parent_run_id / "fold_0.json"
+    job_file = plan.work_dir / "fold_0.json"
     assert json.loads(job_file.read_text())["store_uri"] == child.data.tags[tracking.JOB_TRACKING_URI_TAG]
-    assert (tmp_path / "runs" / plan.parent_run_id / "fold_0.log").is_file()
+    assert (plan.work_dir / "fold_0.log").is_file()
     for path in tmp_path.rglob("*"):  # the store, the artifacts, the job file, the fold's log and checkpoints
         if path.is_file():
             data = path.read_bytes()

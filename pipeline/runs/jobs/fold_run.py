@@ -63,6 +63,7 @@ from pipeline.runs.store.tracking import (
     training_device_tags,
     uri_has_credentials,
 )
+from pipeline.runs.store.unreachable import EXIT_UNREACHABLE, bound_retries, is_unreachable, unreachable_line
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.atomic_io import atomic_path
 
@@ -86,6 +87,10 @@ class FoldJob:
     @property
     def key(self) -> int:
         return self.fold
+
+    @property
+    def name(self) -> str:
+        return f"fold {self.fold}" + (f" (seed {self.seed})" if self.seed is not None else "")
 
     def file(self, kind: str) -> Path:
         """Its spec ("json") or log ("log") beside the fold's folder."""
@@ -163,6 +168,9 @@ def run_fold_job(job: FoldJob) -> FoldResult:
     client = MlflowClient(job.tracking_uri)
     cfg = OmegaConf.create(job.config)  # the job's entry: its config read once, into typed settings
     training = TrainingSettings.from_config(cfg)
+    retry_s = OmegaConf.select(cfg, "mlflow.retry_s")
+    if retry_s is not None:  # a server that goes away: each call retries it this long (unreachable.bound_retries)
+        bound_retries(float(retry_s))
     # a lease in the store: a fold another machine trains now is waited for, a dead attempt replaced (fold_lease)
     lease_s = float(cfg.cv.lease_s)
     owner = fold_lease.new_owner()
@@ -199,7 +207,8 @@ def train_attempt(client: MlflowClient, job: FoldJob, training: TrainingSettings
                                  **job_owner_tags(),
                                  **fold_lease.lease_tags(owner)})
     heartbeat = fold_lease.Heartbeat(client, run.info.run_id, lease_s / 5, owner)  # renewed while the fold trains
-    with run_lifecycle(run.info.run_id, client, stopped=(fold_lease.LeaseLost,)):  # FINISHED only once sealed
+    # FINISHED only once sealed; a store that does not answer: the run stays RUNNING, resumed from there
+    with run_lifecycle(run.info.run_id, client, stopped=(fold_lease.LeaseLost,), left_running=is_unreachable):
         try:
             with heartbeat:
                 result = train_under_heartbeat(client, job, training, run.info.run_id, work_dir, heartbeat)
@@ -235,5 +244,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     setup_logging()
-    run_fold_job(FoldJob.read(Path(args[0])))
+    job = FoldJob.read(Path(args[0]))
+    try:
+        run_fold_job(job)
+    except Exception as error:
+        if not is_unreachable(error):
+            raise
+        print(unreachable_line(job.tracking_uri, job.name), file=sys.stderr, flush=True)
+        return EXIT_UNREACHABLE
     return 0

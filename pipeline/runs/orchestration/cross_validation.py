@@ -31,7 +31,7 @@ from pathlib import Path
 import pandas as pd
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, Run
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeline.data.exclusions import (
     exclusion_tables,
@@ -39,7 +39,7 @@ from pipeline.data.exclusions import (
     lost_share_warning,
     unusable_for_task,
 )
-from pipeline.data.prepare import DataSettings, prepare_data, read_fold_file
+from pipeline.data.prepare import prepare_data, read_fold_file
 from pipeline.data.tasks import Task
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
@@ -48,9 +48,9 @@ from pipeline.models.weights import WeightsSource, weights_provenance
 from pipeline.runs.jobs.fold_decisions import FoldDecisions, plan_decisions
 from pipeline.runs.jobs.fold_run import FoldJob, result_from_run
 from pipeline.runs.jobs.sealing import retire_unreadable
-from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.runs.orchestration import launchers
+from pipeline.runs.orchestration.cv_settings import CvRunSettings
 from pipeline.runs.orchestration.cv_summary import (
     HEADLINE,
     calibration_line,
@@ -60,6 +60,7 @@ from pipeline.runs.orchestration.cv_summary import (
 )
 from pipeline.runs.store import cv_runs, fold_lease, registry, tracking
 from pipeline.runs.store.environment import library_versions, log_environment
+from pipeline.runs.store.unreachable import is_unreachable
 from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
 from pipeline.utils.paths import PROJECT_ROOT, git_commit, resolve_path
@@ -106,32 +107,6 @@ def check_pretraining_people(weights: WeightsSource, folds: pd.DataFrame, fold_f
                                              f"is among the {len(subjects)} subjects of {fold_file.name}"}
 
 
-@dataclass(frozen=True)
-class CvRunSettings:
-    """What a cross-validation's driver reads of its config (`make cv`, and `make tune`'s tuned CV), read once where
-    the command starts and passed down as a value: what every fold trains, the data, what identifies the CV, where
-    its folds run, and where it is tracked."""
-
-    training: TrainingSettings
-    data: DataSettings
-    cv: cv_runs.CvConfig
-    launcher: launchers.LauncherSettings
-    protocol: str  # protocol.name
-    experiment: str  # mlflow.experiment
-    artifact_root: str | None  # mlflow.artifact_root (None: the project's)
-    resume: str  # cv.resume: auto | never
-    work_dir: Path  # cv.work_dir
-    seeds: list[int] | None  # cv.seeds: several training seeds per fold
-    config_yaml: str  # the composed config as the parent run's config.yaml records it
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig) -> CvRunSettings:
-        return cls(TrainingSettings.from_config(cfg), DataSettings.from_config(cfg), cv_runs.CvConfig.from_config(cfg),
-                   launchers.LauncherSettings.of(cfg.launcher), str(cfg.protocol.name), str(cfg.mlflow.experiment),
-                   cfg.mlflow.artifact_root, str(cfg.cv.resume), resolve_path(cfg.cv.work_dir),
-                   [int(seed) for seed in cfg.cv.seeds] if cfg.cv.seeds else None, OmegaConf.to_yaml(cfg))
-
-
 @dataclass
 class Plan:
     """A cross-validation ready to launch: its parent run and the folds still to do."""
@@ -167,27 +142,37 @@ class Plan:
 
 
 @contextlib.contextmanager
-def identity_lock(work_dir: Path, identity: str) -> Iterator[None]:
-    """One driver per cross-validation identity on this machine: a second one refuses instead of training the
-    same folds twice. An OS lock, so a killed driver releases it."""
-    path = work_dir / "locks" / f"{identity}.lock"
+def identity_lock(work_dir: Path, key: str, what: str) -> Iterator[None]:
+    """One driver per cross-validation on this machine: `key` (`cv_runs.run_key`: its full identity and its store)
+    names the lock, so CVs that differ in any identity setting run side by side, and a second driver of the same one
+    refuses, naming the first (its pid and `what` it is), instead of training the same folds twice. An OS lock, so
+    a killed driver releases it."""
+    path = work_dir / "locks" / f"{key}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            raise SystemExit(f"error: the same cross-validation is already running ({holder}); wait for it to "
+            holder = handle.read().strip() or "a process that has not said what it is yet"
+            raise SystemExit(f"error: the same cross-validation is already running: {holder}; wait for it to "
                              f"finish or stop it, then run the command again to resume") from None
         handle.seek(0)
         handle.truncate()
-        handle.write(f"pid {os.getpid()}")
+        handle.write(f"pid {os.getpid()}, {what}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
         handle.flush()
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def driver_description(command: str, run: CvRunSettings, tracking_uri: str) -> str:
+    """What a CV's driver is, in its lock file (what a second one of the same CV is told): the command, the backbone,
+    dataset, protocol, task, strategy, config hash and store."""
+    return (f"`{command}` of {run.training.model_name} on {run.data.name} {run.protocol} {run.training.task.name} "
+            f"({run.training.finetune.label}, config {cv_runs.config_sha256(run.cv)[:12]}, store "
+            f"{tracking.redact_uri(tracking_uri)})")
 
 
 def plan_cv(run: CvRunSettings, client: MlflowClient, tracking_uri: str) -> Plan:
@@ -232,7 +217,7 @@ def plan_cv(run: CvRunSettings, client: MlflowClient, tracking_uri: str) -> Plan
         if not plan.finished:
             client.update_run(parent.info.run_id, status=tracking.RUNNING)
     plan.parent_run_id = parent.info.run_id
-    plan.work_dir = run.work_dir / plan.parent_run_id
+    plan.work_dir = run.work_dir / cv_runs.run_key(run.cv, tracking_uri) / plan.parent_run_id
     plan.seeds = list(run.seeds) if run.seeds else [None]
     plan.done = [(fold, seed) for seed in plan.seeds
                  for fold in tracking.finished_fold_runs(client, plan.parent_run_id, seed) if fold in fold_ids]
@@ -418,9 +403,10 @@ def run_cv(cfg: DictConfig) -> dict:
         print(f"device: chosen on each SLURM node (trainer.accelerator={cfg.trainer.accelerator})")
     else:
         announce_device(cfg.trainer.accelerator)
-    identity_dir = resolve_path(cfg.cv.work_dir)
-    with identity_lock(identity_dir, f"{cfg.model.name}-{cfg.data.name}-{cfg.protocol.name}-{cfg.task.name}"):
-        plan = plan_cv(CvRunSettings.from_config(cfg), client, tracking_uri)
+    run = CvRunSettings.from_config(cfg)  # read once
+    with identity_lock(run.work_dir, cv_runs.run_key(run.cv, tracking_uri),
+                       driver_description("make cv", run, tracking_uri)):
+        plan = plan_cv(run, client, tracking_uri)
         name = client.get_run(plan.parent_run_id).info.run_name
         if plan.finished:
             print(f"cross-validation {name!r} already finished with these settings: parent run {plan.parent_run_id} "
@@ -433,7 +419,8 @@ def run_cv(cfg: DictConfig) -> dict:
               f"precision {plan.decisions.precision}{auto}")
         print(f"MLflow: {tracking.redact_uri(tracking_uri)} (experiment {cfg.mlflow.experiment}, parent run "
               f"{plan.parent_run_id}); `make ui` to review")
-        with tracking.run_lifecycle(plan.parent_run_id, client, finish=False):  # aggregate() finishes it
+        # aggregate() finishes it; a store that does not answer cannot be told either: the run stays RUNNING
+        with tracking.run_lifecycle(plan.parent_run_id, client, finish=False, left_running=is_unreachable):
             outcome = launch(plan, client) if len(plan.done) < len(plan.units) else launchers.LaunchOutcome()
         if outcome.submitted:
             print(f"{len(outcome.submitted)} fold(s) queued on SLURM; run the same command again to follow them "

@@ -15,9 +15,7 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -27,6 +25,7 @@ from typing import Any, ClassVar, Protocol
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
+from pipeline.runs.orchestration.job_workers import run_on_workers
 from pipeline.runs.store.private_server import tracking_server
 from pipeline.runs.store.tracking import redact_uri, uri_has_credentials
 from pipeline.runs.store.tracking_server import (
@@ -36,8 +35,8 @@ from pipeline.runs.store.tracking_server import (
     tracking_access_problem,
     without_credentials,
 )
+from pipeline.runs.store.unreachable import is_unreachable
 from pipeline.utils.cpus import available_cpus
-from pipeline.utils.processes import die_with_parent, log_tail
 
 log = logging.getLogger(__name__)
 LAUNCHERS = ("local", "parallel", "slurm")
@@ -76,7 +75,8 @@ class LauncherSettings:
 class Job(Protocol):
     """What a launcher runs, as plain values (pickled for submitit, JSON for a subprocess): `FoldJob`, `TuneWorker`.
 
-    `key` names it in reports and outcomes (the fold; the worker's index); `tool` is the command that runs its spec in
+    `key` names it in reports and outcomes (the fold; the worker's index), `name` in words (`fold 3`, `search worker
+    0`); `tool` is the command that runs its spec in
     a process of its own (`python -m pipeline <tool> <spec.json>`); `file("json")` and `file("log")` are where that
     process's spec and output go; `write(path)` writes the spec (owner only, no password); `run()` runs the job in
     this process and returns its result."""
@@ -85,6 +85,9 @@ class Job(Protocol):
 
     @property
     def key(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
 
     def file(self, kind: str) -> Path: ...
 
@@ -143,6 +146,8 @@ def launch_local(jobs: Sequence[Job], report: Report) -> LaunchOutcome:
         try:
             result = job.run()
         except Exception as error:  # noqa: BLE001 - a fold's run holds the traceback; the others go on
+            if is_unreachable(error):  # the store's failure, not the job's: the others would wait for it too
+                raise
             outcome.failed[job.key] = f"{type(error).__name__}: {error}"
             report(job.key, "failed", outcome.failed[job.key])
             continue
@@ -182,11 +187,13 @@ def visible_gpus() -> list[str]:
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
-def job_slots(n_jobs: int | None, gpus: list[str], cpus: list[int]) -> list[dict[str, str]]:
+def job_slots(n_jobs: int | None, gpus: list[str], cpus: list[int],
+              max_threads: int | None = None) -> list[dict[str, str]]:
     """One environment per concurrent job: its own GPU, or on a CPU an equal share of the cores.
 
-    Default: one job per GPU, else 1. On a CPU each job gets len(cpus) // n_jobs cores as its torch threads,
-    dataloader workers (the loader's automatic count follows the affinity mask) and affinity mask.
+    Default: one job per GPU, else 1. On a CPU each job gets len(cpus) // n_jobs cores as its affinity mask and
+    dataloader workers (the loader's automatic count follows the mask), and as many torch threads, at most
+    `max_threads` (an OMP_NUM_THREADS the user set: fewer threads than cores were asked for).
     """
     n_jobs = n_jobs or max(1, len(gpus))
     if gpus:
@@ -198,7 +205,7 @@ def job_slots(n_jobs: int | None, gpus: list[str], cpus: list[int]) -> list[dict
     slots = []
     for slot in range(n_jobs):
         mine = cpus[slot * share:(slot + 1) * share] or cpus[-share:]
-        threads = str(len(mine))
+        threads = str(min(len(mine), max_threads or len(mine)))
         slots.append({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                       "PAINVIT_CPUS": ",".join(map(str, mine))})
     return slots
@@ -212,62 +219,17 @@ def job_environment(slot: Mapping[str, str], credentials: Mapping[str, str],
     return {**without_credentials(os.environ if environ is None else environ), **slot, **credentials}
 
 
-def _start_job(job: Job, slot: dict[str, str], credentials: Mapping[str, str]) -> tuple[subprocess.Popen, Path]:
-    """`python -m pipeline <job.tool> <spec>` with its slot's environment and CPU affinity, output to its log."""
-    spec, log_path = job.write(job.file("json")), job.file("log")
-    cpus = [int(c) for c in slot.get("PAINVIT_CPUS", "").split(",") if c]
-
-    def prepare_child() -> None:
-        if sys.platform == "linux":
-            die_with_parent()
-        if cpus and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, cpus)
-
-    with open(log_path, "ab") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "pipeline", job.tool, str(spec)],
-                                   env=job_environment(slot, credentials), stdout=log_file,
-                                   stderr=subprocess.STDOUT, preexec_fn=prepare_child)
-    return process, log_path
-
-
 def launch_parallel(jobs: Sequence[Job], n_jobs: int | None, report: Report, result_of: Callable[[int], Any],
                     credentials: Mapping[str, str] | None = None) -> LaunchOutcome:
-    """Up to n_jobs job processes at once (`python -m pipeline <job.tool> <spec.json>`), each in its own slot, with
-    `credentials` (the tracking server's user for the run) as their only secret. A job is done when its process
-    exits 0 and `result_of(key)` is not None; else it failed, reported with its log's tail. Ctrl-C stops them."""
-    slots = job_slots(n_jobs, visible_gpus(), sorted(_cpu_ids()))
-    queue, running, outcome = list(jobs), {}, LaunchOutcome()
-    for job in queue:
-        report(job.key, "pending", None)
-    free = list(range(len(slots)))
-    try:
-        while queue or running:
-            while queue and free:
-                job, slot = queue.pop(0), free.pop(0)
-                process, log_path = _start_job(job, slots[slot], credentials or {})
-                running[job.key] = (process, slot, log_path)
-                report(job.key, "running", f"pid {process.pid}, log {log_path}")
-            time.sleep(0.5)
-            for key, (process, slot, log_path) in list(running.items()):
-                if process.poll() is None:
-                    continue
-                del running[key]
-                free.append(slot)
-                result = result_of(key) if process.returncode == 0 else None
-                if result is not None:
-                    outcome.done.append(key)
-                    report(key, "done", result)
-                else:
-                    outcome.failed[key] = f"exit code {process.returncode}, log {log_path}:\n{log_tail(log_path)}"
-                    report(key, "failed", outcome.failed[key])
-    finally:  # Ctrl-C or an error in the driver: stop the jobs (SIGINT lets each mark its run KILLED)
-        for process, _, _ in running.values():
-            process.send_signal(signal.SIGINT)
-        for process, _, _ in running.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    """The jobs on up to n_jobs long-lived worker processes (`job_workers`), one per slot (`job_slots`: a GPU or a
+    share of the cores), each fed one job after another, with `credentials` (the tracking server's user for the run)
+    as their only secret. A job is done when its worker says so and `result_of(key)` is not None; else it failed,
+    reported with its log's tail. Ctrl-C stops them."""
+    asked = os.environ.get("OMP_NUM_THREADS", "")
+    slots = job_slots(n_jobs, visible_gpus(), sorted(_cpu_ids()), int(asked) if asked.isdigit() else None)
+    slots = slots[:max(1, len(jobs))]
+    outcome = LaunchOutcome()
+    run_on_workers(jobs, [job_environment(slot, credentials or {}) for slot in slots], report, result_of, outcome)
     return outcome
 
 

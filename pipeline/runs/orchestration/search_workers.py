@@ -86,6 +86,10 @@ class TuneWorker:
     def key(self) -> int:
         return self.worker
 
+    @property
+    def name(self) -> str:
+        return f"search worker {self.worker}"
+
     def file(self, kind: str) -> Path:
         """Its spec ("json") or log ("log") in the search's folder."""
         return Path(self.work_dir) / f"worker_{self.worker}.{kind}"
@@ -230,7 +234,7 @@ def run_worker(worker: TuneWorker) -> int:
     return ran
 
 
-def worker_main(argv: list[str] | None = None) -> int:
+def tune_worker_main(argv: list[str] | None = None) -> int:
     """`python -m pipeline tune-worker <spec.json>`: one search worker (what the parallel launcher starts)."""
     from pipeline.utils.logging_setup import setup_logging
 

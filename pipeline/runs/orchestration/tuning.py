@@ -43,7 +43,15 @@ from pipeline.runs.jobs.fold_decisions import FoldDecisions
 from pipeline.runs.jobs.fold_run import FoldJob
 from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.runs.orchestration import launchers
-from pipeline.runs.orchestration.cross_validation import CvRunSettings, Plan, aggregate, identity_lock, launch, plan_cv
+from pipeline.runs.orchestration.cross_validation import (
+    Plan,
+    aggregate,
+    driver_description,
+    identity_lock,
+    launch,
+    plan_cv,
+)
+from pipeline.runs.orchestration.cv_settings import CvRunSettings
 from pipeline.runs.orchestration.search_space import SearchSpace, TuneError, load_space, with_params
 from pipeline.runs.orchestration.search_workers import TuneWorker, launch_workers
 from pipeline.runs.orchestration.studies import (
@@ -57,7 +65,6 @@ from pipeline.runs.store import cv_runs, tracking
 from pipeline.runs.store.cv_runs import identity_config
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_write_text, save_png
-from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
 SCOPES = ("per_fold", "shared")
@@ -176,8 +183,8 @@ def run_tune(cfg: DictConfig) -> dict:
         announce_device(cfg.trainer.accelerator)
     if tune.scope == "shared":
         print(f"tune.scope=shared: {OPTIMISTIC}", flush=True)
-    with identity_lock(resolve_path(cfg.cv.work_dir),
-                       f"tune-{cfg.model.name}-{cfg.data.name}-{cfg.protocol.name}-{cfg.task.name}"):
+    with identity_lock(run.work_dir, cv_runs.run_key(run.cv, tracking_uri, "tune"),
+                       driver_description("make tune", run, tracking_uri)):
         plan = tuned_plan(run, tune, client, tracking_uri, space)
         if plan.finished:
             print(f"tuned cross-validation {plan.parent_run_id} already finished with these settings")

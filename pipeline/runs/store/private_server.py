@@ -1,7 +1,7 @@
-"""A private MLflow tracking server of one run (`tracking_server`): what `launchers.job_store` puts in front of a
-database store for jobs that write beside their driver, and what `make ui` serves the store through
-(`ui_main`). Basic authentication on loopback too; its users, settings and secrets in a 0700 folder of
-its own, which goes with it."""
+"""The private tracking server of one run: the parallel launcher's, `make tune LAUNCHER=parallel`'s and `make ui`'s
+(`tracking_server`), an MLflow basic-auth server on loopback over the run's store, its settings and users in a 0700
+folder of its own, a random admin password, and a user made for the run's jobs (`tracking_server.make_run_user`).
+Below the launchers, which start it for their jobs, and beside `make ui`, which starts it for a person."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,17 +40,23 @@ from pipeline.runs.store.tracking_server import (
     USERNAME_ENV,
     make_run_user,
     private_server_environment,
-    without_credentials,
+    server_environment,
 )
 from pipeline.utils.atomic_io import atomic_path
 from pipeline.utils.paths import PROJECT_ROOT
 from pipeline.utils.permissions import PRIVATE_UMASK, StoreNotPrivate, refuse_open_stores
-from pipeline.utils.processes import die_with_parent, free_port, log_tail, stop_process_group
+from pipeline.utils.processes import die_with_parent, stop_process_group
 
 log = logging.getLogger(__name__)
 
 
-def private_child() -> None:
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def _private_child() -> None:
     """In a server started here: what it creates (a new sqlite store, its journal, artifacts) is this user's alone,
     whatever umask the caller had; and it dies with its parent (Linux)."""
     os.umask(PRIVATE_UMASK)
@@ -95,7 +102,7 @@ def tracking_server(backend_store_uri: str, artifact_root: str, port: int | None
     secrets_env = private_server_environment(folder, default_permission)
     command = [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port), "--workers", "1",
                "--app-name", "basic-auth"]
-    env = {**without_credentials(os.environ), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    env = {**server_environment(os.environ), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
            BACKEND_STORE_ENV: backend_store_uri, ARTIFACT_ROOT_ENV: artifact_root, **secrets_env}
     admin = (secrets_env[ADMIN_USERNAME_ENV], secrets_env[ADMIN_PASSWORD_ENV])
     started = time.time()
@@ -103,7 +110,7 @@ def tracking_server(backend_store_uri: str, artifact_root: str, port: int | None
     server_log = folder / "server.log"
     with open(server_log, "wb") as log_file:
         server = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                  preexec_fn=private_child, start_new_session=True)
+                                  preexec_fn=_private_child, start_new_session=True)
     uri = f"http://{host}:{port}"
     shown = redact_uri(backend_store_uri)
     try:
@@ -124,6 +131,14 @@ def tracking_server(backend_store_uri: str, artifact_root: str, port: int | None
     finally:
         stop_process_group(server, grace_s=15)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last `lines` lines of a log file ("" where there is none)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def ui_main(argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import fcntl
 import os
 import sqlite3
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
@@ -182,13 +182,16 @@ def failure_status(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def run_lifecycle(run_id: str, client: MlflowClient | None = None, *, finish: bool = True,
-                  stopped: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+                  stopped: tuple[type[BaseException], ...] = (),
+                  left_running: Callable[[BaseException], bool] | None = None) -> Iterator[None]:
     """The one life of a run a command opened (a fold's, a trial's, a final model's, a CV's parent, a search, a
     comparison, a table, a power study): when the block raises, the run ends KILLED (Ctrl-C, SystemExit, or one of
     `stopped`, such as a fold lease another job took over) or FAILED, with the traceback as `traceback.txt` (not for
-    `stopped`); when it returns, FINISHED, unless `finish` is false (the block ends the run itself: a CV aggregates
-    it, or leaves it RUNNING for folds queued on SLURM). The active run (`mlflow.start_run`) ends through
-    `mlflow.end_run`, so that the next one can start; any other through the client."""
+    `stopped`), unless `left_running` says the error leaves it as it is (a store that does not answer,
+    `unreachable.is_unreachable`: nothing can be written, and the run resumes from there); when it returns, FINISHED,
+    unless `finish` is false (the block ends the run itself: a CV aggregates it, or leaves it RUNNING for folds
+    queued on SLURM). The active run (`mlflow.start_run`) ends through `mlflow.end_run`, so that the next one can
+    start; any other through the client."""
     import mlflow
 
     active = mlflow.active_run()
@@ -207,6 +210,8 @@ def run_lifecycle(run_id: str, client: MlflowClient | None = None, *, finish: bo
         end(KILLED)
         raise
     except BaseException as error:
+        if left_running is not None and left_running(error):
+            raise
         client.log_text(run_id, traceback.format_exc(), "traceback.txt")
         end(failure_status(error))
         raise
@@ -450,17 +455,22 @@ def uri_has_credentials(uri: str) -> bool:
     return redact_uri(uri) != uri
 
 
-def store_paths(tracking_uri: str | None, artifacts: str | None, folders: Sequence[str | None]) -> list[Path]:
-    """What a command writes its records and crops into: the sqlite store of `tracking_uri` (mlflow.tracking_uri),
-    the artifact folder (mlflow.artifact_root; None: the project's), and `folders`: the runs folder (checkpoints, job
-    files, submitit's pickles), the Optuna journals and the face crops (cv.work_dir, tune.storage_dir,
-    data.processed_dir; None where the command has none). Each must be this user's alone
-    (`pipeline.utils.permissions.refuse_open_stores`); the raw twin and committed fold files are not stores."""
-    paths = [sqlite_file(store_uri(tracking_uri))]
-    artifacts = str(artifacts or artifact_root(PROJECT_ROOT))
+# The settings that name where a command writes its records and crops (`store_paths`)
+STORE_SETTINGS = ("mlflow.tracking_uri", "mlflow.artifact_root", "cv.work_dir", "tune.storage_dir",
+                  "data.processed_dir")
+
+
+def store_paths(settings: Mapping[str, str | None]) -> list[Path]:
+    """What a command writes its records and crops into, from the values of `STORE_SETTINGS` (None where the
+    command's config has none): the sqlite store (mlflow.tracking_uri), the artifact folder (mlflow.artifact_root;
+    None: the project's), the runs folder (checkpoints, job files, submitit's pickles), the Optuna journals and the
+    face crops. Each must be this user's alone (`pipeline.utils.permissions.refuse_open_stores`); the raw twin and
+    committed fold files are not stores."""
+    paths = [sqlite_file(store_uri(settings.get("mlflow.tracking_uri")))]
+    artifacts = str(settings.get("mlflow.artifact_root") or artifact_root(PROJECT_ROOT))
     if artifacts.startswith("file://"):
         paths.append(Path(url2pathname(urlsplit(artifacts).path)))
     elif "://" not in artifacts:
         paths.append(resolve_path(artifacts))
-    paths += [resolve_path(folder) for folder in folders if folder]
+    paths += [resolve_path(folder) for key in STORE_SETTINGS[2:] if (folder := settings.get(key))]
     return [path for path in paths if path is not None]

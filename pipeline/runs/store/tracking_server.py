@@ -60,8 +60,11 @@ STORE_ENV, AUTH_DB_ENV = "SERVER_STORE", "SERVER_AUTH_DB"
 BACKEND_STORE_ENV, ARTIFACT_ROOT_ENV = "MLFLOW_BACKEND_STORE_URI", "MLFLOW_DEFAULT_ARTIFACT_ROOT"
 ARTIFACTS_DESTINATION_ENV = "MLFLOW_ARTIFACTS_DESTINATION"
 # Variables that hold a secret: none of them reaches a fold job or a server that does not need it
+# libpq's (PostgreSQL) and MySQL's password variables: a tracking server over such a database needs its own (or
+# libpq's password file, ~/.pgpass or PGPASSFILE, which is not a secret in itself); a fold job never does
+DATABASE_PASSWORD_ENV = ("PGPASSWORD", "MYSQL_PWD")
 CREDENTIAL_ENV = (PASSWORD_ENV, USERNAME_ENV, "MLFLOW_TRACKING_TOKEN", ADMIN_PASSWORD_ENV, ADMIN_USERNAME_ENV,
-                  SECRET_KEY_ENV, "PGPASSWORD", "MYSQL_PWD")
+                  SECRET_KEY_ENV, *DATABASE_PASSWORD_ENV)
 PERMISSIONS = ("READ", "EDIT", "MANAGE", "NO_PERMISSIONS")
 JOB_USER_PREFIX = "painvit-jobs"  # the users made for a run's fold jobs
 # a private server checks each (user, password) pair's scrypt hash once per this many seconds, not per request (one
@@ -122,6 +125,13 @@ def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:
     carries a password: what a fold job or a private server may inherit."""
     return {key: value for key, value in environ.items() if key not in CREDENTIAL_ENV
             and not (key in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI") and redact_uri(value) != value)}
+
+
+def server_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a private tracking server inherits: `without_credentials`, but the database's password variables
+    (DATABASE_PASSWORD_ENV) kept, since the server, and it alone, opens the store."""
+    return {**without_credentials(environ),
+            **{key: environ[key] for key in DATABASE_PASSWORD_ENV if key in environ}}
 
 
 def server_command(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
