@@ -77,6 +77,7 @@ from pipeline.data.face_crops import PreprocessConfig
 from pipeline.data.prepare import DataSettings
 from pipeline.data.tasks import CLASS_NAMES
 from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.store import tracking
 from pipeline.utils.accelerator import announce_device_or_exit
 from pipeline.utils.atomic_io import atomic_path
 from pipeline.utils.cpus import available_cpus
@@ -243,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     progress = not args.no_progress
     report: dict[str, Any] = {
-        "environment": {**environment(), **training.tags},
+        "environment": {**environment(), **tracking.training_device_tags(training)},
         "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
     }
     report["settings"].update(torch_threads=torch.get_num_threads(), preprocess=dataclasses.asdict(preprocess_config),

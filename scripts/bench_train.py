@@ -78,6 +78,7 @@ from pipeline.data.prepare import DataSettings
 from pipeline.models.finetune import FinetuneConfig, parameter_counts
 from pipeline.models.lightning_module import PainLightningModule
 from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.store import tracking
 from pipeline.utils.accelerator import announce_device_or_exit
 from pipeline.utils.cpus import available_cpus
 from pipeline.utils.paths import resolve_path
@@ -199,7 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     training = announce_device_or_exit(configs[0].trainer.accelerator)  # an unusable GPU: an error
     device = compute_device()
     report: dict[str, Any] = {
-        "environment": {**environment(), **training.tags},
+        "environment": {**environment(), **tracking.training_device_tags(training)},
         "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
     }
     report["settings"]["device"] = device.type

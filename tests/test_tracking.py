@@ -78,8 +78,9 @@ def test_make_ui_asks_for_a_password_made_for_it(store, tmp_path: Path) -> None:
     import urllib.error
     import urllib.request
 
+    from pipeline.runs.store.private_server import free_port
     from pipeline.runs.store.tracking_server import auth_call
-    from pipeline.utils.processes import free_port, stop_process_group
+    from pipeline.utils.processes import stop_process_group
 
     experiment_id = tracking.get_or_create_experiment("pain-cv", store["artifacts"], client=store["client"])
     port = free_port()
