@@ -32,7 +32,7 @@ from pipeline.models.head_training import embedded_clips
 from pipeline.models.scoring import FrameScorer
 from pipeline.models.temporal_heads import ClipNet
 from pipeline.runs.jobs.sealing import VIDEO_PREDICTIONS
-from pipeline.runs.jobs.two_stage import served_table
+from pipeline.runs.jobs.two_stage import split_embeddings
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.serving.mlflow_model import encode_image, synthetic_frames
 from pipeline.runs.store import cv_runs, tracking
@@ -175,10 +175,10 @@ def test_a_two_stage_heads_clips_are_made_of_the_personalised_embeddings_without
     table = embedding_table(resolve_path(cfg.data.processed_dir))
     data = datamodule(cfg, table, PersonaliseConfig("baseline", k=1, seed=0))
     plain = datamodule(cfg, table, PersonaliseConfig("none"))
-    assert served_table(plain, "test", table) is table  # a plain fold's clips are the frame model's embeddings
+    assert split_embeddings(plain, "test", table) is table  # a plain fold's clips are the frame model's embeddings
     for role in ROLES:
         rows, reference = data.frames(role), data.references[role]
-        clips = embedded_clips(rows, served_table(data, role, table), 3, Path("test.npz"))
+        clips = embedded_clips(rows, split_embeddings(data, role, table), 3, Path("test.npz"))
         taken = {row for video in clips.videos["rows"] for row in video}
         assert taken <= set(rows.index) and not taken & set(reference.index)
         means = {person: table.plain[group.index.to_numpy()].mean(axis=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.runs.store import tracking
+from pipeline.runs.store import tracking, ui_pages
 from pipeline.utils.paths import PROJECT_ROOT
 
 
@@ -50,20 +51,20 @@ def test_find_experiment_id_reads_the_store_by_name(store, tmp_path: Path) -> No
     other = tracking.get_or_create_experiment("other", store["artifacts"], client=client)
     pain = tracking.get_or_create_experiment("pain-cv", store["artifacts"], client=client)
     assert other != pain
-    assert tracking.find_experiment_id(store["uri"]) == pain
-    assert tracking.find_experiment_id(store["uri"], "other") == other
-    assert tracking.find_experiment_id(store["uri"], "absent") is None
+    assert ui_pages.find_experiment_id(store["uri"]) == pain
+    assert ui_pages.find_experiment_id(store["uri"], "other") == other
+    assert ui_pages.find_experiment_id(store["uri"], "absent") is None
     client.delete_experiment(other)
-    assert tracking.find_experiment_id(store["uri"], "other") is None
+    assert ui_pages.find_experiment_id(store["uri"], "other") is None
     missing = tmp_path / "nowhere" / "mlflow.db"
-    assert tracking.find_experiment_id(f"sqlite:///{missing}") is None
+    assert ui_pages.find_experiment_id(f"sqlite:///{missing}") is None
     assert not missing.parent.exists(), "looking up an address must not create a store"
 
 
 def test_ui_url_opens_the_runs_table_in_model_training_mode() -> None:
-    assert tracking.ui_url("127.0.0.1", 5000, "7") == (
+    assert ui_pages.ui_url("127.0.0.1", 5000, "7") == (
         "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning")
-    assert tracking.ui_url("127.0.0.1", "5001", None) == "http://127.0.0.1:5001/#/experiments?workflowType=machine_learning"
+    assert ui_pages.ui_url("127.0.0.1", "5001", None) == "http://127.0.0.1:5001/#/experiments?workflowType=machine_learning"
 
 
 def test_make_ui_asks_for_a_password_made_for_it(store, tmp_path: Path) -> None:
@@ -182,3 +183,41 @@ def test_a_run_ends_finished_killed_or_failed_with_its_traceback(store) -> None:
         with pytest.raises(ValueError), tracking.run_lifecycle(active.info.run_id, client):
             raise ValueError(f"attempt {attempt}")
         assert mlflow.active_run() is None and client.get_run(active.info.run_id).info.status == tracking.FAILED
+
+
+def test_the_headline_view_is_a_saved_view_that_make_ui_opens(store) -> None:
+    """`set_headline_view` writes the UI's saved view (name, state with the columns in order and wide enough for their
+    headers), only when it changes, and grows it on `add`; `ui-url` then prints the runs address on that view and,
+    once the comparisons' experiment exists, its address too, still without importing mlflow."""
+    client = store["client"]
+    cv = tracking.get_or_create_experiment("view-cv", store["artifacts"], client=client)
+    assert not ui_pages.has_headline_view(store["uri"], cv)
+    columns = [tracking.DURATION_COLUMN, ui_pages.metric_column("video_auroc"), ui_pages.metric_column("accuracy")]
+    ui_pages.set_headline_view(client, cv, columns)
+    key = tracking.SHARED_VIEW_TAG_PREFIX + tracking.HEADLINE_VIEW
+    written = client.get_experiment(cv).tags[key]
+    envelope = json.loads(written)
+    state = json.loads(envelope["state"])
+    assert envelope["name"] == tracking.HEADLINE_VIEW_NAME and envelope["createdAt"] <= envelope["updatedAt"]
+    assert state["selectedColumns"] == columns and state["columnOrder"] == [tracking.RUN_NAME_COLUMN, *columns]
+    assert state["columnWidths"]["metrics.`video_auroc`"] >= 7 * len("video_auroc")
+    ui_pages.set_headline_view(client, cv, columns)
+    assert client.get_experiment(cv).tags[key] == written  # unchanged: not written again
+    ui_pages.set_headline_view(client, cv, [ui_pages.metric_column("a-b/diff")], add=True)
+    grown = json.loads(json.loads(client.get_experiment(cv).tags[key])["state"])["selectedColumns"]
+    assert grown == [*columns, "metrics.`a-b/diff`"]
+    assert ui_pages.has_headline_view(store["uri"], cv)
+
+    comparisons = tracking.get_or_create_experiment(ui_pages.comparisons_experiment("view-cv"), store["artifacts"],
+                                                    client=client)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store["uri"]}
+    probe = "import sys; from pipeline.cli import main; main(sys.argv[1:]); " \
+            "print('mlflow imported' if {'mlflow', 'torch'} & set(sys.modules) else 'mlflow not imported')"
+    printed = subprocess.run([sys.executable, "-c", probe, "ui-url", "--port", "5123", "--experiment", "view-cv"],
+                             cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0, printed.stderr
+    assert (f"http://127.0.0.1:5123/#/experiments/{cv}/runs?workflowType=machine_learning&viewStateShareKey=headline"
+            in printed.stdout)
+    assert (f"Comparisons (make compare): http://127.0.0.1:5123/#/experiments/{comparisons}/runs?workflowType="
+            f"machine_learning\n" in printed.stdout)  # no view there yet: no key that the UI would not find
+    assert "mlflow not imported" in printed.stdout

@@ -26,6 +26,7 @@ from pipeline.data.fold_files import (
     subject_strata,
     write_folds,
 )
+from pipeline.utils.config_checks import UsageError
 from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
@@ -80,11 +81,12 @@ class DataSettings:
         return self.fold_file.parent == BIOVID_MANIFEST_DIR
 
 
-def dataset_root(data: DataSettings) -> Path:
-    if data.root is None:
-        raise SystemExit("data.root is not set: for BioVid run `make data DATA=biovid BIOVID_ROOT=/path/to/PartA` "
-                         "(the folder holding starting_point/samples.csv and video/)")
-    return resolve_path(data.root)
+def dataset_root(name: str, root: str | None) -> Path:
+    """Where dataset `name`'s raw videos are (`data.root`); unset, a UsageError that names BIOVID_ROOT."""
+    if root is None:
+        raise UsageError(f"BIOVID_ROOT is not set: DATA={name} reads its videos from the folder that holds "
+                         "starting_point/samples.csv and video/, e.g. BIOVID_ROOT=/data/BioVid/PartA (data.root=)")
+    return resolve_path(root)
 
 
 def synthetic_config(section: Mapping[str, Any], **defaults: Any) -> Any:
@@ -251,7 +253,7 @@ def truth_crops(data: DataSettings, root: Path, progress: bool) -> tuple[Preproc
 
 def prepare_data(data: DataSettings, progress: bool = True) -> tuple[PreprocessResult, Path]:
     """Raw dataset -> validated sample table -> face crops + frame table -> checked fold file."""
-    root = dataset_root(data)
+    root = dataset_root(data.name, data.root)
     crops = (data.synthetic or {}).get("crops", "videos")
     if crops not in ("videos", "truth"):
         raise SystemExit(f"data.synthetic.crops={crops!r}: expected videos or truth")

@@ -47,6 +47,11 @@ class PainNet(nn.Module):
         return self.head(self.backbone(images))
 
 
+def is_backbone(name: str) -> bool:
+    """Whether `create_backbone` builds `name`: a family's project name or a timm model (a pretrained tag too)."""
+    return adapter_for(name) is not None
+
+
 def adapter_of(name: str) -> BackboneAdapter:
     """The adapter that builds backbone `name`, or an error naming what exists."""
     adapter = adapter_for(name)

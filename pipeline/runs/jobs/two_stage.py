@@ -92,7 +92,7 @@ def fold_embeddings(training: TrainingSettings, fold: int, module: PainLightning
     return source, facts
 
 
-def served_table(datamodule: PainDataModule, role: str, table: EmbeddingTable) -> EmbeddingTable:
+def split_embeddings(datamodule: PainDataModule, role: str, table: EmbeddingTable) -> EmbeddingTable:
     """The embeddings a split's clips are made of: the frame model's (`table`), or a personalised fold's as its
     datamodule serves them (`EmbeddingDataModule`: each crop as its protocol sees it, a baseline's reference crops
     out of the split), so a clip head sees what a frame head sees."""
@@ -116,8 +116,8 @@ def second_stage(training: TrainingSettings, fold: int, module: PainLightningMod
     module.eval()
     source, facts = fold_embeddings(training, fold, module, datamodule, best_path is not None, work_dir)
     clip_frames = training.clip_frames
-    clips = {role: embedded_clips(datamodule.frames(role), served_table(datamodule, role, source.table), clip_frames,
-                                  source.path) for role in ROLES}
+    clips = {role: embedded_clips(datamodule.frames(role), split_embeddings(datamodule, role, source.table),
+                                  clip_frames, source.path) for role in ROLES}
     torch.manual_seed(training.seed)
     head = build_temporal_head(config, clips["train"].embeddings.shape[-1], len(module.class_names),
                                training.output)  # softmax, or over levels

@@ -2,19 +2,15 @@
 
 MLflow 3 refuses the old `./mlruns` file store, so the default is a sqlite database in the project root; the
 experiment is created with its artifacts in `<project>/mlartifacts` so runs never write into the working directory.
-
-`python -m pipeline ui-url --port 5000` prints the address of the experiment's runs page, which `make ui` shows
-before it starts the server. MLflow 3's UI opens in its GenAI mode (traces, an assistant) unless the address asks for
-the model-training mode, so that address is the way in for a new user.
+Every MLflow tag name and run status the project writes or reads is named here; the UI's pages a person opens are
+`ui_pages`'.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import os
-import sqlite3
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -144,6 +140,15 @@ VERSION_SOURCE_CV_TAG, VERSION_THRESHOLD_TAG, VERSION_FOLDS_TAG = "source_cv_run
 OUTPUT_TAG, PERSONALISE_TAG = "output", "personalise"
 COMPLETE_TAG = "complete"  # "true" when every fold of the fold file ran, without batch limits
 HEADLINE_TAG = "headline_metric"
+# A saved view of an experiment's runs table, as MLflow's UI writes one (Views > Save view, or Share): the experiment
+# tag <SHARED_VIEW_TAG_PREFIX><key> holds its name and state (the columns, in order, as JSON); the UI's Views list
+# offers it by name, and the runs address with ?viewStateShareKey=<key> opens it. HEADLINE_VIEW is this project's:
+# the headline metrics as the table's columns.
+SHARED_VIEW_TAG_PREFIX, SHARED_VIEW_PARAM, HEADLINE_VIEW = "mlflow.sharedViewState.", "viewStateShareKey", "headline"
+HEADLINE_VIEW_NAME = "Headline figures"
+DURATION_COLUMN = "attributes.`Duration`"  # the runs table's column of a run's wall time
+RUN_NAME_COLUMN, RUN_NAME_WIDTH = "attributes.`Run Name`", 380  # its run names, wide enough to tell them apart
+MAX_VIEW_COLUMNS = 60  # a view's columns at most (a comparisons experiment gathers every pair's): the newest kept
 
 
 def inherited_tags(parent: Run, names: tuple[str, ...] = INHERITED_TAGS) -> dict[str, str]:
@@ -367,60 +372,6 @@ def get_or_create_experiment(name: str, artifact_root: str | Path, client: Mlflo
     if EXPERIMENT_KIND_TAG not in experiment.tags:
         client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return experiment.experiment_id
-
-
-def find_experiment_id(uri: str, name: str = DEFAULT_EXPERIMENT) -> str | None:
-    """The id of the active experiment `name` in the store at `uri`, or None (no store yet, no such experiment).
-
-    A sqlite store is read directly, read-only, in milliseconds and without creating the file; any other store
-    goes through MLflow. Never raises: a store it cannot read gives None.
-    """
-    if uri.startswith("sqlite:///"):
-        path = uri[len("sqlite:///"):].split("?", 1)[0]
-        if not path or path == ":memory:" or not Path(path).is_file():
-            return None
-        try:
-            with sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True) as connection:
-                row = connection.execute(
-                    "SELECT experiment_id FROM experiments WHERE name = ? AND lifecycle_stage = 'active'", (name,)
-                ).fetchone()
-        except sqlite3.Error:
-            return None
-        return None if row is None else str(row[0])
-    try:
-        from mlflow import MlflowClient
-
-        experiment = MlflowClient(uri).get_experiment_by_name(name)
-    except Exception:  # an address to print is not worth failing `make ui` for
-        return None
-    return experiment.experiment_id if experiment is not None and experiment.lifecycle_stage == "active" else None
-
-
-def ui_url(host: str, port: int | str, experiment_id: str | None) -> str:
-    """The UI page a new user should open: the experiment's runs table (parents expand into folds) in the UI's
-    "Model training" mode, or the experiment list in that mode when there is no experiment yet."""
-    base = f"http://{host}:{port}/#/experiments"
-    page = f"{base}/{experiment_id}/runs" if experiment_id is not None else base
-    return f"{page}?workflowType={UI_WORKFLOW}"
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipeline ui-url",
-                                     description="Print the MLflow UI address of the experiment's runs page.")
-    parser.add_argument("--tracking-uri", default=None, help="the store (default: MLFLOW_TRACKING_URI or mlflow.db)")
-    parser.add_argument("--experiment", default=DEFAULT_EXPERIMENT)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", default="5000")
-    args = parser.parse_args(argv)
-    uri = args.tracking_uri or tracking_uri(PROJECT_ROOT)
-    experiment_id = find_experiment_id(uri, args.experiment)
-    url = ui_url(args.host, args.port, experiment_id)
-    if experiment_id is None:
-        print(f"No experiment '{args.experiment}' in {redact_uri(uri)} yet (`make cv` creates it). MLflow UI: {url}")
-    else:
-        print(f"Cross-validation runs of '{args.experiment}': {url}")
-    print("Open that address once the server logs 'Application startup complete'. Stop with Ctrl+C.", flush=True)
-
 
 
 # Query parameters of a URI whose values are secrets (`postgresql://h/db?password=...`), lower case.
