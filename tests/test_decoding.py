@@ -15,7 +15,7 @@ from pipeline.evaluation.aggregation import DECODINGS, called_classes
 from pipeline.evaluation.metrics import evaluate_predictions
 from pipeline.models.ordinal import CoralHead, CornHead, output_probabilities
 from pipeline.runs.store import tracking
-from pipeline.runs.store.cv_runs import CvSettings, cv_label, decoding_of, identity_config
+from pipeline.runs.store.cv_runs import CvConfig, CvSettings, cv_label, decoding_of, identity_config
 from pipeline.utils.config import load_config
 
 LEVELS = ("BL1", "PA1", "PA2", "PA3", "PA4")
@@ -93,7 +93,7 @@ def test_a_fold_evaluation_calls_frames_and_videos_by_the_rule_for_a_corn_head_a
 
 
 def settings(output: str, task: str, decoding: str | None) -> CvSettings:
-    tags = {"model": "resnet10t", "task": task, tracking.OUTPUT_TAG: output}
+    tags = {tracking.MODEL_TAG: "resnet10t", tracking.TASK_TAG: task, tracking.OUTPUT_TAG: output}
     if decoding is not None:
         tags[tracking.DECODING_TAG] = decoding
     return CvSettings(tags, {} if decoding is None else {"eval.decoding": decoding})
@@ -120,8 +120,11 @@ def test_make_compare_refuses_five_class_cvs_decoded_by_different_rules() -> Non
 
 def test_the_rule_joins_a_cvs_identity_only_where_it_is_not_its_outputs_former_one() -> None:
     """A CV made before `eval.decoding` keeps its identity: the former rule of its output is left out of it."""
-    assert "decoding" not in identity_config(load_config(["task=five_class"]))["eval"]
-    assert identity_config(load_config(["task=five_class", "eval.decoding=median"]))["eval"]["decoding"] == "median"
+    def identity(*overrides: str) -> dict:
+        return identity_config(CvConfig.from_config(load_config(list(overrides))))
+
+    assert "decoding" not in identity("task=five_class")["eval"]
+    assert identity("task=five_class", "eval.decoding=median")["eval"]["decoding"] == "median"
     ordinal = ["task=five_class", "model/output=ordinal"]
-    assert identity_config(load_config(ordinal))["eval"]["decoding"] == "argmax"
-    assert "decoding" not in identity_config(load_config([*ordinal, "eval.decoding=median"]))["eval"]
+    assert identity(*ordinal)["eval"]["decoding"] == "argmax"
+    assert "decoding" not in identity(*ordinal, "eval.decoding=median")["eval"]

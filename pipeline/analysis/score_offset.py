@@ -96,7 +96,7 @@ def offset_cv(client: MlflowClient, plain: Run, k: int, seed: int) -> pd.DataFra
     """A plain CV's pooled test videos as the comparator calls them: every finished fold's stored validation and
     test videos (`predictions_videos_val.csv`, `predictions_videos.csv`) through `offset_fold` at the CV's own
     threshold rule; the references left out. A fold column, a `decision` per video, as `make compare` pools a CV."""
-    class_names = get_task(plain.data.tags["task"]).classes
+    class_names = get_task(plain.data.tags[tracking.TASK_TAG]).classes
     _check_binary(class_names)
     rule = parse_rule(plain.data.params["eval.threshold"])
     folds = tracking.finished_fold_runs(client, plain.info.run_id)

@@ -18,14 +18,15 @@ import numpy as np
 AGGREGATIONS = ("mean", "max", "topk")
 
 
-def check_aggregation(method: str, k: int = 3) -> None:
+def check_aggregation(method: str, k: int) -> None:
+    """`trainer.aggregation` and `trainer.topk` (configs/trainer/default.yaml holds their defaults), checked."""
     if method not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {method!r}; choose one of {AGGREGATIONS}")
     if method == "topk" and k < 1:
         raise ValueError(f"topk aggregation needs k >= 1, got {k}")
 
 
-def aggregate_class_probabilities(probabilities: np.ndarray, method: str = "mean", k: int = 3) -> np.ndarray:
+def aggregate_class_probabilities(probabilities: np.ndarray, method: str, k: int) -> np.ndarray:
     """One video's class probabilities (shape (C,)) from its frames' (shape (N, C), N >= 1)."""
     check_aggregation(method, k)
     probs = np.asarray(probabilities, dtype=float)
@@ -76,6 +77,12 @@ DECODINGS = {"argmax": argmax_decision, "median": ordinal_decision, "expected": 
 def check_decoding(rule: str) -> None:
     if rule not in DECODINGS:
         raise ValueError(f"eval.decoding={rule!r}: expected one of {', '.join(DECODINGS)}")
+
+
+def checked_decoding(rule: object) -> str:
+    """`eval.decoding` as a rule name, checked."""
+    check_decoding(str(rule))
+    return str(rule)
 
 
 def called_classes(probs: np.ndarray, decoding: str) -> np.ndarray:

@@ -44,7 +44,7 @@ def _require_columns(table: pd.DataFrame, columns: Sequence[str], what: str) -> 
         raise ValueError(f"{what} is missing columns {missing}; it has {list(table.columns)}")
 
 
-def aggregate_videos(frames: pd.DataFrame, method: str = "mean", k: int = 3, *, decoding: str) -> pd.DataFrame:
+def aggregate_videos(frames: pd.DataFrame, method: str, k: int, *, decoding: str) -> pd.DataFrame:
     """One row per video from per-frame class probabilities, by the rule of `pipeline.evaluation.aggregation`
     (the one `make predict` applies to a new video); `pred` is the class the video's probabilities are called by
     the rule `decoding` (`aggregation.DECODINGS`: argmax, median or expected level, for every output)."""
@@ -192,7 +192,7 @@ class Evaluation:
 
 
 def evaluate_predictions(
-    frames: pd.DataFrame, class_names: Sequence[str], aggregation: str = "mean", k: int = 3, *, decoding: str
+    frames: pd.DataFrame, class_names: Sequence[str], aggregation: str, k: int, *, decoding: str
 ) -> Evaluation:
     """Frame and video metrics for one fold's per-frame predictions; per-subject accuracy is video-level. Frames and
     videos are called by the rule `decoding` (`eval.decoding`: argmax, median or expected level), the same for a
