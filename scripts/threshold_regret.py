@@ -70,18 +70,19 @@ def arm_overrides(arm: str, seed: int, store: Path) -> list[str] | None:
     raise SystemExit(f"unknown arm {arm!r}; the arms: {', '.join(ARMS)}")
 
 
-def run_study(arms: list[str], seeds: int, weights: Path, store: Path) -> None:
-    """Every arm's CVs, task by task and seed by seed, into `store`; each CV's wall time printed."""
-    common = [*PROBE, f"model.weights={weights.resolve()}", f"mlflow.tracking_uri=sqlite:///{store / 'mlflow.db'}",
-              f"mlflow.experiment={EXPERIMENT}", f"mlflow.artifact_root={store / 'mlartifacts'}",
-              f"cv.work_dir={store / 'runs'}"]
-    plan = [(arm, seed, task, overrides) for arm in arms for seed in range(seeds)
-            if (overrides := arm_overrides(arm, seed, store)) is not None for task in TASKS]
+def run_study(arms: list[str], seeds: int, weights: list[Path], store: Path) -> None:
+    """Every arm's CVs, embedder by embedder, task by task and seed by seed, into `store`; each CV's wall time
+    printed."""
+    common = [*PROBE, f"mlflow.tracking_uri=sqlite:///{store / 'mlflow.db'}", f"mlflow.experiment={EXPERIMENT}",
+              f"mlflow.artifact_root={store / 'mlartifacts'}", f"cv.work_dir={store / 'runs'}"]
+    plan = [(arm, seed, task, [f"model.weights={start.resolve()}", *overrides]) for arm in arms for start in weights
+            for seed in range(seeds) if (overrides := arm_overrides(arm, seed, store)) is not None for task in TASKS]
     for index, (arm, seed, task, overrides) in enumerate(plan, start=1):
         started = time.monotonic()
-        print(f"== [{index}/{len(plan)}] {arm} seed {seed} {task}", flush=True)
+        what = f"[{index}/{len(plan)}] {arm} seed {seed} {task} {Path(overrides[0]).name}"
+        print(f"== {what}", flush=True)
         run_cv(load_config([*common, *overrides, f"task={task}"]))
-        print(f"== [{index}/{len(plan)}] {arm} seed {seed} {task}: {time.monotonic() - started:.0f} s", flush=True)
+        print(f"== {what}: {time.monotonic() - started:.0f} s", flush=True)
 
 
 def finished_cvs(store: Path) -> list[str]:
@@ -126,8 +127,9 @@ def analyse(store: Path, out: Path, resamples: int) -> pd.DataFrame:
     atomic_write_csv(out / "threshold_regret_folds.csv", rows)
     atomic_write_csv(out / "threshold_regret.csv", table)
     png = plot(table, out / "threshold_regret.png")
-    described = rows.groupby(list(GROUPS)).agg(cvs=("cv_run", "nunique"), folds=("split", "size"),
-                                               tasks=("task", "nunique"), auroc=("video_auroc", "mean"))
+    described = rows.groupby([*GROUPS, "model"]).agg(cvs=("cv_run", "nunique"), folds=("split", "size"),
+                                                     tasks=("task", "nunique"), splits=("split", "nunique"),
+                                                     auroc=("video_auroc", "mean"))
     described["folds"] //= rows["rule"].nunique()
     print(f"{len(parents)} finished CVs, {skipped} fold(s) left out (multiclass or one class among the test videos)")
     print(described.to_string(float_format=lambda v: f"{v:.3f}"))
@@ -140,7 +142,8 @@ def analyse(store: Path, out: Path, resamples: int) -> pd.DataFrame:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--weights", type=Path, help="the frozen backbone's weights (make pretrain's resnet10t)")
+    parser.add_argument("--weights", type=Path, nargs="+", default=[],
+                        help="the frozen backbone's weights, one embedder each (make pretrain's resnet10t)")
     parser.add_argument("--seeds", type=int, default=6, help="fold-file seeds per arm")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--store", type=Path, default=ROOT / "data" / "threshold_study" / "store")
@@ -151,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     args.store = args.store.resolve()
     args.store.mkdir(parents=True, exist_ok=True)
     if not args.analyse_only:
-        if args.weights is None or not args.weights.is_file():
-            raise SystemExit(f"--weights {args.weights}: not a file (`make pretrain MODEL=resnet10t DATA=synthetic87 "
+        missing = [path for path in args.weights if not path.is_file()] or ([] if args.weights else ["(none)"])
+        if missing:
+            raise SystemExit(f"--weights {missing[0]}: not a file (`make pretrain MODEL=resnet10t DATA=synthetic87 "
                              f"ARGS=\"model.img_size=64\"` writes data/pretrained/"
                              f"resnet10t_identity_synthetic1_64px.pt)")
         run_study(args.arms, args.seeds, args.weights, args.store)

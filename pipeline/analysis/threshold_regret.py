@@ -36,7 +36,7 @@ from pipeline.evaluation.thresholds import (
 )
 from pipeline.runs.jobs.fold_job import VAL_VIDEO_PREDICTIONS
 from pipeline.runs.jobs.sealing import VIDEO_PREDICTIONS
-from pipeline.runs.store import tracking
+from pipeline.runs.store import cv_runs, tracking
 
 FIXED = 0.5  # the fixed cut compared beside the named rules (argmax on two classes)
 ALIASES = ("balanced_accuracy",)  # another name of Youden's optimum: the same threshold, not compared twice
@@ -64,7 +64,7 @@ class FoldVideos:
     seed: str  # the training seed's tag ("" when the CV trained once)
     dataset: str
     task: str
-    model: str
+    model: str  # the CV's label (`cv_runs.cv_label`): backbone, what trained, the weights file it started from
     split: str  # which people: the fold file's SHA-256 and the fold, shared by every task and backbone on them
     validation_subjects: int
     val_labels: np.ndarray
@@ -113,7 +113,7 @@ def fold_videos(client: MlflowClient, parent: str, run: Run, tags: dict[str, str
         return None
     fold = int(fold_tags[tracking.FOLD_TAG])
     return FoldVideos(parent, run_id, fold, fold_tags.get(tracking.SEED_TAG, ""), tags.get("dataset", ""), task.name,
-                      tags.get("model", ""), f"{tags.get(tracking.FOLD_FILE_TAG, '')[:12]}:{fold}",
+                      cv_runs.cv_label(tags), f"{tags.get(tracking.FOLD_FILE_TAG, '')[:12]}:{fold}",
                       int(val["subject_name"].nunique()), val_labels, val_scores, test_labels, test_scores)
 
 
