@@ -22,7 +22,7 @@ and written with the per-fold rows and a PNG.
 
     .venv/bin/python scripts/threshold_regret.py --weights data/pretrained/resnet10t_identity_synthetic1_64px.pt \\
         [--seeds 6] [--arms synthetic87_val2 synthetic87_val10 synthetic87_val12 synthetic_val2] [--store DIR]
-    .venv/bin/python scripts/threshold_regret.py --analyse-only [--store DIR]   # the table of what the store holds
+    .venv/bin/python scripts/threshold_regret.py --analyse-only [--store DIR] [--also DIR ...]  # what stores hold
 """
 
 from __future__ import annotations
@@ -117,11 +117,21 @@ def plot(table: pd.DataFrame, path: Path) -> Path:
     return path
 
 
-def analyse(store: Path, out: Path, resamples: int) -> pd.DataFrame:
-    """The regret table of every finished CV in `store`, written to `out` and printed."""
-    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
-    parents = finished_cvs(store)
-    rows, skipped = regret_rows(client, parents)
+def store_rows(stores: list[Path]) -> tuple[pd.DataFrame, int, int]:
+    """Every rule on every usable fold of every finished CV in these stores, the number of CVs and of folds left
+    out."""
+    frames, cvs, skipped = [], 0, 0
+    for store in stores:
+        parents = finished_cvs(store)
+        rows, left_out = regret_rows(MlflowClient(f"sqlite:///{store / 'mlflow.db'}"), parents)
+        frames.append(rows)
+        cvs, skipped = cvs + len(parents), skipped + left_out
+    return pd.concat(frames, ignore_index=True), cvs, skipped
+
+
+def analyse(stores: list[Path], out: Path, resamples: int) -> pd.DataFrame:
+    """The regret table of every finished CV in `stores`, written to `out` and printed."""
+    rows, cvs, skipped = store_rows(stores)
     table = regret_table(rows, GROUPS, resamples=resamples, seed=0)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_csv(out / "threshold_regret_folds.csv", rows)
@@ -131,7 +141,7 @@ def analyse(store: Path, out: Path, resamples: int) -> pd.DataFrame:
                                                      tasks=("task", "nunique"), splits=("split", "nunique"),
                                                      auroc=("video_auroc", "mean"))
     described["folds"] //= rows["rule"].nunique()
-    print(f"{len(parents)} finished CVs, {skipped} fold(s) left out (multiclass or one class among the test videos)")
+    print(f"{cvs} finished CVs, {skipped} fold(s) left out (multiclass or one class among the test videos)")
     print(described.to_string(float_format=lambda v: f"{v:.3f}"))
     print("\nregret in balanced-accuracy points (best cut on the test videos minus the rule's), 95 % interval over "
           f"splits ({resamples} resamples), worst fold, 90th percentile, difference to the group's best rule:")
@@ -150,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "threshold_regret")
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of the splits")
     parser.add_argument("--analyse-only", action="store_true", help="only the table of what the store holds")
+    parser.add_argument("--also", type=Path, nargs="+", default=[],
+                        help="more study stores whose CVs join the table (another embedder's, another twin's)")
     args = parser.parse_args(argv)
     args.store = args.store.resolve()
     args.store.mkdir(parents=True, exist_ok=True)
@@ -160,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"ARGS=\"model.img_size=64\"` writes data/pretrained/"
                              f"resnet10t_identity_synthetic1_64px.pt)")
         run_study(args.arms, args.seeds, args.weights, args.store)
-    analyse(args.store, args.out, args.resamples)
+    analyse([args.store, *(store.resolve() for store in args.also)], args.out, args.resamples)
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -89,12 +90,20 @@ def test_a_resampled_mean_weighs_each_split_by_its_folds() -> None:
     assert resampled_means(values, np.array([0, 0, 1]), draws) == pytest.approx([2.0, 10.0, 14 / 3])
 
 
+def script(name: str):
+    """A script of scripts/ as a module (its main takes argv)."""
+    spec = importlib.util.spec_from_file_location(name, PROJECT_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def tiny_cv(tiny_config, tmp_path_factory: pytest.TempPathFactory):
     """Three folds of a frozen probe on the tiny twin, in a store of their own (1 validation subject a fold)."""
     base = tmp_path_factory.mktemp("threshold_regret")
-    cfg = tiny_config(*PROBE, f"mlflow.tracking_uri=sqlite:///{base / 'mlflow.db'}",
-                      f"mlflow.artifact_root={base / 'art'}", f"cv.work_dir={base / 'runs'}")
+    cfg = tiny_config(*PROBE, "mlflow.experiment=pain-thresholds", f"mlflow.artifact_root={base / 'art'}",
+                      f"mlflow.tracking_uri=sqlite:///{base / 'mlflow.db'}", f"cv.work_dir={base / 'runs'}")
     run_cv(cfg)
     client = MlflowClient(cfg.mlflow.tracking_uri)
     return cfg, client, cv_runs.finished_cv(client, cfg).info.run_id
@@ -119,9 +128,7 @@ def test_every_rule_on_a_real_cvs_folds_and_its_own_rule_gives_back_what_the_fol
 
 def test_the_default_cv_check_reads_the_store_and_fails_a_fold_below_the_floor(tiny_cv, tmp_path, capsys) -> None:
     cfg, client, parent = tiny_cv
-    spec = importlib.util.spec_from_file_location("check", PROJECT_ROOT / "scripts" / "check_default_thresholds.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = script("check_default_thresholds")
     arguments = ["--store", cfg.mlflow.tracking_uri, "--run", parent, "--out", str(tmp_path)]
     status = check.main([*arguments, "--rule", "youden"])
     printed = capsys.readouterr().out
@@ -132,6 +139,26 @@ def test_the_default_cv_check_reads_the_store_and_fails_a_fold_below_the_floor(t
     assert len(failing_folds(rows, "youden", 0.0, 1.01)) == 3
     # without --run it looks for the default backbones' finished CVs: none here, and it says so
     with pytest.raises(SystemExit) as stopped:
-        check.main(["--store", cfg.mlflow.tracking_uri, "--out", str(tmp_path)])
+        check.main(["--store", cfg.mlflow.tracking_uri, "--experiment", "pain-thresholds", "--out", str(tmp_path)])
     assert stopped.value.code == 2
     assert "no finished default CV of vit_b16, cvt_13, mobilevit_s" in capsys.readouterr().err
+
+
+def test_the_study_script_tables_the_store_it_is_given(tiny_cv, tmp_path, capsys) -> None:
+    cfg, client, parent = tiny_cv
+    store = Path(cfg.mlflow.tracking_uri.removeprefix("sqlite:///")).parent
+    status = script("threshold_regret").main(["--analyse-only", "--store", str(store), "--out", str(tmp_path),
+                                              "--resamples", "50"])
+    assert status == 0 and "1 finished CVs, 0 fold(s) left out" in capsys.readouterr().out
+    table = pd.read_csv(tmp_path / "threshold_regret.csv")
+    folds = pd.read_csv(tmp_path / "threshold_regret_folds.csv")
+    # one group (the tiny twin, 1 validation subject), every rule once, its mean the mean of its folds' regrets
+    assert sorted(table["rule"]) == sorted(str(rule) for rule in folds["rule"].unique()) and len(table) == len(
+        compared_rules())
+    for rule, part in folds.groupby("rule"):
+        row = table[table["rule"] == rule].iloc[0]
+        assert row["folds"] == 3 and row["regret"] == pytest.approx(100 * part["regret"].mean())
+        # a resampled mean of whole splits lies between the best and the worst fold
+        low, high = 100 * part["regret"].min() - 1e-9, 100 * part["regret"].max() + 1e-9
+        assert low <= row["regret_low"] <= row["regret_high"] <= high
+    assert (tmp_path / "threshold_regret.png").stat().st_size > 0
