@@ -70,13 +70,13 @@ def arm_overrides(arm: str, seed: int, store: Path) -> list[str] | None:
     raise SystemExit(f"unknown arm {arm!r}; the arms: {', '.join(ARMS)}")
 
 
-def run_study(arms: list[str], seeds: int, weights: list[Path], store: Path) -> None:
+def run_study(arms: list[str], seeds: int, weights: list[Path], store: Path, tasks: list[str]) -> None:
     """Every arm's CVs, embedder by embedder, task by task and seed by seed, into `store`; each CV's wall time
     printed."""
     common = [*PROBE, f"mlflow.tracking_uri=sqlite:///{store / 'mlflow.db'}", f"mlflow.experiment={EXPERIMENT}",
               f"mlflow.artifact_root={store / 'mlartifacts'}", f"cv.work_dir={store / 'runs'}"]
     plan = [(arm, seed, task, [f"model.weights={start.resolve()}", *overrides]) for arm in arms for start in weights
-            for seed in range(seeds) if (overrides := arm_overrides(arm, seed, store)) is not None for task in TASKS]
+            for seed in range(seeds) if (overrides := arm_overrides(arm, seed, store)) is not None for task in tasks]
     for index, (arm, seed, task, overrides) in enumerate(plan, start=1):
         started = time.monotonic()
         what = f"[{index}/{len(plan)}] {arm} seed {seed} {task} {Path(overrides[0]).name}"
@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the frozen backbone's weights, one embedder each (make pretrain's resnet10t)")
     parser.add_argument("--seeds", type=int, default=6, help="fold-file seeds per arm")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS, help="in this order")
     parser.add_argument("--store", type=Path, default=ROOT / "data" / "threshold_study" / "store")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "threshold_regret")
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of the splits")
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--weights {missing[0]}: not a file (`make pretrain MODEL=resnet10t DATA=synthetic87 "
                              f"ARGS=\"model.img_size=64\"` writes data/pretrained/"
                              f"resnet10t_identity_synthetic1_64px.pt)")
-        run_study(args.arms, args.seeds, args.weights, args.store)
+        run_study(args.arms, args.seeds, args.weights, args.store, args.tasks)
     analyse([args.store, *(store.resolve() for store in args.also)], args.out, args.resamples)
     return 0
 
