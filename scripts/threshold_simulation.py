@@ -41,10 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.analysis.threshold_regret import best_balanced_accuracy  # noqa: E402
-from pipeline.evaluation.thresholds import binary_metrics_at, choose_threshold  # noqa: E402
+from pipeline.evaluation.thresholds import binary_metrics_at, choose_threshold, measured_rules  # noqa: E402
 from pipeline.utils.atomic_io import atomic_write_csv, save_png  # noqa: E402
 
-RULES = ("youden", "equal_error", "median_midpoint", "logit_midpoint", "shrinkage", 0.5)
+RULES = (*measured_rules(), 0.5)  # every rule `eval.threshold` names (but a second name of one), and the fixed 0.5
 SEPARATIONS = (1.0, 2.0, 3.0)
 SHIFTS = (0.0, 1.5)
 SUBJECT_SPREADS = (0.5, 1.5)

@@ -28,9 +28,9 @@ from sklearn.metrics import roc_auc_score
 
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.thresholds import (
-    RULES,
     binary_metrics_at,
     choose_threshold,
+    measured_rules,
     roc_points,
     threshold_scores,
 )
@@ -39,13 +39,13 @@ from pipeline.runs.jobs.sealing import VIDEO_PREDICTIONS
 from pipeline.runs.store import cv_runs, tracking
 
 FIXED = 0.5  # the fixed cut compared beside the named rules (argmax on two classes)
-ALIASES = ("balanced_accuracy",)  # another name of Youden's optimum: the same threshold, not compared twice
 CONFIDENCE = 0.95
 
 
 def compared_rules() -> tuple[str | float, ...]:
-    """Every rule `eval.threshold` can name (aliases once), and the fixed 0.5."""
-    return (*(rule for rule in RULES if rule not in ALIASES), FIXED)
+    """Every rule of the registry that `eval.threshold` names (a second name of one rule once: `measured_rules`),
+    and the fixed 0.5."""
+    return (*measured_rules(), FIXED)
 
 
 def rule_label(rule: str | float) -> str:
