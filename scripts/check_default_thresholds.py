@@ -9,8 +9,13 @@ rule's threshold, for the configured default (`eval.threshold` in configs/config
 Writes the per-fold table to <out>/default_cv_folds.csv. Exit status 1 when a fold fails the check, 2 when a backbone
 has no finished CV.
 
-    .venv/bin/python scripts/check_default_thresholds.py [--store sqlite:///$PWD/mlflow.db] [--experiment pain-cv] \\
-        [--models vit_b16 cvt_13 mobilevit_s] [--run <parent run id> ...] [--rule youden]
+    make check-thresholds                        # the three default CVs in the project's store, at eval.threshold
+    make check-thresholds RULE=youden RUN=<id>   # another rule, one CV of your own
+    .venv/bin/python scripts/check_default_thresholds.py [--store URI] [--experiment NAME] \\
+        [--models vit_b16 cvt_13 mobilevit_s] [--run <parent run id> ...] [--rule youden] [--out DIR]
+
+--store: a tracking URI (default: the project's, as `make cv` writes it: $MLFLOW_TRACKING_URI, else
+sqlite:///<project>/mlflow.db); --experiment: default configs' mlflow.experiment.
 """
 
 from __future__ import annotations
@@ -66,16 +71,18 @@ def as_run(client: MlflowClient, fold_runs: pd.Series) -> pd.DataFrame:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", default=None, help="tracking URI (default: the project's, as make cv uses)")
-    parser.add_argument("--experiment", default="pain-cv")
+    parser.add_argument("--experiment", default=None, help="the CVs' experiment (default: configs' mlflow.experiment)")
     parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
     parser.add_argument("--run", action="append", default=[], help="a CV's parent run id instead (repeatable)")
     parser.add_argument("--rule", default=None, help="the rule checked (default: configs' eval.threshold)")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "threshold_regret")
     args = parser.parse_args(argv)
-    rule = rule_label(parse_rule(args.rule if args.rule is not None else load_config([]).eval.threshold))
+    configured = load_config([])
+    rule = rule_label(parse_rule(args.rule if args.rule is not None else configured.eval.threshold))
+    experiment = args.experiment if args.experiment is not None else configured.mlflow.experiment
     client = MlflowClient(tracking.store_uri(args.store))
     parents = ({run_id: run_id for run_id in args.run} if args.run else
-               default_cvs(client, args.experiment, args.models))
+               default_cvs(client, experiment, args.models))
     rows, skipped = regret_rows(client, parents.values())
     if rows.empty:
         raise SystemExit("no binary fold to check in these CVs")

@@ -106,7 +106,7 @@ def tiny_cv(tiny_config, tmp_path_factory: pytest.TempPathFactory):
                       f"mlflow.tracking_uri=sqlite:///{base / 'mlflow.db'}", f"cv.work_dir={base / 'runs'}")
     run_cv(cfg)
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    return cfg, client, cv_runs.finished_cv(client, cfg).info.run_id
+    return cfg, client, cv_runs.finished_cv(client, cv_runs.CvConfig.from_config(cfg)).info.run_id
 
 
 def test_every_rule_on_a_real_cvs_folds_and_its_own_rule_gives_back_what_the_folds_logged(tiny_cv) -> None:
