@@ -7,7 +7,7 @@ rule's threshold recomputed on the fold's validation videos (pipeline/analysis/t
 mean regret over these folds, and the check: no fold with video AUROC >= 0.85 under balanced accuracy 0.65 at the
 rule's threshold, for the configured default (`eval.threshold` in configs/config.yaml) unless --rule names another.
 Writes the per-fold table to <out>/default_cv_folds.csv. Exit status 1 when a fold fails the check, 2 when a backbone
-has no finished CV.
+has no finished CV (or the store no such experiment).
 
     make check-thresholds                        # the three default CVs in the project's store, at eval.threshold
     make check-thresholds RULE=youden RUN=<id>   # another rule, one CV of your own
@@ -46,7 +46,9 @@ def default_cvs(client: MlflowClient, experiment: str, models: list[str]) -> dic
     """Backbone label -> the parent run id of its newest finished default CV (synthetic, kfold5, bl1_vs_pa4)."""
     found = client.get_experiment_by_name(experiment)
     if found is None:
-        raise SystemExit(f"no experiment {experiment!r} in this store")
+        print(f"no experiment {experiment!r} in this store: no default CV ran here (`make cv MODEL=<backbone>` first)",
+              file=sys.stderr)
+        raise SystemExit(2)
     latest = cv_runs.latest_finished_cvs(client, [found.experiment_id], "synthetic", "kfold5", "bl1_vs_pa4")
     missing = [model for model in models if model not in latest]
     if missing:

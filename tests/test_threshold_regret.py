@@ -142,6 +142,9 @@ def test_the_default_cv_check_reads_the_store_and_fails_a_fold_below_the_floor(t
         check.main(["--store", cfg.mlflow.tracking_uri, "--experiment", "pain-thresholds", "--out", str(tmp_path)])
     assert stopped.value.code == 2
     assert "no finished default CV of vit_b16, cvt_13, mobilevit_s" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:  # a store where no CV ran under that experiment
+        check.main(["--store", cfg.mlflow.tracking_uri, "--experiment", "no-such", "--out", str(tmp_path)])
+    assert stopped.value.code == 2 and "no experiment 'no-such' in this store" in capsys.readouterr().err
 
 
 def test_the_study_script_tables_the_store_it_is_given(tiny_cv, tmp_path, capsys) -> None:
