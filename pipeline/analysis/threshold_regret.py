@@ -101,7 +101,7 @@ def fold_videos(client: MlflowClient, parent: str, run: Run, tags: dict[str, str
     """A finished fold run's validation and test videos; None for a task of more than two classes or a fold whose
     test videos hold one class (no cut to score: the caller counts them). Validation videos of one class stay: the
     rules fall back on them as the fold did."""
-    task = get_task(tags["task"])
+    task = get_task(tags[tracking.TASK_TAG])
     if not task.is_binary:
         return None
     fold_tags, run_id = run.data.tags, run.info.run_id
@@ -112,8 +112,8 @@ def fold_videos(client: MlflowClient, parent: str, run: Run, tags: dict[str, str
     if len(np.unique(test_labels)) < 2:
         return None
     fold = int(fold_tags[tracking.FOLD_TAG])
-    return FoldVideos(parent, run_id, fold, fold_tags.get(tracking.SEED_TAG, ""), tags.get("dataset", ""), task.name,
-                      cv_runs.cv_label(tags), f"{tags.get(tracking.FOLD_FILE_TAG, '')[:12]}:{fold}",
+    return FoldVideos(parent, run_id, fold, fold_tags.get(tracking.SEED_TAG, ""), tags.get(tracking.DATASET_TAG, ""),
+                      task.name, cv_runs.cv_label(tags), f"{tags.get(tracking.FOLD_FILE_TAG, '')[:12]}:{fold}",
                       int(val["subject_name"].nunique()), val_labels, val_scores, test_labels, test_scores)
 
 
