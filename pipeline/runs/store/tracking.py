@@ -69,6 +69,8 @@ FINAL_MODEL, FOLD_MODEL, ENSEMBLE_MODEL = "final", "fold", "fold_ensemble"
 TABLE_RUN = "table"  # `make table`'s run of the papers' comparison (pipeline.analysis.results_table)
 INSPECT_IMAGES_TAG = "painvit.inspect_images"  # on an inspected CV: where `make inspect` put its face images
 FOLD_FILE_TAG = "fold_file_sha256"  # on a CV's parent: the SHA-256 of its fold file (CVs compare on one file only)
+# on a comparison: what one unit of its paired tests is (the fold that tested a group of subjects, or the subject)
+TEST_UNIT_TAG = "test_unit"
 # A fold's lease (pipeline.runs.store.fold_lease): its owner and heartbeat on the child run, claims as parent params.
 LEASE_TAG, HEARTBEAT_TAG = "painvit.lease", "painvit.heartbeat"
 LEASE_PARAM = "painvit.lease"  # prefix of the parent run's claim parameters
