@@ -65,6 +65,7 @@ LONG_FIRST = (
     "tests/test_lock.py::test_loading_and_scoring_a_served_model_imports_only_what_the_serving_lock_holds",
     "tests/test_model_trust.py::test_make_serve_refuses_a_changed_model_before_loading_it",
     "tests/test_power.py::test_make_power_repeats_a_comparison_over_twins_and_resumes",
+    "tests/test_power.py::test_make_power_aa_resamples_a_population_onto_the_fold_files_slots_and_resumes",
     "tests/test_store_open.py::test_processes_opening_a_fresh_sqlite_store_at_once_all_succeed",
     "tests/test_tracking.py::test_make_ui_asks_for_a_password_made_for_it",
     "tests/test_bench.py::test_bench_data_quick",

@@ -30,11 +30,12 @@ import pandas as pd
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
 from omegaconf import DictConfig, OmegaConf
-from scipy import stats
 
 from pipeline.analysis.compare import compare
 from pipeline.analysis.comparison_runs import ComparisonError
 from pipeline.analysis.comparison_statistics import PRIMARY_METRIC
+from pipeline.analysis.power_report import clopper_pearson
+from pipeline.analysis.resampled_power import run_resampled
 from pipeline.data.prepare import synthetic_config
 from pipeline.data.tasks import get_task
 from pipeline.runs.orchestration.cross_validation import run_cv
@@ -51,12 +52,6 @@ REPEAT_COLUMNS = ["study", "effect", "seed", "task", "a", "b", "n_subjects", "va
 PLANTED = {"null": ("class_intensity", "burst_amplitude", "resting_au_sd"), "temporal": ("burst_amplitude", "burst_s",
            "burst_pain_window_s", "burst_rest_window_s", "class_intensity"), "baseline": ("resting_au_sd",),
            "graded": ("class_intensity",)}
-
-
-def clopper_pearson(rejections: int, repeats: int, confidence: float = 0.95) -> tuple[float, float]:
-    """The exact binomial interval of a rate of `rejections` in `repeats` (scipy's binomtest)."""
-    interval = stats.binomtest(int(rejections), int(repeats)).proportion_ci(confidence, method="exact")
-    return float(interval.low), float(interval.high)
 
 
 def effect_name(power: DictConfig) -> str:
@@ -189,6 +184,8 @@ def run_power(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict:
     """`make power EFFECT=... REPEATS=n`: run the repeats not yet done, then summarise, plot and log them."""
     power = cfg.power
     entry = effect_settings(power)
+    if entry.get("design") == "resampled":  # EFFECT=aa, curve: replicates resampled from one population
+        return run_resampled(cfg, overrides).to_dict("records")[0]
     base = [o for o in overrides if not o.startswith(("power.", "task=", "data="))]
     out_dir = resolve_path(cfg.reports_dir) / "power" / effect_name(power)
     record = out_dir / "repeats.csv"
