@@ -81,7 +81,7 @@ def in_memory_probe(replicate: dict, fold: int, seed: int, plain: np.ndarray) ->
                                      replicate["backbone"].data_config, replicate["loader"], seed, table)
     datamodule.setup()
     net = PainNet(replicate["backbone"], 2)
-    weight, bias = initial_head(seed, fold, 512, 2)
+    weight, bias = initial_head(seed, 512, 2)
     net.head.load_state_dict({"weight": weight, "bias": bias})
     strategy = FrozenOnEmbeddings()
     strategy.prepare(net)
@@ -106,7 +106,7 @@ def test_the_lockstep_probes_are_the_in_memory_probes(replicate) -> None:
                                                population.embeddings)) for fold in range(3)]
     cases = [(split, seed, level) for level in (0.0, 0.8) for seed in (3, 4) for split in splits]
     specs = [ProbeSpec(split.train, split.train_labels, split.val, split.val_codes,
-                       split.val_videos["label"].to_numpy(), seed, split.fold, *initial_head(seed, split.fold, 512, 2),
+                       split.val_videos["label"].to_numpy(), seed, split.fold, *initial_head(seed, 512, 2),
                        level) for split, seed, level in cases]
     recipe = BatchRecipe(cfg.loader.batch_size, cfg.trainer.max_epochs, cfg.trainer.patience, cfg.model.optim.head_lr,
                          cfg.model.optim.weight_decay, cfg.model.optim.warmup_epochs, cfg.trainer.gradient_clip_val)

@@ -26,7 +26,7 @@ from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.models.probe_batch import BatchFit, BatchRecipe, Embeddings, ProbeSpec, fit_probes
 from pipeline.utils.seeds import derived_seed
 
-HEAD_STREAM = 7  # the head's initial weights: drawn from (training seed, fold, this)
+HEAD_STREAM = 7  # the head's initial weights: drawn from (training seed, this)
 CHUNK = 20_000  # population crops scored at a time (their embeddings copied once per chunk)
 
 
@@ -75,10 +75,12 @@ def fold_splits(frames: pd.DataFrame, folds: pd.DataFrame, task: Task, data_conf
             for fold in sorted(folds["fold"].unique())]
 
 
-def initial_head(seed: int, fold: int, features: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fresh linear head's weights as torch initialises one, drawn from (seed, fold): each seed's fold its own."""
+def initial_head(seed: int, features: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh linear head's weights as torch initialises one, drawn from the training seed alone: a CV seeds every
+    fold's model alike (`fold_job.build_fold`), so a seed's folds start from one head and differ in their data and
+    order (`EpochSampler`: seed, fold, epoch)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derived_seed(seed, fold, HEAD_STREAM))
+        torch.manual_seed(derived_seed(seed, HEAD_STREAM))
         head = nn.Linear(features, classes)
     return head.weight.detach().clone(), head.bias.detach().clone()
 
@@ -90,7 +92,7 @@ def probe_specs(splits: Sequence[FoldSplit], copies: Sequence[Copy], features: i
     for copy in copies:
         for seed in copy.seeds:
             for split in splits:
-                weight, bias = initial_head(seed, split.fold, features, classes)
+                weight, bias = initial_head(seed, features, classes)
                 specs.append((copy, seed, split, ProbeSpec(
                     split.train, split.train_labels, split.val, split.val_codes,
                     split.val_videos["label"].to_numpy(), seed, split.fold, weight, bias, copy.noise)))
