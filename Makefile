@@ -122,7 +122,7 @@ TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
 QUOTED_PY = $(call quote,$(PY))
 QUOTED_BIN = $(call quote,$(VENV)/bin)
 
-.PHONY: help install lock data aug-preview cv embed pretrain tune compare table power inspect calc ui server test lint notebooks bench bench-data clean clean-data \
+.PHONY: help install lock data aug-preview cv embed pretrain tune compare table power fidelity inspect calc ui server test lint notebooks bench bench-data clean clean-data \
 	final promote predict serve export
 
 help: ## list the targets
@@ -177,6 +177,9 @@ table: install ## BioVid benchmark table: MODEL="vit_b16 cvt_13" on BL1 vs PA1..
 
 power: install ## error rates of make compare's test on BioVid-scale twins with a planted effect (EFFECT=null|temporal REPEATS=20)
 	$(QUOTED_PY) -m pipeline power $(OVERRIDES) $(call quote,power.effect=$(EFFECT)) $(call if_set,power.repeats=,REPEATS)
+
+fidelity: install ## how hard DATA's twin is: a reference method's curve beside BioVid's published one (reports/fidelity/)
+	$(QUOTED_PY) -m pipeline fidelity $(call quote,data=$(DATA)) $(call if_set,--args=,ARGS)
 
 inspect: install ## where MODEL's newest finished CV looks on each fold's test videos: rollout, Grad-CAM, region score
 	$(QUOTED_PY) -m pipeline inspect $(OVERRIDES) $(call if_set,--run=,RUN) $(call if_set,--untrained=,UNTRAINED)

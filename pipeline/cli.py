@@ -16,6 +16,7 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline table       [key=value ...] [--models="vit_b16 cvt_13"] [--tasks="bl1_vs_pa4 ..."]
                                        the BioVid benchmark table: every task's CV run or reused, beside published rows
     python -m pipeline power       [key=value ...]   error rates of make compare's test on twins with a planted effect
+    python -m pipeline fidelity    [key=value ...]   a twin's difficulty: a reference method's curve beside BioVid's
     python -m pipeline final       [key=value ...] [--run=<CV parent run>]
                                        one model on all subjects with a CV's settings, registered in MLflow
     python -m pipeline promote     [key=value ...] --version=<n>   move the registered model's champion alias
@@ -26,6 +27,7 @@ inside functions so that `python -m pipeline ui-url` answers without importing t
     python -m pipeline config      [key=value ...]   print the resolved config
     python -m pipeline fold-job    JOB.json          run one fold job (what the parallel launcher starts per fold)
     python -m pipeline tune-worker WORKER.json       run one search worker (what `make tune LAUNCHER=parallel` starts)
+    python -m pipeline job-worker  FD                one of the parallel launcher's workers: the jobs sent over FD
     python -m pipeline fold-files  write-biovid | check PATH...   regenerate or check committed fold files
     python -m pipeline server      --artifacts DIR [--host H --port P ...]   the tracking server (store: $SERVER_STORE)
     python -m pipeline ui          [--port 5000]     the MLflow UI on loopback, asking for a password made for it
@@ -118,6 +120,12 @@ def _power(cfg: DictConfig, **options) -> None:
     run_power(cfg, **options)
 
 
+def _fidelity(cfg: DictConfig, **options) -> None:
+    from pipeline.analysis.fidelity import run_fidelity
+
+    run_fidelity(cfg)
+
+
 def _final(cfg: DictConfig, **options) -> None:
     from pipeline.deployment.final_model import run_final
 
@@ -164,6 +172,12 @@ def _tune_worker(argv: list[str]) -> int:
     return worker_main(argv)
 
 
+def _job_worker(argv: list[str]) -> int:
+    from pipeline.runs.orchestration.job_workers import worker_main
+
+    return worker_main(argv)
+
+
 def _fold_files(argv: list[str]) -> int:
     from pipeline.data.biovid_folds import main
 
@@ -177,7 +191,7 @@ def _server(argv: list[str]) -> int:
 
 
 def _ui(argv: list[str]) -> int:
-    from pipeline.runs.store.tracking_server import ui_main
+    from pipeline.runs.store.private_server import ui_main
 
     return ui_main(argv)
 
@@ -193,7 +207,8 @@ def _ui_url(argv: list[str]) -> int:
 COMMANDS: dict[str, Callable[..., None]] = {
     "data": _data, "aug-preview": _aug_preview, "cv": _cv, "embed": _embed, "pretrain": _pretrain, "tune": _tune,
     "compare": _compare,
-    "inspect": _inspect, "calc": _calc, "table": _table, "power": _power, "final": _final, "promote": _promote,
+    "inspect": _inspect, "calc": _calc, "table": _table, "power": _power, "fidelity": _fidelity,
+    "final": _final, "promote": _promote,
     "predict": _predict,
     "serve": _serve,
     "export": _export,
@@ -201,11 +216,12 @@ COMMANDS: dict[str, Callable[..., None]] = {
 }
 # tools with arguments of their own
 TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "tune-worker": _tune_worker,
+                                                "job-worker": _job_worker,
                                                 "fold-files": _fold_files, "ui-url": _ui_url, "server": _server,
                                                 "ui": _ui}
 # config groups a command adds to the defaults list: `make tune` has a `tune` section, `make pretrain` a `pretrain` one
 COMMAND_GROUPS: dict[str, tuple[str, ...]] = {"tune": ("tune=default",), "pretrain": ("pretrain=default",),
-                                              "power": ("power=default",)}
+                                              "power": ("power=default",), "fidelity": ("fidelity=default",)}
 
 
 ARGS_OPTION = "--args="
@@ -261,8 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except StoreNotPrivate as error:
             print(f"{command}: error: {error}", file=sys.stderr)
             return 2
+    from pipeline.runs.store.unreachable import EXIT_UNREACHABLE, bound_retries, is_unreachable, unreachable_line
     from pipeline.utils.accelerator import GpuUnavailable  # here, not on top: `ui-url` must not import torch
 
+    bound_retries(cfg.mlflow.retry_s)  # a tracking server that went away: retried this long, then one line
     try:
         COMMANDS[command](cfg, **options)
     except KeyboardInterrupt:
@@ -275,4 +293,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GpuUnavailable as error:  # the GPU asked for cannot be used: why, and which torch to install
         print(f"{command}: error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        if not is_unreachable(error):
+            raise
+        from pipeline.runs.store.tracking import tracking_uri
+        from pipeline.utils.paths import PROJECT_ROOT
+
+        uri = cfg.mlflow.tracking_uri or tracking_uri(PROJECT_ROOT)
+        print(unreachable_line(uri, f"make {command}"), file=sys.stderr)
+        return EXIT_UNREACHABLE
     return 0

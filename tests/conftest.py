@@ -55,7 +55,12 @@ class GroupsInNodeIds:
 # first, they run beside the rest, where one started last would hold up the end of the run while the other worker
 # idles. An order only: a test missing here (renamed, new) still runs, in its place among the others.
 LONG_FIRST = (
+    "tests/test_server_restart.py::test_a_server_killed_mid_cv_and_started_again_loses_no_fold",
+    "tests/test_side_by_side.py::test_two_strategies_of_one_backbone_run_at_once_and_an_identical_cv_refuses",
     "tests/test_launchers.py::test_kill_9_at_two_points_then_resume_gives_the_uninterrupted_results",
+    "tests/test_launchers.py::test_a_parallel_worker_trains_fold_after_fold_and_a_killed_one_resumes_exactly",
+    "tests/test_server_restart.py::test_a_server_that_stays_away_stops_the_job_and_the_driver_with_one_line",
+    "tests/test_postgres_store.py::test_a_parallel_cv_through_make_server_on_postgresql_and_no_password_anywhere",
     "tests/test_launchers.py::test_a_two_stage_fold_killed_in_its_second_stage_resumes_with_the_uninterrupted_results",
     "tests/test_fold_lease.py::test_a_job_whose_fold_is_taken_over_stops_and_does_not_finish_its_run",
     "tests/test_fold_lease.py::test_two_make_cv_at_once_through_one_server_train_every_fold_once",
@@ -166,6 +171,17 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
     from tests.slurm_cluster import SlurmCluster
 
     with SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster():
+    """A real PostgreSQL (Debian's package) for the session: a cluster of its own in a temporary folder, on 127.0.0.1
+    and a socket there, with a role that logs in by password; each test makes the databases it needs
+    (`new_database`)."""
+    from tests.postgres_cluster import PostgresCluster
+
+    with PostgresCluster(()) as cluster:
         yield cluster
 
 

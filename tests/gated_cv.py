@@ -85,15 +85,28 @@ def install_rendezvous(folds: list[int], folder: Path, timeout_s: float = 600) -
     TorchCheckpointIO.save_checkpoint = gated
 
 
+JOB_PROCESSES = ("['-m', 'pipeline', 'fold-job']", "['-m', 'pipeline', 'job-worker']")  # where fold jobs run
+
+
 def rendezvous_sitecustomize(site_dir: Path, folds: list[int], folder: Path) -> Path:
-    """A sitecustomize.py in `site_dir` that installs the rendezvous in `python -m pipeline fold-job` processes only."""
+    """A sitecustomize.py in `site_dir` that installs the rendezvous in fold-job processes only (`python -m pipeline
+    fold-job`, or the parallel launcher's `job-worker`)."""
+    return _job_sitecustomize(site_dir, f"install_rendezvous({list(folds)!r}, Path({str(folder)!r}))")
+
+
+def gate_sitecustomize(site_dir: Path, fold: int, epoch: int, when: str, marker: Path) -> Path:
+    """A sitecustomize.py in `site_dir` that installs `install_gate` in fold-job processes only."""
+    return _job_sitecustomize(site_dir, f"install_gate({fold}, {epoch}, {when!r}, Path({str(marker)!r}))")
+
+
+def _job_sitecustomize(site_dir: Path, call: str) -> Path:
     site_dir.mkdir(parents=True, exist_ok=True)
     (site_dir / "sitecustomize.py").write_text(
         "import sys\n"
-        "if sys.orig_argv[1:4] == ['-m', 'pipeline', 'fold-job']:\n"
+        f"if str(sys.orig_argv[1:4]) in {JOB_PROCESSES!r}:\n"
         "    from pathlib import Path\n"
-        "    from tests.gated_cv import install_rendezvous\n"
-        f"    install_rendezvous({list(folds)!r}, Path({str(folder)!r}))\n")
+        "    from tests.gated_cv import install_gate, install_rendezvous\n"
+        f"    {call}\n")
     return site_dir
 
 

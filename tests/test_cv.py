@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import load_model_file
 from pipeline.runs.jobs.fold_job import plan_decisions, train_fold
 from pipeline.runs.orchestration.cross_validation import identity_lock, plan_cv, run_cv
+from pipeline.runs.store.cv_runs import run_key
 from pipeline.runs.store.environment import FREEZE_ARTIFACT
 from pipeline.runs.store.tracking import get_or_create_experiment
 from pipeline.utils.accelerator import training_device
@@ -324,9 +326,13 @@ def test_a_crashed_fold_fails_alone_and_a_rerun_runs_only_it(tiny_config, tmp_pa
 
 def test_a_second_driver_with_the_same_identity_refuses(tiny_config) -> None:
     cfg = tiny_config(*FAST)
-    with identity_lock(resolve_path(cfg.cv.work_dir), "mobilevit_xxs-synthetic-kfold5-bl1_vs_pa4"):
-        with pytest.raises(SystemExit, match="already running"):
+    store = cfg.mlflow.tracking_uri
+    with identity_lock(resolve_path(cfg.cv.work_dir), run_key(cfg, store), "the first driver"):
+        with pytest.raises(SystemExit, match=f"already running: pid {os.getpid()}, the first driver, since "):
             run_cv(cfg)
+    assert run_key(cfg, store) != run_key(tiny_config(*FAST, "model.finetune=frozen"), store)  # another strategy
+    assert run_key(cfg, store) != run_key(cfg, "sqlite:///elsewhere.db")  # another store
+    assert run_key(cfg, store) == run_key(tiny_config(*FAST, "launcher=parallel", "cv.lease_s=9"), store)
 
 
 def test_an_unknown_launcher_key_is_an_error(tiny_config) -> None:
@@ -427,7 +433,7 @@ def test_a_finished_fold_whose_artifacts_are_gone_is_trained_again(tiny_config, 
                       "trainer.max_epochs=1")
     first = run_cv(cfg)
     client, (parent,) = runs_of(cfg, "cv")
-    assert not list((tmp_path / "runs").glob("*/fold_*/"))  # the fold work folders went with the FINISHED CV
+    assert not list((tmp_path / "runs").glob("*/*/fold_*/"))  # the fold work folders went with the FINISHED CV
     children = {c.data.tags["fold"]: c for c in children_of(client, parent.info.run_id)}
     for child in children.values():
         record = json.loads(child.data.tags["painvit.stored_artifacts"])

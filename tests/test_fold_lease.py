@@ -137,6 +137,22 @@ def test_a_skewed_clock_does_not_make_a_live_lease_stale(lease_store) -> None:
     assert client.get_run(other.info.run_id).info.status == "KILLED"
 
 
+def test_time_the_store_was_away_does_not_count_against_a_heartbeat() -> None:
+    """An observer's sightings of an unchanged heartbeat count only while they come at most lease_s / 2 apart: a
+    server that was away longer than the lease (its owner could not beat either) starts the count again, and a
+    heartbeat that stays unchanged across regular sightings is still found dead after lease_s."""
+    now = [0.0]
+    watch = fold_lease.Watch(10, clock=lambda: now[0])
+    for moment, counted in ((0, 0), (4, 4), (8, 8), (40, 0), (44, 4), (48, 8), (52, 12)):
+        now[0] = moment
+        assert watch.unchanged_s("run", "1700000000.000") == counted, moment
+    assert watch.abandoned("claim", "owner 1") is False
+    now[0] = 100  # 48 s later, not seen in between: counted from here
+    assert watch.abandoned("claim", "owner 1") is False
+    now[0] = 104
+    assert watch.unchanged_s("claim", "owner 1") == 4
+
+
 def test_a_process_number_is_judged_only_on_this_very_machine(lease_store) -> None:
     """A fresh attempt whose process number is not running here is dead at once only when its host tag is this
     machine's: host name, boot id and PID namespace. The same host name in another PID namespace (a second container)

@@ -17,9 +17,10 @@ from mlflow import MlflowClient
 
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.orchestration.launchers import job_slots, tracking_server
+from pipeline.runs.store.cv_runs import run_key
 from pipeline.utils.paths import PROJECT_ROOT
 from tests.conftest import tiny_overrides
-from tests.gated_cv import rendezvous_sitecustomize
+from tests.gated_cv import gate_sitecustomize, rendezvous_sitecustomize
 from tests.test_cv import FAST
 
 
@@ -40,6 +41,7 @@ def test_job_slots_give_each_job_its_gpu_or_its_share_of_the_cores() -> None:
     assert [slot["PAINVIT_CPUS"] for slot in cpu] == ["0,1", "2,3"]
     assert all(slot["OMP_NUM_THREADS"] == "2" and slot["CUDA_VISIBLE_DEVICES"] == "" for slot in cpu)
     assert len(job_slots(None, [], [0, 1])) == 1  # no GPU: one job unless told otherwise
+    assert job_slots(1, [], [0, 1], max_threads=1)[0]["OMP_NUM_THREADS"] == "1"  # OMP_NUM_THREADS=1 was set
     with pytest.raises(SystemExit, match="one job per GPU"):
         job_slots(3, ["0", "1"], [0, 1])
 
@@ -146,7 +148,7 @@ def test_kill_9_at_two_points_then_resume_gives_the_uninterrupted_results(tiny_b
 
     first = run_until_held(gated_cv_command(tiny_base, (1, 0, "before"), tmp_path / "held_1", *extra),
                            tmp_path / "held_1")
-    (fold_dir,) = (tmp_path / "runs").glob("*/fold_1")
+    (fold_dir,) = (tmp_path / "runs").glob("*/*/fold_1")
     assert not (fold_dir / "last.ckpt").exists()
     kill_9(first)
     (parent,) = cv_parent(client)
@@ -170,6 +172,46 @@ def test_kill_9_at_two_points_then_resume_gives_the_uninterrupted_results(tiny_b
     (resumed,) = [c for c in children if c.data.tags["fold"] == "1" and c.info.status == "FINISHED"]
     assert resumed.data.tags["painvit.resumed_after_epoch"] == "1"
     assert client.get_run(parent.info.run_id).info.status == "FINISHED"
+    assert fold_metrics(client, parent.info.run_id) == uninterrupted_folds
+
+
+def test_a_parallel_worker_trains_fold_after_fold_and_a_killed_one_resumes_exactly(tiny_base: Path, tmp_path: Path,
+                                                                                   uninterrupted_folds: dict) -> None:
+    """LAUNCHER=parallel JOBS=1: one worker process trains fold 0, then fold 1 (the same pid on both runs: its imports
+    paid once), and is killed with SIGKILL once fold 1's epoch-1 checkpoint is on disk. The driver reports fold 1
+    failed with the worker's end and exits non-zero; the same command again takes the dead attempt over at once (its
+    process is gone on this machine), continues fold 1 from that checkpoint in a new worker, and every fold ends
+    with the per-fold metrics of the run never interrupted."""
+    held = tmp_path / "held"
+    site = gate_sitecustomize(tmp_path / "site", 1, 1, "after", held)
+    env = {**RUN_ENV, "PYTHONPATH": os.pathsep.join([str(site), str(PROJECT_ROOT)])}
+    db = tmp_path / "pool.db"
+    extra = (*KILL_9, "loader.num_workers=0", f"mlflow.tracking_uri=sqlite:///{db}", f"cv.work_dir={tmp_path / 'runs'}",
+             "launcher=parallel", "launcher.jobs=1")
+    driver = subprocess.Popen(cv_command(tiny_base, *extra), cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600  # a bound for a broken run, not a guess at the moment
+    while not held.exists():
+        assert driver.poll() is None and time.monotonic() < deadline, driver.stdout.read()[-3000:]
+        time.sleep(0.2)
+    client = MlflowClient(f"sqlite:///{db}")
+    (parent,) = cv_parent(client)
+    first = {c.data.tags["fold"]: c for c in fold_children(client, parent.info.run_id)}
+    assert first["0"].info.status == "FINISHED" and first["1"].info.status == "RUNNING"
+    worker = int(first["1"].data.tags["painvit.pid"])
+    assert first["0"].data.tags["painvit.pid"] == str(worker) != str(driver.pid)  # one worker, fold after fold
+    os.kill(worker, signal.SIGKILL)
+    out = driver.communicate(timeout=600)[0]
+    assert driver.returncode != 0 and f"its worker (pid {worker}) exited with code -9" in out, out[-3000:]
+
+    rerun = subprocess.run(cv_command(tiny_base, *extra), cwd=PROJECT_ROOT, env=RUN_ENV, capture_output=True,
+                           text=True)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+    runs = fold_children(client, parent.info.run_id)
+    assert sorted((c.data.tags["fold"], c.info.status) for c in runs) == [
+        ("0", "FINISHED"), ("1", "FINISHED"), ("1", "KILLED")]
+    (resumed,) = [c for c in runs if c.data.tags["fold"] == "1" and c.info.status == "FINISHED"]
+    assert resumed.data.tags["painvit.resumed_after_epoch"] == "1" and resumed.data.tags["painvit.pid"] != str(worker)
     assert fold_metrics(client, parent.info.run_id) == uninterrupted_folds
 
 
@@ -217,7 +259,8 @@ def test_a_preempted_fold_is_requeued_and_continues_from_its_epoch_checkpoint(sl
     client = MlflowClient(uri)
     (parent,) = cv_parent(client)
     job_id = next(iter(json.loads(parent.data.tags["painvit.slurm_jobs"]).values()))
-    checkpoint = Path(tiny_config(*fold).cv.work_dir) / parent.info.run_id / "fold_0" / "last.ckpt"
+    fold_cfg = tiny_config(*fold)
+    checkpoint = Path(fold_cfg.cv.work_dir) / run_key(fold_cfg, uri) / parent.info.run_id / "fold_0" / "last.ckpt"
 
     # Wait for the event itself: epoch 1's checkpoint on disk (written atomically, so a file that exists is whole).
     # Then hold the job's python where it is (SIGSTOP) and preempt it there: it is continued only once the
@@ -274,7 +317,7 @@ def test_a_two_stage_fold_killed_in_its_second_stage_resumes_with_the_uninterrup
     (tmp_path / "killed").mkdir()
     db = tmp_path / "killed" / "m.db"
     kill_9(run_until_held(command(db, str(tmp_path / "held")), tmp_path / "held"))
-    (fold_dir,) = (db.parent / "runs").glob("*/fold_0")
+    (fold_dir,) = (db.parent / "runs").glob("*/*/fold_0")
     assert list((fold_dir / "embeddings").glob("*.json")) and (fold_dir / "last.ckpt").is_file()
 
     rerun = subprocess.run(command(db), cwd=PROJECT_ROOT, env=RUN_ENV, capture_output=True, text=True)

@@ -57,6 +57,7 @@ TARGETS = {  # the variables each target passes on
     "final": (*OVERRIDE_VARIABLES, "RUN"),
     "inspect": (*OVERRIDE_VARIABLES, "RUN"),
     "table": ("MODEL", "DATA", "BIOVID_ROOT", "ARGS"),  # MODEL: the backbones, --models=
+    "fidelity": ("DATA", "ARGS"),
 }
 ECHO = """#!{python}
 import json, os, sys

@@ -251,9 +251,9 @@ def test_fold_jobs_get_the_runs_own_user_and_no_password_leaks(tiny_config, tmp_
     assert list(probe.values()) == [401, "denied", "denied"], probe
     (child,) = tracking.fold_runs(client, plan.parent_run_id)
     assert child.data.tags[tracking.JOB_TRACKING_URI_TAG] == "postgresql://painvit:***@db.invalid:5432/mlflow"
-    job_file = tmp_path / "runs" / plan.parent_run_id / "fold_0.json"
+    job_file = plan.work_dir / "fold_0.json"
     assert json.loads(job_file.read_text())["store_uri"] == child.data.tags[tracking.JOB_TRACKING_URI_TAG]
-    assert (tmp_path / "runs" / plan.parent_run_id / "fold_0.log").is_file()
+    assert (plan.work_dir / "fold_0.log").is_file()
     for path in tmp_path.rglob("*"):  # the store, the artifacts, the job file, the fold's log and checkpoints
         if path.is_file():
             data = path.read_bytes()

@@ -440,6 +440,32 @@ def test_the_person_baseline_is_the_persons_resting_face_in_every_video():
         assert np.array_equal(with_offset[:, 2:], without[:, 2:])
 
 
+def test_the_response_share_is_the_share_of_a_responders_clips_that_show_one_and_the_rest_show_none():
+    """The calibrated twin's knob (`response_probability`, per class): a responder's clip of class k shows the
+    response in about that share of clips and nothing at all in the others, whose temporal-cue burst is not locked to
+    the stimulus either; the draws of every other clip stay as without it."""
+    from pipeline.data.synthetic.settings import with_effect
+
+    shares = (0.0, 0.1, 0.3, 0.5, 0.9)
+    config = dataclasses.replace(with_effect(PRESETS["biovid87"], "all"), samples_per_class=10,
+                                 response_probability=shares)
+    subjects = make_subjects(config)
+    samples = make_samples(config, subjects)
+    plain = make_samples(dataclasses.replace(config, response_probability=None), subjects)
+    responders = {s.subject_id for s in subjects if s.responder}
+    for class_id in range(1, 5):
+        mine = [s for s in samples if s.class_id == class_id and s.subject_id in responders]
+        shown = np.array([s.intensity > 0 for s in mine])
+        assert abs(shown.mean() - shares[class_id]) < 0.06, (class_id, shown.mean())
+        assert all(s.burst_locked == (s.intensity > 0) for s in mine)
+    for sample, before in zip(samples, plain, strict=True):  # a shown response is the same draw as before
+        assert sample.onset_s == before.onset_s and sample.peak_s == before.peak_s
+        if sample.intensity > 0 and before.intensity > 0 and before.burst_locked:
+            assert sample.intensity == before.intensity
+    with pytest.raises(ValueError, match="one share in"):
+        dataclasses.replace(config, response_probability=(0.5,) * 4)
+
+
 def test_a_twin_without_planted_effects_records_its_config_as_before():
     """A twin written before the effects existed keeps its synthetic_config.json byte for byte, so its crops stay
     valid; a twin with an effect records every planted size."""

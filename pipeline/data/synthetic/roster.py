@@ -197,9 +197,9 @@ def make_samples(config: SyntheticConfig, subjects: list[Subject]) -> list[Sampl
             intensity = config.class_intensity[class_id] * subject.expressiveness
             intensity *= math.exp(rng.normal(0.0, config.sample_variability))
             # both numbers are drawn either way, so the probability does not shift the stream of later draws
-            missed, damping = rng.uniform() < config.missed_response_probability, rng.uniform(0.0, 0.3)
-            if missed:
-                intensity *= damping
+            missed, damping = rng.uniform() < _miss_probability(config, class_id), rng.uniform(0.0, 0.3)
+            if missed:  # a trace of a response; none at all where the share is set per class
+                intensity *= damping if config.response_probability is None else 0.0
             locked = class_id > 0 and subject.responder and not missed
             burst_start = _burst_start(config, subject.subject_id, number, locked)
             samples.append(
@@ -218,6 +218,13 @@ def make_samples(config: SyntheticConfig, subjects: list[Subject]) -> list[Sampl
             )
     samples.sort(key=lambda s: (s.subject_id, s.class_id, s.number))
     return [dataclasses.replace(sample, sample_id=index) for index, sample in enumerate(samples)]
+
+
+def _miss_probability(config: SyntheticConfig, class_id: int) -> float:
+    """The share of a responder's clips of this class that show (almost) nothing."""
+    if config.response_probability is None:
+        return config.missed_response_probability
+    return 1.0 - config.response_probability[class_id]
 
 
 def _burst_start(config: SyntheticConfig, subject_id: int, number: int, locked: bool) -> float:

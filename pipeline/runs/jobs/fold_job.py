@@ -95,6 +95,10 @@ class FoldJob:
     def key(self) -> int:
         return self.fold
 
+    @property
+    def name(self) -> str:
+        return f"fold {self.fold}" + (f" (seed {self.seed})" if self.seed is not None else "")
+
     def file(self, kind: str) -> Path:
         """Its spec ("json") or log ("log") beside the fold's folder."""
         return Path(self.work_dir).parent / f"fold_{self.fold}.{kind}"

@@ -54,6 +54,7 @@ from pipeline.runs.store.tracking import (
     fold_runs,
     redact_uri,
 )
+from pipeline.runs.store.unreachable import EXIT_UNREACHABLE, bound_retries, is_unreachable, unreachable_line
 from pipeline.utils.accelerator import training_device
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,9 @@ def run_fold_job(job: FoldJob) -> FoldResult:
     for the fold like any other job: it returns the result of whichever attempt finishes it."""
     client = MlflowClient(job.tracking_uri)
     cfg = OmegaConf.create(job.config)
+    retry_s = OmegaConf.select(cfg, "mlflow.retry_s")
+    if retry_s is not None:  # a server that goes away: each call retries it this long (unreachable.bound_retries)
+        bound_retries(float(retry_s))
     # a lease in the store: a fold another machine trains now is waited for, a dead attempt replaced (fold_lease)
     lease_s = float(OmegaConf.select(cfg, "cv.lease_s", default=300))
     owner = fold_lease.new_owner()
@@ -163,6 +167,8 @@ def train_attempt(client: MlflowClient, job: FoldJob, cfg: DictConfig, attempt: 
         mlflow.end_run("KILLED")
         raise
     except BaseException as error:
+        if is_unreachable(error):  # nothing more reaches the store: the run stays RUNNING, resumed from there
+            raise
         mlflow.log_text(traceback.format_exc(), "traceback.txt")
         interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
         mlflow.end_run("KILLED" if interrupted else "FAILED")
@@ -179,5 +185,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     setup_logging()
-    run_fold_job(FoldJob.read(Path(args[0])))
+    job = FoldJob.read(Path(args[0]))
+    try:
+        run_fold_job(job)
+    except Exception as error:
+        if not is_unreachable(error):
+            raise
+        print(unreachable_line(job.tracking_uri, job.name), file=sys.stderr, flush=True)
+        return EXIT_UNREACHABLE
     return 0

@@ -58,6 +58,7 @@ from pipeline.runs.orchestration.cv_summary import (
 from pipeline.runs.store import cv_runs, fold_lease, registry, tracking
 from pipeline.runs.store.cv_runs import WhatTrains
 from pipeline.runs.store.environment import library_versions, log_environment
+from pipeline.runs.store.unreachable import is_unreachable
 from pipeline.utils.accelerator import announce_device, training_device
 from pipeline.utils.devices import cpu_description
 from pipeline.utils.paths import PROJECT_ROOT, git_commit, resolve_path
@@ -137,27 +138,37 @@ class Plan:
 
 
 @contextlib.contextmanager
-def identity_lock(work_dir: Path, identity: str) -> Iterator[None]:
-    """One driver per cross-validation identity on this machine: a second one refuses instead of training the
-    same folds twice. An OS lock, so a killed driver releases it."""
-    path = work_dir / "locks" / f"{identity}.lock"
+def identity_lock(work_dir: Path, key: str, what: str) -> Iterator[None]:
+    """One driver per cross-validation on this machine: `key` (`cv_runs.run_key`: its full identity and its store)
+    names the lock, so CVs that differ in any identity setting run side by side, and a second driver of the same one
+    refuses, naming the first (its pid and `what` it is), instead of training the same folds twice. An OS lock, so
+    a killed driver releases it."""
+    path = work_dir / "locks" / f"{key}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            raise SystemExit(f"error: the same cross-validation is already running ({holder}); wait for it to "
+            holder = handle.read().strip() or "a process that has not said what it is yet"
+            raise SystemExit(f"error: the same cross-validation is already running: {holder}; wait for it to "
                              f"finish or stop it, then run the command again to resume") from None
         handle.seek(0)
         handle.truncate()
-        handle.write(f"pid {os.getpid()}")
+        handle.write(f"pid {os.getpid()}, {what}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
         handle.flush()
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def driver_description(command: str, cfg: DictConfig, tracking_uri: str) -> str:
+    """What a CV's driver is, in its lock file (what a second one of the same CV is told): the command, the backbone,
+    dataset, protocol, task, strategy, config hash and store."""
+    return (f"`{command}` of {cfg.model.name} on {cfg.data.name} {cfg.protocol.name} {cfg.task.name} "
+            f"({WhatTrains.from_config(cfg).finetune.label}, config {cv_runs.config_sha256(cfg)[:12]}, store "
+            f"{tracking.redact_uri(tracking_uri)})")
 
 
 def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
@@ -200,7 +211,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         if not plan.finished:
             client.update_run(parent.info.run_id, status="RUNNING")
     plan.parent_run_id = parent.info.run_id
-    plan.work_dir = resolve_path(cfg.cv.work_dir) / plan.parent_run_id
+    plan.work_dir = resolve_path(cfg.cv.work_dir) / cv_runs.run_key(cfg, tracking_uri) / plan.parent_run_id
     plan.seeds = [int(seed) for seed in cfg.cv.seeds] if cfg.cv.seeds else [None]
     plan.done = [(fold, seed) for seed in plan.seeds
                  for fold in tracking.finished_fold_runs(client, plan.parent_run_id, seed) if fold in fold_ids]
@@ -384,8 +395,8 @@ def run_cv(cfg: DictConfig) -> dict:
         print(f"device: chosen on each SLURM node (trainer.accelerator={cfg.trainer.accelerator})")
     else:
         announce_device(cfg.trainer.accelerator)
-    identity_dir = resolve_path(cfg.cv.work_dir)
-    with identity_lock(identity_dir, f"{cfg.model.name}-{cfg.data.name}-{cfg.protocol.name}-{cfg.task.name}"):
+    with identity_lock(resolve_path(cfg.cv.work_dir), cv_runs.run_key(cfg, tracking_uri),
+                       driver_description("make cv", cfg, tracking_uri)):
         plan = plan_cv(cfg, client, tracking_uri)
         name = client.get_run(plan.parent_run_id).info.run_name
         if plan.finished:
@@ -401,8 +412,9 @@ def run_cv(cfg: DictConfig) -> dict:
               f"{plan.parent_run_id}); `make ui` to review")
         try:
             outcome = launch(plan, client) if len(plan.done) < len(plan.units) else launchers.LaunchOutcome()
-        except BaseException:
-            client.set_terminated(plan.parent_run_id, "KILLED")
+        except BaseException as error:
+            if not is_unreachable(error):  # a store that does not answer cannot be told either
+                client.set_terminated(plan.parent_run_id, "KILLED")
             raise
         if outcome.submitted:
             print(f"{len(outcome.submitted)} fold(s) queued on SLURM; run the same command again to follow them "

@@ -15,13 +15,8 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,23 +25,22 @@ from typing import Any, ClassVar, Protocol
 from mlflow import MlflowClient
 from omegaconf import DictConfig
 
-from pipeline.runs.store.tracking import open_store, redact_uri, uri_has_credentials
+from pipeline.runs.orchestration.job_workers import run_on_workers
+from pipeline.runs.store.private_server import TrackingServer, free_port, tracking_server
+from pipeline.runs.store.tracking import redact_uri, uri_has_credentials
 from pipeline.runs.store.tracking_server import (
-    ADMIN_PASSWORD_ENV,
-    ADMIN_USERNAME_ENV,
-    ARTIFACT_ROOT_ENV,
-    BACKEND_STORE_ENV,
     PASSWORD_ENV,
     USERNAME_ENV,
     job_credentials,
-    make_run_user,
-    private_server_environment,
     tracking_access_problem,
     without_credentials,
 )
+from pipeline.runs.store.unreachable import is_unreachable
 from pipeline.utils.cpus import available_cpus
-from pipeline.utils.permissions import PRIVATE_UMASK
+from pipeline.utils.processes import stop_process_group
 
+# the private server (pipeline.runs.store.private_server) and the process helpers, importable from here as before
+__all__ = ["TrackingServer", "free_port", "stop_process_group", "tracking_server"]
 log = logging.getLogger(__name__)
 LAUNCHERS = ("local", "parallel", "slurm")
 
@@ -57,7 +51,8 @@ Report = Callable[[int, str, Any], None]
 class Job(Protocol):
     """What a launcher runs, as plain values (pickled for submitit, JSON for a subprocess): `FoldJob`, `TuneWorker`.
 
-    `key` names it in reports and outcomes (the fold; the worker's index); `tool` is the command that runs its spec in
+    `key` names it in reports and outcomes (the fold; the worker's index), `name` in words (`fold 3`, `search worker
+    0`); `tool` is the command that runs its spec in
     a process of its own (`python -m pipeline <tool> <spec.json>`); `file("json")` and `file("log")` are where that
     process's spec and output go; `write(path)` writes the spec (owner only, no password); `run()` runs the job in
     this process and returns its result."""
@@ -66,6 +61,9 @@ class Job(Protocol):
 
     @property
     def key(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
 
     def file(self, kind: str) -> Path: ...
 
@@ -124,6 +122,8 @@ def launch_local(jobs: Sequence[Job], report: Report) -> LaunchOutcome:
         try:
             result = job.run()
         except Exception as error:  # noqa: BLE001 - a fold's run holds the traceback; the others go on
+            if is_unreachable(error):  # the store's failure, not the job's: the others would wait for it too
+                raise
             outcome.failed[job.key] = f"{type(error).__name__}: {error}"
             report(job.key, "failed", outcome.failed[job.key])
             continue
@@ -153,97 +153,6 @@ def job_store(launcher: str, tracking_uri: str, client: MlflowClient, experiment
 # ---------------------------------------------------------------------------------------------------------------
 # parallel
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In a child process (Linux): receive SIGTERM when the launching process dies, even by kill -9."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _private_child() -> None:
-    """In a server started here: what it creates (a new sqlite store, its journal, artifacts) is this user's alone,
-    whatever umask the caller had; and it dies with its parent (Linux)."""
-    os.umask(PRIVATE_UMASK)
-    if sys.platform == "linux":
-        _die_with_parent()
-
-
-@dataclass
-class TrackingServer:
-    """A private tracking server of one run: its address, the credentials its fold jobs get (a user made for the
-    run; empty when no experiment was named), its admin (for the owner alone: `make ui`) and its 0700 folder."""
-
-    uri: str
-    credentials: dict[str, str]
-    admin: tuple[str, str]
-    folder: Path
-    process: subprocess.Popen
-
-    @property
-    def admin_credentials(self) -> dict[str, str]:
-        return {USERNAME_ENV: self.admin[0], PASSWORD_ENV: self.admin[1]}
-
-    def running(self) -> bool:
-        return self.process.poll() is None
-
-
-@contextlib.contextmanager
-def tracking_server(backend_store_uri: str, artifact_root: str, port: int | None = None,
-                    host: str = "127.0.0.1", timeout_s: float = 120, experiment_ids: Sequence[str] = (),
-                    default_permission: str = "NO_PERMISSIONS") -> Iterator[TrackingServer]:
-    """A private MLflow tracking server over `backend_store_uri` for as long as the block runs.
-
-    MLflow's basic-auth app on loopback too (other accounts on this machine reach 127.0.0.1): users and settings in a
-    0700 folder of its own, a random admin password, and a user made for the run with EDIT on `experiment_ids`,
-    whose credentials are what the fold jobs get (`job_environment`). The store URI, the artifact root and every
-    secret reach the server through its environment, never its command line (`ps` shows that to everyone); what it
-    creates is this user's alone. One worker and no job runner (one driver's fold jobs are all it serves). Stopped at
-    the end of the block, on errors and Ctrl-C too; if this process is killed the server dies with it (Linux).
-    """
-    open_store(backend_store_uri)  # a new sqlite store is created here, under its lock, not by the server
-    port = port or free_port(host)
-    folder = Path(tempfile.mkdtemp(prefix="painvit-server-"))  # 0700, this user's
-    secrets_env = private_server_environment(folder, default_permission)
-    command = [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port), "--workers", "1",
-               "--app-name", "basic-auth"]
-    env = {**without_credentials(os.environ), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-           BACKEND_STORE_ENV: backend_store_uri, ARTIFACT_ROOT_ENV: artifact_root, **secrets_env}
-    admin = (secrets_env[ADMIN_USERNAME_ENV], secrets_env[ADMIN_PASSWORD_ENV])
-    started = time.time()
-    # its log goes to a file: a pipe nobody reads would fill up with access lines and stall the server
-    server_log = folder / "server.log"
-    with open(server_log, "wb") as log_file:
-        server = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                  preexec_fn=_private_child, start_new_session=True)
-    uri = f"http://{host}:{port}"
-    shown = redact_uri(backend_store_uri)
-    try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the MLflow server on {uri} over {shown} exited with code {server.returncode}: "
-                                   f"{_log_tail(server_log, 30)}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            if time.time() - started > timeout_s:
-                raise RuntimeError(f"the MLflow server on {uri} did not answer within {timeout_s:.0f} s")
-            time.sleep(0.5)
-        credentials = make_run_user(uri, admin, experiment_ids) if experiment_ids else {}
-        log.info("MLflow server %s over %s answered after %.1f s", uri, shown, time.time() - started)
-        yield TrackingServer(uri, credentials, admin, folder, server)
-    finally:
-        stop_process_group(server, grace_s=15)
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def visible_gpus() -> list[str]:
     """The GPU ids this process may use (CUDA_VISIBLE_DEVICES if set, else every device torch sees)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -254,11 +163,13 @@ def visible_gpus() -> list[str]:
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
-def job_slots(n_jobs: int | None, gpus: list[str], cpus: list[int]) -> list[dict[str, str]]:
+def job_slots(n_jobs: int | None, gpus: list[str], cpus: list[int],
+              max_threads: int | None = None) -> list[dict[str, str]]:
     """One environment per concurrent job: its own GPU, or on a CPU an equal share of the cores.
 
-    Default: one job per GPU, else 1. On a CPU each job gets len(cpus) // n_jobs cores as its torch threads,
-    dataloader workers (the loader's automatic count follows the affinity mask) and affinity mask.
+    Default: one job per GPU, else 1. On a CPU each job gets len(cpus) // n_jobs cores as its affinity mask and
+    dataloader workers (the loader's automatic count follows the mask), and as many torch threads, at most
+    `max_threads` (an OMP_NUM_THREADS the user set: fewer threads than cores were asked for).
     """
     n_jobs = n_jobs or max(1, len(gpus))
     if gpus:
@@ -270,7 +181,7 @@ def job_slots(n_jobs: int | None, gpus: list[str], cpus: list[int]) -> list[dict
     slots = []
     for slot in range(n_jobs):
         mine = cpus[slot * share:(slot + 1) * share] or cpus[-share:]
-        threads = str(len(mine))
+        threads = str(min(len(mine), max_threads or len(mine)))
         slots.append({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                       "PAINVIT_CPUS": ",".join(map(str, mine))})
     return slots
@@ -284,69 +195,17 @@ def job_environment(slot: Mapping[str, str], credentials: Mapping[str, str],
     return {**without_credentials(os.environ if environ is None else environ), **slot, **credentials}
 
 
-def _start_job(job: Job, slot: dict[str, str], credentials: Mapping[str, str]) -> tuple[subprocess.Popen, Path]:
-    """`python -m pipeline <job.tool> <spec>` with its slot's environment and CPU affinity, output to its log."""
-    spec, log_path = job.write(job.file("json")), job.file("log")
-    cpus = [int(c) for c in slot.get("PAINVIT_CPUS", "").split(",") if c]
-
-    def prepare_child() -> None:
-        if sys.platform == "linux":
-            _die_with_parent()
-        if cpus and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, cpus)
-
-    with open(log_path, "ab") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "pipeline", job.tool, str(spec)],
-                                   env=job_environment(slot, credentials), stdout=log_file,
-                                   stderr=subprocess.STDOUT, preexec_fn=prepare_child)
-    return process, log_path
-
-
-def _log_tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def launch_parallel(jobs: Sequence[Job], n_jobs: int | None, report: Report, result_of: Callable[[int], Any],
                     credentials: Mapping[str, str] | None = None) -> LaunchOutcome:
-    """Up to n_jobs job processes at once (`python -m pipeline <job.tool> <spec.json>`), each in its own slot, with
-    `credentials` (the tracking server's user for the run) as their only secret. A job is done when its process
-    exits 0 and `result_of(key)` is not None; else it failed, reported with its log's tail. Ctrl-C stops them."""
-    slots = job_slots(n_jobs, visible_gpus(), sorted(_cpu_ids()))
-    queue, running, outcome = list(jobs), {}, LaunchOutcome()
-    for job in queue:
-        report(job.key, "pending", None)
-    free = list(range(len(slots)))
-    try:
-        while queue or running:
-            while queue and free:
-                job, slot = queue.pop(0), free.pop(0)
-                process, log_path = _start_job(job, slots[slot], credentials or {})
-                running[job.key] = (process, slot, log_path)
-                report(job.key, "running", f"pid {process.pid}, log {log_path}")
-            time.sleep(0.5)
-            for key, (process, slot, log_path) in list(running.items()):
-                if process.poll() is None:
-                    continue
-                del running[key]
-                free.append(slot)
-                result = result_of(key) if process.returncode == 0 else None
-                if result is not None:
-                    outcome.done.append(key)
-                    report(key, "done", result)
-                else:
-                    outcome.failed[key] = f"exit code {process.returncode}, log {log_path}:\n{_log_tail(log_path)}"
-                    report(key, "failed", outcome.failed[key])
-    finally:  # Ctrl-C or an error in the driver: stop the jobs (SIGINT lets each mark its run KILLED)
-        for process, _, _ in running.values():
-            process.send_signal(signal.SIGINT)
-        for process, _, _ in running.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    """The jobs on up to n_jobs long-lived worker processes (`job_workers`), one per slot (`job_slots`: a GPU or a
+    share of the cores), each fed one job after another, with `credentials` (the tracking server's user for the run)
+    as their only secret. A job is done when its worker says so and `result_of(key)` is not None; else it failed,
+    reported with its log's tail. Ctrl-C stops them."""
+    asked = os.environ.get("OMP_NUM_THREADS", "")
+    slots = job_slots(n_jobs, visible_gpus(), sorted(_cpu_ids()), int(asked) if asked.isdigit() else None)
+    slots = slots[:max(1, len(jobs))]
+    outcome = LaunchOutcome()
+    run_on_workers(jobs, [job_environment(slot, credentials or {}) for slot in slots], report, result_of, outcome)
     return outcome
 
 
@@ -479,16 +338,3 @@ def wait_slurm(job_ids: dict[int, str], report: Report, result_of: Callable[[int
         if pending:
             time.sleep(poll_s)
     return outcome
-
-
-def stop_process_group(process: subprocess.Popen, grace_s: float = 30) -> None:
-    """End a process started in its own session (`start_new_session=True`) and everything it started: SIGTERM to
-    the group, SIGKILL after `grace_s` seconds; gone already is fine."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)

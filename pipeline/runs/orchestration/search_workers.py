@@ -89,6 +89,10 @@ class TuneWorker:
     def key(self) -> int:
         return self.worker
 
+    @property
+    def name(self) -> str:
+        return f"search worker {self.worker}"
+
     def file(self, kind: str) -> Path:
         """Its spec ("json") or log ("log") in the search's folder."""
         return Path(self.work_dir) / f"worker_{self.worker}.{kind}"

@@ -41,7 +41,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.runs.jobs.fold_job import FoldDecisions, FoldJob
 from pipeline.runs.orchestration import launchers
-from pipeline.runs.orchestration.cross_validation import Plan, aggregate, identity_lock, launch, plan_cv
+from pipeline.runs.orchestration.cross_validation import (
+    Plan,
+    aggregate,
+    driver_description,
+    identity_lock,
+    launch,
+    plan_cv,
+)
 from pipeline.runs.orchestration.search_space import SearchSpace, TuneError, load_space, with_params
 from pipeline.runs.orchestration.search_workers import TuneWorker, launch_workers
 from pipeline.runs.orchestration.studies import finished_trials, open_storage, prepare_studies, storage_path
@@ -167,8 +174,8 @@ def run_tune(cfg: DictConfig) -> dict:
         announce_device(cfg.trainer.accelerator)
     if cfg.tune.scope == "shared":
         print(f"tune.scope=shared: {OPTIMISTIC}", flush=True)
-    with identity_lock(resolve_path(cfg.cv.work_dir),
-                       f"tune-{cfg.model.name}-{cfg.data.name}-{cfg.protocol.name}-{cfg.task.name}"):
+    with identity_lock(resolve_path(cfg.cv.work_dir), cv_runs.run_key(cfg, tracking_uri, "tune"),
+                       driver_description("make tune", cfg, tracking_uri)):
         plan = tuned_plan(cfg, client, tracking_uri, space)
         if plan.finished:
             print(f"tuned cross-validation {plan.parent_run_id} already finished with these settings")

@@ -141,6 +141,16 @@ def config_sha256(cfg: DictConfig) -> str:
     return hashlib.sha256(json.dumps(identity_config(cfg), sort_keys=True, default=str).encode()).hexdigest()
 
 
+def run_key(cfg: DictConfig, store_uri: str, kind: str = "") -> str:
+    """A name for one cross-validation on this machine: `[<kind>-]<model>-<data>-<protocol>-<task>-<16 hex>`, the hex
+    a SHA-256 of its full identity (`config_sha256`: every setting but NOT_IDENTITY's, cv.seeds included) and of the
+    store it is recorded in (its URI without a password). Its driver's lock and its epoch checkpoints' folder are
+    named by it, so that CVs that differ in any identity setting, or are recorded in other stores, never share them."""
+    digest = hashlib.sha256(f"{config_sha256(cfg)}\n{tracking.redact_uri(store_uri)}".encode()).hexdigest()[:16]
+    prefix = f"{kind}-" if kind else ""
+    return f"{prefix}{cfg.model.name}-{cfg.data.name}-{cfg.protocol.name}-{cfg.task.name}-{digest}"
+
+
 def flat_params(config: dict) -> dict[str, str]:
     """A nested config as MLflow parameters: dotted keys, values cut to MLflow's 500 characters."""
     flat = pd.json_normalize(config, sep=".").iloc[0].to_dict()

@@ -43,6 +43,7 @@ from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 
 from pipeline.runs.store.tracking import HEARTBEAT_TAG, HOST_TAG, LEASE_PARAM, LEASE_TAG, PID_TAG, SLURM_JOB_TAG
+from pipeline.runs.store.unreachable import is_unreachable
 
 log = logging.getLogger(__name__)
 # LEASE_TAG (on a fold's child run: the owner of its lease), HEARTBEAT_TAG (there: unix seconds of the last renewal)
@@ -129,22 +130,31 @@ def process_gone(tags: dict[str, str]) -> bool:
 
 
 class Watch:
-    """One observer's view of other jobs' attempts: each heartbeat (and each claim) with the value it last had and
-    the moment, on this process's monotonic clock, that value was first seen. Kept for as long as the observer
-    waits, so that "unchanged for lease_s" is measured by one clock, its own."""
+    """One observer's view of other jobs' attempts: each heartbeat (and each claim) with the value it last had, the
+    moment, on this process's monotonic clock, that value was first seen, and when it was last seen. Kept for as long
+    as the observer waits, so that "unchanged for lease_s" is measured by one clock, its own.
+
+    Time counts only while the observer sees the store: two sightings more than `lease_s / 2` apart (the tracking
+    server was away, or this observer was) start the count again, since the owner could not renew its heartbeat in
+    that gap either. An owner that beats every `lease_s / 5` is then never taken for dead across an outage: what
+    was counted before a gap is at most `lease_s / 2`, and its next beat comes within `lease_s / 5` of the store's
+    return."""
 
     def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.lease_s, self.clock = lease_s, clock
-        self.seen: dict[str, tuple[str, float]] = {}
+        self.max_gap_s = lease_s / 2
+        self.seen: dict[str, tuple[str, float, float]] = {}
 
     def unchanged_s(self, key: str, value: str) -> float:
-        """Seconds of this observer's clock for which `key` has shown `value`; 0 when it is new or has changed."""
+        """Seconds of this observer's clock for which `key` has shown `value` without a gap in the sightings longer
+        than `max_gap_s`; 0 when it is new, has changed or was out of sight that long."""
         now = self.clock()
-        first = self.seen.get(key)
-        if first is None or first[0] != value:
-            self.seen[key] = (value, now)
+        seen = self.seen.get(key)
+        if seen is None or seen[0] != value or now - seen[2] > self.max_gap_s:
+            self.seen[key] = (value, now, now)
             return 0.0
-        return now - first[1]
+        self.seen[key] = (value, seen[1], now)
+        return now - seen[1]
 
     def is_live(self, run: Run) -> bool:
         """A RUNNING attempt whose heartbeat this observer has not seen unchanged for `lease_s`, unless it is known
@@ -226,7 +236,8 @@ class Heartbeat:
                     return
                 self.client.set_tag(self.run_id, HEARTBEAT_TAG, f"{time.time():.3f}")
             except Exception as error:  # noqa: BLE001 - a server that is down a moment: the next beat retries
-                log.warning("heartbeat of run %s not renewed: %s", self.run_id, error)
+                why = "the tracking server did not answer" if is_unreachable(error) else str(error)
+                log.warning("heartbeat of run %s not renewed (%s); the next beat tries again", self.run_id, why)
 
     def check(self) -> None:
         """Raise `LeaseLost` once a beat has seen the run taken over."""

@@ -11,7 +11,7 @@ origins (`--cors-allowed-origins`, none unless given) are set off loopback. `--a
 `--insecure` (`SERVER_INSECURE=1`) says so.
 
 The servers a run starts for itself (the parallel launcher's, `make tune LAUNCHER=parallel`'s, `make ui`'s:
-`launchers.tracking_server`) are private ones (`private_server_environment`): their users and settings in a 0700
+`private_server.tracking_server`) are private ones (`private_server_environment`): their users and settings in a 0700
 folder of their own, a random admin password and CSRF key in their environment only. Fold jobs never get an admin's
 password: they get a user made for the run with EDIT on the run's experiments (`make_run_user`), on a private server
 or on one the user started with `make server` (`job_credentials`), through their environment only.
@@ -33,7 +33,6 @@ import secrets
 import socket
 import stat
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -41,19 +40,12 @@ from pathlib import Path
 from urllib.parse import urlencode, urlsplit
 
 from pipeline.runs.store.tracking import (
-    DEFAULT_EXPERIMENT,
-    artifact_folder,
-    artifact_root,
-    find_experiment_id,
     open_store,
     redact_uri,
     sqlite_file,
-    tracking_uri,
-    ui_url,
     uri_has_credentials,
 )
 from pipeline.utils.atomic_io import atomic_path
-from pipeline.utils.paths import PROJECT_ROOT
 from pipeline.utils.permissions import StoreNotPrivate, refuse_open_stores
 
 ADMIN_PASSWORD_ENV = "MLFLOW_AUTH_ADMIN_PASSWORD"  # MLflow's own: the first admin's password
@@ -68,8 +60,11 @@ STORE_ENV, AUTH_DB_ENV = "SERVER_STORE", "SERVER_AUTH_DB"
 BACKEND_STORE_ENV, ARTIFACT_ROOT_ENV = "MLFLOW_BACKEND_STORE_URI", "MLFLOW_DEFAULT_ARTIFACT_ROOT"
 ARTIFACTS_DESTINATION_ENV = "MLFLOW_ARTIFACTS_DESTINATION"
 # Variables that hold a secret: none of them reaches a fold job or a server that does not need it
+# libpq's (PostgreSQL) and MySQL's password variables: a tracking server over such a database needs its own (or
+# libpq's password file, ~/.pgpass or PGPASSFILE, which is not a secret in itself); a fold job never does
+DATABASE_PASSWORD_ENV = ("PGPASSWORD", "MYSQL_PWD")
 CREDENTIAL_ENV = (PASSWORD_ENV, USERNAME_ENV, "MLFLOW_TRACKING_TOKEN", ADMIN_PASSWORD_ENV, ADMIN_USERNAME_ENV,
-                  SECRET_KEY_ENV, "PGPASSWORD", "MYSQL_PWD")
+                  SECRET_KEY_ENV, *DATABASE_PASSWORD_ENV)
 PERMISSIONS = ("READ", "EDIT", "MANAGE", "NO_PERMISSIONS")
 JOB_USER_PREFIX = "painvit-jobs"  # the users made for a run's fold jobs
 # a private server checks each (user, password) pair's scrypt hash once per this many seconds, not per request (one
@@ -130,6 +125,13 @@ def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:
     carries a password: what a fold job or a private server may inherit."""
     return {key: value for key, value in environ.items() if key not in CREDENTIAL_ENV
             and not (key in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI") and redact_uri(value) != value)}
+
+
+def server_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a private tracking server inherits: `without_credentials`, but the database's password variables
+    (DATABASE_PASSWORD_ENV) kept, since the server, and it alone, opens the store."""
+    return {**without_credentials(environ),
+            **{key: environ[key] for key in DATABASE_PASSWORD_ENV if key in environ}}
 
 
 def server_command(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
@@ -358,39 +360,3 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({'basic authentication' if auth else 'OPEN'})", flush=True)
     os.execve(command[0], command, env)
     return 0  # not reached
-
-
-def ui_main(argv: Sequence[str] | None = None) -> int:
-    """`make ui`: the runs page's address, then the UI on loopback as a private server for as long as it runs: user
-    `admin`, whose random password is in an owner-only file that goes when the UI stops."""
-    from pipeline.runs.orchestration.launchers import (
-        tracking_server,  # the launcher's private server (it imports this module)
-    )
-
-    parse = argparse.ArgumentParser(prog="python -m pipeline ui", description="the MLflow UI, asking who you are")
-    parse.add_argument("--port", type=int, default=5000)
-    parse.add_argument("--experiment", default=DEFAULT_EXPERIMENT)
-    args = parse.parse_args(argv)
-    store = tracking_uri(PROJECT_ROOT)  # MLFLOW_TRACKING_URI or the project's mlflow.db: never on a command line
-    if store.startswith(("http://", "https://")):
-        print(f"ui: the store is the tracking server {redact_uri(store)}: open its own UI", file=sys.stderr)
-        return 2
-    try:
-        refuse_open_stores([path for path in (sqlite_file(store), artifact_folder(PROJECT_ROOT)) if path is not None])
-    except StoreNotPrivate as error:
-        print(f"ui: {error}", file=sys.stderr)
-        return 2
-    url = ui_url("127.0.0.1", args.port, find_experiment_id(store, args.experiment))
-    try:
-        with tracking_server(store, artifact_root(PROJECT_ROOT), port=args.port, default_permission="READ") as served:
-            secret = served.folder / "password"
-            with atomic_path(secret, mode=0o600) as tmp:
-                tmp.write_text(served.admin[1] + "\n")
-            print(f"MLflow UI over {redact_uri(store)}: {url}\nlog in as `{served.admin[0]}` with the password in "
-                  f"{secret} (readable by you alone; it goes when the UI stops). Stop with Ctrl+C.", flush=True)
-            while served.running():
-                time.sleep(1)
-            print("ui: the MLflow server stopped", file=sys.stderr)
-            return 1
-    except KeyboardInterrupt:
-        return 0

@@ -1,0 +1,30 @@
+"""Child processes that end with the process that started them: dying with the parent (Linux), and a process
+group stopped with SIGTERM, then SIGKILL."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+
+
+def die_with_parent() -> None:
+    """In a child process (Linux): receive SIGTERM when the launching process dies, even by kill -9."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = 30) -> None:
+    """End a process started in its own session (`start_new_session=True`) and everything it started: SIGTERM to
+    the group, SIGKILL after `grace_s` seconds; gone already is fine."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
