@@ -27,6 +27,7 @@ independent) on the same scores, so the record says what each test would have co
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -60,6 +61,7 @@ from pipeline.analysis.resampled_cv import (
 )
 from pipeline.data.datamodule import LoaderConfig
 from pipeline.data.fold_files import read_folds
+from pipeline.data.prepare import synthetic_config
 from pipeline.data.tasks import Task, get_task
 from pipeline.evaluation.statistics import paired_permutation_test
 from pipeline.models.probe_batch import BatchRecipe, Embeddings, check_recipe
@@ -93,10 +95,12 @@ class ResampledStudy:
     key: str
 
     @classmethod
-    def from_config(cls, power: DictConfig, effect: str, base: Sequence[str]) -> ResampledStudy:
+    def from_config(cls, power: DictConfig, effect: str, base: Sequence[str], twin: str) -> ResampledStudy:
+        """The study of `effect` with the command's overrides `base` on the twin named `twin` (its population's
+        folder: the generator's resolved settings)."""
         entry, settings = power.effects[effect], power.resampled
         described = {"effect": effect, "entry": OmegaConf.to_container(entry), "alpha": float(power.alpha),
-                     "resampled": {k: v for k, v in OmegaConf.to_container(settings).items()
+                     "twin": twin, "resampled": {k: v for k, v in OmegaConf.to_container(settings).items()
                                    if k != "truth_replicates"}, "common": list(power.common), "base": sorted(base)}
         key = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return cls(effect, str(entry.task), tuple(float(v) for v in entry.levels), str(settings.protocol),
@@ -140,9 +144,11 @@ def recipe_of(cfg: DictConfig) -> BatchRecipe:
 
 
 def population_folder(power: DictConfig, cfg: DictConfig) -> Path:
-    """Where the population of this twin lives: one folder per dataset and generator settings (the crops'
-    settings too), so a study of another twin draws its own and one of the same twin reads it back."""
-    twin = {"data": OmegaConf.to_container(cfg.data), "preprocess": OmegaConf.to_container(cfg.preprocess)}
+    """Where the population of this twin lives: one folder per dataset and generator settings as the generator
+    resolves them (a preset's values, not only its name: a recalibrated preset is another twin) and the crops'
+    settings, so a study of another twin draws its own and one of the same twin reads it back."""
+    twin = {"data": OmegaConf.to_container(cfg.data), "preprocess": OmegaConf.to_container(cfg.preprocess),
+            "generator": dataclasses.asdict(synthetic_config(cfg.data.synthetic))}
     digest = hashlib.sha256(json.dumps(twin, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return resolve_path(power.dir) / "population" / f"{cfg.data.name}_{digest}"
 
@@ -222,7 +228,8 @@ def run_resampled(cfg: DictConfig, overrides: Sequence[str] = ()) -> pd.DataFram
     power = cfg.power
     effect = str(power.effect)
     base = [o for o in overrides if not o.startswith(("power.", "task=", "data="))]
-    study = ResampledStudy.from_config(power, effect, base)
+    composed = [*base, *power.common, f"task={power.effects[effect].task}"]
+    study = ResampledStudy.from_config(power, effect, base, population_folder(power, load_config(composed)).name)
     out_dir = resolve_path(cfg.reports_dir) / "power" / effect
     record = out_dir / "replicates.csv"
     done = pd.read_csv(record, dtype={"study": str}) if record.is_file() else pd.DataFrame(columns=RECORD_COLUMNS)
@@ -232,7 +239,7 @@ def run_resampled(cfg: DictConfig, overrides: Sequence[str] = ()) -> pd.DataFram
           f"{list(study.levels)}; {len(study.replicates)} replicates ({len(study.replicates) - len(todo)} done "
           f"before); study {study.key}; record {record}", flush=True)
     if todo:
-        data = study_data(power, study, [*base, *power.common, f"task={study.task}"])
+        data = study_data(power, study, composed)
         print(f"population: {len(data.population)} people ({int(data.population.people.sum())} responders), "
               f"{len(data.population.frames)} crops, ready in {data.population.seconds:.0f} s", flush=True)
         for replicate in todo:

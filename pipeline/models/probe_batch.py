@@ -126,15 +126,25 @@ def video_auroc(spec: ProbeSpec, probabilities: np.ndarray) -> float:
 
 
 class LockstepAdamW:
-    """AdamW over M heads stacked in one tensor per parameter, each head with its own step count and learning rate:
-    torch.optim.AdamW's update, elementwise, for the heads that step."""
+    """AdamW over M linear heads, each with its own step count and learning rate: torch.optim.AdamW's update,
+    elementwise, for the heads that step. Each head's weight and bias sit side by side in one row of `state` (the
+    bias as the last column), with their two moments beside them, so a step reads and writes each head once."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, weight_decay: float) -> None:
-        self.params = (weight, bias)
-        self.decay = (weight_decay, 0.0)  # the bias is a 1-D parameter: no weight decay (parameter_groups)
-        self.first = [torch.zeros_like(p) for p in self.params]
-        self.second = [torch.zeros_like(p) for p in self.params]
-        self.steps = torch.zeros(len(weight), dtype=torch.float64)
+        m, classes, features = weight.shape
+        self.state = torch.zeros(m, 3, classes, features + 1)  # per head: parameters, first and second moments
+        self.state[:, 0, :, :features], self.state[:, 0, :, features] = weight, bias
+        # decoupled weight decay on the weight only: the bias is a 1-D parameter (parameter_groups)
+        self.decay = torch.cat([torch.full((features,), float(weight_decay)), torch.zeros(1)])
+        self.steps = torch.zeros(m, dtype=torch.float64)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.state[:, 0, :, :-1]
+
+    @property
+    def bias(self) -> torch.Tensor:
+        return self.state[:, 0, :, -1]
 
     @torch.no_grad()
     def step(self, members: torch.Tensor, lr: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -143,18 +153,17 @@ class LockstepAdamW:
         beta1, beta2 = ADAM_BETAS
         self.steps[members] += 1
         steps = self.steps[members]
-        correction1 = (1 - beta1**steps).float()
-        correction2_sqrt = torch.sqrt(1 - beta2**steps).float()
-        for param, grad, first, second, decay in zip(self.params, grads, self.first, self.second, self.decay,
-                                                     strict=True):
-            shape = (-1,) + (1,) * (param.dim() - 1)
-            rate = lr.float().view(shape)
-            value = param[members] * (1 - rate * decay)
-            m = first[members].lerp(grad, 1 - beta1)
-            v = second[members] * beta2 + grad * grad * (1 - beta2)
-            denom = (v.sqrt() / correction2_sqrt.view(shape)) + ADAM_EPS
-            param[members] = value - (rate / correction1.view(shape)) * m / denom
-            first[members], second[members] = m, v
+        correction1 = (1 - beta1**steps).float().view(-1, 1, 1)
+        correction2_sqrt = torch.sqrt(1 - beta2**steps).float().view(-1, 1, 1)
+        rate = lr.float().view(-1, 1, 1)
+        grad = torch.cat([grads[0], grads[1][..., None]], dim=-1)
+        state = self.state.index_select(0, members)
+        param, first, second = state.unbind(1)
+        param.mul_(1 - rate * self.decay)
+        first.lerp_(grad, 1 - beta1)
+        second.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        param.sub_((rate / correction1) * first / (second.sqrt() / correction2_sqrt + ADAM_EPS))
+        self.state.index_copy_(0, members, state)
 
 
 def check_recipe(monitor: str, aggregation: str, views: int, balanced_sampling: bool, label_smoothing: float,
@@ -210,9 +219,9 @@ class Selection:
 
 
 def _fit(embeddings: Embeddings, specs: list[ProbeSpec], recipe: BatchRecipe) -> BatchFit:
-    weight = torch.stack([s.weight.detach().float() for s in specs])
-    bias = torch.stack([s.bias.detach().float() for s in specs])
-    optimizer = LockstepAdamW(weight, bias, recipe.weight_decay)
+    optimizer = LockstepAdamW(torch.stack([s.weight.detach().float() for s in specs]),
+                              torch.stack([s.bias.detach().float() for s in specs]), recipe.weight_decay)
+    weight, bias = optimizer.weight, optimizer.bias
     sizes = np.array([len(s.train) for s in specs])
     batches = np.where(sizes > recipe.batch_size, sizes // recipe.batch_size, 1)
     noise = torch.tensor([s.noise for s in specs], dtype=torch.float32)
