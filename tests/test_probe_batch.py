@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.analysis.population import PERSON, Population, ReplicateDataModule
+from pipeline.analysis.population import PERSON, Population, ReplicateDataModule, shift_matrix
 from pipeline.analysis.resampled_cv import FoldSplit, initial_head
 from pipeline.data.datamodule import LoaderConfig
 from pipeline.data.embeddings import EmbeddingTable
@@ -43,7 +43,8 @@ def small_population(n_people: int, features: int, seed: int) -> Population:
     frames.index.name = "frame_row"
     values = np.asarray(plain, dtype=np.float32)
     return Population(frames, pd.Series({f"0:p{p:02d}": True for p in range(n_people)}, name="responder"),
-                      EmbeddingTable(np.arange(len(frames)), values, np.zeros((0, *values.shape), np.float32)), 0.0)
+                      EmbeddingTable(np.arange(len(frames)), values, np.zeros((0, *values.shape), np.float32)),
+                      rng.uniform(0, 1, (len(frames), 4)).astype(np.float32), 0.0)
 
 
 def fold_table(names: list[str], folds: int, val: int) -> pd.DataFrame:
@@ -100,7 +101,7 @@ def test_the_lockstep_probes_are_the_in_memory_probes(replicate) -> None:
     cfg, population = replicate["cfg"], replicate["population"]
     plain = torch.from_numpy(population.embeddings.plain)
     noise = (torch.randn(plain.shape, generator=torch.Generator().manual_seed(5)) * plain.std(dim=0)).half()
-    embeddings = Embeddings(plain, noise)
+    embeddings = Embeddings(plain, noise)  # the shift a probe adds at its scale: here a noise draw
     splits = [FoldSplit.of(ReplicateDataModule(replicate["frames"], replicate["folds"], fold, TASK,
                                                replicate["backbone"].data_config, replicate["loader"], 0,
                                                population.embeddings)) for fold in range(3)]
@@ -125,3 +126,21 @@ def test_what_the_lockstep_probes_do_not_reproduce_is_refused() -> None:
     check_recipe("val/video_auroc", "mean", 0, False, 0.0, None)
     with pytest.raises(ValueError, match=r"not trainer.monitor='val/loss', cache.views=2"):
         check_recipe("val/loss", "mean", 2, False, 0.0, None)
+
+
+def test_copy_bs_shift_is_the_crops_action_units_projected_or_a_noise_draw() -> None:
+    """`action_units`: every crop's shift is a linear function of its four action units (standardised over the
+    population), the same projection for all crops, repeatable from its seed; `noise` is not; another knob is refused
+    by name."""
+    population = small_population(6, 32, seed=2)
+    units = population.action_units.astype(np.float64)
+    standard = np.column_stack([(units - units.mean(axis=0)) / units.std(axis=0, ddof=1), np.ones(len(units))])
+    for knob, in_span in (("action_units", True), ("noise", False)):
+        shift = shift_matrix(population, knob, seed=3).float().numpy()
+        assert shift.shape == population.embeddings.plain.shape
+        torch.testing.assert_close(shift_matrix(population, knob, seed=3).float().numpy(), shift)
+        fitted = standard @ np.linalg.lstsq(standard, shift, rcond=None)[0]
+        residual = np.abs(shift - fitted).max() / np.abs(shift).max()
+        assert (residual < 1e-2) == in_span, (knob, residual)  # float16 keeps about three digits
+    with pytest.raises(ValueError, match="knob='pixels': expected noise or action_units"):
+        shift_matrix(population, "pixels", seed=3)

@@ -5,7 +5,8 @@ The population is `twins` independent twins of the configured dataset (the BioVi
 them non-responders), generator seeds `population_seed`, `population_seed + 1`, ..., each cropped from its own
 geometry (`data.synthetic.crops=truth`: no videos, no detector) for the task's classes and embedded by the frozen
 backbone (the embedding cache, `WEIGHTS=` its start). Whatever the twin is (its preset, effect and knobs: the config's
-`data.synthetic.*`), the population is drawn from it.
+`data.synthetic.*`), the population is drawn from it. Each crop keeps the action units its frame was drawn with
+(`traces.clip_traces`: the generator's own animation), which a power curve's better copy may see (`shift_matrix`).
 
 A replicate fills the slots of a committed BioVid fold file (kfold5 or LOSO of all87) with people drawn without
 replacement from the population: a responder's slot with a responder, a non-responder's (Part A's 20) with a
@@ -32,8 +33,9 @@ from pipeline.data.biovid import NON_RESPONDERS
 from pipeline.data.datamodule import ROW_INDEX_NAME, LoaderConfig
 from pipeline.data.embeddings import EmbeddingDataModule, EmbeddingTable
 from pipeline.data.fold_files import fold_subjects
-from pipeline.data.prepare import prepare_data
+from pipeline.data.prepare import prepare_data, synthetic_config
 from pipeline.data.synthetic.settings import SUBJECTS_CSV
+from pipeline.data.synthetic.traces import clip_traces
 from pipeline.data.tasks import Task
 from pipeline.models.backbones import Backbone, create_backbone
 from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings, read_frame_table, used_rows
@@ -42,16 +44,19 @@ from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
 PERSON = "person"  # the population's name of a person: its twin's seed and its name there
+AU_PREFIX = "action_unit_"  # a population frame's action units while the twins are joined
 
 
 @dataclass(frozen=True)
 class Population:
     """The drawn people's crops: `frames` (one row per embedded crop, index = its row in `embeddings`, with the
-    person, its own subject and sample names), `people` (person -> responder) and the embeddings of every crop."""
+    person, its own subject and sample names), `people` (person -> responder), the embeddings of every crop and
+    the action units the generator drew its frame with (the truth a facial tracker estimates)."""
 
     frames: pd.DataFrame
     people: pd.Series
     embeddings: EmbeddingTable
+    action_units: np.ndarray  # (crops, 4): AU4, AU6/7, AU9/10, AU43
     seconds: float  # drawing and embedding it (0 where it was read back)
 
     def __len__(self) -> int:
@@ -74,8 +79,8 @@ def population_backbone(cfg: DictConfig) -> Backbone:
 
 
 def draw_twin(overrides: Sequence[str], backbone: Backbone) -> tuple[pd.DataFrame, np.ndarray, pd.Series]:
-    """One twin of the population: its crops (truth crops, resumable), their embeddings (the cache beside them, built
-    once per backbone and weights) and who responds."""
+    """One twin of the population: its crops (truth crops, resumable) with the action units of their frames, their
+    embeddings (the cache beside them, built once per backbone and weights) and who responds."""
     cfg = load_config(list(overrides))
     processed = resolve_path(cfg.data.processed_dir)
     loader = LoaderConfig.from_config(cfg.loader)
@@ -88,7 +93,10 @@ def draw_twin(overrides: Sequence[str], backbone: Backbone) -> tuple[pd.DataFram
     frames = used_rows(read_frame_table(processed), loader.from_s, loader.frames_per_video).loc[entry.table.rows]
     subjects = pd.read_csv(resolve_path(cfg.data.root) / SUBJECTS_CSV, dtype={"subject_name": str})
     responder = subjects.set_index("subject_name")["responder"].astype(bool)
-    return frames, entry.table.plain, responder
+    traces = clip_traces(synthetic_config(cfg.data.synthetic))
+    clip = pd.Series(np.arange(len(traces.sample_names)), index=traces.sample_names)
+    units = traces.values[clip[frames["sample_name"]].to_numpy(), frames["frame_index"].to_numpy(), :4]
+    return frames.assign(**{f"{AU_PREFIX}{i}": units[:, i] for i in range(4)}), entry.table.plain, responder
 
 
 def draw_population(base: Sequence[str], twins: int, first_seed: int, folder: Path,
@@ -110,16 +118,28 @@ def draw_population(base: Sequence[str], twins: int, first_seed: int, folder: Pa
     plain = np.concatenate(plains)
     embeddings = EmbeddingTable(np.arange(len(table), dtype=np.int64), plain,
                                 np.zeros((0, *plain.shape), dtype=np.float32))
-    return Population(table, pd.Series(people, name="responder"), embeddings, time.time() - started)
+    units = table[[f"{AU_PREFIX}{i}" for i in range(4)]].to_numpy(dtype=np.float32)
+    return Population(table.drop(columns=[f"{AU_PREFIX}{i}" for i in range(4)]), pd.Series(people, name="responder"),
+                      embeddings, units, time.time() - started)
 
 
-def noise_draws(population: Population, seed: int) -> torch.Tensor:
-    """A fixed standard-normal draw per crop and dimension, times each dimension's spread over the population, in
-    float16: what a degraded copy adds to its embeddings, scaled by its noise level (`probe_batch.Embeddings`)."""
+def shift_matrix(population: Population, knob: str, seed: int) -> torch.Tensor:
+    """What a copy adds to its embeddings, scaled by its level (`probe_batch.Embeddings.shift`), in float16, each
+    dimension in units of its spread over the population: `noise`, a fixed standard-normal draw per crop and
+    dimension (a worse backbone); `action_units`, the crop's four action units (standardised over the population)
+    through a fixed random projection into every dimension (a backbone that also sees what a facial tracker
+    measures: a better one)."""
     plain = torch.from_numpy(population.embeddings.plain)
     generator = torch.Generator().manual_seed(int(seed))
     spread = plain.std(dim=0)
-    return (torch.randn(plain.shape, generator=generator) * spread).to(torch.float16)
+    if knob == "noise":
+        return (torch.randn(plain.shape, generator=generator) * spread).to(torch.float16)
+    if knob == "action_units":
+        units = torch.from_numpy(population.action_units)
+        standard = (units - units.mean(dim=0)) / units.std(dim=0).clamp_min(1e-6)
+        projection = torch.randn(units.shape[1], plain.shape[1], generator=generator) / units.shape[1] ** 0.5
+        return (standard @ projection * spread).to(torch.float16)
+    raise ValueError(f"power.effects.<effect>.knob={knob!r}: expected noise or action_units")
 
 
 def slot_responders(folds: pd.DataFrame) -> pd.Series:

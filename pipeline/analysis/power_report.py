@@ -36,9 +36,11 @@ def summarise_study(rows: pd.DataFrame) -> pd.DataFrame:
     the copies' accuracy (mean and sd over replicates; on the population: the truth), the true and the observed
     mean difference, the test's units and its mean and median `mde80`."""
     out = []
-    for (effect, protocol, seeds, level), part in rows.groupby(["effect", "protocol", "seeds", "level"], sort=True):
+    for (effect, protocol, seeds, knob, level), part in rows.groupby(["effect", "protocol", "seeds", "knob", "level"],
+                                                                     sort=True):
         n = len(part)
-        summary = {"effect": effect, "protocol": protocol, "seeds": int(seeds), "level": float(level), "replicates": n}
+        summary = {"effect": effect, "protocol": protocol, "seeds": int(seeds), "knob": knob, "level": float(level),
+                   "replicates": n}
         for prefix, column in (("", "rejected"), ("subject_", "rejected_subject")):
             k = int(part[column].astype(bool).sum())
             low, high = clopper_pearson(k, n)
@@ -124,7 +126,7 @@ def print_summary(summary: pd.DataFrame, study: str) -> None:
     """The study's table: per level both tests' rates, the copies' accuracy, the true difference and the mde80."""
     rows = summary[summary["study"] == study]
     for row in rows.itertuples():
-        print(f"{row.effect} {label_of(row.protocol, row.seeds)}, copy b's noise {row.level:g}: "
+        print(f"{row.effect} {label_of(row.protocol, row.seeds)}, copy b's {row.knob} {row.level:g}: "
               f"{row.rejections} of {row.replicates} rejected = {row.rate:.3f} [95 % Clopper-Pearson "
               f"{row.rate_ci95_low:.3f}, {row.rate_ci95_high:.3f}] by make compare's test ({row.n_units} units); "
               f"the subject-level permutation test {row.subject_rate:.3f} [{row.subject_rate_ci95_low:.3f}, "
@@ -156,7 +158,7 @@ def log_study(cfg: DictConfig, summary: pd.DataFrame, study: str, paths: dict[st
     for row in rows.itertuples():
         for key in ("rate", "rate_ci95_low", "rate_ci95_high", "subject_rate", "true_diff", "mean_mde80",
                     "value_a", "value_b", "replicates"):
-            client.log_metric(run.info.run_id, f"power/noise_{row.level:g}/{key}", float(getattr(row, key)))
+            client.log_metric(run.info.run_id, f"power/level_{row.level:g}/{key}", float(getattr(row, key)))
     client.log_text(run.info.run_id, OmegaConf.to_yaml(cfg.power), "power.yaml")
     for path in paths.values():
         client.log_artifact(run.info.run_id, str(path), "power")

@@ -60,10 +60,11 @@ class FoldSplit:
 
 @dataclass(frozen=True)
 class Copy:
-    """One configuration of a comparison: its name, the degradation of its embeddings and its training seeds."""
+    """One configuration of a comparison: its name, the scale of the shift added to its embeddings and its training
+    seeds."""
 
     name: str
-    noise: float
+    shift: float
     seeds: tuple[int, ...]
 
 
@@ -95,23 +96,23 @@ def probe_specs(splits: Sequence[FoldSplit], copies: Sequence[Copy], features: i
                 weight, bias = initial_head(seed, features, classes)
                 specs.append((copy, seed, split, ProbeSpec(
                     split.train, split.train_labels, split.val, split.val_codes,
-                    split.val_videos["label"].to_numpy(), seed, split.fold, weight, bias, copy.noise)))
+                    split.val_videos["label"].to_numpy(), seed, split.fold, weight, bias, copy.shift)))
     return specs
 
 
 def pain_probabilities(embeddings: Embeddings, positions: np.ndarray, weight: torch.Tensor, bias: torch.Tensor,
-                       noise: np.ndarray) -> np.ndarray:
+                       shift: np.ndarray) -> np.ndarray:
     """The probability of pain (the second class) of the crops at `positions` under each of k fitted two-class heads
-    (weight (k, 2, D), bias (k, 2), each head reading its embeddings with its `noise`): (crops, k). Two classes
-    have one logit gap, so each head is one direction: the crops' embeddings are read once for all heads."""
+    (weight (k, 2, D), bias (k, 2), each head reading its embeddings shifted at its scale `shift`): (crops, k). Two
+    classes have one logit gap, so each head is one direction: the crops' embeddings are read once for all heads."""
     direction = (weight[:, 1] - weight[:, 0]).T
-    gap = np.zeros((len(positions), len(noise)), dtype=np.float64)
+    gap = np.zeros((len(positions), len(shift)), dtype=np.float64)
     with torch.no_grad():
         for chunk in np.array_split(np.arange(len(positions)), max(1, len(positions) // CHUNK)):
             rows = torch.from_numpy(np.ascontiguousarray(positions[chunk]))
             gap[chunk] = (embeddings.plain[rows] @ direction).numpy()
-            if embeddings.noise is not None and noise.any():
-                gap[chunk] += noise * (embeddings.noise[rows].float() @ direction).numpy()
+            if embeddings.shift is not None and shift.any():
+                gap[chunk] += shift * (embeddings.shift[rows].float() @ direction).numpy()
     gap += (bias[:, 1] - bias[:, 0]).numpy()
     return 1.0 / (1.0 + np.exp(-gap))
 
@@ -123,16 +124,16 @@ def averaging_matrix(codes: np.ndarray, n_videos: int) -> sparse.csr_matrix:
 
 
 def decided_fold(split: FoldSplit, embeddings: Embeddings, weight: torch.Tensor, bias: torch.Tensor,
-                 noise: np.ndarray, class_names: Sequence[str], rule: str | float) -> list[pd.DataFrame]:
+                 shift: np.ndarray, class_names: Sequence[str], rule: str | float) -> list[pd.DataFrame]:
     """Each of the fold's k probes' test videos as a fold logs them: the mean probabilities, the probe's threshold
     chosen on its validation videos by `rule` (the CV's `eval.threshold`), each video's decision at it."""
-    means = {role: averaging_matrix(codes, len(videos)) @ pain_probabilities(embeddings, positions, weight, bias, noise)
+    means = {role: averaging_matrix(codes, len(videos)) @ pain_probabilities(embeddings, positions, weight, bias, shift)
              for role, positions, codes, videos in (("val", split.val, split.val_codes, split.val_videos),
                                                     ("test", split.test, split.test_codes, split.test_videos))}
     labels = split.val_videos["label"].to_numpy() != 0
     n_subjects = split.val_videos["subject_name"].nunique()
     tables = []
-    for probe in range(len(noise)):
+    for probe in range(len(shift)):
         threshold = choose_threshold(labels, means["val"][:, probe], rule, n_subjects=n_subjects).threshold
         pain = means["test"][:, probe]
         tables.append(split.test_videos.assign(**{f"prob_{class_names[0]}": 1 - pain, f"prob_{class_names[1]}": pain,
@@ -160,8 +161,8 @@ def fit_replicate(splits: Sequence[FoldSplit], copies: Sequence[Copy], embedding
     thresholds = np.zeros(len(specs))
     for split in splits:
         probes = [i for i, (_, _, of, _) in enumerate(specs) if of is split]
-        noise = np.array([specs[i][0].noise for i in probes])
-        for i, videos in zip(probes, decided_fold(split, embeddings, fit.weight[probes], fit.bias[probes], noise,
+        shift = np.array([specs[i][0].shift for i in probes])
+        for i, videos in zip(probes, decided_fold(split, embeddings, fit.weight[probes], fit.bias[probes], shift,
                                                   class_names, rule), strict=True):
             copy, seed = specs[i][0], specs[i][1]
             thresholds[i] = float(videos["threshold"].iloc[0])
@@ -197,9 +198,9 @@ def population_accuracy(videos: PopulationVideos, embeddings: Embeddings, result
     outside = ~np.isin(videos.people, list(drawn.values()))
     averaging = videos.averaging[outside]
     crops = np.flatnonzero(np.asarray(averaging.sum(axis=0)).ravel() > 0)
-    noise = np.array([copy.noise for copy, *_ in result.specs])
+    shift = np.array([copy.shift for copy, *_ in result.specs])
     pain = averaging[:, crops] @ pain_probabilities(embeddings, videos.positions[crops], result.fit.weight,
-                                                    result.fit.bias, noise)
+                                                    result.fit.bias, shift)
     correct = ((pain >= result.thresholds) == videos.labels[outside][:, None]).mean(axis=0)
     names = [copy.name for copy, *_ in result.specs]
     return pd.Series(correct).groupby(names, sort=False).mean().to_dict()

@@ -15,10 +15,11 @@ The copies compared:
 - `aa`: two copies of one configuration (the frozen backbone's linear probe) that differ only in their training
   seeds. No true difference: the rejection rate is the test's type-I error where the models have signal, with both
   copies' accuracy beside it (they must be above chance for the test's units to be able to depend on each other).
-- `curve`: copy a against copy b whose embeddings are degraded by noise of known size (`levels`, in units of each
-  dimension's spread, a fixed draw per crop: a worse backbone); the rejection rate against the TRUE difference, each
-  copy's accuracy on the population's people outside the replicate (`resampled_cv.population_accuracy`), is the
-  test's power curve, beside the `mde80` it printed.
+- `curve`: copy a against copy b whose embeddings carry a fixed per-crop shift of known size (`knob`, `levels` in
+  units of each dimension's spread, `population.shift_matrix`): `action_units`, the crop's own action units projected
+  into the embedding space (b sees what a facial tracker measures: a better copy), or `noise` (a worse one). The
+  rejection rate against the TRUE difference, each copy's accuracy on the population's people outside the replicate
+  (`resampled_cv.population_accuracy`), is the test's power curve, beside the `mde80` it printed.
 
 Each replicate also runs the subject-level permutation test `make compare` used before (the subjects taken as
 independent) on the same scores, so the record says what each test would have concluded. Replicates already in
@@ -45,9 +46,9 @@ from pipeline.analysis.population import (
     Population,
     draw_population,
     draw_replicate,
-    noise_draws,
     population_backbone,
     replicate_frames,
+    shift_matrix,
     slot_responders,
 )
 from pipeline.analysis.power_report import log_study, print_summary, write_summary
@@ -70,7 +71,8 @@ from pipeline.utils.config import load_config
 from pipeline.utils.paths import resolve_path
 from pipeline.utils.seeds import derived_seed
 
-RECORD_COLUMNS = ["study", "effect", "protocol", "seeds", "replicate", "level", "n_subjects", "n_units", "value_a",
+RECORD_COLUMNS = ["study", "effect", "protocol", "seeds", "replicate", "knob", "level", "n_subjects", "n_units",
+                  "value_a",
                   "value_b", "mean_diff", "diff_ci95_low", "diff_ci95_high", "p_value", "p_holm", "mde80", "rejected",
                   "p_subject", "rejected_subject", "true_a", "true_b", "alpha", "seconds"]
 A_COPY = "copy a"
@@ -78,18 +80,19 @@ A_COPY = "copy a"
 
 @dataclass(frozen=True)
 class ResampledStudy:
-    """One study: the effect's copies (`levels`: copy b's noise), the fold file's protocol, training seeds a copy,
-    replicates, the population and its truth, alpha; `key` names its rows in the record."""
+    """One study: the effect's copies (`knob` and `levels`: copy b's shift), the fold file's protocol, training seeds
+    a copy, replicates, the population and its truth, alpha; `key` names its rows in the record."""
 
     effect: str
     task: str
+    knob: str
     levels: tuple[float, ...]
     protocol: str
     seeds: int
     replicates: tuple[int, ...]
     population_twins: int
     population_seed: int
-    noise_seed: int
+    shift_seed: int
     truth_replicates: int
     alpha: float
     key: str
@@ -103,22 +106,23 @@ class ResampledStudy:
                      "twin": twin, "resampled": {k: v for k, v in OmegaConf.to_container(settings).items()
                                    if k != "truth_replicates"}, "common": list(power.common), "base": sorted(base)}
         key = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return cls(effect, str(entry.task), tuple(float(v) for v in entry.levels), str(settings.protocol),
+        return cls(effect, str(entry.task), str(entry.get("knob") or "noise"), tuple(float(v) for v in entry.levels),
+                   str(settings.protocol),
                    int(settings.seeds), tuple(int(power.seed) + r for r in range(int(power.repeats))),
-                   int(settings.population_twins), int(settings.population_seed), int(settings.noise_seed),
+                   int(settings.population_twins), int(settings.population_seed), int(settings.shift_seed),
                    int(settings.truth_replicates), float(power.alpha), key)
 
     def copies(self, replicate: int) -> list[Copy]:
         """Copy a, then copy b at each level: a's training seeds and b's (shared by b's levels) drawn from the
         replicate, so every replicate trains anew."""
         seeds = [tuple(derived_seed(replicate, side, s) % 2**31 for s in range(self.seeds)) for side in (0, 1)]
-        return [Copy(A_COPY, 0.0, seeds[0]), *(Copy(f"copy b (noise {level:g})", level, seeds[1])
+        return [Copy(A_COPY, 0.0, seeds[0]), *(Copy(f"copy b ({self.knob} {level:g})", level, seeds[1])
                                                 for level in self.levels)]
 
 
 @dataclass
 class StudyData:
-    """What every replicate of a study reads: the population, its embeddings (with the noise draw), the fold
+    """What every replicate of a study reads: the population, its embeddings (with copy b's shift), the fold
     table and its slots, the population's videos (the truth), and the CV's settings."""
 
     population: Population
@@ -164,9 +168,9 @@ def study_data(power: DictConfig, study: ResampledStudy, overrides: Sequence[str
     population = draw_population(overrides, study.population_twins, study.population_seed,
                                  population_folder(power, cfg), task.classes)
     plain = torch.from_numpy(np.array(population.embeddings.plain, dtype=np.float32))
-    noise = noise_draws(population, study.noise_seed) if any(study.levels) else None
+    shift = shift_matrix(population, study.knob, study.shift_seed) if any(study.levels) else None
     folds = read_folds(resolve_path(cfg.fold_file))
-    return StudyData(population, Embeddings(plain, noise), folds, slot_responders(folds),
+    return StudyData(population, Embeddings(plain, shift), folds, slot_responders(folds),
                      PopulationVideos.of(population, task), task, recipe, LoaderConfig.from_config(cfg.loader),
                      population_backbone(cfg).data_config, cfg.eval.threshold)
 
@@ -187,7 +191,7 @@ def level_row(study: ResampledStudy, replicate: int, fitted: ReplicateFit, copy:
     _, p_subject = paired_permutation_test(a.to_numpy(), b.reindex(a.index).to_numpy())
     value = {name: float((table["decision"] == table["label"]).mean()) for name, table in pair.items()}
     return {"study": study.key, "effect": study.effect, "protocol": study.protocol, "seeds": study.seeds,
-            "replicate": replicate, "level": copy.noise, "n_subjects": int(row.n_subjects),
+            "replicate": replicate, "knob": study.knob, "level": copy.shift, "n_subjects": int(row.n_subjects),
             "n_units": int(row.n_units), "value_a": value[A_COPY], "value_b": value[copy.name],
             "mean_diff": float(row.mean_diff), "diff_ci95_low": float(row.diff_ci95_low),
             "diff_ci95_high": float(row.diff_ci95_high), "p_value": float(row.p_value), "p_holm": float(row.p_holm),
@@ -215,9 +219,9 @@ def run_replicate(study: ResampledStudy, data: StudyData, replicate: int) -> lis
 
 def progress_line(rows: list[dict]) -> str:
     first = rows[0]
-    levels = "; ".join(f"noise {r['level']:g}: a {r['value_a']:.3f} b {r['value_b']:.3f} diff {r['mean_diff']:+.3f} "
-                       f"p {r['p_value']:.3g}{' REJECTED' if r['rejected'] else ''} (subject test p "
-                       f"{r['p_subject']:.3g}) mde80 {r['mde80']:.3f}" for r in rows)
+    levels = "; ".join(f"{r['knob']} {r['level']:g}: a {r['value_a']:.3f} b {r['value_b']:.3f} diff "
+                       f"{r['mean_diff']:+.3f} p {r['p_value']:.3g}{' REJECTED' if r['rejected'] else ''} "
+                       f"(subject test p {r['p_subject']:.3g}) mde80 {r['mde80']:.3f}" for r in rows)
     return (f"{first['effect']} {first['protocol']} {first['seeds']} seed(s), replicate {first['replicate']}: "
             f"{levels} ({first['seconds']:.0f} s)")
 
@@ -235,7 +239,7 @@ def run_resampled(cfg: DictConfig, overrides: Sequence[str] = ()) -> pd.DataFram
     done = pd.read_csv(record, dtype={"study": str}) if record.is_file() else pd.DataFrame(columns=RECORD_COLUMNS)
     ours = done["study"] == study.key
     todo = [r for r in study.replicates if r not in set(done.loc[ours, "replicate"])]
-    print(f"power: {effect}, {study.protocol}, {study.seeds} training seed(s) a copy, noise levels "
+    print(f"power: {effect}, {study.protocol}, {study.seeds} training seed(s) a copy, copy b's {study.knob} at "
           f"{list(study.levels)}; {len(study.replicates)} replicates ({len(study.replicates) - len(todo)} done "
           f"before); study {study.key}; record {record}", flush=True)
     if todo:

@@ -19,9 +19,9 @@ stopped sits out the rest of the fit. `tests/test_probe_batch.py` checks the wei
 `fit_probe` itself. What it does not do is what the recipe's defaults leave out: augmented views, class weights,
 label smoothing, class-balanced sampling, another monitor or aggregation (`check_recipe` refuses them).
 
-A probe may read its embeddings degraded (`ProbeSpec.noise`): the embedding plus `noise` times a fixed standard-normal
-draw per crop and dimension (`Embeddings.noise`, scaled by each dimension's spread), a worse backbone of known
-degree for a power curve.
+A probe may read its embeddings shifted (`ProbeSpec.shift`): the embedding plus `shift` times a fixed matrix of one
+row per crop (`Embeddings.shift`): a noise draw (a worse backbone) or the crop's own action units projected into the
+embedding space (a better one), a configuration of known degree for a power curve.
 """
 
 from __future__ import annotations
@@ -57,22 +57,22 @@ class BatchRecipe:
 
 @dataclass(frozen=True)
 class Embeddings:
-    """The crops' embeddings every probe reads by position: `plain` (N, D); `noise` (N, D), a fixed standard-normal
-    draw per crop and dimension already scaled by each dimension's spread (float16 is enough), or None."""
+    """The crops' embeddings every probe reads by position: `plain` (N, D); `shift` (N, D), a fixed matrix a probe
+    adds at its own scale (float16 is enough), or None."""
 
     plain: torch.Tensor
-    noise: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
 
-    def rows(self, positions: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        """Embeddings at `positions` (M, B) for M probes, each degraded by its `noise` (M,): (M, B, D). Probes of
-        one seed and fold read the same crops (the copies of a power curve): each distinct row of crops is gathered
+    def rows(self, positions: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Embeddings at `positions` (M, B) for M probes, each shifted at its `scale` (M,): (M, B, D). Probes of one
+        seed and fold read the same crops (the copies of a power curve): each distinct row of crops is gathered
         once."""
         unique, inverse = torch.unique(positions, dim=0, return_inverse=True)
         x = self.plain[unique][inverse]
-        noisy = torch.nonzero(noise).flatten()
-        if self.noise is not None and len(noisy):
-            needed, which = torch.unique(inverse[noisy], return_inverse=True)
-            x[noisy] += noise[noisy, None, None] * self.noise[unique[needed]].float()[which]
+        shifted = torch.nonzero(scale).flatten()
+        if self.shift is not None and len(shifted):
+            needed, which = torch.unique(inverse[shifted], return_inverse=True)
+            x[shifted] += scale[shifted, None, None] * self.shift[unique[needed]].float()[which]
         return x
 
 
@@ -80,7 +80,7 @@ class Embeddings:
 class ProbeSpec:
     """One probe: its training crops (positions into `Embeddings`, with labels), its validation crops with the video
     each belongs to and the videos' labels, its seed and fold (the keys of its training order), its initial head
-    (weight (C, D), bias (C,)) and the degradation it reads its embeddings with."""
+    (weight (C, D), bias (C,)) and the scale of the shift it reads its embeddings with."""
 
     train: np.ndarray
     train_labels: np.ndarray
@@ -91,7 +91,7 @@ class ProbeSpec:
     fold: int
     weight: torch.Tensor
     bias: torch.Tensor
-    noise: float = 0.0
+    shift: float = 0.0
 
 
 @dataclass
@@ -224,7 +224,7 @@ def _fit(embeddings: Embeddings, specs: list[ProbeSpec], recipe: BatchRecipe) ->
     weight, bias = optimizer.weight, optimizer.bias
     sizes = np.array([len(s.train) for s in specs])
     batches = np.where(sizes > recipe.batch_size, sizes // recipe.batch_size, 1)
-    noise = torch.tensor([s.noise for s in specs], dtype=torch.float32)
+    shift = torch.tensor([s.shift for s in specs], dtype=torch.float32)
     selection = Selection.start(weight, bias)
     for epoch in range(recipe.max_epochs):
         members = np.flatnonzero(selection.active)
@@ -235,9 +235,9 @@ def _fit(embeddings: Embeddings, specs: list[ProbeSpec], recipe: BatchRecipe) ->
             rows = np.flatnonzero(batches[members] > step)
             columns = slice(step * recipe.batch_size, (step + 1) * recipe.batch_size)
             _train_step(embeddings, members[rows], positions[rows, columns], labels[rows, columns],
-                        mask[rows, columns], recipe, weight, bias, optimizer, noise, batches)
+                        mask[rows, columns], recipe, weight, bias, optimizer, shift, batches)
         for i in members:
-            score = _validate(embeddings, specs[i], weight[i].detach(), bias[i].detach(), float(noise[i]))
+            score = _validate(embeddings, specs[i], weight[i].detach(), bias[i].detach(), float(shift[i]))
             if not np.isfinite(score):
                 raise ValueError(f"probe {i} (seed {specs[i].seed}, fold {specs[i].fold}): the validation video "
                                  f"AUROC is undefined (one class only among its validation videos)")
@@ -264,11 +264,11 @@ def _epoch_batches(specs: list[ProbeSpec], members: np.ndarray, epoch: int, size
 
 def _train_step(embeddings: Embeddings, stepping: np.ndarray, positions: np.ndarray, labels: np.ndarray,
                 mask: np.ndarray, recipe: BatchRecipe, weight: torch.Tensor, bias: torch.Tensor,
-                optimizer: LockstepAdamW, noise: torch.Tensor, batches: np.ndarray) -> None:
+                optimizer: LockstepAdamW, shift: torch.Tensor, batches: np.ndarray) -> None:
     """One batch of every probe in `stepping`: the gradient of its mean cross-entropy (written out: a linear head's
     is (softmax - one-hot) / batch, times the batch's embeddings), clipped per head, and its AdamW update."""
     index = torch.from_numpy(stepping)
-    x = embeddings.rows(torch.from_numpy(positions), noise[index])
+    x = embeddings.rows(torch.from_numpy(positions), shift[index])
     logits = torch.baddbmm(bias[index][:, None, :], x, weight[index].transpose(1, 2))
     weights = torch.from_numpy(mask)
     error = torch.softmax(logits, dim=-1)
@@ -288,17 +288,11 @@ def _train_step(embeddings: Embeddings, stepping: np.ndarray, positions: np.ndar
 
 
 def _validate(embeddings: Embeddings, spec: ProbeSpec, weight: torch.Tensor, bias: torch.Tensor,
-              noise: float) -> float:
+              shift: float) -> float:
     """One probe's validation video AUROC now."""
     with torch.no_grad():
-        x = embeddings.rows(torch.from_numpy(spec.val)[None], torch.tensor([noise]))[0]
+        x = embeddings.rows(torch.from_numpy(np.array(spec.val))[None], torch.tensor([shift]))[0]
         probabilities = torch.softmax(x @ weight.T + bias, dim=1)[:, 1].numpy()
     return video_auroc(spec, probabilities)
 
 
-def probabilities(embeddings: Embeddings, positions: np.ndarray, weight: torch.Tensor, bias: torch.Tensor,
-                  noise: float = 0.0) -> np.ndarray:
-    """Class probabilities (N, C) of the crops at `positions` under one fitted head."""
-    with torch.no_grad(), one_torch_thread():
-        x = embeddings.rows(torch.from_numpy(np.asarray(positions, dtype=np.int64))[None], torch.tensor([noise]))[0]
-        return torch.softmax(x @ weight.T + bias, dim=1).numpy()
