@@ -237,7 +237,7 @@ def test_run_and_the_fold_model_decide_alike_at_the_folds_own_threshold(chain) -
     served = mlflow.pyfunc.load_model(logged_model_uri(client, fold_run.info.run_id)).predict(
         pd.DataFrame({"image": [encode_image(f) for f in frames[:6]]}))
     assert list(served.pain) == list(ours.pain)
-    np.testing.assert_allclose(served.pain_probability, ours.pain_probability, atol=1e-6)
+    np.testing.assert_allclose(served.pain_probability.astype(float), ours.pain_probability, atol=1e-6)
 
 
 def test_requirement_mismatches_name_what_the_environment_lacks(tmp_path: Path) -> None:

@@ -248,6 +248,12 @@ class FaceFinder:
                 return None
         return self._fallback
 
+    def build(self) -> None:
+        """Both detectors built now rather than on first use: a scoring server builds its scorers while others score,
+        and a network built meanwhile on another thread would see the meta device `load_model_file` builds on."""
+        self.detector()
+        self.fallback()
+
     def find(self, frames_bgr: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Every face of every frame as rows (x1, y1, x2, y2, score, 5 landmark x, 5 landmark y); frames of
         different sizes are detected in runs of equal size."""

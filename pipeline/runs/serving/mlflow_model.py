@@ -12,9 +12,14 @@ with the model; it sets OpenCV's own pixel cap and instantiates `PainMlflowModel
 
 Input: a DataFrame, one row per frame in time order, with column `image` (the frame as a base64-encoded PNG or JPEG)
 or column `path` (a PNG or JPEG file under the folder the scoring process allows, `ServingLimits.path_root`; off unless
-set). Output: a DataFrame with `frame` (the row's position),
-`face_found`, `pain_probability` (1 - P(no pain); NaN without a face) and `pain` (probability >= threshold; null
-without a face). The rows of one request are one sequence: the same person is followed through them.
+set). Output: a DataFrame with `frame` (the row's position), `face_found`, `pain_probability` (1 - P(no pain)),
+`pain` (probability >= threshold) and `no_score_reason`; a frame without a face (or without a finite probability) has
+`pain_probability` and `pain` None, never NaN, which is not JSON, and the reason (`served_table`). The rows of one
+request are one sequence: the same person is followed through them.
+
+Requests that arrive together (the scoring server calls `predict` from many threads) each take a scorer of their own
+from a pool (`pipeline.runs.serving.scorer_pool`, `serve.scorers` of them) once their frames' headers have passed the
+limits, and only then decode their frames; waiting for a scorer counts against the request's time limit.
 
 What one request may ask is bounded (`pipeline.runs.serving.serving_input.ServingLimits`, read when the model is
 loaded): frames, pixels a frame and a request (read from each frame's header before it is decoded), the folder `path`
@@ -50,6 +55,7 @@ from pipeline.data.personalise import not_served
 from pipeline.models.model_file import load_model_file
 from pipeline.models.scoring import OUTPUT_COLUMNS, CropSettings, FrameScorer
 from pipeline.runs.serving.model_trust import CODE_FILE, check_model_folder
+from pipeline.runs.serving.scorer_pool import ScorerPool
 from pipeline.runs.serving.serving_input import (
     FrameRefused,
     ServingLimits,
@@ -59,6 +65,7 @@ from pipeline.runs.serving.serving_input import (
     read_beneath,
 )
 from pipeline.runs.store import tracking
+from pipeline.utils.memory import Trimmer
 from pipeline.utils.paths import git_commit
 
 WEIGHTS_ARTIFACT = "weights"
@@ -66,6 +73,10 @@ WEIGHTS_ARTIFACT = "weights"
 REQUIREMENTS = ("torch", "torchvision", "timm", "transformers", "albumentations", "opencv-python-headless", "pandas",
                 "numpy", "mtcnn", "joblib", "mlflow", "omegaconf", "ai-edge-litert")
 SCORE_CHUNK = 8  # frames scored between two looks at the request's deadline
+NO_SCORE_COLUMN = "no_score_reason"  # the answer's column that says why a frame has no probability (null if scored)
+TRIM_INTERVAL_S = 0.5  # at most two trims of freed memory a second, after requests (pipeline.utils.memory)
+NO_FACE = "no face found in this frame"
+NOT_FINITE = "the network gave no finite probability for this frame"
 
 
 class Refusal(MlflowException):
@@ -115,30 +126,58 @@ def frames_from_input(model_input: pd.DataFrame | list | dict, limits: ServingLi
     each read as `pipeline.runs.serving.serving_input` says: kind and size from its header, within the caps a frame and
     the request have, before it is decoded; at most `limits.max_frames` frames; stopped (504) once `deadline`
     (time.monotonic) has passed. Any failure is a `Refusal` of one line naming the row."""
+    return decoded_frames(encoded_frames(model_input, limits, deadline, limit_s), deadline,
+                          limit_s if limit_s is not None else limits.timeout_s)
+
+
+def refused_row(row: int, error: Exception) -> Refusal:
+    """The one-line refusal of a row whose frame could not be read, naming no file of the server's."""
+    if isinstance(error, FrameRefused):
+        return Refusal(f"row {row}: {error}")
+    if isinstance(error, OSError):  # the reason only: an OSError's text names the file
+        return Refusal(f"row {row}: the frame could not be read ({error.strerror or type(error).__name__})")
+    # cv2.error, MemoryError, ...: their text may name the server's files
+    return Refusal(f"row {row}: the frame could not be read ({type(error).__name__})")
+
+
+def encoded_frames(model_input: pd.DataFrame | list | dict, limits: ServingLimits, deadline: float | None = None,
+                   limit_s: float | None = None) -> list[tuple[bytes, int, int]]:
+    """Every row's image bytes with the width and height its header says, each checked against the caps (a frame's,
+    then the request's so far), nothing decoded yet: a request that is refused is refused before it waits for a
+    scorer, and one that waits holds its compressed bytes only."""
     table = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
     if len(table) > limits.max_frames:
         raise Refusal(f"{len(table)} frames in one request; the limit is {limits.max_frames} "
                       f"({ServingLimits.ENV['max_frames']}): send the sequence in parts")
-    frames, pixels = [], 0
+    encoded, pixels = [], 0
     for row, record in enumerate(table.to_dict("records")):
         if deadline is not None and time.monotonic() > deadline:
             raise over_time(limit_s if limit_s is not None else limits.timeout_s)
         try:
-            frame = read_frame(record, limits, pixels)
-        except FrameRefused as error:
-            raise Refusal(f"row {row}: {error}") from None
-        except OSError as error:  # the reason only: an OSError's text names the file
-            reason = error.strerror or type(error).__name__
-            raise Refusal(f"row {row}: the frame could not be read ({reason})") from None
-        except Exception as error:  # cv2.error, MemoryError, ...: their text may name the server's files
-            raise Refusal(f"row {row}: the frame could not be read ({type(error).__name__})") from None
-        pixels += frame.shape[0] * frame.shape[1]
-        frames.append(frame)
+            data, width, height = read_encoded(record, limits, pixels)
+        except Exception as error:
+            raise refused_row(row, error) from None
+        pixels += width * height
+        encoded.append((data, width, height))
+    return encoded
+
+
+def decoded_frames(encoded: Sequence[tuple[bytes, int, int]], deadline: float | None,
+                   limit_s: float) -> list[np.ndarray]:
+    """The BGR frames of `encoded_frames`, decoded in row order until `deadline` (then 504)."""
+    frames = []
+    for row, (data, width, height) in enumerate(encoded):
+        if deadline is not None and time.monotonic() > deadline:
+            raise over_time(limit_s)
+        try:
+            frames.append(decode_frame(data, width, height))
+        except Exception as error:
+            raise refused_row(row, error) from None
     return frames
 
 
-def read_frame(record: Mapping[str, Any], limits: ServingLimits, pixels_before: int) -> np.ndarray:
-    """One row's frame: its bytes, its kind and size from its header, the caps, then decoding."""
+def read_encoded(record: Mapping[str, Any], limits: ServingLimits, pixels_before: int) -> tuple[bytes, int, int]:
+    """One row's bytes, its kind and size from its header, and the caps: (bytes, width, height)."""
     image, path = record.get("image"), record.get("path")
     if isinstance(image, str | bytes) and len(image):
         data = image_bytes(image)
@@ -152,7 +191,24 @@ def read_frame(record: Mapping[str, Any], limits: ServingLimits, pixels_before: 
         raise FrameRefused(f"the request's frames would hold {pixels_before + width * height} pixels with this one; "
                            f"the limit is {limits.max_request_pixels} ({ServingLimits.ENV['max_request_pixels']}): "
                            f"send the sequence in parts")
-    return decode_frame(data, width, height)
+    return data, width, height
+
+
+def served_table(table: pd.DataFrame) -> pd.DataFrame:
+    """What a request is answered: `OUTPUT_COLUMNS` and `NO_SCORE_COLUMN`, with no NaN anywhere (JSON has none, RFC
+    8259; MLflow would write a float NaN as the bare word NaN, which strict parsers refuse): a frame without a finite
+    probability has `pain_probability` and `pain` None (null) and the reason; a scored one has the reason None."""
+    probability = table["pain_probability"].to_numpy(dtype=float)
+    scored = np.isfinite(probability)
+    found = table["face_found"].to_numpy(dtype=bool)
+    served = table[list(OUTPUT_COLUMNS)].copy()
+    served["pain_probability"] = pd.Series([float(p) if ok else None for p, ok in zip(probability, scored,
+                                                                                    strict=True)], dtype=object)
+    served["pain"] = pd.Series([bool(p) if ok else None for p, ok in zip(table["pain"], scored, strict=True)],
+                               dtype=object)
+    served[NO_SCORE_COLUMN] = pd.Series([None if ok else NO_FACE if not face else NOT_FINITE
+                                         for ok, face in zip(scored, found, strict=True)], dtype=object)
+    return served
 
 
 def member_order(name: str) -> int:
@@ -206,19 +262,36 @@ class PainMlflowModel(mlflow.pyfunc.PythonModel):
         # the project's say under `mlflow models serve`, which loads the model without asking the project first
         check_model_folder(self.model_dir or Path(self.artifacts[WEIGHTS_ARTIFACT]).parent)
         self.limits = ServingLimits.from_env()
+        self.start_scoring()
+
+    def start_scoring(self) -> None:
+        """The scorer of the model's files and settings (`build_scorer`), and the pool from which each request that
+        `predict` answers takes a scorer of its own (`ScorerPool`: the scoring server calls it from many threads)."""
         self.scorer = build_scorer(self.artifacts, self.config)
+        self.pool = ScorerPool(self.scorer, lambda: build_scorer(self.artifacts, self.config), self.limits.scorers)
+        self.trimmer = Trimmer(TRIM_INTERVAL_S)
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        """The frames' table; `params={"timeout_s": s}` shortens (never lengthens) this request's time limit, which
-        covers reading and decoding the frames as well as scoring them."""
+        """The frames' table (`served_table`); `params={"timeout_s": s}` shortens (never lengthens) this request's
+        time limit, which covers reading the frames, waiting for a scorer, decoding and scoring."""
         started = time.monotonic()
         if self.scorer.personalise.mode != "none":  # `mlflow models serve` of one: every request gets this answer
             raise Refusal(not_served(self.scorer.personalise))
         limits = self.limits
         asked = float((params or {}).get("timeout_s") or 0.0)
         limit_s = min(limits.timeout_s, asked) if asked > 0 else limits.timeout_s
-        frames = frames_from_input(model_input, limits, started + limit_s, limit_s)
-        return score_within(self.scorer, frames, started + limit_s, limit_s)[list(OUTPUT_COLUMNS)]
+        deadline = started + limit_s
+        encoded = encoded_frames(model_input, limits, deadline, limit_s)
+        try:
+            scorer = self.pool.take(deadline - time.monotonic())
+        except TimeoutError:
+            raise over_time(limit_s) from None
+        try:
+            table = score_within(scorer, decoded_frames(encoded, deadline, limit_s), deadline, limit_s)
+        finally:
+            self.pool.give_back(scorer)
+            self.trimmer.wanted()  # what decoding and scoring freed, back to the system (pipeline.utils.memory)
+        return served_table(table)
 
 
 def model_root(artifact: Path) -> Path | None:
@@ -284,7 +357,7 @@ def load_scorer(model_uri: str, device: str = "cpu", min_face_fraction: float | 
         # logged before `device` and `min_face_fraction` were model_config keys: MLflow ignores overrides of
         # keys a model lacks, so the scorer is made again with them
         python_model.config = {**python_model.config, **overrides}
-        python_model.scorer = build_scorer(python_model.artifacts, python_model.config)
+        python_model.start_scoring()
     return python_model.scorer
 
 
@@ -333,8 +406,8 @@ def signature():
 
     inputs = Schema([ColSpec("string", "image", required=False), ColSpec("string", "path", required=False)])
     outputs = Schema([ColSpec("long", "frame"), ColSpec("boolean", "face_found"),
-                      ColSpec("double", "pain_probability", required=False), ColSpec("boolean", "pain",
-                                                                                    required=False)])
+                      ColSpec("double", "pain_probability", required=False), ColSpec("boolean", "pain", required=False),
+                      ColSpec("string", NO_SCORE_COLUMN, required=False)])
     params = ParamSchema([ParamSpec("timeout_s", "double", 0.0)])  # 0: the server's limit
     return ModelSignature(inputs=inputs, outputs=outputs, params=params)
 

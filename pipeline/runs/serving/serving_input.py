@@ -58,7 +58,8 @@ class FrameRefused(ValueError):
 
 @dataclass(frozen=True)
 class ServingLimits:
-    """What one scoring request may ask (the `serve` settings; see the module docstring)."""
+    """What one scoring request may ask, and how many are served at once (the `serve` settings; see the module
+    docstring)."""
 
     path_root: Path | None  # the folder `path` inputs may read (resolved); None: `path` inputs are refused
     max_frames: int  # frames (rows) per request
@@ -67,12 +68,16 @@ class ServingLimits:
     max_frame_side: int  # pixels a frame may have on either side
     max_frame_pixels: int  # pixels a frame may have (also OpenCV's own cap)
     max_request_pixels: int  # pixels the frames of one request may have together
+    scorers: int  # requests decoded and scored at once, each by a scorer of its own (pipeline.runs.serving.scorer_pool)
+    max_in_flight: int  # requests the HTTP server in front takes at once (read, waiting or scored); 503 beyond
 
     ENV = {"path_root": "PAIN_SERVE_PATH_ROOT", "max_frames": "PAIN_SERVE_MAX_FRAMES",
            "max_body_mb": "PAIN_SERVE_MAX_BODY_MB", "timeout_s": "PAIN_SERVE_TIMEOUT_S",
            "max_frame_side": "PAIN_SERVE_MAX_FRAME_SIDE", "max_frame_pixels": "PAIN_SERVE_MAX_FRAME_PIXELS",
-           "max_request_pixels": "PAIN_SERVE_MAX_REQUEST_PIXELS"}
-    WHOLE = ("max_frames", "max_frame_side", "max_frame_pixels", "max_request_pixels")  # counts, not measures
+           "max_request_pixels": "PAIN_SERVE_MAX_REQUEST_PIXELS", "scorers": "PAIN_SERVE_SCORERS",
+           "max_in_flight": "PAIN_SERVE_MAX_IN_FLIGHT"}
+    WHOLE = ("max_frames", "max_frame_side", "max_frame_pixels", "max_request_pixels", "scorers",
+             "max_in_flight")  # counts, not measures
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any], names: Mapping[str, str] | None = None) -> ServingLimits:
