@@ -30,10 +30,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.biovid import NON_RESPONDERS
-from pipeline.data.datamodule import ROW_INDEX_NAME, LoaderConfig
+from pipeline.data.datamodule import ROW_INDEX_NAME, LoaderConfig, SubjectRoles
 from pipeline.data.embeddings import EmbeddingDataModule, EmbeddingTable
 from pipeline.data.fold_files import fold_subjects
-from pipeline.data.prepare import prepare_data, synthetic_config
+from pipeline.data.personalise import PersonaliseConfig
+from pipeline.data.prepare import DataSettings, prepare_data, synthetic_config
 from pipeline.data.synthetic.settings import SUBJECTS_CSV
 from pipeline.data.synthetic.traces import clip_traces
 from pipeline.data.tasks import Task
@@ -85,7 +86,7 @@ def draw_twin(overrides: Sequence[str], backbone: Backbone) -> tuple[pd.DataFram
     processed = resolve_path(cfg.data.processed_dir)
     loader = LoaderConfig.from_config(cfg.loader)
     if not (processed / "frames.csv").is_file():
-        prepare_data(cfg, progress=sys.stderr.isatty())
+        prepare_data(DataSettings.from_config(cfg), progress=sys.stderr.isatty())
     settings = CacheSettings.from_config(cfg.cache)
     entry = ensure_embeddings(backbone, processed, crop_fraction=loader.crop_fraction, from_s=loader.from_s,
                               frames_per_video=loader.frames_per_video, augment=OmegaConf.to_container(cfg.augment),
@@ -183,12 +184,12 @@ class ReplicateDataModule(EmbeddingDataModule):
 
     def __init__(self, frames: pd.DataFrame, folds: pd.DataFrame, fold: int, task: Task, data_config,
                  loader: LoaderConfig, seed: int, embeddings: EmbeddingTable) -> None:
-        super().__init__(Path("replicate"), Path("replicate_folds.csv"), fold, task, data_config, {}, loader,
-                         seed=seed, embeddings=embeddings, source=Path("population"))
-        self._frames, self._folds = frames, folds
+        roles = fold_subjects(folds, fold)
+        super().__init__(Path("replicate"), SubjectRoles(tuple(roles["train"]), tuple(roles["val"]),
+                                                         tuple(roles["test"]), int(fold), f"replicate, fold {fold}"),
+                         task, data_config, {}, loader, seed, embeddings=embeddings, source=Path("population"),
+                         personalise=PersonaliseConfig.from_config(None))
+        self._frames = frames
 
     def _read_frame_table(self) -> pd.DataFrame:
         return self._frames
-
-    def subject_roles(self) -> dict[str, list[str]]:
-        return fold_subjects(self._folds, self.fold)

@@ -1,5 +1,7 @@
-"""A fold job's child run: one fold of a cross-validation trained anywhere (this process, another process, a SLURM
-node) under a run of its own, idempotently.
+"""A fold job (`FoldJob`) and its child run: one fold of a cross-validation trained anywhere (this process, another
+process, a SLURM node) under a run of its own, idempotently. A `FoldJob` holds plain values only (the resolved config,
+the fold id, the parent run id, the tracking URI and a work folder), so it pickles for submitit and writes as JSON
+for a subprocess.
 
 `run_fold_job` does not train a fold that already has a FINISHED child run; a child run left RUNNING by a killed
 attempt is marked KILLED, and training continues from the fold's last epoch checkpoint when one exists. A lease in
@@ -18,18 +20,20 @@ import json
 import logging
 import os
 import sys
-import traceback
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import mlflow
 import pandas as pd
 import pytorch_lightning as pl
 from mlflow import MlflowClient
 from mlflow.entities import Run
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from pipeline.runs.jobs.fold_decisions import settings_on_device
-from pipeline.runs.jobs.fold_job import FoldJob, FoldResult, train_fold
+from pipeline.models.fold_result import FoldResult
+from pipeline.runs.jobs.fold_decisions import FoldDecisions, settings_on_device
+from pipeline.runs.jobs.fold_job import train_fold
 from pipeline.runs.jobs.sealing import (
     FRAME_PREDICTIONS,
     VIDEO_PREDICTIONS,
@@ -37,10 +41,10 @@ from pipeline.runs.jobs.sealing import (
     retire_unreadable,
     seal_fold,
 )
+from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.runs.store import fold_lease
 from pipeline.runs.store.tracking import (
     ATTEMPT_TAG,
-    FINISHED,
     FOLD_RUN,
     FOLD_TAG,
     HOST_TAG,
@@ -49,15 +53,66 @@ from pipeline.runs.store.tracking import (
     PARENT_TAG,
     PID_TAG,
     RUN_KIND_TAG,
+    SEED_TAG,
     SLURM_JOB_TAG,
     STORED_ARTIFACTS_TAG,
     fold_runs,
+    inherited_tags,
     redact_uri,
+    run_lifecycle,
+    training_device_tags,
+    uri_has_credentials,
 )
 from pipeline.runs.store.unreachable import EXIT_UNREACHABLE, bound_retries, is_unreachable, unreachable_line
 from pipeline.utils.accelerator import training_device
+from pipeline.utils.atomic_io import atomic_path
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FoldJob:
+    """Everything a fold needs, as plain values; a launcher's job (`launchers.Job`), keyed by its fold."""
+
+    config: dict  # the resolved config (OmegaConf.to_container)
+    fold: int
+    parent_run_id: str
+    tracking_uri: str
+    work_dir: str  # the fold's own folder: epoch checkpoints (for resuming) and the kept model before upload
+    decisions: FoldDecisions
+    seed: int | None = None  # cv.seeds: this training seed instead of the config's `seed` (tagged on the child run)
+    store_uri: str = ""  # the store the records live in (behind a launcher's server), tagged; "": tracking_uri
+    tool: ClassVar[str] = "fold-job"  # `python -m pipeline fold-job <job.json>` runs it in a process of its own
+
+    @property
+    def key(self) -> int:
+        return self.fold
+
+    @property
+    def name(self) -> str:
+        return f"fold {self.fold}" + (f" (seed {self.seed})" if self.seed is not None else "")
+
+    def file(self, kind: str) -> Path:
+        """Its spec ("json") or log ("log") beside the fold's folder."""
+        return Path(self.work_dir).parent / f"fold_{self.fold}.{kind}"
+
+    def run(self) -> FoldResult:
+        return run_fold_job(self)
+
+    def write(self, path: Path) -> Path:
+        """The job as JSON, owner only; no password in it: a tracking URI with one is refused (a job reaches its
+        server with the credentials in its environment), and the store URI is written redacted."""
+        if uri_has_credentials(self.tracking_uri):
+            raise ValueError(f"fold job {path}: the tracking URI {redact_uri(self.tracking_uri)} carries a password, "
+                             f"and a job file holds none")
+        with atomic_path(path, mode=0o600) as tmp:
+            tmp.write_text(json.dumps({**asdict(self), "store_uri": redact_uri(self.store_uri)}))
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> FoldJob:
+        values = json.loads(Path(path).read_text())
+        return cls(**{**values, "decisions": FoldDecisions(**values["decisions"])})
 
 
 class StopWhenLeaseLost(pl.Callback):
@@ -81,9 +136,12 @@ def result_from_run(client: MlflowClient, run) -> FoldResult:
     frames = pd.read_csv(client.download_artifacts(run_id, FRAME_PREDICTIONS))
     videos = pd.read_csv(client.download_artifacts(run_id, VIDEO_PREDICTIONS))
     seconds = ((run.info.end_time or run.info.start_time) - run.info.start_time) / 1000
-    seed = run.data.tags.get("seed")
-    return FoldResult(int(run.data.tags["fold"]), dict(run.data.metrics), frames, videos, seconds, run_id,
-                      int(seed) if seed not in (None, "") else None)
+    seed = run.data.tags.get(SEED_TAG)
+    metrics = dict(run.data.metrics)
+    return FoldResult(int(run.data.tags[FOLD_TAG]), metrics, frames, videos, seconds, run_id,
+                      int(seed) if seed not in (None, "") else None, best_epoch=int(metrics.get("best_epoch", -1)),
+                      epochs_trained=int(metrics.get("epochs_trained", 0)),
+                      best_score=metrics.get("best_val_score", float("nan")))
 
 
 def job_owner_tags() -> dict[str, str]:
@@ -108,12 +166,13 @@ def run_fold_job(job: FoldJob) -> FoldResult:
     whose attempt is taken over by another job (`fold_lease.LeaseLost`) leaves that attempt unfinished and waits
     for the fold like any other job: it returns the result of whichever attempt finishes it."""
     client = MlflowClient(job.tracking_uri)
-    cfg = OmegaConf.create(job.config)
+    cfg = OmegaConf.create(job.config)  # the job's entry: its config read once, into typed settings
+    training = TrainingSettings.from_config(cfg)
     retry_s = OmegaConf.select(cfg, "mlflow.retry_s")
     if retry_s is not None:  # a server that goes away: each call retries it this long (unreachable.bound_retries)
         bound_retries(float(retry_s))
     # a lease in the store: a fold another machine trains now is waited for, a dead attempt replaced (fold_lease)
-    lease_s = float(OmegaConf.select(cfg, "cv.lease_s", default=300))
+    lease_s = float(cfg.cv.lease_s)
     owner = fold_lease.new_owner()
     watch = fold_lease.Watch(lease_s)  # what this job has seen of other attempts, on its own clock
     while True:
@@ -123,21 +182,21 @@ def run_fold_job(job: FoldJob) -> FoldResult:
             log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished.info.run_id)
             return result_from_run(client, finished)
         try:
-            return train_attempt(client, job, cfg, attempt, owner, lease_s)
+            return train_attempt(client, job, training, attempt, owner, lease_s)
         except fold_lease.LeaseLost as lost:
             print(f"fold {job.fold}{'' if job.seed is None else f' (seed {job.seed})'}: {lost}; this job stopped "
                   f"without finishing it and waits for the fold", flush=True)
 
 
-def train_attempt(client: MlflowClient, job: FoldJob, cfg: DictConfig, attempt: int, owner: str,
+def train_attempt(client: MlflowClient, job: FoldJob, training: TrainingSettings, attempt: int, owner: str,
                   lease_s: float) -> FoldResult:
     """Attempt `attempt` of the fold, claimed by `owner`: its child run, trained under a heartbeat, sealed, FINISHED.
     `fold_lease.LeaseLost` when another job took it over meanwhile (the run is then left KILLED, never FINISHED)."""
     parent = client.get_run(job.parent_run_id)
-    tags = {k: parent.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed")}
+    tags = inherited_tags(parent)
     if job.seed is not None:  # one of several training seeds: the fold is trained with it, and tagged so
-        cfg.seed = job.seed
-        tags["seed"] = str(job.seed)
+        training = training.with_seed(job.seed)
+        tags[SEED_TAG] = str(job.seed)
     work_dir = Path(job.work_dir)
     mlflow.set_tracking_uri(job.tracking_uri)
     name = f"fold {job.fold}" + (f" seed {job.seed}" if job.seed is not None else "")
@@ -148,34 +207,34 @@ def train_attempt(client: MlflowClient, job: FoldJob, cfg: DictConfig, attempt: 
                                  **job_owner_tags(),
                                  **fold_lease.lease_tags(owner)})
     heartbeat = fold_lease.Heartbeat(client, run.info.run_id, lease_s / 5, owner)  # renewed while the fold trains
-    try:
-        with heartbeat:
-            mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
-            device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
-            # decided where the device is known
-            settings = settings_on_device(job.decisions, cfg.trainer.channels_last, device.kind)
-            log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
-            mlflow.set_tags(device.tags)
-            result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models,
-                                settings=settings, callbacks=[StopWhenLeaseLost(heartbeat)])
-            heartbeat.check()
-            stored = seal_fold(client, run.info.run_id, work_dir, keep_model=cfg.cv.log_models)
-            mlflow.set_tag(STORED_ARTIFACTS_TAG, json.dumps(stored, sort_keys=True))
-        heartbeat.confirm()  # the run read once more, the heartbeat stopped: a job taken over never finishes it
-    except fold_lease.LeaseLost as lost:
-        mlflow.set_tag(LEASE_LOST_TAG, str(lost))
-        mlflow.end_run("KILLED")
-        raise
-    except BaseException as error:
-        if is_unreachable(error):  # nothing more reaches the store: the run stays RUNNING, resumed from there
+    # FINISHED only once sealed; a store that does not answer: the run stays RUNNING, resumed from there
+    with run_lifecycle(run.info.run_id, client, stopped=(fold_lease.LeaseLost,), left_running=is_unreachable):
+        try:
+            with heartbeat:
+                result = train_under_heartbeat(client, job, training, run.info.run_id, work_dir, heartbeat)
+            heartbeat.confirm()  # the run read once more, the heartbeat stopped: a job taken over never finishes it
+        except fold_lease.LeaseLost as lost:
+            mlflow.set_tag(LEASE_LOST_TAG, str(lost))
             raise
-        mlflow.log_text(traceback.format_exc(), "traceback.txt")
-        interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
-        mlflow.end_run("KILLED" if interrupted else "FAILED")
-        raise
-    mlflow.end_run(FINISHED)
     keep_only_artifacts(work_dir)  # the rest of the folder goes once the CV is FINISHED (its aggregate step)
     result.run_id, result.seed = run.info.run_id, job.seed
+    return result
+
+
+def train_under_heartbeat(client: MlflowClient, job: FoldJob, training: TrainingSettings, run_id: str, work_dir: Path,
+                          heartbeat: fold_lease.Heartbeat) -> FoldResult:
+    """The fold trained on this node's device, its run sealed (`seal_fold`): what the CV will read is in the store."""
+    mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
+    device = training_device(training.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
+    # decided where the device is known
+    settings = settings_on_device(job.decisions, training.trainer.channels_last, device.kind)
+    log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
+    mlflow.set_tags(training_device_tags(device))
+    result = train_fold(training, job.fold, job.decisions, work_dir, keep_model=training.log_models, settings=settings,
+                        callbacks=[StopWhenLeaseLost(heartbeat)])
+    heartbeat.check()
+    stored = seal_fold(client, run_id, work_dir, keep_model=training.log_models)
+    mlflow.set_tag(STORED_ARTIFACTS_TAG, json.dumps(stored, sort_keys=True))
     return result
 
 
