@@ -13,6 +13,7 @@ from scipy import stats
 
 from pipeline.analysis.comparison_statistics import PRIMARY_CHOICES, PRIMARY_METRIC
 from pipeline.analysis.power import PowerSettings, clopper_pearson, effect_metric, run_power, study_key
+from pipeline.analysis.power_report import eighty_percent_point
 from pipeline.data.synthetic.settings import EFFECTS
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.statistics import minimum_detectable_effect, paired_test
@@ -146,3 +147,12 @@ def test_make_power_aa_resamples_a_population_onto_the_fold_files_slots_and_resu
     assert sorted(set(rows.level)) == [0.0, 4.0] and len(rows) == 4
     seeing = rows[rows.level == 4.0]  # b also sees the crops' action units: better where a random backbone sees little
     assert (rows.knob == "action_units").all() and (seeing.true_b.dropna() > seeing.true_a.dropna() + 0.05).all()
+
+
+def test_the_eighty_percent_point_is_read_on_the_size_of_the_true_difference_of_either_sign() -> None:
+    """A better copy b makes a - b negative: the curve is read against |a - b|, interpolated between its levels."""
+    worse = pd.DataFrame({"true_diff": [0.0, 0.02, 0.04, 0.06], "rate": [0.05, 0.4, 0.7, 0.9]})
+    better = worse.assign(true_diff=-worse["true_diff"])
+    for summary in (worse, better, better.iloc[::-1]):
+        assert eighty_percent_point(summary) == pytest.approx(0.05)
+    assert np.isnan(eighty_percent_point(worse.assign(rate=0.5)))

@@ -60,10 +60,11 @@ def summarise_study(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def eighty_percent_point(summary: pd.DataFrame, rate: str = "rate") -> float:
-    """The true difference at which a study's power curve first reaches 80 %, interpolated linearly between its
-    levels (ordered by true difference); NaN where it never does."""
-    curve = summary.dropna(subset=["true_diff"]).sort_values("true_diff")
-    x, y = curve["true_diff"].to_numpy(), curve[rate].to_numpy()
+    """The size of the true difference (either sign: copy b may be the better or the worse) at which a study's power
+    curve first reaches 80 %, interpolated linearly between its levels (ordered by that size); NaN where it never
+    does."""
+    curve = summary.dropna(subset=["true_diff"]).assign(size=lambda t: t["true_diff"].abs()).sort_values("size")
+    x, y = curve["size"].to_numpy(), curve[rate].to_numpy()
     above = np.flatnonzero(y >= TARGET_POWER)
     if not len(above):
         return float("nan")
@@ -85,9 +86,9 @@ def plot_curves(summary: pd.DataFrame, path: Path) -> None:
     axes = figure.subplots()
     colours = iter(["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:grey"])
     for (protocol, seeds), part in summary.groupby(["protocol", "seeds"], sort=True):
-        part = part.sort_values("true_diff")
         colour = next(colours)
-        x = 100 * part["true_diff"].fillna(part["mean_diff"])
+        part = part.assign(size=part["true_diff"].fillna(part["mean_diff"]).abs()).sort_values("size")
+        x = 100 * part["size"]
         for prefix, style, name in (("", "-o", "fold-grouped t (make compare)"),
                                     ("subject_", "--s", "subject permutation (before)")):
             rate = part[f"{prefix}rate"]
@@ -97,7 +98,7 @@ def plot_curves(summary: pd.DataFrame, path: Path) -> None:
         axes.plot([100 * part["mean_mde80"].mean()], [TARGET_POWER], "x", color=colour, ms=10, mew=2)
     axes.axhline(0.05, color="tab:red", ls=":", lw=1, label="alpha 0.05")
     axes.axhline(TARGET_POWER, color="grey", ls=":", lw=1)
-    axes.set_xlabel("true accuracy difference a - b on the population (points)")
+    axes.set_xlabel("size of the true accuracy difference |a - b| on the population (points)")
     axes.set_ylabel("rejection rate")
     axes.set_ylim(0, 1.02)
     axes.set_title("make compare's paired test, 87 people a replicate (x: the mean mde80 it printed)", fontsize=9)
