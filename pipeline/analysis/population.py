@@ -23,11 +23,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from pipeline.data.biovid import NON_RESPONDERS
 from pipeline.data.datamodule import ROW_INDEX_NAME, LoaderConfig, SubjectRoles
@@ -64,7 +65,7 @@ class Population:
         return len(self.people)
 
 
-def twin_overrides(seed: int, folder: Path, classes: Sequence[str]) -> list[str]:
+def population_twin_overrides(seed: int, folder: Path, classes: Sequence[str]) -> list[str]:
     """The config overrides of the population's twin `seed`: its generator seed, its classes, its own folders."""
     twin = folder / f"seed_{seed}"
     return ["data.synthetic.crops=truth", f"data.synthetic.seed={seed}",
@@ -72,10 +73,10 @@ def twin_overrides(seed: int, folder: Path, classes: Sequence[str]) -> list[str]
             f"data.processed_dir={twin / 'processed'}"]
 
 
-def population_backbone(cfg: DictConfig) -> Backbone:
-    """The frozen backbone every population twin is embedded by (`model.*`, `WEIGHTS=` in `model.weights`)."""
-    backbone, _ = create_backbone(cfg.model.name, pretrained=cfg.model.pretrained, weights=cfg.model.weights,
-                                  img_size=cfg.model.img_size)
+def population_backbone(model: Mapping[str, Any]) -> Backbone:
+    """The frozen backbone every population twin is embedded by (the `model` group; `WEIGHTS=` in its `weights`)."""
+    backbone, _ = create_backbone(model["name"], pretrained=model["pretrained"], weights=model["weights"],
+                                  img_size=model["img_size"])
     return backbone.eval()
 
 
@@ -105,11 +106,12 @@ def draw_population(base: Sequence[str], twins: int, first_seed: int, folder: Pa
     """`twins` twins of the configuration `base` (the command's overrides) drawn, cropped and embedded into
     `folder` (each kept: a second study reads them back), as one population."""
     started = time.time()
-    backbone = population_backbone(load_config(list(base)))
+    backbone = population_backbone(load_config(list(base)).model)
     frames, plains, people = [], [], {}
     for seed in range(first_seed, first_seed + twins):
         print(f"population: twin {seed - first_seed + 1} of {twins} (generator seed {seed})", flush=True)
-        twin_frames, plain, responder = draw_twin([*base, *twin_overrides(seed, Path(folder), classes)], backbone)
+        overrides = [*base, *population_twin_overrides(seed, Path(folder), classes)]
+        twin_frames, plain, responder = draw_twin(overrides, backbone)
         twin_frames = twin_frames.assign(**{PERSON: f"{seed}:" + twin_frames["subject_name"]})
         frames.append(twin_frames.reset_index(drop=True))
         plains.append(np.asarray(plain, dtype=np.float32))

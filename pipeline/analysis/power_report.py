@@ -8,13 +8,14 @@ logged as a run of kind `power`.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
-from omegaconf import DictConfig, OmegaConf
 from scipy import stats
 
 from pipeline.runs.store import tracking
@@ -78,7 +79,7 @@ def label_of(protocol: str, seeds: int) -> str:
     return f"{protocol}, {seeds} training seed{'s' if seeds > 1 else ''} a copy"
 
 
-def plot_curves(summary: pd.DataFrame, path: Path) -> None:
+def plot_power_curves(summary: pd.DataFrame, path: Path) -> None:
     """Every study's rejection rate against the true difference (the population's), with Clopper-Pearson bars:
     `make compare`'s test solid, the subject-level test dashed; alpha and 80 % marked, each study's mean `mde80` at
     80 % as a cross."""
@@ -119,7 +120,7 @@ def write_summary(record: pd.DataFrame, out_dir: Path) -> tuple[pd.DataFrame, di
              "plot": out_dir / "power.png", "replicates": out_dir / "replicates.csv"}
     atomic_write_csv(paths["summary"], summary)
     atomic_write_text(paths["json"], json.dumps(summary.to_dict("records"), indent=2, default=float) + "\n")
-    plot_curves(summary, paths["plot"])
+    plot_power_curves(summary, paths["plot"])
     return summary, paths
 
 
@@ -142,25 +143,28 @@ def print_summary(summary: pd.DataFrame, study: str) -> None:
               f"{rows['mean_mde80'].mean():.4f}")
 
 
-def log_study(cfg: DictConfig, summary: pd.DataFrame, study: str, paths: dict[str, Path]) -> str:
-    """The study's summary as a run of kind `power` in the power experiment, with the tables and the plot."""
-    client = MlflowClient(tracking.store_uri(cfg.mlflow.tracking_uri))
-    artifact_root = (resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root
+def log_study(mlflow: Mapping[str, Any], power_yaml: str, summary: pd.DataFrame, study: str,
+              paths: dict[str, Path]) -> str:
+    """The study's summary as a run of kind `power` in the power experiment (the `mlflow` group's store), with the
+    tables, the plot and the `power` group as `power_yaml` records it."""
+    client = MlflowClient(tracking.store_uri(mlflow["tracking_uri"]))
+    artifact_root = (resolve_path(mlflow["artifact_root"]) if mlflow["artifact_root"]
                      else tracking.artifact_root(PROJECT_ROOT))
     experiment_id = tracking.get_or_create_experiment(EXPERIMENT, artifact_root, client=client)
     rows = summary[summary["study"] == study]
     first = rows.iloc[0]
     name = f"power {first['effect']} {label_of(str(first['protocol']), int(first['seeds']))}"
     run = client.create_run(experiment_id, run_name=name,
-                            tags={tracking.RUN_KIND_TAG: tracking.POWER_RUN, "effect": str(first["effect"]),
-                                  "measures": "type-I error" if set(rows["level"]) == {0.0} else "power",
-                                  "comparison": "copy a - copy b", tracking.TEST_UNIT_TAG: f"fold of "
-                                  f"{first['protocol']} ({int(first['n_units'])} units)", "study": study})
+                            tags={tracking.RUN_KIND_TAG: tracking.POWER_RUN, tracking.EFFECT_TAG: str(first["effect"]),
+                                  tracking.MEASURES_TAG: "type-I error" if set(rows["level"]) == {0.0} else "power",
+                                  tracking.COMPARISON_TAG: "copy a - copy b", tracking.TEST_UNIT_TAG: f"fold of "
+                                  f"{first['protocol']} ({int(first['n_units'])} units)",
+                                  tracking.POWER_STUDY_TAG: study})
     for row in rows.itertuples():
         for key in ("rate", "rate_ci95_low", "rate_ci95_high", "subject_rate", "true_diff", "mean_mde80",
                     "value_a", "value_b", "replicates"):
             client.log_metric(run.info.run_id, f"power/level_{row.level:g}/{key}", float(getattr(row, key)))
-    client.log_text(run.info.run_id, OmegaConf.to_yaml(cfg.power), "power.yaml")
+    client.log_text(run.info.run_id, power_yaml, "power.yaml")
     for path in paths.values():
         client.log_artifact(run.info.run_id, str(path), "power")
     client.set_terminated(run.info.run_id, tracking.FINISHED)

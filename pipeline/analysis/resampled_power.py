@@ -32,9 +32,10 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -98,19 +99,19 @@ class ResampledStudy:
     key: str
 
     @classmethod
-    def from_config(cls, power: DictConfig, effect: str, base: Sequence[str], twin: str) -> ResampledStudy:
+    def from_config(cls, power: Mapping[str, Any], effect: str, base: Sequence[str], twin: str) -> ResampledStudy:
         """The study of `effect` with the command's overrides `base` on the twin named `twin` (its population's
         folder: the generator's resolved settings)."""
-        entry, settings = power.effects[effect], power.resampled
-        described = {"effect": effect, "entry": OmegaConf.to_container(entry), "alpha": float(power.alpha),
-                     "twin": twin, "resampled": {k: v for k, v in OmegaConf.to_container(settings).items()
-                                   if k != "truth_replicates"}, "common": list(power.common), "base": sorted(base)}
+        entry, settings = plain(power["effects"][effect]), plain(power["resampled"])
+        described = {"effect": effect, "entry": entry, "alpha": float(power["alpha"]),
+                     "twin": twin, "resampled": {k: v for k, v in settings.items() if k != "truth_replicates"},
+                     "common": list(power["common"]), "base": sorted(base)}
         key = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return cls(effect, str(entry.task), str(entry.get("knob") or "noise"), tuple(float(v) for v in entry.levels),
-                   str(settings.protocol),
-                   int(settings.seeds), tuple(int(power.seed) + r for r in range(int(power.repeats))),
-                   int(settings.population_twins), int(settings.population_seed), int(settings.shift_seed),
-                   int(settings.truth_replicates), float(power.alpha), key)
+        return cls(effect, str(entry["task"]), str(entry.get("knob") or "noise"),
+                   tuple(float(v) for v in entry["levels"]), str(settings["protocol"]), int(settings["seeds"]),
+                   tuple(int(power["seed"]) + r for r in range(int(power["repeats"]))),
+                   int(settings["population_twins"]), int(settings["population_seed"]), int(settings["shift_seed"]),
+                   int(settings["truth_replicates"]), float(power["alpha"]), key)
 
     def copies(self, replicate: int) -> list[Copy]:
         """Copy a, then copy b at each level: a's training seeds and b's (shared by b's levels) drawn from the
@@ -137,42 +138,48 @@ class StudyData:
     rule: str | float
 
 
-def recipe_of(cfg: DictConfig) -> BatchRecipe:
-    """The in-memory probe's settings of `cfg`, checked to be those the lockstep fit reproduces."""
-    check_recipe(str(cfg.trainer.monitor), str(cfg.trainer.aggregation), int(cfg.cache.views),
-                 bool(cfg.loader.balanced_sampling), float(cfg.trainer.label_smoothing), cfg.trainer.class_weights)
-    optim = cfg.model.optim
-    return BatchRecipe(int(cfg.loader.batch_size), int(cfg.trainer.max_epochs), int(cfg.trainer.patience),
-                       float(optim.head_lr), float(optim.weight_decay), float(optim.warmup_epochs),
-                       cfg.trainer.gradient_clip_val)
+def recipe_of(trainer: Mapping[str, Any], loader: Mapping[str, Any], optim: Mapping[str, Any],
+              views: int) -> BatchRecipe:
+    """The in-memory probe's settings (the `trainer`, `loader` and `model.optim` groups, the cache's views), checked
+    to be those the lockstep fit reproduces."""
+    check_recipe(str(trainer["monitor"]), str(trainer["aggregation"]), int(views), bool(loader["balanced_sampling"]),
+                 float(trainer["label_smoothing"]), trainer["class_weights"])
+    return BatchRecipe(int(loader["batch_size"]), int(trainer["max_epochs"]), int(trainer["patience"]),
+                       float(optim["head_lr"]), float(optim["weight_decay"]), float(optim["warmup_epochs"]),
+                       trainer["gradient_clip_val"])
 
 
-def population_folder(power: DictConfig, cfg: DictConfig) -> Path:
+def plain(group: Mapping[str, Any]) -> Any:
+    """A config group as plain values (an OmegaConf node resolved, a mapping copied)."""
+    return OmegaConf.to_container(group, resolve=True) if isinstance(group, DictConfig) else dict(group)
+
+
+def population_folder(power_dir: str, data: Mapping[str, Any], preprocess: Mapping[str, Any]) -> Path:
     """Where the population of this twin lives: one folder per dataset and generator settings as the generator
     resolves them (a preset's values, not only its name: a recalibrated preset is another twin) and the crops'
     settings, so a study of another twin draws its own and one of the same twin reads it back."""
-    twin = {"data": OmegaConf.to_container(cfg.data), "preprocess": OmegaConf.to_container(cfg.preprocess),
-            "generator": dataclasses.asdict(synthetic_config(cfg.data.synthetic))}
+    twin = {"data": plain(data), "preprocess": plain(preprocess), "generator": dataclasses.asdict(
+        synthetic_config(data["synthetic"]))}
     digest = hashlib.sha256(json.dumps(twin, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return resolve_path(power.dir) / "population" / f"{cfg.data.name}_{digest}"
+    return resolve_path(power_dir) / "population" / f"{data['name']}_{digest}"
 
 
-def study_data(power: DictConfig, study: ResampledStudy, overrides: Sequence[str]) -> StudyData:
+def study_data(power_dir: str, study: ResampledStudy, overrides: Sequence[str]) -> StudyData:
     """The population drawn (or read back) and everything each replicate reads."""
     cfg = load_config([*overrides, f"protocol={study.protocol}"])
     task = get_task(study.task)
     if task.n_classes != 2:
         raise SystemExit(f"power: the resampled studies compare accuracy at the threshold of a binary task, not "
                          f"{study.task}")
-    recipe = recipe_of(cfg)
+    recipe = recipe_of(cfg.trainer, cfg.loader, cfg.model.optim, int(cfg.cache.views))
     population = draw_population(overrides, study.population_twins, study.population_seed,
-                                 population_folder(power, cfg), task.classes)
+                                 population_folder(power_dir, cfg.data, cfg.preprocess), task.classes)
     plain = torch.from_numpy(np.array(population.embeddings.plain, dtype=np.float32))
     shift = shift_matrix(population, study.knob, study.shift_seed) if any(study.levels) else None
     folds = read_folds(resolve_path(cfg.fold_file))
     return StudyData(population, Embeddings(plain, shift), folds, slot_responders(folds),
                      PopulationVideos.of(population, task), task, recipe, LoaderConfig.from_config(cfg.loader),
-                     population_backbone(cfg).data_config, cfg.eval.threshold)
+                     population_backbone(cfg.model).data_config, cfg.eval.threshold)
 
 
 def seed_mean_primary(videos: pd.DataFrame) -> pd.Series:
@@ -233,7 +240,9 @@ def run_resampled(cfg: DictConfig, overrides: Sequence[str] = ()) -> pd.DataFram
     effect = str(power.effect)
     base = [o for o in overrides if not o.startswith(("power.", "task=", "data="))]
     composed = [*base, *power.common, f"task={power.effects[effect].task}"]
-    study = ResampledStudy.from_config(power, effect, base, population_folder(power, load_config(composed)).name)
+    twin = load_config(composed)
+    study = ResampledStudy.from_config(power, effect, base,
+                                       population_folder(power.dir, twin.data, twin.preprocess).name)
     out_dir = resolve_path(cfg.reports_dir) / "power" / effect
     record = out_dir / "replicates.csv"
     done = pd.read_csv(record, dtype={"study": str}) if record.is_file() else pd.DataFrame(columns=RECORD_COLUMNS)
@@ -243,7 +252,7 @@ def run_resampled(cfg: DictConfig, overrides: Sequence[str] = ()) -> pd.DataFram
           f"{list(study.levels)}; {len(study.replicates)} replicates ({len(study.replicates) - len(todo)} done "
           f"before); study {study.key}; record {record}", flush=True)
     if todo:
-        data = study_data(power, study, composed)
+        data = study_data(power.dir, study, composed)
         print(f"population: {len(data.population)} people ({int(data.population.people.sum())} responders), "
               f"{len(data.population.frames)} crops, ready in {data.population.seconds:.0f} s", flush=True)
         for replicate in todo:
@@ -254,7 +263,7 @@ def run_resampled(cfg: DictConfig, overrides: Sequence[str] = ()) -> pd.DataFram
     counted = done[(done["study"] != study.key) | done["replicate"].isin(study.replicates)]
     summary, paths = write_summary(counted, out_dir)
     print_summary(summary, study.key)
-    log_study(cfg, summary, study.key, paths)
+    log_study(cfg.mlflow, OmegaConf.to_yaml(power), summary, study.key, paths)
     for name, path in paths.items():
         print(f"{name}: {path}")
     return summary[summary["study"] == study.key]

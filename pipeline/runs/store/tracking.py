@@ -133,6 +133,7 @@ THRESHOLD_RULE_TAG, THRESHOLD_FALLBACK_TAG = "threshold_rule", "threshold_fallba
 CORRECTION_FAMILY_TAG, COMPARED_DESPITE_TAG, PAIRED_ON_TAG = "correction_family", "compared_despite", "paired_on"
 # On `make power`'s run: the planted effect, what it measures, the comparison it repeats.
 EFFECT_TAG, MEASURES_TAG, COMPARISON_TAG = "effect", "measures", "comparison"
+POWER_STUDY_TAG = "study"  # a resampled power study: the hash of its settings (its rows in the record)
 INTERVAL_KIND_TAG = "interval_kind"  # on a CV's parent: how its pooled intervals were drawn
 # On a registered model version: the CV its settings came from, its threshold, the folds of a fold ensemble.
 VERSION_SOURCE_CV_TAG, VERSION_THRESHOLD_TAG, VERSION_FOLDS_TAG = "source_cv_run", "threshold", "folds"
