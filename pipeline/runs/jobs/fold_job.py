@@ -20,7 +20,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -67,7 +67,8 @@ from pipeline.runs.jobs.two_stage import RECORD as TWO_STAGE_RECORD
 from pipeline.runs.jobs.two_stage import SecondStage, second_stage, write_record
 from pipeline.runs.serving.mlflow_model import log_fold_model
 from pipeline.runs.store.cv_runs import WhatTrains
-from pipeline.runs.store.registry import split_videos, subjects_dataset
+from pipeline.runs.store.registry import log_subjects, split_videos
+from pipeline.runs.store.run_record import RunRecord
 from pipeline.runs.store.tracking import redact_uri, uri_has_credentials
 from pipeline.utils.atomic_io import atomic_path, fsync_tree
 from pipeline.utils.devices import DeviceSettings
@@ -89,6 +90,10 @@ class FoldJob:
     decisions: FoldDecisions
     seed: int | None = None  # cv.seeds: this training seed instead of the config's `seed` (tagged on the child run)
     store_uri: str = ""  # the store the records live in (behind a launcher's server), tagged; "": tracking_uri
+    # the parent run's experiment and the tags its fold runs copy (model, dataset, ...), as the plan knows them;
+    # empty (a job written before they travelled): read from the parent run
+    experiment_id: str = ""
+    parent_tags: dict = field(default_factory=dict)
     tool: ClassVar[str] = "fold-job"  # `python -m pipeline fold-job <job.json>` runs it in a process of its own
 
     @property
@@ -269,13 +274,13 @@ def plot_fold(out: Path, fold: int, class_names: tuple[str, ...], evaluation: Ev
         plot_training_curves(pd.DataFrame(history), out / "training_curves.png")
 
 
-def log_threshold_fallback(fold: int, fallback: str) -> None:
+def log_threshold_fallback(fold: int, fallback: str, record: RunRecord) -> None:
     """A fold whose validation videos could not choose a threshold says so: a warning and the tag
     `threshold_fallback` with the reason (the metric `test/threshold_fallback` is 1 for it, 0 otherwise)."""
     if fallback:
         log.warning("fold %d: the threshold rule could not choose (%s); its test videos are called at 0.5",
                     fold, fallback)
-        mlflow.set_tag("threshold_fallback", fallback)
+        record.set_tags({"threshold_fallback": fallback})
 
 
 @dataclass
@@ -312,20 +317,22 @@ class Trained:
 def train(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path, settings: DeviceSettings, *,
           datamodule_class: type[PainDataModule] = PainDataModule, callbacks: Sequence[pl.Callback] = (),
           scored: Sequence[str] = ("val", "test"), times: StepTimes | None = None,
-          built: tuple[PainLightningModule, PainDataModule, dict] | None = None) -> Trained:
+          built: tuple[PainLightningModule, PainDataModule, dict] | None = None,
+          record: RunRecord | None = None) -> Trained:
     """The one training path of a fold, the final model and a tuning trial: build (`build_fold`, through the model
     factory), fit and select where the head mode fits (its `fit`: Lightning's `fit_fold`, or in memory), score the
     best on the splits in `scored` (`val`: re-validated for the threshold, `test`: tested once), then the second stage
     where the mode has one (its head's validation and test scores replace the frame model's).
 
     `datamodule_class`: the subjects' roles (a fold's, `final_model.FinalDataModule`'s, a study's); `callbacks` join
-    the fit (a lease check, a trial's pruning); `built`: what `build_fold` returned, where the caller logged it."""
+    the fit (a lease check, a trial's pruning); `built`: what `build_fold` returned, where the caller logged it;
+    `record`: where a fit that logs its epochs at its end (in memory) gathers them (None: the active MLflow run)."""
     times = times or StepTimes()
     module, datamodule, weights = built or build_fold(cfg, fold, decisions, settings, datamodule_class)
     mode = head_mode(HeadConfig.from_config(cfg.model.head))
     first = FirstStage()
     if mode.trains_first_stage(FinetuneConfig.from_config(cfg)):  # a frame model, or an end-to-end clip model
-        first = mode.fit(cfg, module, datamodule, work_dir, settings.precision, callbacks, scored, times)
+        first = mode.fit(cfg, module, datamodule, work_dir, settings.precision, callbacks, scored, times, record)
     validation, predictions, evaluation = first.validation, first.predictions, first.evaluation
     selected = first.selected
     stage, frame_model_metrics = None, {}
@@ -343,26 +350,30 @@ def train(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path, 
 
 def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: Path,
                keep_model: bool = False, settings: DeviceSettings | None = None,
-               callbacks: Sequence[pl.Callback] = ()) -> FoldResult:
+               callbacks: Sequence[pl.Callback] = (), record: RunRecord | None = None) -> FoldResult:
     """Train on the fold's training subjects, select on its validation subjects, test once on its test subjects
     (`train`); choose the threshold, log and keep what the CV reads.
 
     `settings`: precision and channels_last as resolved on this device (`settings_here` when None), tagged on the
-    run. `callbacks` join the fit (the fold job's lease check). Logs epoch curves, test metrics and artifacts to the
-    active MLflow run.
+    run. `callbacks` join the fit (the fold job's lease check). `record`: where the fold run's parameters, tags and
+    metrics are gathered, for the caller to write (`RunRecord.flush`); None: the active MLflow run's, written here.
+    Its artifacts are stored as they are written.
     """
     started = time.time()
     times = StepTimes()
     work_dir.mkdir(parents=True, exist_ok=True)
+    own_record = record is None
+    record = record or RunRecord.of_active_run()
     trains = WhatTrains.from_config(cfg)
     with times("setup"):
         settings = settings or settings_here(decisions, cfg.trainer.channels_last, cfg.trainer.accelerator)
-        built = set_up_fold(cfg, fold, decisions, settings, trains)
-    trained = train(cfg, fold, decisions, work_dir, settings, callbacks=callbacks, times=times, built=built)
+        built = set_up_fold(cfg, fold, decisions, settings, trains, record)
+    trained = train(cfg, fold, decisions, work_dir, settings, callbacks=callbacks, times=times, built=built,
+                    record=record)
     validation, evaluation = trained.validation, trained.evaluation
     assert validation is not None and evaluation is not None and trained.predictions is not None
     class_names = trained.module.class_names
-    mlflow.log_params({"head": trained.mode.head.label, "head_parameters": head_parameters(trained)})
+    record.log_params({"head": trained.mode.head.label, "head_parameters": head_parameters(trained)})
     with times("threshold"):  # the threshold sees the validation subjects only; the test videos get it as it is
         threshold, evaluation.video_predictions, decided, fallback = decide_fold(
             validation.video_predictions, evaluation.video_predictions, class_names, cfg.eval.threshold)
@@ -370,30 +381,32 @@ def train_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, work_dir: P
     rule = rule_name(cfg.eval.threshold, len(class_names))
     with times("artifacts"):
         log_fold_artifacts(fold, trained, work_dir / "artifacts", metrics, rule, fallback, trains.graded,
-                           bool(cfg.cv.fold_plots))
+                           bool(cfg.cv.fold_plots), record)
     if keep_model:
         with times("model_logging"):
             keep_fold_model(cfg, fold, trained, work_dir, threshold, rule)
-    mlflow.log_metrics(times.metrics())
+    record.log_metrics(times.metrics())
+    if own_record:
+        record.flush()
     log.info("fold %d steps: %s", fold, times.line())
     return FoldResult(fold, metrics, trained.predictions, evaluation.video_predictions, time.time() - started)
 
 
 def set_up_fold(cfg: DictConfig, fold: int, decisions: FoldDecisions, settings: DeviceSettings,
-                trains: WhatTrains) -> tuple[PainLightningModule, PainDataModule, dict]:
-    """`build_fold`, with what it built logged on the fold run: the device settings, the parameters trainable, what
-    trains (`trains`: the fine-tuning strategy, the augmentation) and the subjects' videos (an MLflow dataset)."""
-    mlflow.set_tags(settings.tags())
+                trains: WhatTrains, record: RunRecord) -> tuple[PainLightningModule, PainDataModule, dict]:
+    """`build_fold`, with what it built logged on the fold run (`record`): the device settings, the parameters
+    trainable, what trains (`trains`: the fine-tuning strategy, the augmentation) and the subjects' videos (an MLflow
+    dataset, stored now)."""
+    record.set_tags(settings.tags())
     built = build_fold(cfg, fold, decisions, settings)
     module, datamodule, _ = built
     counts = parameter_counts(module.model)
     log.info("fold %d: %s, %d of %d parameters trainable (backbone %d of %d); augmentation: %s", fold,
              module.finetune.name, counts["parameters_trainable"], counts["parameters_total"],
              counts["backbone_parameters_trainable"], counts["backbone_parameters"], trains.augmentation_label)
-    mlflow.log_params(counts)
-    mlflow.set_tags(trains.tags())
-    mlflow.log_input(subjects_dataset(split_videos(datamodule), f"{cfg.data.name}-{cfg.task.name}-fold{fold}"),
-                     context="training")
+    record.log_params(counts)
+    record.set_tags(trains.tags())
+    log_subjects(record.client, record.run_id, split_videos(datamodule), f"{cfg.data.name}-{cfg.task.name}-fold{fold}")
     return built
 
 
@@ -428,10 +441,10 @@ def fold_test_metrics(trained: Trained, threshold: float, decided: dict[str, flo
 
 
 def log_fold_artifacts(fold: int, trained: Trained, out: Path, metrics: dict, rule: str, fallback: str,
-                       graded: bool, plots: bool = True) -> None:
+                       graded: bool, plots: bool, record: RunRecord) -> None:
     """The fold's plots (`plots`: cv.fold_plots) and tables (`write_fold_artifacts`, a second stage's record and
-    epochs, the validation videos, a graded task's level confusion) written to `out`, flushed, and logged with the
-    metrics and the rule."""
+    epochs, the validation videos, a graded task's level confusion) written to `out`, flushed and stored; the
+    metrics and the rule gathered in `record`."""
     validation, evaluation, class_names = trained.validation, trained.evaluation, trained.module.class_names
     assert validation is not None and evaluation is not None and trained.predictions is not None
     write_fold_artifacts(out, fold, class_names, trained.predictions, evaluation, trained.history,
@@ -443,12 +456,12 @@ def log_fold_artifacts(fold: int, trained: Trained, out: Path, metrics: dict, ru
     if graded:
         write_level_confusion(decided_levels(evaluation.video_predictions, class_names), class_names, out,
                               "confusion_levels", f"fold {fold}: videos by level, as called", plot=plots)
-    mlflow.log_params({"threshold_rule": rule})
-    mlflow.set_tag("threshold_rule", rule)
-    log_threshold_fallback(fold, fallback)
-    mlflow.log_metrics(metrics)
+    record.log_params({"threshold_rule": rule})
+    record.set_tags({"threshold_rule": rule})
+    log_threshold_fallback(fold, fallback, record)
+    record.log_metrics(metrics)
     fsync_tree(out)  # the local copies on disk before upload: the work folder is kept until the CV finishes
-    mlflow.log_artifacts(str(out))
+    record.log_artifacts(out)
 
 
 def keep_fold_model(cfg: DictConfig, fold: int, trained: Trained, work_dir: Path, threshold: float,

@@ -26,6 +26,7 @@ import pandas as pd
 import pytorch_lightning as pl
 from mlflow import MlflowClient
 from mlflow.entities import Run
+from mlflow.environment_variables import MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT as URL_PRINTING_OFF
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.runs.jobs.fold_decisions import settings_on_device
@@ -38,6 +39,7 @@ from pipeline.runs.jobs.sealing import (
     seal_fold,
 )
 from pipeline.runs.store import fold_lease
+from pipeline.runs.store.run_record import RunRecord
 from pipeline.runs.store.tracking import (
     ATTEMPT_TAG,
     FINISHED,
@@ -80,10 +82,14 @@ def result_from_run(client: MlflowClient, run) -> FoldResult:
     run_id = run.info.run_id
     frames = pd.read_csv(client.download_artifacts(run_id, FRAME_PREDICTIONS))
     videos = pd.read_csv(client.download_artifacts(run_id, VIDEO_PREDICTIONS))
-    seconds = ((run.info.end_time or run.info.start_time) - run.info.start_time) / 1000
     seed = run.data.tags.get("seed")
-    return FoldResult(int(run.data.tags["fold"]), dict(run.data.metrics), frames, videos, seconds, run_id,
+    return FoldResult(int(run.data.tags["fold"]), dict(run.data.metrics), frames, videos, run_seconds(run), run_id,
                       int(seed) if seed not in (None, "") else None)
+
+
+def run_seconds(run: Run) -> float:
+    """How long a fold run ran, start to end (to now's record, while it runs: 0)."""
+    return ((run.info.end_time or run.info.start_time) - run.info.start_time) / 1000
 
 
 def job_owner_tags() -> dict[str, str]:
@@ -97,10 +103,24 @@ def job_owner_tags() -> dict[str, str]:
     return tags
 
 
-def counted_attempts(client: MlflowClient, job: FoldJob) -> list[Run]:
+# what a fold run copies of its parent's tags (FoldJob.parent_tags)
+PARENT_TAGS_COPIED = ("model", "dataset", "protocol", "task", "subject_set", "seed")
+
+
+def counted_attempts(client: MlflowClient, job: FoldJob, experiment_id: str) -> list[Run]:
     """The fold's attempts, newest first, with any FINISHED one whose artifacts are gone retired first."""
-    runs = fold_runs(client, job.parent_run_id, job.fold, job.seed)
-    return fold_runs(client, job.parent_run_id, job.fold, job.seed) if retire_unreadable(client, runs) else runs
+    runs = fold_runs(client, job.parent_run_id, job.fold, job.seed, experiment_id)
+    return fold_runs(client, job.parent_run_id, job.fold, job.seed, experiment_id) if retire_unreadable(
+        client, runs) else runs
+
+
+def parent_facts(client: MlflowClient, job: FoldJob) -> tuple[str, dict[str, str]]:
+    """The parent's experiment and the tags a fold run copies: as the job carries them, or for a job written without
+    them, read from the parent run."""
+    if job.experiment_id and job.parent_tags:
+        return job.experiment_id, {key: str(job.parent_tags.get(key, "")) for key in PARENT_TAGS_COPIED}
+    parent = client.get_run(job.parent_run_id)
+    return parent.info.experiment_id, {key: parent.data.tags.get(key, "") for key in PARENT_TAGS_COPIED}
 
 
 def run_fold_job(job: FoldJob) -> FoldResult:
@@ -112,71 +132,98 @@ def run_fold_job(job: FoldJob) -> FoldResult:
     retry_s = OmegaConf.select(cfg, "mlflow.retry_s")
     if retry_s is not None:  # a server that goes away: each call retries it this long (unreachable.bound_retries)
         bound_retries(float(retry_s))
+    experiment_id, parent_tags = parent_facts(client, job)
     # a lease in the store: a fold another machine trains now is waited for, a dead attempt replaced (fold_lease)
     lease_s = float(OmegaConf.select(cfg, "cv.lease_s", default=300))
     owner = fold_lease.new_owner()
     watch = fold_lease.Watch(lease_s)  # what this job has seen of other attempts, on its own clock
     while True:
         attempt, finished = fold_lease.acquire(client, job.parent_run_id, job.fold, job.seed, owner, lease_s,
-                                               lambda: counted_attempts(client, job), watch=watch)
+                                               lambda: counted_attempts(client, job, experiment_id), watch=watch)
         if finished is not None:
             log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished.info.run_id)
             return result_from_run(client, finished)
         try:
-            return train_attempt(client, job, cfg, attempt, owner, lease_s)
+            return train_attempt(client, job, cfg, attempt, owner, lease_s, experiment_id, parent_tags)
         except fold_lease.LeaseLost as lost:
             print(f"fold {job.fold}{'' if job.seed is None else f' (seed {job.seed})'}: {lost}; this job stopped "
                   f"without finishing it and waits for the fold", flush=True)
 
 
-def train_attempt(client: MlflowClient, job: FoldJob, cfg: DictConfig, attempt: int, owner: str,
-                  lease_s: float) -> FoldResult:
-    """Attempt `attempt` of the fold, claimed by `owner`: its child run, trained under a heartbeat, sealed, FINISHED.
+def train_attempt(client: MlflowClient, job: FoldJob, cfg: DictConfig, attempt: int, owner: str, lease_s: float,
+                  experiment_id: str, parent_tags: dict[str, str]) -> FoldResult:
+    """Attempt `attempt` of the fold, claimed by `owner`: its child run (in `experiment_id`, with `parent_tags`),
+    trained under a heartbeat, its records gathered and written at once (`RunRecord`), sealed, FINISHED.
     `fold_lease.LeaseLost` when another job took it over meanwhile (the run is then left KILLED, never FINISHED)."""
-    parent = client.get_run(job.parent_run_id)
-    tags = {k: parent.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set", "seed")}
+    tags = dict(parent_tags)
     if job.seed is not None:  # one of several training seeds: the fold is trained with it, and tagged so
         cfg.seed = job.seed
         tags["seed"] = str(job.seed)
     work_dir = Path(job.work_dir)
     mlflow.set_tracking_uri(job.tracking_uri)
     name = f"fold {job.fold}" + (f" seed {job.seed}" if job.seed is not None else "")
-    run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=name,
+    run = mlflow.start_run(experiment_id=experiment_id, run_name=name,
                            tags={**tags, PARENT_TAG: job.parent_run_id, RUN_KIND_TAG: FOLD_RUN,
                                  FOLD_TAG: str(job.fold), ATTEMPT_TAG: str(attempt),
                                  JOB_TRACKING_URI_TAG: redact_uri(job.store_uri or job.tracking_uri),
                                  **job_owner_tags(),
                                  **fold_lease.lease_tags(owner)})
+    record = RunRecord(client, run.info.run_id, run.info.artifact_uri)
     heartbeat = fold_lease.Heartbeat(client, run.info.run_id, lease_s / 5, owner)  # renewed while the fold trains
     try:
         with heartbeat:
-            mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
+            record.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
             device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
             # decided where the device is known
             settings = settings_on_device(job.decisions, cfg.trainer.channels_last, device.kind)
             log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
-            mlflow.set_tags(device.tags)
+            record.set_tags(device.tags)
             result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models,
-                                settings=settings, callbacks=[StopWhenLeaseLost(heartbeat)])
+                                settings=settings, callbacks=[StopWhenLeaseLost(heartbeat)], record=record)
             heartbeat.check()
-            stored = seal_fold(client, run.info.run_id, work_dir, keep_model=cfg.cv.log_models)
-            mlflow.set_tag(STORED_ARTIFACTS_TAG, json.dumps(stored, sort_keys=True))
+            stored = seal_fold(record, work_dir, keep_model=cfg.cv.log_models)
+            record.set_tags({STORED_ARTIFACTS_TAG: json.dumps(stored, sort_keys=True)})
+            record.flush()  # parameters, tags and metrics in one request, before the run is FINISHED
         heartbeat.confirm()  # the run read once more, the heartbeat stopped: a job taken over never finishes it
     except fold_lease.LeaseLost as lost:
-        mlflow.set_tag(LEASE_LOST_TAG, str(lost))
-        mlflow.end_run("KILLED")
+        record.set_tags({LEASE_LOST_TAG: str(lost)})
+        flush_what_was_gathered(record)
+        end_fold_run("KILLED")
         raise
     except BaseException as error:
         if is_unreachable(error):  # nothing more reaches the store: the run stays RUNNING, resumed from there
             raise
-        mlflow.log_text(traceback.format_exc(), "traceback.txt")
-        interrupted = isinstance(error, KeyboardInterrupt | SystemExit)
-        mlflow.end_run("KILLED" if interrupted else "FAILED")
+        client.log_text(run.info.run_id, traceback.format_exc(), "traceback.txt")
+        flush_what_was_gathered(record)
+        end_fold_run("KILLED" if isinstance(error, KeyboardInterrupt | SystemExit) else "FAILED")
         raise
-    mlflow.end_run(FINISHED)
+    end_fold_run(FINISHED)
     keep_only_artifacts(work_dir)  # the rest of the folder goes once the CV is FINISHED (its aggregate step)
     result.run_id, result.seed = run.info.run_id, job.seed
     return result
+
+
+def flush_what_was_gathered(record: RunRecord) -> None:
+    """An unfinished attempt's parameters, tags and metrics, to read its failure by; one that the store refuses (a
+    parameter another attempt of this run's wrote otherwise) is said, never raised over the failure itself."""
+    try:
+        record.flush()
+    except Exception as error:  # noqa: BLE001 - the failure being handled is the one to raise
+        log.warning("run %s: what it gathered was not written (%s)", record.run_id, error)
+
+
+def end_fold_run(status: str) -> None:
+    """`mlflow.end_run`, without the "View run" line MLflow prints for a tracking server's run (it reads the run
+    back from the server for it: a request per fold for a line in a log)."""
+    was = os.environ.get(URL_PRINTING_OFF.name)
+    URL_PRINTING_OFF.set(True)
+    try:
+        mlflow.end_run(status)
+    finally:
+        if was is None:
+            URL_PRINTING_OFF.unset()
+        else:
+            os.environ[URL_PRINTING_OFF.name] = was
 
 
 def main(argv: list[str] | None = None) -> int:

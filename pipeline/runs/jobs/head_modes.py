@@ -48,6 +48,7 @@ from pipeline.models.temporal_heads import ClipNet, HeadConfig
 from pipeline.runs.jobs.fold_fit import fit_fold, test_fold, validate_fold
 from pipeline.runs.jobs.step_times import StepTimes
 from pipeline.runs.jobs.two_stage import SecondStage
+from pipeline.runs.store.run_record import RunRecord
 
 if TYPE_CHECKING:
     from pipeline.runs.jobs.fold_job import Trained
@@ -89,9 +90,11 @@ class HeadMode:
         return str(cfg.trainer.aggregation)
 
     def fit(self, cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
-            precision: str, callbacks: Sequence, scored: Sequence[str], times: StepTimes) -> FirstStage:
-        """The first stage: a Lightning fit selected on the validation subjects (`fit_fold`), the best checkpoint
-        re-validated (`val` in `scored`: for the threshold) and tested once (`test`)."""
+            precision: str, callbacks: Sequence, scored: Sequence[str], times: StepTimes,
+            record: RunRecord | None) -> FirstStage:
+        """The first stage: a Lightning fit selected on the validation subjects (`fit_fold`: it logs each epoch as it
+        ends), the best checkpoint re-validated (`val` in `scored`: for the threshold) and tested once (`test`).
+        `record`: where a fit that logs its epochs at its end gathers them (None: the active MLflow run)."""
         with times("fit"):
             fitted = fit_fold(cfg, module, datamodule, work_dir, precision, callbacks)
         stage = FirstStage(fitted.best_path, fitted.history, {"best_epoch": fitted.best_epoch,
@@ -123,7 +126,8 @@ class InMemoryProbe(FrameHead):
     name = "in_memory_probe"
 
     def fit(self, cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
-            precision: str, callbacks: Sequence, scored: Sequence[str], times: StepTimes) -> FirstStage:
+            precision: str, callbacks: Sequence, scored: Sequence[str], times: StepTimes,
+            record: RunRecord | None) -> FirstStage:
         if precision not in ("32", "32-true"):  # a head on float32 embeddings: nothing for a lower precision to speed
             raise ValueError(f"model.head.fit=in_memory trains in float32; trainer.precision resolved to {precision}")
         limits = {k: cfg.trainer[k] for k in ("limit_train_batches", "limit_val_batches") if cfg.trainer[k] is not None}
@@ -141,7 +145,7 @@ class InMemoryProbe(FrameHead):
         if "test" in scored:
             with times("test"):
                 stage.predictions, stage.evaluation = score_test(module, datamodule)
-        log_history(fitted.history)
+        log_history(fitted.history, record)
         return stage
 
     def keep(self, cfg: DictConfig, trained: Trained, path: Path, **extra) -> Path:
@@ -196,9 +200,13 @@ def kept_loader(cfg: DictConfig, datamodule: PainDataModule) -> dict:
     return loader
 
 
-def log_history(history: list[dict]) -> None:
-    """Every epoch's metrics on the active MLflow run in one request (step = epoch), as a Lightning fit logs them
-    epoch by epoch."""
+def log_history(history: list[dict], record: RunRecord | None) -> None:
+    """Every epoch's metrics (step = epoch), as a Lightning fit logs them epoch by epoch: gathered in `record`, or
+    without one on the active MLflow run in one request."""
+    if record is not None:
+        for row in history:
+            record.log_metrics({name: value for name, value in row.items() if name != "epoch"}, int(row["epoch"]))
+        return
     run = mlflow.active_run()
     if run is None or not history:
         return

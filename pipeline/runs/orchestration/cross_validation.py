@@ -45,7 +45,7 @@ from pipeline.models.cost import backbone_cost
 from pipeline.models.weights import WeightsSource, weights_provenance
 from pipeline.runs.jobs.fold_decisions import FoldDecisions, plan_decisions
 from pipeline.runs.jobs.fold_job import FoldJob, FoldResult, check_head
-from pipeline.runs.jobs.fold_run import result_from_run
+from pipeline.runs.jobs.fold_run import PARENT_TAGS_COPIED, result_from_run, run_seconds
 from pipeline.runs.jobs.sealing import retire_unreadable
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.orchestration.cv_summary import (
@@ -121,6 +121,7 @@ class Plan:
     done: list[tuple[int, int | None]] = field(default_factory=list)  # (fold, seed) with a finished child run
     finished: bool = False  # aggregated before: nothing to do
     seeds: list[int | None] = field(default_factory=lambda: [None])  # cv.seeds, or [None]: the config's seed
+    identity: dict[str, str] = field(default_factory=dict)  # the parent's identity tags (fold runs copy some)
 
     def pending(self, seed: int | None = None) -> list[int]:
         """The folds of `seed` without a finished child run."""
@@ -134,7 +135,8 @@ class Plan:
         folder = f"fold_{fold}" + (f"_seed_{seed}" if seed is not None else "")
         return FoldJob(OmegaConf.to_container(self.cfg, resolve=True), int(fold), self.parent_run_id,
                        tracking_uri or self.tracking_uri, str(self.work_dir / folder), self.decisions, seed,
-                       store_uri=tracking.redact_uri(self.tracking_uri))
+                       store_uri=tracking.redact_uri(self.tracking_uri), experiment_id=self.experiment_id,
+                       parent_tags={key: self.identity.get(key, "") for key in PARENT_TAGS_COPIED})
 
 
 @contextlib.contextmanager
@@ -192,7 +194,7 @@ def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
         PROJECT_ROOT)
     experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
     tags = cv_runs.identity_tags(cfg, fold_file, weights)  # the weights file hashed once, by plan_decisions()
-    plan = Plan(cfg, decisions, trains, fold_ids, task.classes, tracking_uri, experiment_id, "", Path())
+    plan = Plan(cfg, decisions, trains, fold_ids, task.classes, tracking_uri, experiment_id, "", Path(), identity=tags)
     parent = cv_runs.newest_cv(client, experiment_id, tags) if cfg.cv.resume == "auto" else None
     if parent is None and cfg.cv.resume == "auto":
         why = cv_runs.why_not_resumed(client, experiment_id, tags, cfg)
@@ -305,13 +307,15 @@ def log_exclusions(client: MlflowClient, run_id: str, frames_result, frames_per_
         client.log_artifacts(run_id, tmp, "data")
 
 
-def fold_line(result: FoldResult) -> str:
-    m = result.metrics
+def fold_line(done: FoldResult | Run) -> str:
+    """A finished fold's line: its test scores, epochs and time, from its result or its FINISHED run."""
+    m, seconds = (done.metrics, done.seconds) if isinstance(done, FoldResult) else (done.data.metrics,
+                                                                                   run_seconds(done))
     decided = (f"at threshold {m['test/threshold']:.3f}: acc {m['test/video_accuracy_at_threshold']:.3f} "
                f"bal-acc {m['test/video_balanced_accuracy_at_threshold']:.3f} | " if "test/threshold" in m else "")
     return (f"video AUROC {m['test/video_auroc']:.3f} | {decided}argmax acc {m['test/video_accuracy']:.3f} "
             f"bal-acc {m['test/video_balanced_accuracy']:.3f} | frame AUROC {m['test/frame_auroc']:.3f} | "
-            f"{result.epochs} epochs (best {result.best_epoch}) | {result.seconds:.0f} s")
+            f"{int(m['epochs_trained'])} epochs (best {int(m['best_epoch'])}) | {seconds:.0f} s")
 
 
 class Progress:
@@ -331,15 +335,16 @@ class Progress:
         print(f"[{self.finished}/{self.total} folds done] {text}", flush=True)
 
 
-def launch(plan: Plan, client: MlflowClient) -> launchers.LaunchOutcome:
-    """Run the pending folds of every seed, one seed after the other (the launchers know folds, not seeds)."""
+def launch(plan: Plan, client: MlflowClient, session: launchers.LaunchSession) -> launchers.LaunchOutcome:
+    """Run the pending folds of every seed, one seed after the other (the launchers know folds, not seeds), with
+    what `session` holds open for the command's launches (server, workers)."""
     report = Progress(plan)
     outcome = launchers.LaunchOutcome()
     for seed in plan.seeds:
         if not plan.pending(seed):
             continue
         report.seed = seed
-        part = launch_seed(plan, client, seed, report)
+        part = launch_seed(plan, client, seed, report, session)
         outcome.done += part.done
         outcome.failed.update({fold if seed is None else f"{fold} (seed {seed})": reason
                                for fold, reason in part.failed.items()})
@@ -348,22 +353,24 @@ def launch(plan: Plan, client: MlflowClient) -> launchers.LaunchOutcome:
     return outcome
 
 
-def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Progress) -> launchers.LaunchOutcome:
+def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Progress,
+                session: launchers.LaunchSession) -> launchers.LaunchOutcome:
     """Run one seed's pending folds on the configured launcher (SLURM jobs of an earlier `launcher.wait=false` run
-    that are still queued are followed, not submitted again)."""
+    that are still queued are followed, not submitted again), through `session`'s store and workers."""
     launcher = plan.cfg.launcher
     pending = plan.pending(seed)
 
-    def result_of(fold: int) -> FoldResult | None:  # a fold is done with its FINISHED child run
-        run = tracking.finished_fold_runs(client, plan.parent_run_id, seed).get(fold)
-        return result_from_run(client, run) if run is not None else None
+    def result_of(fold: int) -> Run | None:  # a fold is done with its FINISHED child run, whose scores are shown
+        runs = tracking.fold_runs(client, plan.parent_run_id, fold, seed, plan.experiment_id)
+        return next((run for run in runs if run.info.status == tracking.FINISHED), None)
 
-    if launcher.name != "slurm":  # where the jobs write: `launchers.job_store`, as for a search's workers
-        with launchers.job_store(launcher.name, plan.tracking_uri, client, plan.experiment_id) as (uri, credentials):
-            jobs = [plan.job(fold, uri, seed) for fold in pending]
-            if launcher.name == "local":
-                return launchers.launch_local(jobs, report)
-            return launchers.launch_parallel(jobs, launcher.jobs, report, result_of, credentials)
+    # where the jobs write: `launchers.job_store` (as for a search's workers), kept open for the command's next CV
+    uri, credentials = session.job_store(launcher.name, plan.tracking_uri, client, plan.experiment_id)
+    if launcher.name != "slurm":
+        jobs = [plan.job(fold, uri, seed) for fold in pending]
+        if launcher.name == "local":
+            return launchers.launch_local(jobs, report)
+        return launchers.launch_parallel(jobs, launcher.jobs, report, result_of, pool=session.workers(launcher.jobs))
     parent = client.get_run(plan.parent_run_id)
     jobs_tag = tracking.SLURM_JOBS_TAG + (f".seed_{seed}" if seed is not None else "")
     submitted = {int(k): v for k, v in json.loads(parent.data.tags.get(jobs_tag, "{}")).items()}
@@ -372,10 +379,9 @@ def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Prog
     to_submit = [fold for fold in pending if fold not in queued]
     if to_submit:
         name = f"painvit-{plan.cfg.model.name}-{plan.parent_run_id[:8]}"
-        with launchers.job_store(launcher.name, plan.tracking_uri, client, plan.experiment_id) as (_, credentials):
-            new = launchers.submit_slurm([plan.job(fold, seed=seed) for fold in to_submit], launcher,
-                                         plan.work_dir / "slurm", name + (f"-seed{seed}" if seed is not None else ""),
-                                         credentials)
+        new = launchers.submit_slurm([plan.job(fold, seed=seed) for fold in to_submit], launcher,
+                                     plan.work_dir / "slurm", name + (f"-seed{seed}" if seed is not None else ""),
+                                     credentials)
         submitted.update(new)
         queued.update(new)
         client.set_tag(plan.parent_run_id, jobs_tag, json.dumps({str(fold): job for fold, job in submitted.items()}))
@@ -385,8 +391,12 @@ def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Prog
     return launchers.wait_slurm(queued, report, result_of, launcher.poll_s)
 
 
-def run_cv(cfg: DictConfig) -> dict:
-    """Plan, launch the pending folds, aggregate; returns the aggregate metrics (empty if folds remain)."""
+def run_cv(cfg: DictConfig, session: launchers.LaunchSession | None = None) -> dict:
+    """Plan, launch the pending folds, aggregate; returns the aggregate metrics (empty if folds remain). `session`:
+    what the command's CVs share (`launchers.LaunchSession`: `make table`'s, `make power`'s), else this CV's own."""
+    if session is None:
+        with launchers.LaunchSession() as own:
+            return run_cv(cfg, own)
     tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
     launchers.check_launcher(cfg.launcher.name, tracking_uri)
     client = MlflowClient(tracking_uri)
@@ -411,7 +421,7 @@ def run_cv(cfg: DictConfig) -> dict:
         print(f"MLflow: {tracking.redact_uri(tracking_uri)} (experiment {cfg.mlflow.experiment}, parent run "
               f"{plan.parent_run_id}); `make ui` to review")
         try:
-            outcome = launch(plan, client) if len(plan.done) < len(plan.units) else launchers.LaunchOutcome()
+            outcome = launch(plan, client, session) if len(plan.done) < len(plan.units) else launchers.LaunchOutcome()
         except BaseException as error:
             if not is_unreachable(error):  # a store that does not answer cannot be told either
                 client.set_terminated(plan.parent_run_id, "KILLED")

@@ -274,7 +274,8 @@ def search(cfg: DictConfig, client: MlflowClient, plan: TunedPlan, space: Search
 def cross_validate(plan: TunedPlan, client: MlflowClient) -> dict:
     """The tuned CV: its folds launched with their chosen settings, then aggregated; folds that did not finish are
     an error that says to run the command again."""
-    outcome = launch(plan, client)
+    with launchers.LaunchSession() as session:
+        outcome = launch(plan, client, session)
     if outcome.failed or outcome.submitted:
         client.set_terminated(plan.parent_run_id, "FAILED" if outcome.failed else "RUNNING")
         unfinished = ", ".join(sorted(map(str, {**outcome.failed, **outcome.submitted})))
