@@ -118,6 +118,23 @@ OVERRIDES = $(call quote,data=$(DATA)) $(call quote,protocol=$(PROTOCOL)) $(call
 TABLE_OVERRIDES = $(call quote,data=$(DATA)) $(call quote,protocol=$(PROTOCOL)) $(ROOT_OVERRIDE) $(WEIGHTS_OVERRIDE) \
 	$(LAUNCH_OVERRIDES)
 TRACKING_URI = $(or $(MLFLOW_TRACKING_URI),sqlite:///$(CURDIR)/mlflow.db)
+# Each command's own options, one recipe line each (make echoes a recipe as written: a mistake's answer stays short)
+TABLE_OPTIONS = $(call quote,--models=$(MODEL)) $(call if_set,--tasks=,TASKS) \
+	$(if $(TUNED),$(call if_set,--tuned=,TUNED) $(call if_set,--trials=,TRIALS) $(call if_set,--scope=,SCOPE))
+PREDICT_OPTIONS = $(call quote,--video=$(VIDEO)) $(call if_set,--model_uri=,MODEL_URI) $(call if_set,--run=,RUN) \
+	$(call if_set,predict.fps=,FPS) $(call if_set,--out=,OUT) $(call if_set,--reference=,REFERENCE)
+SERVE_OPTIONS = $(call quote,serve.port=$(SERVE_PORT)) $(call if_set,--model_uri=,MODEL_URI) \
+	$(call if_set,--path_root=,SERVE_PATH_ROOT)
+EXPORT_OPTIONS = $(call if_set,--model_uri=,MODEL_URI) $(call if_set,--run=,RUN) $(call quote,--format=$(FORMAT)) \
+	$(call if_set,--out=,OUT)
+SERVER_OPTIONS = --host $(call quote,$(SERVER_HOST)) --port $(call quote,$(SERVER_PORT)) \
+	--artifacts $(call quote,$(SERVER_ARTIFACTS)) --auth $(call quote,$(SERVER_AUTH)) \
+	--auth-config $(call quote,$(SERVER_AUTH_CONFIG)) --default-permission $(call quote,$(SERVER_DEFAULT_PERMISSION)) \
+	$(if $(SERVER_WORKERS),--workers $(call quote,$(SERVER_WORKERS))) \
+	$(if $(SERVER_ADMIN_PASSWORD_FILE),--admin-password-file $(call quote,$(SERVER_ADMIN_PASSWORD_FILE))) \
+	$(if $(SERVER_ALLOWED_HOSTS),--allowed-hosts $(call quote,$(SERVER_ALLOWED_HOSTS))) \
+	$(if $(SERVER_CORS_ORIGINS),--cors-origins $(call quote,$(SERVER_CORS_ORIGINS))) \
+	$(if $(filter 1,$(SERVER_INSECURE)),--insecure)
 # The environment's programs, each path one quoted word
 QUOTED_PY = $(call quote,$(PY))
 QUOTED_BIN = $(call quote,$(VENV)/bin)
@@ -172,8 +189,7 @@ compare: install ## compare the backbones' latest CVs on DATA/PROTOCOL/TASK (TUN
 	$(QUOTED_PY) -m pipeline compare $(OVERRIDES) $(call if_set,--tuned=,TUNED)
 
 table: install ## BioVid benchmark table: MODEL="vit_b16 cvt_13" on BL1 vs PA1..PA4 and five classes, beside published rows
-	$(QUOTED_PY) -m pipeline table $(TABLE_OVERRIDES) $(call quote,--models=$(MODEL)) $(call if_set,--tasks=,TASKS) \
-		$(if $(TUNED),$(call if_set,--tuned=,TUNED) $(call if_set,--trials=,TRIALS) $(call if_set,--scope=,SCOPE))
+	$(QUOTED_PY) -m pipeline table $(TABLE_OVERRIDES) $(TABLE_OPTIONS)
 
 power: install ## error rates of make compare's test on BioVid-scale twins with a planted effect (EFFECT=null|temporal REPEATS=20)
 	$(QUOTED_PY) -m pipeline power $(OVERRIDES) $(call quote,power.effect=$(EFFECT)) $(call if_set,power.repeats=,REPEATS)
@@ -194,17 +210,13 @@ promote: install ## make VERSION of pain-MODEL-TASK the champion (what predict a
 	$(QUOTED_PY) -m pipeline promote $(OVERRIDES) $(call quote,--version=$(VERSION))
 
 predict: install ## pain timeline (CSV + PNG) of VIDEO (a file or a folder) with the champion, MODEL_URI= or RUN=; REFERENCE=
-	$(QUOTED_PY) -m pipeline predict $(OVERRIDES) $(call quote,--video=$(VIDEO)) $(call if_set,--model_uri=,MODEL_URI) \
-		$(call if_set,--run=,RUN) $(call if_set,predict.fps=,FPS) $(call if_set,--out=,OUT) \
-		$(call if_set,--reference=,REFERENCE)
+	$(QUOTED_PY) -m pipeline predict $(OVERRIDES) $(PREDICT_OPTIONS)
 
 serve: install ## REST scoring server for the champion (or MODEL_URI=) on http://127.0.0.1:$(SERVE_PORT)/invocations
-	$(QUOTED_PY) -m pipeline serve $(OVERRIDES) $(call quote,serve.port=$(SERVE_PORT)) \
-		$(call if_set,--model_uri=,MODEL_URI) $(call if_set,--path_root=,SERVE_PATH_ROOT)
+	$(QUOTED_PY) -m pipeline serve $(OVERRIDES) $(SERVE_OPTIONS)
 
 export: install ## the network of MODEL_URI= or RUN=<fold or final run> (default: the champion) as ONNX (FORMAT=onnx) into reports/export/
-	$(QUOTED_PY) -m pipeline export $(OVERRIDES) $(call if_set,--model_uri=,MODEL_URI) $(call if_set,--run=,RUN) \
-		$(call quote,--format=$(FORMAT)) $(call if_set,--out=,OUT)
+	$(QUOTED_PY) -m pipeline export $(OVERRIDES) $(EXPORT_OPTIONS)
 
 ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store, with a password made for it
 	$(QUOTED_PY) -m pipeline ui --port $(call quote,$(MLFLOW_PORT))
@@ -212,14 +224,7 @@ ui: install ## MLflow UI on http://127.0.0.1:$(MLFLOW_PORT) over the same store,
 server: export SERVER_STORE := $(SERVER_STORE)
 server: export SERVER_AUTH_DB := $(SERVER_AUTH_DB)
 server: install ## MLflow tracking server for fold jobs on other nodes; basic auth on every host, loopback too
-	$(QUOTED_PY) -m pipeline server --host $(call quote,$(SERVER_HOST)) --port $(call quote,$(SERVER_PORT)) \
-		--artifacts $(call quote,$(SERVER_ARTIFACTS)) --auth $(call quote,$(SERVER_AUTH)) \
-		--auth-config $(call quote,$(SERVER_AUTH_CONFIG)) --default-permission $(call quote,$(SERVER_DEFAULT_PERMISSION)) \
-		$(if $(SERVER_WORKERS),--workers $(call quote,$(SERVER_WORKERS))) \
-		$(if $(SERVER_ADMIN_PASSWORD_FILE),--admin-password-file $(call quote,$(SERVER_ADMIN_PASSWORD_FILE))) \
-		$(if $(SERVER_ALLOWED_HOSTS),--allowed-hosts $(call quote,$(SERVER_ALLOWED_HOSTS))) \
-		$(if $(SERVER_CORS_ORIGINS),--cors-origins $(call quote,$(SERVER_CORS_ORIGINS))) \
-		$(if $(filter 1,$(SERVER_INSECURE)),--insecure)
+	$(QUOTED_PY) -m pipeline server $(SERVER_OPTIONS)
 
 test: install ## run the test suite on two workers (the layers contract first: a wrong import fails in a second)
 	$(QUOTED_BIN)/lint-imports --no-logo

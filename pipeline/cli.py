@@ -43,14 +43,16 @@ from __future__ import annotations
 
 import shlex
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.utils.atomic_io import SettingsMismatch
-from pipeline.utils.config import load_config
-from pipeline.utils.logging_setup import setup_logging
+from pipeline.utils.config import CONFIG_DIR, load_config
+from pipeline.utils.config_checks import UsageError, check_required, unknown_model
+from pipeline.utils.logging_setup import is_verbose, setup_logging
 from pipeline.utils.permissions import StoreNotPrivate, private_umask, refuse_open_stores
 
 
@@ -219,6 +221,8 @@ TOOLS: dict[str, Callable[[list[str]], int]] = {"fold-job": _fold_job, "tune-wor
                                                 "job-worker": _job_worker,
                                                 "fold-files": _fold_files, "ui-url": _ui_url, "server": _server,
                                                 "ui": _ui}
+# commands that read the dataset's own files (BioVid's need BIOVID_ROOT=, data.root)
+DATASET_COMMANDS = ("data", "aug-preview", "cv", "embed", "tune", "final")
 # config groups a command adds to the defaults list: `make tune` has a `tune` section, `make pretrain` a `pretrain` one
 COMMAND_GROUPS: dict[str, tuple[str, ...]] = {"tune": ("tune=default",), "pretrain": ("pretrain=default",),
                                               "power": ("power=default",), "fidelity": ("fidelity=default",)}
@@ -268,7 +272,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command in ("table", "power"):  # each CV it runs composes its own config from the same overrides
         options["overrides"] = overrides
     setup_logging()
+    try:
+        check_required(command, options)  # make predict without VIDEO: said before anything heavy is imported
+        return run_command(command, overrides, options)
+    except UsageError as error:  # a mistake on the command line: its one line (VERBOSE=1: the traceback too)
+        if is_verbose():
+            traceback.print_exception(error)
+        print(f"{command}: {error}", file=sys.stderr)
+        return 2
+
+
+def run_command(command: str, overrides: list[str], options: dict[str, Any]) -> int:
+    """Compose and check the config, refuse stores others can open, run the command; its exit status."""
     cfg = load_config(overrides, groups=COMMAND_GROUPS.get(command, ()))
+    check_model(cfg)
     if command != "config":  # a store others can read or write: refused before anything is read or written
         from pipeline.runs.store.tracking import store_paths
 
@@ -277,6 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except StoreNotPrivate as error:
             print(f"{command}: error: {error}", file=sys.stderr)
             return 2
+    if command in DATASET_COMMANDS:
+        from pipeline.data.prepare import dataset_root
+
+        dataset_root(cfg)  # BioVid without BIOVID_ROOT: said before anything is imported or announced
     from pipeline.runs.store.unreachable import EXIT_UNREACHABLE, bound_retries, is_unreachable, unreachable_line
     from pipeline.utils.accelerator import GpuUnavailable  # here, not on top: `ui-url` must not import torch
 
@@ -303,3 +324,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(unreachable_line(uri, f"make {command}"), file=sys.stderr)
         return EXIT_UNREACHABLE
     return 0
+
+
+def check_model(cfg: DictConfig) -> None:
+    """MODEL= names a configs/model file or a backbone timm (or this project) builds; a UsageError otherwise, with
+    the nearest names. The backbones are imported only for a name without a file (torch and timm take seconds)."""
+    if OmegaConf.is_missing(cfg.model, "name"):
+        raise UsageError("model=timm needs a timm model's name: MODEL=<name> through make (e.g. MODEL=resnet18), or "
+                         "model=timm model.name=<name>")
+    name = str(cfg.model.name)
+    if (CONFIG_DIR / "model" / f"{name}.yaml").is_file():
+        return
+    from pipeline.models.backbones import backbone_names, is_backbone
+
+    if not is_backbone(name):
+        raise unknown_model(name, CONFIG_DIR, backbone_names())

@@ -16,6 +16,11 @@ It prints each evaluation, the shares found, and the LOSO curve with five classe
 PRESETS["biovid87"] (pipeline/data/synthetic/settings.py) by hand, and `make fidelity DATA=synthetic87` checks them.
 
     .venv/bin/python scripts/calibrate_twin.py [--proxy-folds 5] [--steps 7] [--loso-rounds 2] [key=value ...]
+    .venv/bin/python scripts/calibrate_twin.py --check --seeds 0 1000 1001 --noise-scales 0.5 1 2
+
+`--check` searches nothing: it prints the committed preset's binary curve on the stand-in folds for other draws of
+the twin (`--seeds`: make power's twins start at 1000) and other tracker errors (`--noise-scales` times the
+configured sds): how much the calibration depends on the draw and on the assumed tracker.
 
 Key=value overrides compose the config as `make fidelity` does (data=synthetic87 is the default here), e.g.
 `data.synthetic.seed=1` to calibrate on another draw of the twin.
@@ -66,16 +71,35 @@ def bisect(config: SyntheticConfig, settings, task: str, level: int, target: flo
     return (low + high) / 2, max(float(slope), 5.0)
 
 
+def check(config: SyntheticConfig, settings, folds: int, seeds: list[int], scales: list[float]) -> None:
+    """The binary curve of the preset on `folds` grouped folds, per twin seed and tracker-error scale."""
+    print(f"{'seed':>6}{'noise x':>9}" + "".join(f"{task:>12}" for task in BINARY_TASKS), flush=True)
+    for seed in seeds:
+        traces = clip_traces(dataclasses.replace(config, seed=seed))
+        for scale in scales:
+            noise = dataclasses.replace(settings.noise, sd=tuple(scale * sd for sd in settings.noise.sd))
+            curve = reference_accuracies(traces, dataclasses.replace(settings, noise=noise), BINARY_TASKS, folds,
+                                         progress=False)
+            print(f"{seed:>6}{scale:>9g}" + "".join(f"{curve[task].mean():>12.1f}" for task in BINARY_TASKS),
+                  flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--proxy-folds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--loso-rounds", type=int, default=2)
     parser.add_argument("--tolerance", type=float, default=0.5, help="LOSO points from the target that end a task")
+    parser.add_argument("--check", action="store_true", help="no search: the preset's curve per seed and noise")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--noise-scales", type=float, nargs="+", default=[1.0])
     arguments, overrides = parser.parse_known_args()
     setup_logging()
     cfg = load_config(["data=synthetic87", *overrides], groups=("fidelity=default",))
     config, settings = synthetic_config(cfg.data.synthetic), reference_settings(cfg.fidelity.reference)
+    if arguments.check:
+        check(config, settings, arguments.proxy_folds, arguments.seeds, arguments.noise_scales)
+        return
     targets = published_targets(read_literature(), str(cfg.fidelity.published_method), cfg.fidelity.tasks)
     started = time.time()
     slopes = {}

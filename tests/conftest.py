@@ -79,6 +79,7 @@ LONG_FIRST = (
     "tests/test_cv.py::test_the_three_default_cvs_then_compare_need_no_args",
     "tests/test_model_trust.py::test_mlflow_models_serve_of_a_model_with_a_code_path_does_not_start",
     "tests/test_results_table.py::test_table_has_five_task_rows_and_the_published_ones_apart",
+    "tests/test_fidelity.py::test_the_calibrated_twin_keeps_the_published_curve",
 )
 
 

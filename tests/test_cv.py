@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
@@ -25,6 +26,8 @@ from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import load_model_file
 from pipeline.runs.jobs.fold_job import plan_decisions, train_fold
 from pipeline.runs.orchestration.cross_validation import identity_lock, plan_cv, run_cv
+from pipeline.runs.orchestration.cv_summary import HEADLINE_METRICS
+from pipeline.runs.store import tracking
 from pipeline.runs.store.cv_runs import run_key
 from pipeline.runs.store.environment import FREEZE_ARTIFACT
 from pipeline.runs.store.tracking import get_or_create_experiment
@@ -90,6 +93,12 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
         assert f"cv/video_{name}_mean" in parent.data.metrics
     assert "mixes the 2 fold models" in tags["calibration_note"] and "mean over folds" in tags["calibration_note"]
     assert parent.data.metrics["data/subjects_tested"] == pooled.subject_name.nunique()
+    # the headline figures under short names, equal to the long ones, and the experiment's view shows them as columns
+    assert {name: parent.data.metrics[name] for name in HEADLINE_METRICS} == {
+        name: float(f"{parent.data.metrics[key]:.4g}") for name, key in HEADLINE_METRICS.items()}
+    view = json.loads(json.loads(client.get_experiment(parent.info.experiment_id).tags[
+        tracking.SHARED_VIEW_TAG_PREFIX + tracking.HEADLINE_VIEW])["state"])
+    assert view["selectedColumns"] == [tracking.DURATION_COLUMN, *(f"metrics.`{name}`" for name in HEADLINE_METRICS)]
     assert parent.data.metrics["data/videos_tested"] == len(pooled)
     assert parent.data.metrics["pooled/video_accuracy_argmax"] == pytest.approx((pooled.pred == pooled.label).mean())
     lost = pd.read_csv(client.download_artifacts(parent.info.run_id, "data/exclusions_per_class.csv"))
@@ -408,6 +417,12 @@ def test_the_three_default_cvs_then_compare_need_no_args(tiny_config, tmp_path: 
     assert set(result["parent_run_ids"]) == {"vit_b16", "cvt_13", "mobilevit_s"}
     assert result["differences"] == [] and all(result["complete"].values())
     assert "compared although" not in capsys.readouterr().out
+    # the comparison reads in the UI: its description holds the pairs' table, its metrics each pair's figures
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result["run_id"])
+    assert "| pair (a - b) | metric | difference [95 % CI] |" in run.data.tags[tracking.NOTE_TAG]
+    for row in result["subjects_paired"][result["subjects_paired"]["primary"]].itertuples():
+        assert run.data.metrics[f"{row.model_a}-{row.model_b}/diff"] == float(f"{row.mean_diff:.4g}")
+        assert run.data.metrics[f"{row.model_a}-{row.model_b}/p_holm"] == float(f"{row.p_holm:.4g}")
 
 
 def test_a_finished_fold_whose_artifacts_are_gone_is_trained_again(tiny_config, tmp_path: Path, capsys) -> None:

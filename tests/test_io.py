@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline.utils.atomic_io import atomic_path, atomic_write_csv, atomic_write_text
+from pipeline.utils.atomic_io import atomic_path, atomic_paths, atomic_write_csv, atomic_write_text, flush_files
 
 
 def test_atomic_files_get_the_mode_a_plain_write_gets(tmp_path: Path) -> None:
@@ -36,6 +36,27 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> 
             raise RuntimeError("killed")
     assert target.read_text() == "old\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["table.csv"]
+
+
+def test_several_files_are_replaced_together_or_not_at_all(tmp_path: Path) -> None:
+    """`atomic_paths` (a video's crops, a twin's video and its regions): every file written, then all renamed at
+    once, each with a plain write's mode; a failure leaves every old file and no temporary one."""
+    targets = [tmp_path / "a.jpg", tmp_path / "sub" / "b.jpg", tmp_path / "c.csv"]
+    targets[0].write_text("old a")
+    with atomic_paths(targets) as temporaries:
+        assert [t.suffix for t in temporaries] == [".jpg", ".jpg", ".csv"]  # encoders choose the format by it
+        for index, temporary in enumerate(temporaries):
+            temporary.write_text(f"new {index}")
+        assert targets[0].read_text() == "old a" and not targets[1].exists()  # nothing replaced before the end
+    assert [t.read_text() for t in targets] == ["new 0", "new 1", "new 2"]
+    assert stat.S_IMODE(targets[1].stat().st_mode) == stat.S_IMODE(targets[0].stat().st_mode)
+    with pytest.raises(RuntimeError):
+        with atomic_paths(targets) as temporaries:
+            temporaries[0].write_text("half")
+            raise RuntimeError("killed")
+    assert [t.read_text() for t in targets] == ["new 0", "new 1", "new 2"]
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["a.jpg", "b.jpg", "c.csv"]
+    flush_files(targets, folders=[tmp_path])  # one syncfs on Linux, else an fsync of each
 
 
 def test_a_replaced_file_keeps_its_mode_and_a_private_file_stays_private(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -145,4 +146,42 @@ def test_ui_url_answers_without_mlflow(store) -> None:
                              capture_output=True, text=True, timeout=60)
     assert printed.returncode == 0, printed.stderr
     assert f"http://127.0.0.1:5123/#/experiments/{experiment_id}/runs?workflowType=machine_learning" in printed.stdout
+    assert "mlflow not imported" in printed.stdout
+
+
+def test_the_headline_view_is_a_saved_view_that_make_ui_opens(store) -> None:
+    """`set_headline_view` writes the UI's saved view (name, state with the columns in order and wide enough for their
+    headers), only when it changes, and grows it on `add`; `ui-url` then prints the runs address on that view and,
+    once the comparisons' experiment exists, its address too, still without importing mlflow."""
+    client = store["client"]
+    cv = tracking.get_or_create_experiment("view-cv", store["artifacts"], client=client)
+    assert not tracking.has_headline_view(store["uri"], cv)
+    columns = [tracking.DURATION_COLUMN, tracking.metric_column("video_auroc"), tracking.metric_column("accuracy")]
+    tracking.set_headline_view(client, cv, columns)
+    key = tracking.SHARED_VIEW_TAG_PREFIX + tracking.HEADLINE_VIEW
+    written = client.get_experiment(cv).tags[key]
+    envelope = json.loads(written)
+    state = json.loads(envelope["state"])
+    assert envelope["name"] == tracking.HEADLINE_VIEW_NAME and envelope["createdAt"] <= envelope["updatedAt"]
+    assert state["selectedColumns"] == columns and state["columnOrder"] == [tracking.RUN_NAME_COLUMN, *columns]
+    assert state["columnWidths"]["metrics.`video_auroc`"] >= 7 * len("video_auroc")
+    tracking.set_headline_view(client, cv, columns)
+    assert client.get_experiment(cv).tags[key] == written  # unchanged: not written again
+    tracking.set_headline_view(client, cv, [tracking.metric_column("a-b/diff")], add=True)
+    grown = json.loads(json.loads(client.get_experiment(cv).tags[key])["state"])["selectedColumns"]
+    assert grown == [*columns, "metrics.`a-b/diff`"]
+    assert tracking.has_headline_view(store["uri"], cv)
+
+    comparisons = tracking.get_or_create_experiment(tracking.comparisons_experiment("view-cv"), store["artifacts"],
+                                                    client=client)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store["uri"]}
+    probe = "import sys; from pipeline.cli import main; main(sys.argv[1:]); " \
+            "print('mlflow imported' if {'mlflow', 'torch'} & set(sys.modules) else 'mlflow not imported')"
+    printed = subprocess.run([sys.executable, "-c", probe, "ui-url", "--port", "5123", "--experiment", "view-cv"],
+                             cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0, printed.stderr
+    assert (f"http://127.0.0.1:5123/#/experiments/{cv}/runs?workflowType=machine_learning&viewStateShareKey=headline"
+            in printed.stdout)
+    assert (f"Comparisons (make compare): http://127.0.0.1:5123/#/experiments/{comparisons}/runs?workflowType="
+            f"machine_learning\n" in printed.stdout)  # no view there yet: no key that the UI would not find
     assert "mlflow not imported" in printed.stdout

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import pandas as pd
 from mlflow import MlflowClient
-from mlflow.entities import Run, RunStatus
+from mlflow.entities import Run
 
+from pipeline.analysis.comparison_record import log_comparison
 from pipeline.analysis.comparison_report import (
     common_line,
     correction_family,
@@ -133,7 +134,8 @@ def compare(dataset: str, protocol: str, task: str, out_dir: Path, tracking_uri:
     a graded task's mean absolute error over levels).
 
     Writes `comparison_<dataset>_<protocol>_<task>[_<subject_set>]` `.csv` (summary), `_paired.csv`, `_folds.csv`
-    and `_<metric>.png` into `out_dir`, and logs them as an MLflow run tagged `painvit.run_kind=comparison`.
+    and `_<metric>.png` into `out_dir`, and logs them as an MLflow run tagged `painvit.run_kind=comparison` in the
+    comparisons' experiment beside `experiment` (`comparison_record.log_comparison`: its name, description, metrics).
     The tracking URI defaults to `pipeline.runs.store.tracking.tracking_uri(<project root>)`.
     """
     metrics = list(metrics)
@@ -164,11 +166,11 @@ def compare(dataset: str, protocol: str, task: str, out_dir: Path, tracking_uri:
         plot_fold_scores(scores, metric, plot_path)
     costs = costs_of(runs, summary, task, metrics, subjects, files)
     tags = comparison_tags(runs, dataset, protocol, task, subject_set, subject_paired, complete, differences, common)
-    run_id = log_comparison_run(client, found.experiment_id, runs, files, plots, tags)
-    return {"summary": summary, "paired": paired, "folds": scores, "subjects": subjects,
-            "subjects_paired": subject_paired, "paths": {**files.paths, "plots": plots}, "run_id": run_id,
-            "parent_run_ids": {model: run.info.run_id for model, run in runs.items()}, "complete": complete,
-            "differences": differences, "cost": costs, "calibration": calibration, "common_videos": common}
+    result = {"summary": summary, "paired": paired, "folds": scores, "subjects": subjects,
+              "subjects_paired": subject_paired, "paths": {**files.paths, "plots": plots},
+              "parent_run_ids": {model: run.info.run_id for model, run in runs.items()}, "complete": complete,
+              "differences": differences, "cost": costs, "calibration": calibration, "common_videos": common}
+    return {**result, "run_id": log_comparison(client, found, runs, result, tags)}
 
 
 def compared_videos(client: MlflowClient, runs: Mapping[str, Run], differences: Sequence[str],
@@ -257,28 +259,6 @@ def comparison_tags(runs: Mapping[str, Run], dataset: str, protocol: str, task: 
     if common is not None:
         tags["paired_on"] = common_line(common)[:5000]
     return tags
-
-
-def log_comparison_run(client: MlflowClient, experiment_id: str, runs: Mapping[str, Run], files: ComparisonFiles,
-                       plots: Mapping[str, Path], tags: Mapping[str, str]) -> str:
-    """The comparison's MLflow run: its tags, the compared CVs as params, every file written as an artifact;
-    FINISHED, or FAILED when logging fails. Returns its id."""
-    run_id = client.create_run(experiment_id, tags=dict(tags), run_name=files.stem).info.run_id
-    try:
-        params = {key: tags[key] for key in ("dataset", "protocol", "task")}
-        params.update({"models": ",".join(runs),
-                       **{f"parent_run_id.{_safe_name(model)}": run.info.run_id for model, run in runs.items()}})
-        if "subject_set" in tags:
-            params["subject_set"] = tags["subject_set"]
-        for key, value in params.items():
-            client.log_param(run_id, key, value)
-        for artifact in [*files.paths.values(), *plots.values()]:
-            client.log_artifact(run_id, str(artifact), artifact_path="comparison")
-    except BaseException:
-        client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FAILED))
-        raise
-    client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FINISHED))
-    return run_id
 
 
 def run_compare(cfg, tuned: str | None = None) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from pipeline.evaluation.reference_method import (
     subject_accuracies,
     tracked,
 )
+from pipeline.evaluation.statistics import CONFIDENCE
 from pipeline.utils.atomic_io import atomic_write_text, save_png
 from pipeline.utils.paths import resolve_path
 
@@ -104,14 +105,14 @@ def published_targets(literature: pd.DataFrame, method: str, tasks: Sequence[str
     return targets
 
 
-def mean_interval(values: np.ndarray, resamples: int, seed: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Percentile interval of the mean of `values` (one per person) over people drawn with replacement."""
-    result = stats.bootstrap((values,), np.mean, n_resamples=resamples, confidence_level=confidence,
+def mean_interval(values: np.ndarray, resamples: int, seed: int) -> tuple[float, float]:
+    """95 % percentile interval of the mean of `values` (one per person) over people drawn with replacement."""
+    result = stats.bootstrap((values,), np.mean, n_resamples=resamples, confidence_level=CONFIDENCE,
                              method="percentile", rng=np.random.default_rng(seed))
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
-def fidelity_rows(accuracies: dict[str, np.ndarray], targets: dict[str, dict], bands: DictConfig | dict,
+def fidelity_rows(accuracies: dict[str, np.ndarray], targets: dict[str, dict], bands: Mapping[str, float],
                   resamples: int, seed: int) -> dict[str, dict]:
     """Per task: published, twin (mean over people), its interval, band, whether within it, and the source."""
     rows = {}
@@ -140,7 +141,10 @@ def plot_curves(rows: dict[str, dict], path: Path, title: str) -> None:
         x = np.arange(len(tasks))
         published = np.array([rows[t]["published"] for t in tasks])
         bands = np.array([rows[t]["band"] for t in tasks])
-        axis.fill_between(x, published - bands, published + bands, color="tab:grey", alpha=0.25, label="band")
+        if len(tasks) > 1:
+            axis.fill_between(x, published - bands, published + bands, color="tab:grey", alpha=0.25, label="band")
+        else:
+            axis.bar(x, 2 * bands, bottom=published - bands, width=0.5, color="tab:grey", alpha=0.25)
         axis.plot(x, published, "s--", color="tab:grey", label="published (BioVid)")
         twin = np.array([rows[t]["twin"] for t in tasks])
         error = np.array([[rows[n]["twin"] - rows[n]["low"] for n in tasks],
@@ -169,8 +173,8 @@ def run_fidelity(cfg: DictConfig) -> dict:
     print(f"fidelity: {cfg.data.name}, {config.n_subjects} people x 5 classes x {config.samples_per_class} clips; "
           f"reference: {section.published_method}, LOSO", flush=True)
     accuracies = reference_accuracies(clip_traces(config), settings, tasks)
-    rows = fidelity_rows(accuracies, targets, section.bands, int(section.bootstrap.resamples),
-                         int(section.bootstrap.seed))
+    rows = fidelity_rows(accuracies, targets, {task: float(band) for task, band in section.bands.items()},
+                         int(section.bootstrap.resamples), int(section.bootstrap.seed))
     rising = is_rising(rows)
     passed = rising and all(row["within_band"] for row in rows.values())
     report = {"data": cfg.data.name, "passed": passed, "rising": rising, "tasks": rows,

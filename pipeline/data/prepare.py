@@ -25,6 +25,7 @@ from pipeline.data.fold_files import (
     subject_strata,
     write_folds,
 )
+from pipeline.utils.config_checks import UsageError
 from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
 def dataset_root(cfg: DictConfig) -> Path:
     root = cfg.data.root
     if root is None:
-        raise SystemExit("data.root is not set: for BioVid run `make data DATA=biovid BIOVID_ROOT=/path/to/PartA` "
-                         "(the folder holding starting_point/samples.csv and video/)")
+        raise UsageError(f"BIOVID_ROOT is not set: DATA={cfg.data.name} reads its videos from the folder that holds "
+                         "starting_point/samples.csv and video/, e.g. BIOVID_ROOT=/data/BioVid/PartA (data.root=)")
     return resolve_path(root)
 
 

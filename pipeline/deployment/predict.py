@@ -52,6 +52,7 @@ from pipeline.runs.store import tracking
 from pipeline.runs.store.registry import champion_uri
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_write_csv, save_png
+from pipeline.utils.config_checks import check_required
 from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
@@ -339,8 +340,7 @@ def run_predict(cfg: DictConfig, video: str | None = None, model_uri: str | None
                 out: str | None = None, reference: str | None = None) -> pd.DataFrame:
     """`make predict VIDEO=... [MODEL_URI=... | RUN=...] [FPS=5] [REFERENCE=<folder>]`: REFERENCE= is the person's
     own recordings, which a personalised model needs (`pipeline.deployment.reference`)."""
-    if not video:
-        raise SystemExit("predict: say which video, e.g. make predict VIDEO=path/to/clip.mp4 (or a folder)")
+    check_required("predict", {"video": video})
     announce_device(cfg.predict.device)  # where the network and the detector run, said first
     started = time.perf_counter()
     video_path = Path(video).expanduser().resolve()

@@ -348,6 +348,16 @@ def _resolve_backbone_weights(name: str, pretrained: bool | str, weights: str | 
     return resolve_weights(pretrained, weights, model_name=name, hub_repo=hub_repo, hub_filenames=hub_filenames)
 
 
+def is_backbone(name: str) -> bool:
+    """Whether `create_backbone` builds `name`: one of this project's names or a timm model (a pretrained tag too)."""
+    return name in CVT_VARIANTS or name in VIT_REF_VARIANTS or name in TIMM_ARCHITECTURES or timm.is_model(name)
+
+
+def backbone_names() -> list[str]:
+    """Every name `create_backbone` builds, without pretrained tags: this project's and timm's."""
+    return [*BACKBONE_NAMES, *VIT_REF_VARIANTS, *timm.list_models()]
+
+
 def _timm_architecture(name: str) -> str:
     if name in TIMM_ARCHITECTURES:
         return TIMM_ARCHITECTURES[name]

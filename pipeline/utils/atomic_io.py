@@ -1,15 +1,19 @@
 """Atomic file writes: a killed run leaves either the old file or the complete new one, never half of one.
 
 The new file's data is flushed to disk (fsync) before the rename, and the folder after it, so a node that loses power
-also keeps the old file or the complete new one (`durable=False` skips both, for scratch files)."""
+also keeps the old file or the complete new one (`durable=False` skips both, for scratch files). `atomic_paths` writes
+several files with the same guarantee for the price of about one: their data flushed in one flush of the filesystem
+before any of them is renamed, the renames in a second (a video's crops: 2 flushes instead of 16 fsyncs)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -68,6 +72,60 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None, mode: int | 
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def atomic_paths(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
+    """Temporary paths beside `paths` (each as `atomic_path` names it); once all are written, their data is flushed,
+    then all are renamed onto `paths` and the renames flushed: each file is the old one or the complete new one,
+    also after a power loss. On error every temporary file is removed and no path is replaced."""
+    targets = [Path(path) for path in paths]
+    temporaries: list[Path] = []
+    try:
+        for path in targets:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+            os.close(fd)
+            temporaries.append(Path(name))
+        yield temporaries
+        for tmp, path in zip(temporaries, targets, strict=True):
+            with contextlib.suppress(OSError):
+                os.chmod(tmp, _file_mode(path))
+        flush_files(temporaries)
+        for tmp, path in zip(temporaries, targets, strict=True):
+            os.replace(tmp, path)
+        flush_files([], folders=sorted({path.parent for path in targets}))
+    except BaseException:
+        for tmp in temporaries:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+@functools.cache
+def _syncfs():
+    """libc's syncfs(2) (Linux), or None where the C library has none."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (AttributeError, OSError):
+        return None
+
+
+def flush_files(files: Sequence[Path], folders: Sequence[Path] = ()) -> None:
+    """Flush written files' data and folders' entries to the disk: one syncfs(2) of their filesystem where the OS has
+    it (one flush for all of them), else an fsync of each file and folder."""
+    anchor = next(iter([*files, *folders]), None)
+    syncfs = _syncfs()
+    if anchor is not None and syncfs is not None:
+        fd = os.open(anchor, os.O_RDONLY)
+        try:
+            if syncfs(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    for path in files:
+        fsync_file(path)
+    for folder in folders:
+        fsync_folder(folder)
 
 
 def fsync_file(path: Path) -> None:

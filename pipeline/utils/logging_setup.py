@@ -8,13 +8,18 @@ import sys
 import warnings
 
 
+def is_verbose() -> bool:
+    """VERBOSE=1 (any value but empty or 0): every library's messages, and a mistake's traceback beside its line."""
+    return os.environ.get("VERBOSE", "") not in ("", "0")
+
+
 def setup_logging(verbose: bool | None = None) -> None:
     """What a person sees: the pipeline's own lines, its warnings about the run, progress bars and results.
 
     Quiet by default: other libraries' info lines (Lightning's tips and device banners) and warnings (deprecations
     inside dependencies) are hidden. VERBOSE=1 (`make cv VERBOSE=1`) brings everything back.
     """
-    verbose = os.environ.get("VERBOSE", "") not in ("", "0") if verbose is None else verbose
+    verbose = is_verbose() if verbose is None else verbose
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
     if verbose:

@@ -22,19 +22,23 @@ from pipeline.data.synthetic.settings import (
     SUBJECTS_CSV,
     SyntheticConfig,
 )
-from pipeline.data.synthetic.videos import face_regions, regions_path, video_is_complete, write_video
+from pipeline.data.synthetic.videos import encode_video, face_regions, regions_path, remove_stale, video_is_complete
 from pipeline.data.tasks import CLASS_NAMES
-from pipeline.utils.atomic_io import SettingsMismatch, atomic_write_csv, atomic_write_text
+from pipeline.utils.atomic_io import SettingsMismatch, atomic_paths, atomic_write_text
 from pipeline.utils.cpus import available_cpus, process_pool
 
 
 def _write_video_job(job: tuple[Path, Path, SyntheticConfig, Subject, Sample, bool]) -> str:
-    """Write a sample's regions table, and its video unless `video_done`."""
+    """Write a sample's regions table, and its video unless `video_done`: atomically, both in one flush."""
     video, regions, config, subject, sample, video_done = job
-    if not video_done:
-        write_video(video, config, subject, sample)
-    if not regions.is_file():
-        atomic_write_csv(regions, face_regions(config, subject, sample))
+    paths = [*([] if video_done else [video]), *([] if regions.is_file() else [regions])]
+    remove_stale(video)
+    with atomic_paths(paths) as temporaries:
+        for path, temporary in zip(paths, temporaries, strict=True):
+            if path == video:
+                encode_video(temporary, config, subject, sample)
+            else:
+                face_regions(config, subject, sample).to_csv(temporary, index=False)
     return sample.sample_name
 
 

@@ -107,12 +107,28 @@ class Shapes:
 def yawed(points: np.ndarray, yaw: float, aspect: float) -> np.ndarray:
     """Face-local points as seen with the head turned by `yaw` about its vertical axis: each point's depth on a head
     ellipsoid (the nose standing out) moves it sideways, and the face narrows by cos(yaw)."""
+    out = points.copy()
+    out[:, 0] = points[:, 0] * math.cos(yaw) + head_depth(points, aspect) * math.sin(yaw)
+    return out
+
+
+def yawed_frames(points: np.ndarray, yaws: np.ndarray, aspect: float) -> np.ndarray:
+    """`yawed(points, yaw)` for each of `yaws` at once (yaws x points x 2), the points as they are where a yaw is 0:
+    the same arithmetic, value for value."""
+    frames = np.repeat(points[None], len(yaws), axis=0)
+    turned = np.flatnonzero(yaws)
+    cos = np.array([math.cos(yaws[index]) for index in turned])[:, None]
+    sin = np.array([math.sin(yaws[index]) for index in turned])[:, None]
+    frames[turned, :, 0] = points[:, 0] * cos + head_depth(points, aspect) * sin
+    return frames
+
+
+def head_depth(points: np.ndarray, aspect: float) -> np.ndarray:
+    """How far each face-local point stands out of the face plane: on a head ellipsoid, the nose more."""
     u, v = points[:, 0], points[:, 1]
     depth = 0.75 * np.sqrt(np.clip(1.0 - u**2 - (v / aspect) ** 2, 0.0, None))
     depth += 0.3 * np.exp(-((u / 0.14) ** 2) - ((v - 0.35) / 0.25) ** 2)  # the nose
-    out = points.copy()
-    out[:, 0] = u * math.cos(yaw) + depth * math.sin(yaw)
-    return out
+    return depth
 
 
 def face_transform(subject: Subject, width: int, height: int, pose: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

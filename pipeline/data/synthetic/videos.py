@@ -13,7 +13,7 @@ import pandas as pd
 
 from pipeline.data.synthetic.animation import animate
 from pipeline.data.synthetic.classic_renderer import FaceRenderer
-from pipeline.data.synthetic.drawing import face_transform, yawed
+from pipeline.data.synthetic.drawing import face_transform, yawed_frames
 from pipeline.data.synthetic.hard_renderer import HardFaceRenderer
 from pipeline.data.synthetic.roster import Sample, Subject
 from pipeline.data.synthetic.settings import REGIONS_DIR, VIDEO_STREAM, SyntheticConfig, seeded_rng
@@ -59,19 +59,28 @@ def video_is_complete(path: Path, config: SyntheticConfig) -> bool:
 
 def write_video(path: Path, config: SyntheticConfig, subject: Subject, sample: Sample) -> None:
     """Render and encode one video atomically (a temp .mp4 beside it, renamed when complete)."""
-    for stale in path.parent.glob(f".{path.stem}.*{path.suffix}"):  # left by a killed run
-        stale.unlink(missing_ok=True)
+    remove_stale(path)
     with atomic_path(path) as tmp:
-        writer = cv2.VideoWriter(
-            str(tmp), cv2.VideoWriter.fourcc(*config.fourcc), config.fps, (config.width, config.height)
-        )
-        if not writer.isOpened():
-            raise RuntimeError(f"OpenCV cannot write {config.fourcc} video to {tmp}")
-        try:
-            for frame in render_frames(config, subject, sample):
-                writer.write(frame)
-        finally:
-            writer.release()
+        encode_video(tmp, config, subject, sample)
+
+
+def remove_stale(path: Path) -> None:
+    """Delete the temporary files a killed run left beside `path`."""
+    for stale in path.parent.glob(f".{path.stem}.*{path.suffix}"):
+        stale.unlink(missing_ok=True)
+
+
+def encode_video(path: Path, config: SyntheticConfig, subject: Subject, sample: Sample) -> None:
+    """Render one video and encode it into `path` (as it is: the caller makes it atomic)."""
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter.fourcc(*config.fourcc), config.fps,
+                             (config.width, config.height))
+    if not writer.isOpened():
+        raise RuntimeError(f"OpenCV cannot write {config.fourcc} video to {path}")
+    try:
+        for frame in render_frames(config, subject, sample):
+            writer.write(frame)
+    finally:
+        writer.release()
 
 
 def _region_outlines(subject: Subject) -> dict[str, np.ndarray]:
@@ -101,19 +110,20 @@ def face_regions(config: SyntheticConfig, subject: Subject, sample: Sample) -> p
     width, height = canvas_size(config)
     upscale = np.array([config.width / width, config.height / height])
     outlines = _region_outlines(subject)
-    rows = []
-    for index in range(config.n_frames):
-        linear, offset = face_transform(subject, width, height, pose[index])
-        row: dict[str, float] = {"frame_index": index, "time_s": round(index / config.fps, 4)}
-        row |= dict(zip(("au4", "au6_7", "au9_10", "au43"), np.round(action_units[index], 4).tolist(), strict=True))
-        row |= {"roll_deg": round(math.degrees(pose[index, 2]), 3), "yaw_deg": round(math.degrees(pose[index, 4]), 3)}
-        for name, outline in outlines.items():
-            local = yawed(outline, float(pose[index, 4]), subject.face_aspect) if pose[index, 4] else outline
-            pixels = (local @ linear.T + offset + 0.5) * upscale - 0.5  # canvas -> video pixels (resize's centres)
-            (x0, y0), (x1, y1) = pixels.min(0), pixels.max(0)
-            row |= {f"{name}_x0": x0, f"{name}_y0": y0, f"{name}_x1": x1, f"{name}_y1": y1}
-        rows.append(row)
-    return pd.DataFrame(rows).round(2)
+    table: dict[str, object] = {"frame_index": np.arange(config.n_frames),
+                                "time_s": [round(index / config.fps, 4) for index in range(config.n_frames)]}
+    table |= dict(zip(("au4", "au6_7", "au9_10", "au43"), np.round(action_units, 4).T, strict=True))
+    table |= {name: [round(math.degrees(angle), 3) for angle in pose[:, column]]
+              for name, column in (("roll_deg", 2), ("yaw_deg", 4))}
+    transforms = [face_transform(subject, width, height, frame_pose) for frame_pose in pose]
+    linear = np.stack([matrix for matrix, _ in transforms])
+    offset = np.stack([shift for _, shift in transforms])[:, None, :]
+    for name, outline in outlines.items():
+        local = yawed_frames(outline, pose[:, 4], subject.face_aspect)
+        pixels = (local @ linear.transpose(0, 2, 1) + offset + 0.5) * upscale - 0.5  # canvas -> video pixels
+        low, high = pixels.min(1), pixels.max(1)
+        table |= {f"{name}_x0": low[:, 0], f"{name}_y0": low[:, 1], f"{name}_x1": high[:, 0], f"{name}_y1": high[:, 1]}
+    return pd.DataFrame(table).round(2)
 
 
 def regions_path(root: Path, subject_name: str, sample_name: str) -> Path:

@@ -35,6 +35,20 @@ REPORTED = ("auroc", "accuracy", "balanced_accuracy", "f1")
 AT_THRESHOLD = ("accuracy_at_threshold", "balanced_accuracy_at_threshold", "sensitivity_at_threshold",
                 "specificity_at_threshold")
 HEADLINE = "pooled/video_accuracy_at_threshold"  # the number to set beside the BioVid literature
+# A CV's headline figures under short, stable names (logged beside the long ones they copy): the runs table's columns
+# in the experiment's headline view (`tracking.set_headline_view`, the address `make ui` prints). Name -> summary key.
+HEADLINE_METRICS = {
+    "video_auroc": "cv/video_auroc_mean",  # mean over folds, each fold's test subjects
+    "video_auroc_sd": "cv/video_auroc_std",
+    "accuracy": HEADLINE,  # every test video called at its fold's validation threshold, pooled
+    "accuracy_ci_low": f"{HEADLINE}_ci95_low",  # its 95 % subject-bootstrap interval
+    "accuracy_ci_high": f"{HEADLINE}_ci95_high",
+    "balanced_accuracy": "pooled/video_balanced_accuracy_at_threshold",
+    "balanced_accuracy_ci_low": "pooled/video_balanced_accuracy_at_threshold_ci95_low",
+    "balanced_accuracy_ci_high": "pooled/video_balanced_accuracy_at_threshold_ci95_high",
+    "within_subject_auroc": "pooled/within_subject_video_auroc",  # mean over subjects of one person's AUROC
+    "subjects": "data/subjects_tested",
+}
 
 
 def calibration_line(summary: dict[str, float], n_models: int) -> str:
@@ -103,10 +117,14 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     summary.update(tested_counts(videos, fold_file, sorted({r.fold for r in results})))
     levels = graded_cv(results, class_names) if graded else None  # a graded task's MAE, kappa, ... pooled, per fold
     summary.update(levels[1] if levels else {})
+    # the headline copies with four significant digits, as the runs table shows them (the long names keep every one)
+    summary.update({name: float(f"{summary[key]:.4g}") for name, key in HEADLINE_METRICS.items() if key in summary})
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
     for chunk in cv_runs.chunks(metrics, 500):
         client.log_batch(run_id, metrics=chunk)
+    tracking.set_headline_view(client, client.get_run(run_id).info.experiment_id,
+                               [tracking.DURATION_COLUMN, *map(tracking.metric_column, HEADLINE_METRICS)])
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

@@ -24,12 +24,11 @@ from pipeline.runs.store.tracking import (
     DEFAULT_EXPERIMENT,
     artifact_folder,
     artifact_root,
-    find_experiment_id,
     open_store,
     redact_uri,
     sqlite_file,
     tracking_uri,
-    ui_url,
+    ui_urls,
 )
 from pipeline.runs.store.tracking_server import (
     ADMIN_PASSWORD_ENV,
@@ -157,14 +156,17 @@ def ui_main(argv: Sequence[str] | None = None) -> int:
     except StoreNotPrivate as error:
         print(f"ui: {error}", file=sys.stderr)
         return 2
-    url = ui_url("127.0.0.1", args.port, find_experiment_id(store, args.experiment))
+    url, *comparisons = ui_urls(store, "127.0.0.1", args.port, args.experiment)
     try:
         with tracking_server(store, artifact_root(PROJECT_ROOT), port=args.port, default_permission="READ") as served:
             secret = served.folder / "password"
             with atomic_path(secret, mode=0o600) as tmp:
                 tmp.write_text(served.admin[1] + "\n")
-            print(f"MLflow UI over {redact_uri(store)}: {url}\nlog in as `{served.admin[0]}` with the password in "
-                  f"{secret} (readable by you alone; it goes when the UI stops). Stop with Ctrl+C.", flush=True)
+            print(f"MLflow UI over {redact_uri(store)}: {url}", flush=True)
+            for address in comparisons:
+                print(f"comparisons (make compare): {address}")
+            print(f"log in as `{served.admin[0]}` with the password in {secret} (readable by you alone; it goes when "
+                  f"the UI stops). Stop with Ctrl+C.", flush=True)
             while served.running():
                 time.sleep(1)
             print("ui: the MLflow server stopped", file=sys.stderr)

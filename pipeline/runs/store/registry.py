@@ -57,7 +57,7 @@ def describe_run(client, run_id: str, title: str, table: pd.DataFrame | None = N
     parts = [f"### {title}", *lines]
     if table is not None:
         parts.append(markdown_table(table))
-    client.set_tag(run_id, "mlflow.note.content", "\n\n".join(parts))
+    client.set_tag(run_id, tracking.NOTE_TAG, "\n\n".join(parts))
 
 
 def subjects_dataset(subjects: pd.DataFrame, name: str):
