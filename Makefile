@@ -98,13 +98,10 @@ if_set = $(if $($(2)),$(call quote,$(1)$($(2))))
 # A path made absolute (a fold job on another node does not share this folder): make's abspath for a path without
 # whitespace (abspath splits at whitespace); a relative path with whitespace gets $(CURDIR)/ in front.
 absolute = $(if $(word 2,x$(1)x),$(if $(filter ^/%,$(firstword ^$(1))),$(1),$(CURDIR)/$(1)),$(abspath $(1)))
-# Whether $(1) and $(2) are the same text (each holds the other; make's filter reads a % as a pattern).
-same = $(and $(findstring $(1),$(2)),$(findstring $(2),$(1)))
 
-# A backbone without its own file in configs/model/ is any timm model name.
-MODEL_FILES := $(wildcard configs/model/*.yaml)
-MODEL_HAS_FILE = $(strip $(foreach model_file,$(MODEL_FILES),$(call same,$(model_file),configs/model/$(MODEL).yaml)))
-MODEL_OVERRIDE = $(if $(MODEL_HAS_FILE),$(call quote,model=$(MODEL)),'model=timm' $(call quote,model.name=$(MODEL)))
+# A backbone without its own file in configs/model/ is any timm model name: the command decides which
+# (pipeline/utils/config.backbone_choice).
+MODEL_OVERRIDE = $(call quote,model=$(MODEL))
 ROOT_OVERRIDE = $(if $(BIOVID_ROOT),$(call quote,data.root=$(call absolute,$(BIOVID_ROOT))))
 # ARGS= holds key=value words as a shell writes them (ARGS="a=1 b='x y'"): it reaches the command as one argument,
 # --args=..., which the command splits as a shell would (shlex), running nothing in it.

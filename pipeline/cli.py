@@ -44,7 +44,7 @@ from __future__ import annotations
 import shlex
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -55,111 +55,118 @@ from pipeline.utils.config_checks import UsageError, check_required, unknown_mod
 from pipeline.utils.logging_setup import is_verbose, setup_logging
 from pipeline.utils.permissions import StoreNotPrivate, private_umask, refuse_open_stores
 
+Command = Callable[..., Any]  # a command: the composed config and its --name=value options
 
-def _data(cfg: DictConfig, **options) -> None:
+
+def _data() -> Command:
     from pipeline.data.prepare import run_data
 
-    run_data(cfg, **options)
+    return run_data
 
 
-def _aug_preview(cfg: DictConfig, **options) -> None:
+def _aug_preview() -> Command:
     from pipeline.analysis.aug_preview import run_aug_preview
 
-    run_aug_preview(cfg, **options)
+    return run_aug_preview
 
 
-def _cv(cfg: DictConfig, **options) -> None:
+def _cv() -> Command:
     from pipeline.runs.orchestration.cross_validation import run_cv
 
-    run_cv(cfg, **options)
+    return run_cv
 
 
-def _embed(cfg: DictConfig, **options) -> None:
+def _embed() -> Command:
     from pipeline.runs.jobs.embed import run_embed
 
-    run_embed(cfg)
+    return run_embed
 
 
-def _pretrain(cfg: DictConfig, **options) -> None:
+def _pretrain() -> Command:
     from pipeline.runs.jobs.pretrain import run_pretrain
 
-    run_pretrain(cfg)
+    return run_pretrain
 
 
-def _tune(cfg: DictConfig, **options) -> None:
+def _tune() -> Command:
     from pipeline.runs.orchestration.tuning import run_tune
 
-    run_tune(cfg, **options)
+    return run_tune
 
 
-def _compare(cfg: DictConfig, **options) -> None:
+def _compare() -> Command:
     from pipeline.analysis.compare import run_compare
 
-    run_compare(cfg, **options)
+    return run_compare
 
 
-def _inspect(cfg: DictConfig, **options) -> None:
+def _inspect() -> Command:
     from pipeline.analysis.inspection import run_inspect
 
-    run_inspect(cfg, **options)
+    return run_inspect
 
 
-def _calc(cfg: DictConfig, **options) -> None:
+def _calc() -> Command:
     from pipeline.analysis.calculator import run_calc
 
-    run_calc(cfg, **options)
+    return run_calc
 
 
-def _table(cfg: DictConfig, **options) -> None:
+def _table() -> Command:
     from pipeline.analysis.results_table import run_table
 
-    run_table(cfg, **options)
+    return run_table
 
 
-def _power(cfg: DictConfig, **options) -> None:
+def _power() -> Command:
     from pipeline.analysis.power import run_power
 
-    run_power(cfg, **options)
+    return run_power
 
 
-def _fidelity(cfg: DictConfig, **options) -> None:
+def _fidelity() -> Command:
     from pipeline.analysis.fidelity import run_fidelity
 
-    run_fidelity(cfg)
+    return run_fidelity
 
 
-def _final(cfg: DictConfig, **options) -> None:
+def _final() -> Command:
     from pipeline.deployment.final_model import run_final
 
-    run_final(cfg, **options)
+    return run_final
 
 
-def _promote(cfg: DictConfig, **options) -> None:
+def _promote() -> Command:
     from pipeline.runs.store.registry import run_promote
 
-    run_promote(cfg, **options)
+    return run_promote
 
 
-def _predict(cfg: DictConfig, **options) -> None:
+def _predict() -> Command:
     from pipeline.deployment.predict import run_predict
 
-    run_predict(cfg, **options)
+    return run_predict
 
 
-def _serve(cfg: DictConfig, **options) -> None:
+def _serve() -> Command:
     from pipeline.deployment.serving import run_serve
 
-    run_serve(cfg, **options)
+    return run_serve
 
 
-def _export(cfg: DictConfig, **options) -> None:
+def _export() -> Command:
     from pipeline.deployment.export import run_export
 
-    run_export(cfg, **options)
+    return run_export
 
 
-def _print_config(cfg: DictConfig, **options) -> None:
+def print_config(cfg: DictConfig) -> None:
+    """`python -m pipeline config`: the composed config, as every command sees it."""
     print(OmegaConf.to_yaml(cfg))
+
+
+def _print_config() -> Command:
+    return print_config
 
 
 def _fold_job(argv: list[str]) -> int:
@@ -169,9 +176,9 @@ def _fold_job(argv: list[str]) -> int:
 
 
 def _tune_worker(argv: list[str]) -> int:
-    from pipeline.runs.orchestration.search_workers import worker_main
+    from pipeline.runs.orchestration.search_workers import tune_worker_main
 
-    return worker_main(argv)
+    return tune_worker_main(argv)
 
 
 def _job_worker(argv: list[str]) -> int:
@@ -199,14 +206,15 @@ def _ui(argv: list[str]) -> int:
 
 
 def _ui_url(argv: list[str]) -> int:
-    from pipeline.runs.store.tracking import main
+    from pipeline.runs.store.ui_pages import main
 
     main(argv)
     return 0
 
 
-# commands over the composed config (key=value overrides, --name=value options)
-COMMANDS: dict[str, Callable[..., None]] = {
+# commands over the composed config (key=value overrides, --name=value options): each entry imports its command
+# when it runs (so that `--help` and `ui-url` answer at once) and returns it; the command takes the config
+COMMANDS: dict[str, Callable[[], Command]] = {
     "data": _data, "aug-preview": _aug_preview, "cv": _cv, "embed": _embed, "pretrain": _pretrain, "tune": _tune,
     "compare": _compare,
     "inspect": _inspect, "calc": _calc, "table": _table, "power": _power, "fidelity": _fidelity,
@@ -285,25 +293,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_command(command: str, overrides: list[str], options: dict[str, Any]) -> int:
     """Compose and check the config, refuse stores others can open, run the command; its exit status."""
     cfg = load_config(overrides, groups=COMMAND_GROUPS.get(command, ()))
-    check_model(cfg)
+    check_model(cfg.model)
     if command != "config":  # a store others can read or write: refused before anything is read or written
-        from pipeline.runs.store.tracking import store_paths
+        from pipeline.runs.store.tracking import STORE_SETTINGS, store_paths
 
         try:
-            refuse_open_stores(store_paths(cfg))
+            refuse_open_stores(store_paths({key: OmegaConf.select(cfg, key) for key in STORE_SETTINGS}))
         except StoreNotPrivate as error:
             print(f"{command}: error: {error}", file=sys.stderr)
             return 2
     if command in DATASET_COMMANDS:
         from pipeline.data.prepare import dataset_root
 
-        dataset_root(cfg)  # BioVid without BIOVID_ROOT: said before anything is imported or announced
+        dataset_root(cfg.data.name, cfg.data.root)  # BioVid without BIOVID_ROOT: said before anything heavy is imported
     from pipeline.runs.store.unreachable import EXIT_UNREACHABLE, bound_retries, is_unreachable, unreachable_line
     from pipeline.utils.accelerator import GpuUnavailable  # here, not on top: `ui-url` must not import torch
 
     bound_retries(cfg.mlflow.retry_s)  # a tracking server that went away: retried this long, then one line
     try:
-        COMMANDS[command](cfg, **options)
+        COMMANDS[command]()(cfg, **options)
     except KeyboardInterrupt:
         print(f"\ninterrupted: `make {command}` with the same settings continues where this one stopped",
               file=sys.stderr)
@@ -326,16 +334,19 @@ def run_command(command: str, overrides: list[str], options: dict[str, Any]) -> 
     return 0
 
 
-def check_model(cfg: DictConfig) -> None:
-    """MODEL= names a configs/model file or a backbone timm (or this project) builds; a UsageError otherwise, with
-    the nearest names. The backbones are imported only for a name without a file (torch and timm take seconds)."""
-    if OmegaConf.is_missing(cfg.model, "name"):
+def check_model(model: Mapping[str, Any]) -> None:
+    """The `model` group's name (MODEL=) names a configs/model file or a backbone timm (or this project) builds; a
+    UsageError otherwise, with the nearest names. The backbones are imported only for a name without a file (torch
+    and timm take seconds)."""
+    if OmegaConf.is_missing(model, "name"):
         raise UsageError("model=timm needs a timm model's name: MODEL=<name> through make (e.g. MODEL=resnet18), or "
                          "model=timm model.name=<name>")
-    name = str(cfg.model.name)
+    name = str(model["name"])
     if (CONFIG_DIR / "model" / f"{name}.yaml").is_file():
         return
+    import timm
+
     from pipeline.models.backbones import backbone_names, is_backbone
 
     if not is_backbone(name):
-        raise unknown_model(name, CONFIG_DIR, backbone_names())
+        raise unknown_model(name, CONFIG_DIR, [*backbone_names(), *timm.list_models()])

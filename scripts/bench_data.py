@@ -74,7 +74,10 @@ from pipeline.analysis.throughput import (
 )
 from pipeline.data.datamodule import PainDataModule
 from pipeline.data.face_crops import PreprocessConfig
+from pipeline.data.prepare import DataSettings
 from pipeline.data.tasks import CLASS_NAMES
+from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.store import tracking
 from pipeline.utils.accelerator import announce_device_or_exit
 from pipeline.utils.atomic_io import atomic_path
 from pipeline.utils.cpus import available_cpus
@@ -237,11 +240,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     models = [args.train_model] if args.train_model else None
     cfg = load_configs(args.overrides, models, ["mobilevit_xxs" if args.quick else "mobilevit_s"])[0]
     training = announce_device_or_exit(cfg.trainer.accelerator)  # an unusable GPU: an error
-    preprocess_config, workers = preprocess_settings(cfg)
+    preprocess_config, workers = preprocess_settings(DataSettings.from_config(cfg))
     torch.set_num_threads(args.threads)
     progress = not args.no_progress
     report: dict[str, Any] = {
-        "environment": {**environment(), **training.tags},
+        "environment": {**environment(), **tracking.training_device_tags(training)},
         "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
     }
     report["settings"].update(torch_threads=torch.get_num_threads(), preprocess=dataclasses.asdict(preprocess_config),
@@ -330,15 +333,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         preset = "default" if "default" in processed_by_preset else args.presets[0]
         source, source_kind = processed_by_preset[preset], f"subset:{preset}"
-    dataset = loader_dataset(source, args.work_dir / "loader", cfg.loader.batch_size * args.loader_batches, cfg)
+    recipe = TrainingSettings.from_config(cfg)  # what `make cv` trains, read once
+    dataset = loader_dataset(source, args.work_dir / "loader", cfg.loader.batch_size * args.loader_batches, recipe)
     report["loader_dataset"] = {
         "kind": source_kind,
         **{k: v for k, v in dataset.items() if k not in ("processed_dir", "fold_file")},
     }
-    module, datamodule = build(cfg, dataset)
-    settings = training_settings(cfg, module, datamodule)
+    module, datamodule = build(recipe, dataset)
+    settings = training_settings(recipe, module, datamodule)
     loader = bench_loader(datamodule, args.passes, progress)
-    training = bare_training_throughput(cfg, module, settings["batch_size"], steps=args.train_steps,
+    training = bare_training_throughput(recipe, module, settings["batch_size"], steps=args.train_steps,
                                         warmup_steps=args.train_warmup, progress=progress,
                                         desc=f"{cfg.model.name} training")
     report["loader"] = {

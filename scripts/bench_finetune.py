@@ -19,10 +19,14 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 
+from pipeline.data.datamodule import SubjectRoles
 from pipeline.models.factory import create_model
 from pipeline.models.finetune import FinetuneConfig, parameter_counts, strategy_for
 from pipeline.runs.jobs.embed import run_embed
-from pipeline.runs.jobs.fold_job import build_fold, plan_decisions
+from pipeline.runs.jobs.fold_decisions import plan_decisions
+from pipeline.runs.jobs.fold_job import build_fold
+from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import resolve_path
@@ -40,7 +44,10 @@ class EpochTimer(pl.Callback):
 
 
 def epoch_seconds(cfg, epochs: int) -> list[float]:
-    module, datamodule, _ = build_fold(cfg, 0, plan_decisions(cfg, resolve_path(cfg.fold_file)))
+    training = TrainingSettings.from_config(cfg)
+    built = build_fold(training, WhatTrains.of(training).check(), SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
+                       plan_decisions(training, resolve_path(cfg.fold_file)))
+    module, datamodule = built.module, built.datamodule
     timer = EpochTimer()
     trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -59,7 +66,7 @@ def main() -> None:
     cfg = load_config([f"model={args.model}", "model.finetune=lora"])
     with torch.device("meta"):
         net, _ = create_model(args.model, img_size=224)
-    strategy_for(FinetuneConfig.from_config(cfg)).prepare(net)
+    strategy_for(FinetuneConfig.from_config(cfg.model, cfg.cache)).prepare(net)
     counts = parameter_counts(net)
     result["lora_r8_224px"] = {**counts, "trainable_share_of_backbone":
                                counts["backbone_parameters_trainable"] / counts["backbone_parameters"]}

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.runs.store import tracking
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import PROJECT_ROOT, resolve_path
 
@@ -67,7 +68,7 @@ def save_model(name: str, folder: Path, head: str = "linear") -> tuple[Path, int
     net, source = create_model(name, n_classes=2, pretrained=False, img_size=cfg.model.img_size, head=config)
     extra = {"head": OmegaConf.to_container(cfg.model.head)} if config.temporal else {}
     meta = model_meta(net, model_name=name, img_size=cfg.model.img_size, class_names=["BL1", "PA4"],
-                      task="bl1_vs_pa4", loader=dict(cfg.loader), weights=source.as_tags(), **extra)
+                      task="bl1_vs_pa4", loader=dict(cfg.loader), weights=tracking.weights_tags(source), **extra)
     weights = save_model_file(net, meta, folder / f"{name}.pt")
     path = folder / f"model_{name}"
     mlflow.pyfunc.save_model(str(path), python_model=str(CODE_FILE), artifacts={WEIGHTS_ARTIFACT: str(weights)},
@@ -76,10 +77,12 @@ def save_model(name: str, folder: Path, head: str = "linear") -> tuple[Path, int
 
 
 def per_frame(model_dir: Path, clip: Path, fps: float) -> dict[str, float]:
-    from pipeline.deployment.predict import load_scorer, score_video
+    from pipeline.deployment.predict import ScorerSource, find_scorer, score_video
     from pipeline.utils.config import load_config as compose
 
-    scorer, _ = load_scorer(compose([]), model_uri=str(model_dir))
+    cfg = compose([])
+    scorer, _ = find_scorer(ScorerSource.of(cfg.mlflow.tracking_uri, cfg.model.name, cfg.task.name, cfg.predict),
+                            model_uri=str(model_dir))
     score_video(scorer, clip, fps)  # warm-up: first calls allocate
     scorer.timings.__init__()
     result = score_video(scorer, clip, fps)

@@ -90,18 +90,19 @@ def draw_cost(base: Path, rounds: int = 5, items: int = 200) -> dict[str, float]
     import numpy as np
     import torch
 
-    from pipeline.data.datamodule import LoaderConfig, PainDataModule
-    from pipeline.data.prepare import fold_file_path
+    from pipeline.data.datamodule import LoaderConfig, PainDataModule, SubjectRoles
     from pipeline.data.tasks import get_task
     from pipeline.models.backbones import create_backbone
     from pipeline.utils.config import load_config
+    from pipeline.utils.paths import resolve_path
     from pipeline.utils.seeds import derived_seed
 
     cfg = load_config(tiny_overrides(base, *SETTINGS, "augment=heavy"))
     backbone, _ = create_backbone(cfg.model.name, img_size=cfg.model.img_size)
     from omegaconf import OmegaConf
 
-    datamodule = PainDataModule(Path(cfg.data.processed_dir), fold_file_path(cfg), 0, get_task(cfg.task.name),
+    datamodule = PainDataModule(Path(cfg.data.processed_dir), SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
+                                get_task(cfg.task.name),
                                 backbone.data_config, OmegaConf.to_container(cfg.augment),
                                 LoaderConfig.from_config(cfg.loader, num_workers=0), seed=cfg.seed)
     datamodule.setup()

@@ -74,8 +74,11 @@ from pipeline.analysis.throughput import (
     write_report,
 )
 from pipeline.data.datamodule import PainDataModule
+from pipeline.data.prepare import DataSettings
 from pipeline.models.finetune import FinetuneConfig, parameter_counts
 from pipeline.models.lightning_module import PainLightningModule
+from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.store import tracking
 from pipeline.utils.accelerator import announce_device_or_exit
 from pipeline.utils.cpus import available_cpus
 from pipeline.utils.paths import resolve_path
@@ -138,7 +141,7 @@ def lightning_throughput(
         enable_progress_bar=not args.no_progress,
         accelerator=cfg.trainer.accelerator,
         devices=1,
-        precision=precision(cfg),
+        precision=precision(TrainingSettings.from_config(cfg)),
         gradient_clip_val=cfg.trainer.gradient_clip_val,
         deterministic=cfg.trainer.deterministic,
         callbacks=[timer],
@@ -156,11 +159,12 @@ def lightning_throughput(
 def bench_model(cfg: DictConfig, source: Path, args: argparse.Namespace) -> dict[str, Any]:
     """(a), (b) and (c) for one backbone."""
     name = cfg.model.name
+    recipe = TrainingSettings.from_config(cfg)  # what `make cv` trains, read once
     # One epoch covers warm-up and timed steps, so no epoch restart (worker refill) falls inside the timing.
     min_images = cfg.loader.batch_size * (args.warmup_steps + args.steps + 1)
-    dataset = loader_dataset(source, args.work_dir / "train_loader" / name, min_images, cfg)
-    module, datamodule = build(cfg, dataset)
-    settings = training_settings(cfg, module, datamodule)
+    dataset = loader_dataset(source, args.work_dir / "train_loader" / name, min_images, recipe)
+    module, datamodule = build(recipe, dataset)
+    settings = training_settings(recipe, module, datamodule)
     torch.set_num_threads(args.threads or max(1, available_cpus() - settings["num_workers"]))
     print(f"\n{name}: {settings['img_size']} px, batch {settings['batch_size']}, {settings['precision']}, "
           f"{settings['num_workers']} loader worker(s), {torch.get_num_threads()} torch thread(s); "
@@ -171,8 +175,8 @@ def bench_model(cfg: DictConfig, source: Path, args: argparse.Namespace) -> dict
     peak_mb = peak()
     del module, datamodule
     print(f"{name}: bare PyTorch loop ...", flush=True)
-    module, _ = build(cfg, dataset)  # a fresh model and optimizer
-    bare = bare_training_throughput(cfg, module, settings["batch_size"], steps=args.steps,
+    module, _ = build(recipe, dataset)  # a fresh model and optimizer
+    bare = bare_training_throughput(recipe, module, settings["batch_size"], steps=args.steps,
                                     warmup_steps=args.warmup_steps, progress=not args.no_progress, desc=f"{name} bare")
     return {
         "lightning_images_per_s": real,
@@ -196,7 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     training = announce_device_or_exit(configs[0].trainer.accelerator)  # an unusable GPU: an error
     device = compute_device()
     report: dict[str, Any] = {
-        "environment": {**environment(), **training.tags},
+        "environment": {**environment(), **tracking.training_device_tags(training)},
         "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
     }
     report["settings"]["device"] = device.type
@@ -209,7 +213,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         source, kind = processed, "project"
     else:
         subset_dir = args.work_dir / f"subset_{args.preset}_{args.subjects}x{args.samples_per_class}"
-        source = prepared_subset(subset_dir, args.preset, args.subjects, args.samples_per_class, configs[0],
+        source = prepared_subset(subset_dir, args.preset, args.subjects, args.samples_per_class,
+                                 DataSettings.from_config(configs[0]),
                                  progress=not args.no_progress)
         kind = f"subset:{args.preset}"
     report["data"] = {"kind": kind, "source": str(source)}
@@ -245,13 +250,15 @@ def with_finetune(cfg: DictConfig, strategy: str) -> DictConfig:
     cfg.model.finetune = strategy
     if strategy == "frozen":
         cfg.cache.embeddings = False
-    FinetuneConfig.from_config(cfg)  # an unknown strategy fails here, before any data is made
+    FinetuneConfig.from_config(cfg.model, cfg.cache)  # an unknown strategy fails here, before any data is made
     return cfg
 
 
 def bench_key(cfg: DictConfig, args: argparse.Namespace) -> str:
     """The report's key: the backbone, and its strategy's label when strategies were asked for."""
-    return f"{cfg.model.name} {FinetuneConfig.from_config(cfg).label}" if args.finetune else cfg.model.name
+    if not args.finetune:
+        return cfg.model.name
+    return f"{cfg.model.name} {FinetuneConfig.from_config(cfg.model, cfg.cache).label}"
 
 
 def plot(report: Mapping[str, Any], path: Path) -> Path:

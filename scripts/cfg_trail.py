@@ -30,12 +30,12 @@ def trail(work: Path, variant: str) -> list[tuple[str, str]]:
     """(file, function) of every call with a config argument, in order."""
     from omegaconf import DictConfig
 
-    from pipeline.data.prepare import prepare_data
+    from pipeline.data.prepare import DataSettings, prepare_data
     from pipeline.runs.orchestration.cross_validation import run_cv
     from pipeline.utils.config import load_config
     from tests.conftest import tiny_overrides
 
-    prepare_data(load_config(tiny_overrides(work)), progress=False)
+    prepare_data(DataSettings.from_config(load_config(tiny_overrides(work))), progress=False)
     cfg = load_config(tiny_overrides(work, *FAST, *VARIANTS[variant], "trainer.folds=[0]", "trainer.max_epochs=1"))
     calls: list[tuple[str, str]] = []
 

@@ -58,12 +58,12 @@ def fold_metrics(client, experiment_id: str, prefix: str = "") -> dict[str, dict
 def measure(work: Path, variant: str, final: bool, tune: bool) -> dict[str, dict[str, float]]:
     from mlflow import MlflowClient
 
-    from pipeline.data.prepare import prepare_data
+    from pipeline.data.prepare import DataSettings, prepare_data
     from pipeline.runs.orchestration.cross_validation import run_cv
     from pipeline.utils.config import load_config
     from tests.conftest import tiny_overrides
 
-    prepare_data(load_config(tiny_overrides(work)), progress=False)
+    prepare_data(DataSettings.from_config(load_config(tiny_overrides(work))), progress=False)
     cfg = load_config(tiny_overrides(work, *FAST, *VARIANTS[variant]))
     run_cv(cfg)
     client = MlflowClient(cfg.mlflow.tracking_uri)

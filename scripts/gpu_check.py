@@ -251,14 +251,17 @@ def device_step(device: str, out: Path) -> None:
     """The `device` step, in its own process: the device line, the GPU's facts, and what `auto` picks per backbone."""
     import torch
 
+    from pipeline.models.backbone_adapter import family_traits
     from pipeline.models.backbones import model_family
+    from pipeline.runs.store import tracking
     from pipeline.utils.accelerator import training_device
     from pipeline.utils.config import load_config
     from pipeline.utils.devices import device_settings
 
     training = training_device("gpu" if device == "cuda" else "cpu")
     print(training.line, flush=True)
-    facts: dict[str, Any] = {"line": training.line, **training.tags, "torch": torch.__version__}
+    facts: dict[str, Any] = {"line": training.line, **tracking.training_device_tags(training),
+                             "torch": torch.__version__}
     if device == "cuda":
         properties = torch.cuda.get_device_properties(0)
         facts |= {"memory_gib": round(properties.total_memory / 2**30, 1),
@@ -268,8 +271,8 @@ def device_step(device: str, out: Path) -> None:
     for name in BACKBONES:
         cfg = load_config([f"model={name}"])
         settings = device_settings(str(cfg.trainer.precision), cfg.trainer.channels_last,
-                                   model_family(name, cfg.model.img_size), device)
-        facts["backbones"][name] = {"img_size": cfg.model.img_size, **settings.tags()}
+                                   family_traits(model_family(name, cfg.model.img_size)), device)
+        facts["backbones"][name] = {"img_size": cfg.model.img_size, **tracking.device_settings_tags(settings)}
         print(f"{name}: {settings.line}", flush=True)
     (out / "device.json").write_text(json.dumps(facts, indent=2) + "\n")
 
@@ -296,13 +299,14 @@ def save_random_model(path: Path, tiny: bool) -> Path:
     from pipeline.models.factory import create_model
     from pipeline.models.model_file import model_meta, save_model_file
     from pipeline.runs.serving.mlflow_model import CODE_FILE, WEIGHTS_ARTIFACT, model_config, signature
+    from pipeline.runs.store import tracking
     from pipeline.utils.config import load_config
 
     cfg = load_config(list(TINY_MODEL) if tiny else ["model=mobilevit_s"])
     torch.manual_seed(0)
     net, source = create_model(cfg.model.name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
     meta = model_meta(net, model_name=cfg.model.name, img_size=cfg.model.img_size, class_names=["BL1", "PA4"],
-                      task="bl1_vs_pa4", loader=dict(cfg.loader), weights=source.as_tags())
+                      task="bl1_vs_pa4", loader=dict(cfg.loader), weights=tracking.weights_tags(source))
     path.parent.mkdir(parents=True, exist_ok=True)
     weights = save_model_file(net, meta, path.parent / f"{path.name}.pt")
     mlflow.pyfunc.save_model(str(path), python_model=str(CODE_FILE), artifacts={WEIGHTS_ARTIFACT: str(weights)},

@@ -67,6 +67,7 @@ def make_champion(folder: Path, task: str) -> str:
     from pipeline.models.factory import create_model
     from pipeline.models.model_file import model_meta, save_model_file
     from pipeline.runs.serving.mlflow_model import log_mlflow_model, model_config
+    from pipeline.runs.store import tracking
     from pipeline.runs.store.registry import CHAMPION, registered_name
 
     uri = f"sqlite:///{folder / 'mlflow.db'}"
@@ -75,7 +76,7 @@ def make_champion(folder: Path, task: str) -> str:
     net, source = create_model(MODEL, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
     class_names = ["BL1", "PA4"]
     meta = model_meta(net, model_name=MODEL, img_size=cfg.model.img_size, class_names=class_names,
-                      task=cfg.task.name, loader=dict(cfg.loader), weights=source.as_tags())
+                      task=cfg.task.name, loader=dict(cfg.loader), weights=tracking.weights_tags(source))
     weights = save_model_file(net, meta, folder / f"{MODEL}.pt")
     mlflow.set_tracking_uri(uri)
     experiment = mlflow.create_experiment("load", artifact_location=str(folder / "artifacts"))
@@ -102,7 +103,7 @@ def serving_pid(make_pid: int) -> int:
 def start_server(stack: ExitStack, uri: str, port: int, task: str, serve_args: str, log: Path) -> int:
     """`make serve MODEL=mobilevit_xxs` of the store's champion on `port`; the serving process's pid once /ping
     answers."""
-    from pipeline.runs.orchestration.launchers import stop_process_group
+    from pipeline.utils.processes import stop_process_group
 
     command = ["make", "--no-print-directory", "-o", ".venv/.installed", "serve", f"MODEL={MODEL}", f"TASK={task}",
                f"SERVE_PORT={port}", f"ARGS=mlflow.tracking_uri={uri} {serve_args}".strip()]

@@ -42,10 +42,15 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.evaluation.thresholds import binary_metrics_at, choose_threshold, roc_points  # noqa: E402
+from pipeline.evaluation.thresholds import (  # noqa: E402
+    binary_metrics_at,
+    choose_threshold,
+    measured_rules,
+    roc_points,
+)
 from pipeline.utils.atomic_io import atomic_write_csv, save_png  # noqa: E402
 
-RULES = ("youden", "equal_error", "median_midpoint", "logit_midpoint", "shrinkage", 0.5)
+RULES = (*measured_rules(), 0.5)  # every rule `eval.threshold` names (but a second name of one), and the fixed 0.5
 SEPARATIONS = (1.0, 2.0, 3.0)
 SHIFTS = (0.0, 1.5)
 SUBJECT_SPREADS = (0.5, 1.5)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 import websocket  # noqa: E402  (websocket-client, in the lock through MLflow's dependencies)
 from PIL import Image  # noqa: E402
 
-from pipeline.runs.store import tracking  # noqa: E402
+from pipeline.runs.store import tracking, ui_pages  # noqa: E402
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--remote-allow-origins=*")
@@ -206,7 +206,7 @@ def newest_comparison() -> tuple[str, str]:
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking.tracking_uri(ROOT))
-    experiment = client.get_experiment_by_name(tracking.comparisons_experiment(tracking.DEFAULT_EXPERIMENT))
+    experiment = client.get_experiment_by_name(ui_pages.comparisons_experiment(tracking.DEFAULT_EXPERIMENT))
     if experiment is None:
         raise SystemExit("no comparison yet: run the three default CVs and make compare first")
     run = client.search_runs([experiment.experiment_id], order_by=["attribute.start_time DESC"], max_results=1)[0]

@@ -152,13 +152,47 @@ def loader_config(**changes):
     return LoaderConfig.from_config(load_config(["data=biovid"]).loader, **changes)
 
 
+def planned(cfg, fold_file=None):
+    """The plan's decisions for a config (`fold_decisions.plan_decisions`), on its fold file unless one is given."""
+    from pipeline.runs.jobs.fold_decisions import plan_decisions
+    from pipeline.runs.jobs.training_settings import TrainingSettings
+
+    return plan_decisions(TrainingSettings.from_config(cfg), fold_file or Path(cfg.fold_file))
+
+
+def training_of(cfg):
+    """A config's typed training settings and what they train (checked): what `fold_job.build_fold` takes."""
+    from pipeline.runs.jobs.training_settings import TrainingSettings
+    from pipeline.runs.jobs.what_trains import WhatTrains
+
+    training = TrainingSettings.from_config(cfg)
+    return training, WhatTrains.of(training).check()
+
+
+def head_config(**changes):
+    """The `model.head` group of configs/model/timm.yaml as a HeadConfig, with test-sized changes."""
+    from omegaconf import OmegaConf
+
+    from pipeline.models.temporal_heads import HeadConfig
+    from pipeline.utils.paths import PROJECT_ROOT
+
+    return HeadConfig.from_config({**OmegaConf.load(PROJECT_ROOT / "configs" / "model" / "timm.yaml").head, **changes})
+
+
+def head_settings(**changes) -> dict:
+    """`head_config` as the dict a kept model file records (`model.head`)."""
+    from dataclasses import asdict
+
+    return asdict(head_config(**changes))
+
+
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A prepared tiny synthetic dataset (raw videos, crops, frame table, fold file), shared read-only by tests."""
-    from pipeline.data.prepare import prepare_data
+    from pipeline.data.prepare import DataSettings, prepare_data
 
     base = tmp_path_factory.mktemp("tiny")
-    prepare_data(load_config(tiny_overrides(base)), progress=False)
+    prepare_data(DataSettings.from_config(load_config(tiny_overrides(base))), progress=False)
     return base
 
 
@@ -268,3 +302,10 @@ def finished_cv_store(tmp_path_factory: pytest.TempPathFactory):
                 task_unusable_subjects="020101_m_30" if task == "five_class" else "",
                 task_skipped_folds="4" if task == "five_class" and protocol == "kfold5" else "")
     return {"client": client, "experiment_id": experiment_id, "runs": runs, "root": root}
+
+
+def scorer_source(cfg):
+    """Where `make predict` with this config finds its model, and how the scorer runs."""
+    from pipeline.deployment.predict import ScorerSource
+
+    return ScorerSource.of(cfg.mlflow.tracking_uri, cfg.model.name, cfg.task.name, cfg.predict)

@@ -22,8 +22,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pipeline.runs.orchestration.launchers import stop_process_group
 from pipeline.utils.paths import PROJECT_ROOT
+from pipeline.utils.processes import stop_process_group
 
 MAKE = ["make", "--no-print-directory", "-o", ".venv/.installed", "server"]
 

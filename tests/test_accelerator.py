@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.runs.store import tracking
 from pipeline.utils.accelerator import GpuUnavailable, install_advice, training_device, why_no_gpu
 from pipeline.utils.devices import cpu_name
 from pipeline.utils.paths import PROJECT_ROOT
@@ -17,14 +18,14 @@ from tests.conftest import tiny_overrides
 
 def test_the_device_line_names_the_device_and_why_no_gpu() -> None:
     device = training_device("auto")
-    assert device.tags["device"] == device.kind and device.line.startswith("device: ")
+    assert tracking.training_device_tags(device)["device"] == device.kind and device.line.startswith("device: ")
     if torch.cuda.is_available():
         assert device.kind == "cuda" and torch.cuda.get_device_name(0) in device.line
         assert f"CUDA runtime {torch.version.cuda}" in device.line
     else:
         assert device.kind == "cpu" and cpu_name() in device.line
         reason = why_no_gpu()
-        assert f"no GPU visible: {reason}" in device.line and device.tags["gpu"] == f"none: {reason}"
+        assert f"no GPU visible: {reason}" in device.line and device.gpu == f"none: {reason}"
         # torch's reason, and which torch build it is
         assert torch.__version__ in reason
         if torch.version.cuda is None:

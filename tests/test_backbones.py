@@ -10,24 +10,16 @@ import timm
 import torch
 from torch import nn
 
-from pipeline.models.backbones import (
-    BACKBONE_NAMES,
-    CVT_DATA_CONFIG,
-    CVT_VARIANTS,
-    TIMM_ARCHITECTURES,
-    CvtBackbone,
-    PainNet,
-    TimmBackbone,
-    create_backbone,
-    model_family,
-)
+from pipeline.models.backbone_families.cvt import CVT_DATA_CONFIG, CVT_VARIANTS, CvtBackbone
+from pipeline.models.backbone_families.timm_models import TIMM_ARCHITECTURES, TimmBackbone
+from pipeline.models.backbones import PainNet, backbone_names, create_backbone, model_family
 from pipeline.models.factory import create_model
 
 # small tensors: one torch thread (see conftest.one_torch_thread)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PASS_THROUGH_TIMM = "resnet18"
-SMOKE_NAMES = (*BACKBONE_NAMES, PASS_THROUGH_TIMM)
+SMOKE_NAMES = (*(name for name in backbone_names() if name != "vit_ref"), PASS_THROUGH_TIMM)
 SMOKE_IMAGE_SIZE = {"vit_b16": 32}  # ViT-B/16 on CPU is heavy: a 2x2 patch grid is enough for a smoke test
 DEFAULT_SMOKE_IMAGE_SIZE = 64  # MobileViT downsamples by 32; CvT by 16
 BATCH = 2

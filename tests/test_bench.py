@@ -19,13 +19,14 @@ import pytest
 
 from pipeline.analysis.throughput import build, load_configs, loader_dataset, training_settings
 from pipeline.data.augment import build_train_transform
-from pipeline.data.prepare import fold_file_path
+from pipeline.data.datamodule import SubjectRoles
 from pipeline.models.lightning_module import OptimConfig
-from pipeline.runs.jobs.fold_job import build_fold, plan_decisions
+from pipeline.runs.jobs.fold_job import build_fold
+from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.config import load_config
-from pipeline.utils.paths import PROJECT_ROOT
-from tests.conftest import tiny_overrides
+from pipeline.utils.paths import PROJECT_ROOT, resolve_path
+from tests.conftest import planned, tiny_overrides, training_of
 
 SCRIPTS = PROJECT_ROOT / "scripts"
 
@@ -45,11 +46,14 @@ def test_bench_builds_what_make_cv_builds(tiny_base: Path, tmp_path: Path, extra
     cfg = load_config(overrides)
     assert load_configs(overrides, None, ["mobilevit_s"]) == [cfg]  # the overrides' model, not the default
 
-    module, datamodule = build(cfg, loader_dataset(tiny_base / "processed", tmp_path, 1, cfg))
-    measured = training_settings(cfg, module, datamodule)
+    recipe = TrainingSettings.from_config(cfg)
+    module, datamodule = build(recipe, loader_dataset(tiny_base / "processed", tmp_path, 1, recipe))
+    measured = training_settings(recipe, module, datamodule)
     # make cv: pipeline.runs.jobs.fold_job.build_fold on the config itself, over the real fold file
-    cv_module, cv_datamodule, _ = build_fold(cfg, 0, plan_decisions(cfg, fold_file_path(cfg)))
-    assert measured == training_settings(cfg, cv_module, cv_datamodule)
+    built = build_fold(*training_of(cfg), SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
+                       planned(cfg))
+    cv_module, cv_datamodule = built.module, built.datamodule
+    assert measured == training_settings(recipe, cv_module, cv_datamodule)
 
     data_config = module.model.backbone.data_config
     assert measured["img_size"] == (cfg.model.img_size or data_config.input_size[-1])

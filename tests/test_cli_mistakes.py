@@ -61,7 +61,6 @@ def test_verbose_shows_the_traceback_beside_the_line() -> None:
     ("launcher=slurmm", ["LAUNCHER=slurmm", "local, parallel, slurm"]),
     ("model/output=coral", ["model/output=coral", "ordinal, regression, softmax"]),
     ("personalise=baselines", ["personalise=baselines", "baseline, none, subject_normalised"]),
-    ("model=vit_b17", ["MODEL=vit_b17", "vit_b16", "any timm model name"]),
     ("personalise.k=2", ["personalise.k is a key of personalise=baseline", "personalise=baseline personalise.k=2"]),
     ("max_epochs=3", ["did you mean trainer.max_epochs=3"]),
     ("model.optim=3", ["model.optim is a section of keys", "model.optim.head_lr="]),

@@ -15,21 +15,24 @@ from pipeline.models.model_file import load_model_file, model_meta, save_model_f
 from pipeline.models.scoring import WINDOW_COLUMN
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
 from pipeline.runs.serving.mlflow_model import WEIGHTS_ARTIFACT, build_scorer
+from pipeline.runs.store import tracking
 from tests.photo_clips import PhotoClip, astronaut, clip_frames
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 HEAD = {"name": "transformer", "mode": "two_stage", "hidden": 16, "layers": 1, "attention_heads": 4, "dropout": 0.0,
         "max_frames": 8, "epochs": 1, "patience": 1}
 T = 3
+SCORING = {"threshold": 0.5, "aggregation": "mean", "topk": 3}  # a model_config's decision and aggregation
 
 
 @pytest.fixture(scope="module")
 def clip_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[ClipNet, Path]:
     torch.manual_seed(0)
     frame_net, source = create_model("mobilevit_xxs", n_classes=2, pretrained=False, img_size=32)
-    net = ClipNet(frame_net.backbone, build_temporal_head(HeadConfig(**HEAD), frame_net.backbone.num_features, 2))
+    head = build_temporal_head(HeadConfig.from_model_file(HEAD), frame_net.backbone.num_features, 2)
+    net = ClipNet(frame_net.backbone, head)
     meta = model_meta(net, model_name="mobilevit_xxs", img_size=32, class_names=["BL1", "PA4"], task="bl1_vs_pa4",
-                      loader={"crop_fraction": 1.0, "clip_frames": T}, weights=source.as_tags(), head=HEAD)
+                      loader={"crop_fraction": 1.0, "clip_frames": T}, weights=tracking.weights_tags(source), head=HEAD)
     return net.eval(), save_model_file(net, meta, tmp_path_factory.mktemp("clip") / "model.pt")
 
 
@@ -44,7 +47,7 @@ def test_a_kept_clip_model_rebuilds_itself(clip_model) -> None:
 
 def test_predict_scores_a_sliding_window_of_the_last_frames_with_a_face(clip_model) -> None:
     net, path = clip_model
-    scorer = build_scorer({WEIGHTS_ARTIFACT: str(path)}, {"threshold": 0.5, "crop": {"crop_size": 64}})
+    scorer = build_scorer({WEIGHTS_ARTIFACT: str(path)}, {**SCORING, "crop": {"crop_size": 64}})
     frames = clip_frames(astronaut(), PhotoClip(face_fraction=0.3, n_frames=5))
     frames[2] = np.full_like(frames[2], 128)  # a frame without a face: no score, the window skips it
     table = scorer.score(frames)
@@ -74,9 +77,9 @@ def test_predict_spaces_a_windows_crops_as_the_training_clips_were(clip_model, t
     _, source = create_model("mobilevit_xxs", n_classes=2, pretrained=False, img_size=32)
     meta = model_meta(net, model_name="mobilevit_xxs", img_size=32, class_names=["BL1", "PA4"], task="bl1_vs_pa4",
                       loader={"crop_fraction": 1.0, "clip_frames": T, "clip_spacing_s": 0.42},
-                      weights=source.as_tags(), head=HEAD)
+                      weights=tracking.weights_tags(source), head=HEAD)
     path = save_model_file(net, meta, tmp_path / "model.pt")
-    scorer = build_scorer({WEIGHTS_ARTIFACT: str(path)}, {"threshold": 0.5, "crop": {"crop_size": 64}})
+    scorer = build_scorer({WEIGHTS_ARTIFACT: str(path)}, {**SCORING, "crop": {"crop_size": 64}})
     frames = clip_frames(astronaut(), PhotoClip(face_fraction=0.3, n_frames=5))
     frames[2] = np.full_like(frames[2], 128)
     table = scorer.score(frames, times_s=[0.2 * i for i in range(5)])

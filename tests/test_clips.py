@@ -14,6 +14,8 @@ from pipeline.data.datamodule import EpochSampler
 from pipeline.models.backbones import create_backbone
 from pipeline.models.clip_window import ClipWindow
 from pipeline.models.temporal_heads import HEADS, ClipNet, HeadConfig, build_temporal_head, head_parameters
+from pipeline.runs.jobs.head_modes import head_mode
+from tests.conftest import head_config
 from tests.test_datamodule import FOLDS, make_datamodule, make_processed, write_fold_file
 
 HEAD = {"hidden": 16, "layers": 2, "attention_heads": 4, "dropout": 0.0, "max_frames": 8}
@@ -22,7 +24,7 @@ HEAD = {"hidden": 16, "layers": 2, "attention_heads": 4, "dropout": 0.0, "max_fr
 @pytest.mark.parametrize("name", HEADS)
 def test_every_head_maps_a_clip_to_logits_and_trains_every_weight(name: str) -> None:
     torch.manual_seed(0)
-    head = build_temporal_head(HeadConfig(name=name, **HEAD), in_features=24, n_classes=3)
+    head = build_temporal_head(head_config(name=name, **HEAD), in_features=24, n_classes=3)
     embeddings = torch.randn(5, 6, 24, requires_grad=True)
     logits = head(embeddings)
     assert logits.shape == (5, 3) and torch.isfinite(logits).all()
@@ -38,32 +40,32 @@ def test_temporal_heads_see_order_and_the_linear_head_does_not() -> None:
     clip = torch.randn(2, 6, 24)
     reversed_clip = clip.flip(1)
     for name in ("gru", "transformer"):
-        head = build_temporal_head(HeadConfig(name=name, **HEAD), 24, 2).eval()
+        head = build_temporal_head(head_config(name=name, **HEAD), 24, 2).eval()
         assert not torch.allclose(head(clip), head(reversed_clip), atol=1e-5), name
     for name in ("linear", "attention"):  # pooling over time: the order does not matter
-        head = build_temporal_head(HeadConfig(name=name, **HEAD), 24, 2).eval()
+        head = build_temporal_head(head_config(name=name, **HEAD), 24, 2).eval()
         torch.testing.assert_close(head(clip), head(reversed_clip))
 
 
 def test_transformer_refuses_a_clip_longer_than_its_time_positions() -> None:
-    head = build_temporal_head(HeadConfig(name="transformer", **HEAD), 24, 2)
+    head = build_temporal_head(head_config(name="transformer", **HEAD), 24, 2)
     with pytest.raises(ValueError, match="max_frames=8"):
         head(torch.randn(1, 9, 24))
 
 
 def test_head_config_errors_name_the_key() -> None:
     with pytest.raises(ValueError, match="model.head.name='lstm'"):
-        HeadConfig(name="lstm", **HEAD)
-    with pytest.raises(ValueError, match="model.head.mode='joint'"):
-        HeadConfig(name="gru", mode="joint", **HEAD)
-    with pytest.raises(ValueError, match="unknown model.head setting"):
+        head_config(name="lstm", **HEAD)
+    with pytest.raises(ValueError, match="model.head.mode='joint': expected one of two_stage, end_to_end"):
+        head_mode(head_config(name="gru", mode="joint", **HEAD))  # the head modes' registry names the modes
+    with pytest.raises(ValueError, match="model.head: unknown setting"):
         HeadConfig.from_config({"name": "gru", "width": 3, **HEAD})
 
 
 def test_clip_net_trains_a_real_backbone_end_to_end_through_the_head() -> None:
     torch.manual_seed(0)
     backbone, _ = create_backbone("vit_ref", img_size=32)
-    net = ClipNet(backbone, build_temporal_head(HeadConfig(name="transformer", **HEAD), backbone.num_features, 2))
+    net = ClipNet(backbone, build_temporal_head(head_config(name="transformer", **HEAD), backbone.num_features, 2))
     clips = torch.randn(2, 3, 3, 32, 32)
     logits = net(clips)
     assert logits.shape == (2, 2)
@@ -139,7 +141,7 @@ def test_a_transformer_head_kept_before_its_blocks_were_written_out_loads_and_co
     """The head once used `nn.TransformerEncoder`: its state dict (other key names, the same packing) loads into
     today's head, which then gives that encoder's outputs."""
     torch.manual_seed(0)
-    config = HeadConfig(name="transformer", hidden=16, layers=2, attention_heads=4, dropout=0.0, max_frames=8)
+    config = head_config(name="transformer", hidden=16, layers=2, attention_heads=4, dropout=0.0, max_frames=8)
     old = build_temporal_head(config, 12, 2)
     layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, activation="gelu", batch_first=True,
                                        norm_first=True)

@@ -342,10 +342,10 @@ def test_only_cvs_on_the_same_crops_are_compared(store) -> None:
 
 
 def test_crop_settings_name_the_twin_look_detector_and_alignment() -> None:
-    from pipeline.runs.store.cv_runs import crop_settings
+    from pipeline.runs.store.cv_runs import CvConfig, crop_settings
     from pipeline.utils.config import load_config
 
-    settings = crop_settings(load_config(["data.align_faces=false"]))
+    settings = crop_settings(CvConfig.from_config(load_config(["data.align_faces=false"])))
     assert settings["preprocess.detector"] == "mtcnn" and settings["preprocess.align"] == "False"
     assert settings["data.synthetic.difficulty"] == "hard"
     assert not any("workers" in key or "device" in key for key in settings)  # how fast, not what was made
@@ -355,9 +355,10 @@ def test_crop_settings_name_the_twin_look_detector_and_alignment() -> None:
     models = sorted(path.stem for path in (PROJECT_ROOT / "configs" / "model").glob("*.yaml") if path.stem != "timm")
     assert len(models) >= 7
     for data in ("synthetic", "biovid"):
-        expected = crop_settings(load_config([f"data={data}"]))
+        expected = crop_settings(CvConfig.from_config(load_config([f"data={data}"])))
         for model in models:
-            assert crop_settings(load_config([f"data={data}", f"model={model}"])) == expected, (data, model)
+            cv = CvConfig.from_config(load_config([f"data={data}", f"model={model}"]))
+            assert crop_settings(cv) == expected, (data, model)
 
 
 def test_a_youden_cv_is_not_compared_with_a_fixed_threshold_cv(store, tmp_path) -> None:
@@ -419,7 +420,7 @@ def test_the_default_cvs_of_every_backbone_are_comparable(dataset: str, tmp_path
     """`make cv MODEL=<each>` with no ARGS, then `make compare`: the configs of every backbone of configs/model/ (and
     a timm name without a file) on one dataset log the same compared settings, so the comparison is not refused."""
     from pipeline.models.weights import RANDOM_INIT
-    from pipeline.runs.store.cv_runs import planned_settings
+    from pipeline.runs.store.cv_runs import CvConfig, planned_settings
     from pipeline.utils.config import CONFIG_DIR, load_config
 
     fold_file = tmp_path / "folds.csv"  # one fold file for all, as `make data` writes it once per dataset
@@ -428,13 +429,12 @@ def test_the_default_cvs_of_every_backbone_are_comparable(dataset: str, tmp_path
     assert set(MISSION_BACKBONES) <= set(models)
     settings = {}
     for model in [*models, "resnet18"]:
-        choice = [f"model={model}"] if model in models else ["model=timm", f"model.name={model}"]
-        cfg = load_config([f"data={dataset}", *choice])
-        settings[model] = planned_settings(cfg, fold_file, RANDOM_INIT)
+        cfg = load_config([f"data={dataset}", f"model={model}"])  # resnet18: a timm name
+        settings[model] = planned_settings(CvConfig.from_config(cfg), fold_file, RANDOM_INIT)
     assert comparability_problems(settings) == []
     # and the check does see a difference when one is there
     cfg = load_config([f"data={dataset}", "model=vit_b16", "loader.frames_per_video=1"])
-    changed = {**settings, "vit_b16": planned_settings(cfg, fold_file, RANDOM_INIT)}
+    changed = {**settings, "vit_b16": planned_settings(CvConfig.from_config(cfg), fold_file, RANDOM_INIT)}
     assert [problem.split(" ")[0] for problem in comparability_problems(changed)] == ["loader.frames_per_video"]
 
 
@@ -498,17 +498,19 @@ def test_a_personalised_cv_is_refused_against_a_plain_one_and_paired_on_the_comm
 
 
 def test_the_output_and_protocol_name_a_cv_and_a_config() -> None:
-    from pipeline.runs.store.cv_runs import config_label, cv_label
+    from pipeline.runs.store.cv_runs import CvConfig, config_label, cv_label
     from pipeline.utils.config import load_config
 
     assert cv_label({"model": "mobilevit_s"}) == "mobilevit_s"  # a run from before the tags: softmax, none
     assert cv_label({"model": "mobilevit_s", "output": "softmax", "personalise": "none"}) == "mobilevit_s"
     assert cv_label({"model": "mobilevit_s", "output": "ordinal_coral"}) == "mobilevit_s ordinal_coral"
     assert cv_label({"model": "mobilevit_s", "personalise": "baseline_k2"}) == "mobilevit_s baseline_k2"
-    assert config_label(load_config(["model=mobilevit_s"])) == "mobilevit_s"
-    assert config_label(load_config(["model=mobilevit_s", "model/output=ordinal"])) == "mobilevit_s ordinal_coral"
-    assert config_label(load_config(["model=mobilevit_s", "personalise=baseline", "personalise.k=2"])) == \
-        "mobilevit_s baseline_k2"
+    def label(*overrides: str) -> str:
+        return config_label(CvConfig.from_config(load_config(list(overrides))))
+
+    assert label("model=mobilevit_s") == "mobilevit_s"
+    assert label("model=mobilevit_s", "model/output=ordinal") == "mobilevit_s ordinal_coral"
+    assert label("model=mobilevit_s", "personalise=baseline", "personalise.k=2") == "mobilevit_s baseline_k2"
 
 
 def five_class_videos(seed: int) -> pd.DataFrame:

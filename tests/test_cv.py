@@ -18,22 +18,23 @@ from mlflow import MlflowClient
 
 from pipeline.analysis.compare import compare, run_compare
 from pipeline.analysis.comparison_runs import ComparisonError
-from pipeline.data.datamodule import PainDataModule
-from pipeline.data.prepare import fold_file_path
+from pipeline.data.datamodule import PainDataModule, SubjectRoles
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.model_file import load_model_file
-from pipeline.runs.jobs.fold_job import plan_decisions, train_fold
+from pipeline.runs.jobs.fold_job import train_fold
+from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.runs.orchestration.cross_validation import identity_lock, plan_cv, run_cv
+from pipeline.runs.orchestration.cv_settings import CvRunSettings
 from pipeline.runs.orchestration.cv_summary import HEADLINE_METRICS
 from pipeline.runs.store import tracking
-from pipeline.runs.store.cv_runs import run_key
+from pipeline.runs.store.cv_runs import CvConfig, run_key
 from pipeline.runs.store.environment import FREEZE_ARTIFACT
 from pipeline.runs.store.tracking import get_or_create_experiment
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.paths import resolve_path
-from tests.conftest import loader_config
+from tests.conftest import loader_config, planned
 
 # Tiny and fast: a small timm model, 32 px inputs, no workers, two folds.
 FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
@@ -106,7 +107,8 @@ def test_parent_and_child_runs_hold_the_promised_records(cv_runs, tiny_config) -
     assert parent.data.metrics["data/share_lost_BL1"] == pytest.approx(lost.set_index("class_name").share_lost["BL1"])
     # what it ran on and with: the device, the key libraries' versions, the whole environment
     device = training_device(cfg.trainer.accelerator)
-    assert {k: tags[k] for k in device.tags} == device.tags and tags["device"] == device.kind
+    expected = tracking.training_device_tags(device)
+    assert {k: tags[k] for k in expected} == expected and tags["device"] == device.kind
     assert tags["version.torch"] == torch.__version__ and tags["version.timm"] == timm.__version__
     assert tags["version.python"] == platform.python_version() and tags["version.lightning"] == pl.__version__
     freeze = Path(client.download_artifacts(parent.info.run_id, FREEZE_ARTIFACT)).read_text()
@@ -163,15 +165,15 @@ def test_early_stopping_stops(tiny_config, tmp_path: Path) -> None:
     cfg = tiny_config(*FAST, "model=timm", "model.name=vit_tiny_patch16_224", "trainer.max_epochs=8",
                       "trainer.patience=2", "model.optim.head_lr=0", "model.optim.backbone_lr=0")
     with fold_run(cfg):
-        result = train_fold(cfg, 0, plan_decisions(cfg, fold_file_path(cfg)), tmp_path)
-    assert result.epochs == 3 and result.best_epoch == 0
+        result = train_fold(TrainingSettings.from_config(cfg), 0, planned(cfg), tmp_path)
+    assert result.epochs_trained == 3 and result.best_epoch == 0
 
 
 def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Path) -> None:
     # the crop window travels from the config to the data: crops at 2.0, 3.8 and 5.5 s, only the later two used
     cfg = tiny_config(*FAST, "trainer.max_epochs=3", "trainer.patience=5", "loader.from_s=3.0")
     with fold_run(cfg):
-        result = train_fold(cfg, 1, plan_decisions(cfg, fold_file_path(cfg)), tmp_path)
+        result = train_fold(TrainingSettings.from_config(cfg), 1, planned(cfg), tmp_path)
     assert result.frame_predictions["time_s"].min() >= 3.0
     assert result.frame_predictions.groupby("sample_name").size().eq(2).all()
     checkpoint = torch.load(tmp_path / "best.ckpt", map_location="cpu", weights_only=True)
@@ -181,11 +183,14 @@ def test_test_fold_is_scored_with_the_best_checkpoint(tiny_config, tmp_path: Pat
 
     task = get_task(cfg.task.name)
     net, _ = create_model(cfg.model.name, n_classes=2, pretrained=False, img_size=cfg.model.img_size)
-    module = PainLightningModule(net, task.classes, OptimConfig(**cfg.model.optim))
+    module = PainLightningModule(net, task.classes, OptimConfig(**cfg.model.optim), aggregation=cfg.trainer.aggregation,
+                                 topk=cfg.trainer.topk)
     module.load_state_dict(checkpoint["state_dict"])
     module.eval()
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 1, task,
-                                net.backbone.data_config, {}, loader_config(num_workers=0, from_s=3.0))
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir),
+                                SubjectRoles.of_fold(resolve_path(cfg.fold_file), 1),
+                                task,
+                                net.backbone.data_config, {}, loader_config(num_workers=0, from_s=3.0), cfg.seed)
     datamodule.setup()
     with torch.no_grad():
         probs = torch.cat([module(images).softmax(1) for images, _, _ in datamodule.test_dataloader()])
@@ -246,7 +251,8 @@ def test_a_seeded_fold_is_reproducible(tiny_config, tmp_path: Path) -> None:
     predictions = []
     for attempt in range(2):
         with fold_run(cfg):
-            result = train_fold(cfg, 0, plan_decisions(cfg, fold_file_path(cfg)), tmp_path / str(attempt))
+            result = train_fold(TrainingSettings.from_config(cfg),
+                                0, planned(cfg), tmp_path / str(attempt))
         predictions.append(result.frame_predictions["prob_PA4"].to_numpy())
     np.testing.assert_array_equal(predictions[0], predictions[1])
 
@@ -289,10 +295,12 @@ def test_kept_model_reloads_and_gives_the_same_test_predictions(cv_runs, tiny_co
 
     fold = int(child.data.tags["fold"])
     task = get_task(meta["task"])
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), fold, task,
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir),
+                                SubjectRoles.of_fold(resolve_path(cfg.fold_file), fold),
+                                task,
                                 net.backbone.data_config, {}, loader_config(num_workers=0, **{
                                     key: meta["loader"][key] for key in ("frames_per_video", "from_s", "crop_fraction")
-                                    if key in meta["loader"]}))
+                                    if key in meta["loader"]}), cfg.seed)
     datamodule.setup()  # fed as the kept model's own record says it was trained and tested
     with torch.no_grad():
         probs = torch.cat([net(images).softmax(1) for images, _, _ in datamodule.test_dataloader()])
@@ -306,7 +314,7 @@ def test_kept_model_reloads_and_gives_the_same_test_predictions(cv_runs, tiny_co
 def test_a_crashed_fold_fails_alone_and_a_rerun_runs_only_it(tiny_config, tmp_path: Path, capsys) -> None:
     cfg = tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'crash.db'}", "trainer.max_epochs=1")
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    plan = plan_cv(cfg, client, cfg.mlflow.tracking_uri)
+    plan = plan_cv(CvRunSettings.from_config(cfg), client, cfg.mlflow.tracking_uri)
     # fold 1 finds a damaged epoch checkpoint in its work folder and crashes when it tries to continue from it
     damaged = plan.work_dir / "fold_1" / "last.ckpt"
     damaged.parent.mkdir(parents=True)
@@ -333,12 +341,16 @@ def test_a_crashed_fold_fails_alone_and_a_rerun_runs_only_it(tiny_config, tmp_pa
 def test_a_second_driver_with_the_same_identity_refuses(tiny_config) -> None:
     cfg = tiny_config(*FAST)
     store = cfg.mlflow.tracking_uri
-    with identity_lock(resolve_path(cfg.cv.work_dir), run_key(cfg, store), "the first driver"):
+
+    def key(config, uri: str = store) -> str:
+        return run_key(CvConfig.from_config(config), uri)
+
+    with identity_lock(resolve_path(cfg.cv.work_dir), key(cfg), "the first driver"):
         with pytest.raises(SystemExit, match=f"already running: pid {os.getpid()}, the first driver, since "):
             run_cv(cfg)
-    assert run_key(cfg, store) != run_key(tiny_config(*FAST, "model.finetune=frozen"), store)  # another strategy
-    assert run_key(cfg, store) != run_key(cfg, "sqlite:///elsewhere.db")  # another store
-    assert run_key(cfg, store) == run_key(tiny_config(*FAST, "launcher=parallel", "cv.lease_s=9"), store)
+    assert key(cfg) != key(tiny_config(*FAST, "model.finetune=frozen"))  # another strategy
+    assert key(cfg) != key(cfg, "sqlite:///elsewhere.db")  # another store
+    assert key(cfg) == key(tiny_config(*FAST, "launcher=parallel", "cv.lease_s=9"))
 
 
 def test_an_unknown_launcher_key_is_an_error(tiny_config) -> None:
@@ -370,7 +382,7 @@ def test_several_seeds_give_one_child_per_fold_and_seed_and_resume_exactly(tiny_
     summary = run_cv(cfg)
     assert "2 training seeds each" in capsys.readouterr().out
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    plan = plan_cv(cfg, client, cfg.mlflow.tracking_uri)
+    plan = plan_cv(CvRunSettings.from_config(cfg), client, cfg.mlflow.tracking_uri)
     children = children_of(client, plan.parent_run_id)
     assert sorted((c.data.tags["fold"], c.data.tags["seed"]) for c in children) == [("0", "0"), ("0", "1")]
     values = sorted(c.data.metrics["test/frame_accuracy"] for c in children)
@@ -394,12 +406,13 @@ def test_several_seeds_give_one_child_per_fold_and_seed_and_resume_exactly(tiny_
     lost = next(c for c in children if c.data.tags["seed"] == "1")
     client.set_terminated(lost.info.run_id, "FAILED")
     client.set_terminated(plan.parent_run_id, "FAILED")
-    again = plan_cv(cfg, client, cfg.mlflow.tracking_uri)
+    again = plan_cv(CvRunSettings.from_config(cfg), client, cfg.mlflow.tracking_uri)
     assert again.parent_run_id == plan.parent_run_id and again.done == [(0, 0)]
     assert again.pending(0) == [] and again.pending(1) == [0]
     # one seed only is another cross-validation (cv.seeds is part of its identity)
-    single = plan_cv(tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'seeds.db'}",
-                                 "trainer.folds=[0]", "trainer.max_epochs=1"), client, cfg.mlflow.tracking_uri)
+    single_cfg = tiny_config(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'seeds.db'}", "trainer.folds=[0]",
+                             "trainer.max_epochs=1")
+    single = plan_cv(CvRunSettings.from_config(single_cfg), client, cfg.mlflow.tracking_uri)
     assert single.parent_run_id != plan.parent_run_id and single.seeds == [None]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.data.datamodule import PainDataModule, default_num_workers
+from pipeline.data.datamodule import PainDataModule, SubjectRoles, default_num_workers
 from pipeline.data.fold_checks import FoldError
 from pipeline.data.tasks import CLASS_NAMES, get_task
 from tests.conftest import loader_config
@@ -101,8 +101,8 @@ def make_datamodule(
     seed = options.pop("seed", 0)
     params = OmegaConf.to_container(OmegaConf.load(AUGMENT_DIR / f"{augment}.yaml"))
     loader = loader_config(**{"batch_size": 8, "num_workers": 0, **options})
-    datamodule = PainDataModule(processed_dir, fold_file, fold, get_task(task), FakeDataConfig(), params, loader,
-                                seed=seed)
+    datamodule = PainDataModule(processed_dir, SubjectRoles.of_fold(fold_file, fold), get_task(task), FakeDataConfig(),
+                                params, loader, seed=seed)
     datamodule.setup("fit")
     return datamodule
 

@@ -15,14 +15,23 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.models.backbone_adapter import family_traits
+from pipeline.runs.store import tracking
 from pipeline.utils.devices import cpu_description, cpu_runs_bf16_natively, precision_for
+from tests.conftest import planned
+
+# the traits each family's adapter registers (pipeline.models.backbone_families)
+VIT, CVT, TIMM = family_traits("vit"), family_traits("cvt"), family_traits("timm")
 
 PROBE = """
 import json, torch
+from pipeline.models.backbone_adapter import family_traits
+from pipeline.models.backbones import model_family
 from pipeline.utils.devices import cpu_runs_bf16_natively, precision_for
 torch.set_num_threads(1)
-print(json.dumps({"native": cpu_runs_bf16_natively(), "vit": precision_for("auto", "cpu", "vit"),
-                  "cvt": precision_for("auto", "cpu", "cvt"),
+print(json.dumps({"native": cpu_runs_bf16_natively(),
+                  "vit": precision_for("auto", "cpu", family_traits(model_family("vit_b16"))),
+                  "cvt": precision_for("auto", "cpu", family_traits(model_family("cvt_13"))),
                   "capability": torch.backends.cpu.get_cpu_capability()}))
 """
 
@@ -50,8 +59,8 @@ def test_a_cpu_with_amx_gets_bf16_for_a_vit_only() -> None:
 
 
 def test_explicit_precision_wins_and_the_cpu_is_described() -> None:
-    assert precision_for("bf16-mixed", "cpu", "cvt") == "bf16-mixed"
-    assert precision_for("32-true", "auto", "vit") == "32-true"
+    assert precision_for("bf16-mixed", "cpu", CVT) == "bf16-mixed"
+    assert precision_for("32-true", "auto", VIT) == "32-true"
     description = cpu_description()
     assert torch.backends.cpu.get_cpu_capability() in description
     assert ("bf16 native" in description) == cpu_runs_bf16_natively()
@@ -61,15 +70,16 @@ def test_explicit_precision_wins_and_the_cpu_is_described() -> None:
 def test_isa_caps_below_amx_turn_bf16_off(cap: str, monkeypatch) -> None:
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
     assert not cpu_runs_bf16_natively()
-    assert precision_for("auto", "cpu", "vit") == "32-true"
+    assert precision_for("auto", "cpu", VIT) == "32-true"
 
 
 def test_auto_precision_is_left_to_the_fold_job_and_resolved_from_its_device(tiny_config) -> None:
-    from pipeline.runs.jobs.fold_job import FoldJob, plan_decisions, settings_on_device
+    from pipeline.runs.jobs.fold_decisions import settings_on_device
+    from pipeline.runs.jobs.fold_run import FoldJob
     from pipeline.utils.devices import device_settings
 
     cfg = tiny_config("model=mobilevit_xxs", "model.img_size=32", "trainer.precision=auto")
-    decisions = plan_decisions(cfg, Path(cfg.fold_file))
+    decisions = planned(cfg)
     assert decisions.precision == "auto"  # the planning machine decides nothing that depends on the device
     job = FoldJob({}, 0, "parent", "sqlite:///x.db", "/tmp/fold", decisions)
     assert FoldJob.read(job.write(Path(cfg.cv.work_dir) / "job.json")).decisions.precision == "auto"
@@ -77,16 +87,17 @@ def test_auto_precision_is_left_to_the_fold_job_and_resolved_from_its_device(tin
     gpu = settings_on_device(decisions, cfg.trainer.channels_last, "cuda")
     assert gpu.device == "cuda" and gpu.precision == ("bf16-mixed" if torch.cuda.is_available()
                                                       and torch.cuda.is_bf16_supported() else "32-true")
-    for family in ("mobilevit", "cvt", "vit"):
+    for family in (TIMM, CVT, VIT):
         assert device_settings("auto", "auto", family, "cuda", gpu_bf16=True).precision == "bf16-mixed"
         assert device_settings("auto", "auto", family, "cuda", gpu_bf16=False).precision == "32-true"
         assert device_settings("auto", "auto", family, "cpu", cpu_bf16=False).precision == "32-true"
-    assert device_settings("auto", "auto", "vit", "cpu", cpu_bf16=True).precision == "bf16-mixed"
-    assert device_settings("auto", "auto", "cvt", "cpu", cpu_bf16=True).precision == "32-true"
+    assert device_settings("auto", "auto", VIT, "cpu", cpu_bf16=True).precision == "bf16-mixed"
+    assert device_settings("auto", "auto", CVT, "cpu", cpu_bf16=True).precision == "32-true"
     # channels_last: on a GPU for convolutional families, never on a CPU by default
-    assert device_settings("auto", "auto", "mobilevit", "cuda", gpu_bf16=True).channels_last
-    assert not device_settings("auto", "auto", "mobilevit", "cpu").channels_last
+    assert device_settings("auto", "auto", TIMM, "cuda", gpu_bf16=True).channels_last
+    assert not device_settings("auto", "auto", TIMM, "cpu").channels_last
     # an explicit precision is honoured on any device, and recorded as asked
-    explicit = device_settings("32-true", "auto", "cvt", "cuda", gpu_bf16=True)
+    explicit = device_settings("32-true", "auto", CVT, "cuda", gpu_bf16=True)
     assert (explicit.precision, explicit.precision_asked) == ("32-true", "32-true")
-    assert explicit.tags() == {"precision": "32-true", "precision_asked": "32-true", "channels_last": "true"}
+    assert tracking.device_settings_tags(explicit) == {"precision": "32-true", "precision_asked": "32-true",
+                                                        "channels_last": "true"}

@@ -75,7 +75,7 @@ def augmentation_runs(cfg) -> tuple:
     from pipeline.runs.store import cv_runs, tracking
 
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    parent = cv_runs.finished_cv(client, cfg)
+    parent = cv_runs.finished_cv(client, cv_runs.CvConfig.from_config(cfg))
     return parent, tracking.fold_runs(client, parent.info.run_id)[0]
 
 

@@ -8,7 +8,8 @@ import torch
 
 from pipeline.deployment.export import export_onnx, onnx_difference
 from pipeline.models.factory import create_model
-from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
+from pipeline.models.temporal_heads import ClipNet, build_temporal_head
+from tests.conftest import head_config
 
 
 @pytest.mark.parametrize(("name", "img_size"), [("vit_b16", 32), ("cvt_13", 64), ("mobilevit_s", 64)])
@@ -25,7 +26,7 @@ def test_a_clip_model_exports_whole_and_onnx_runtime_gives_its_logits_for_any_cl
                                                                                          tmp_path) -> None:
     torch.manual_seed(0)
     frame_net, _ = create_model("mobilevit_xxs", n_classes=2, pretrained=False, img_size=32)
-    config = HeadConfig(name=head, hidden=16, layers=1, attention_heads=2, dropout=0.0, max_frames=8)
+    config = head_config(name=head, hidden=16, layers=1, attention_heads=2, dropout=0.0, max_frames=8)
     net = ClipNet(frame_net.backbone, build_temporal_head(config, frame_net.backbone.num_features, 2))
     path = export_onnx(net, 32, tmp_path / f"{head}.onnx")
     # traced with a batch of one 2-frame clip; scored with other batch sizes and clip lengths, a window's 1 included

@@ -7,14 +7,16 @@ import pytest
 import timm
 import torch
 
-from pipeline.models.backbones import PainNet, ReferenceVitBackbone, create_backbone
+from pipeline.models.backbone_families.reference_vit import ReferenceVitBackbone
+from pipeline.models.backbones import PainNet, create_backbone
 from pipeline.models.factory import create_model
 from pipeline.models.finetune import FinetuneConfig, LoraSettings, strategy_for
-from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
+from pipeline.models.temporal_heads import ClipNet, build_temporal_head
+from tests.conftest import head_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SIZES = {"hidden": 8, "layers": 1, "attention_heads": 2, "dropout": 0.0, "max_frames": 8}
-GRU = HeadConfig(name="gru", **SIZES)
+GRU = head_config(name="gru", **SIZES)
 
 
 def test_a_seeded_clip_model_draws_the_weights_of_its_parts_built_in_order() -> None:
@@ -33,7 +35,7 @@ def test_a_seeded_clip_model_draws_the_weights_of_its_parts_built_in_order() -> 
 
 def test_a_linear_head_is_a_frame_model_and_the_strategy_is_prepared() -> None:
     frozen = FinetuneConfig("frozen", None, LoraSettings(8, 16.0, 0.0, ".*"), cache_embeddings=False)
-    net, _ = create_model("mobilevit_xxs", 2, img_size=32, head=HeadConfig(name="linear", **SIZES),
+    net, _ = create_model("mobilevit_xxs", 2, img_size=32, head=head_config(name="linear", **SIZES),
                           strategy=strategy_for(frozen), channels_last=True)
     assert isinstance(net, PainNet)
     assert not any(p.requires_grad for p in net.backbone.parameters())  # frozen: the strategy ran on it

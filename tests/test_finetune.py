@@ -31,7 +31,7 @@ def prepared(name: str, finetune: FinetuneConfig, seed: int = 0) -> tuple[PainNe
     net, _ = create_model(name, n_classes=2, img_size=32)
     strategy = strategy_for(finetune)
     strategy.prepare(net)
-    return net, PainLightningModule(net, ("BL1", "PA4"), OPTIM, finetune=strategy)
+    return net, PainLightningModule(net, ("BL1", "PA4"), OPTIM, aggregation="mean", topk=3, finetune=strategy)
 
 
 def one_step(module: PainLightningModule) -> dict[str, torch.Tensor]:
@@ -93,7 +93,7 @@ def test_lora_targets_of_the_configs_fit_vit_and_cvt() -> None:
                                ("cvt_13", ("projection_query", "projection_key", "projection_value",
                                            "attention.output.dense"))):
         cfg = load_config([f"model={model}", "model.finetune=lora"])
-        finetune = FinetuneConfig.from_config(cfg)
+        finetune = FinetuneConfig.from_config(cfg.model, cfg.cache)
         with torch.device("meta"):
             net, _ = create_model(model, img_size=32)
         strategy_for(finetune).prepare(net)
@@ -132,7 +132,7 @@ def test_vit_b16_lora_rank_8_trains_under_2_percent_of_the_backbone() -> None:
     cfg = load_config(["model=vit_b16", "model.finetune=lora"])
     with torch.device("meta"):
         net, _ = create_model("vit_b16", img_size=224)
-    strategy_for(FinetuneConfig.from_config(cfg)).prepare(net)
+    strategy_for(FinetuneConfig.from_config(cfg.model, cfg.cache)).prepare(net)
     counts = parameter_counts(net)
     assert counts["backbone_parameters_trainable"] / counts["backbone_parameters"] < 0.02
     assert counts["backbone_parameters_trainable"] == counts["backbone_adapter_parameters"] > 0

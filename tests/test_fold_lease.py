@@ -209,7 +209,7 @@ def test_two_make_cv_at_once_through_one_server_train_every_fold_once(tiny_base,
     server, each with its own work and lock folder (two machines). Whichever claims fold 0 is held inside it until
     the other has said that it waits for that fold: the fold leases, not luck, keep them apart. Both finish, with
     one parent between them, and every fold is trained by exactly one of them."""
-    from pipeline.runs.orchestration.launchers import tracking_server
+    from pipeline.runs.store.private_server import tracking_server
     from pipeline.utils.paths import PROJECT_ROOT
     from tests.conftest import tiny_overrides
     from tests.test_cv import FAST

@@ -38,7 +38,7 @@ from pipeline.data.fold_files import (
     usable_strata,
     write_folds,
 )
-from pipeline.data.prepare import ensure_folds
+from pipeline.data.prepare import DataSettings, ensure_folds
 from pipeline.utils.config import load_config
 from tests.conftest import tiny_overrides
 
@@ -410,15 +410,19 @@ def test_a_fold_file_without_a_record_is_accepted_with_a_warning(kfold_table, tm
     assert f"{path} has no parameter record kfold3_all9.json" in caplog.text and "seed=7" in caplog.text
 
 
+def data_of(overrides: list[str]) -> DataSettings:
+    return DataSettings.from_config(load_config(overrides))
+
+
 def test_make_data_refuses_a_config_the_fold_file_was_not_made_with(tmp_path):
     """The synthetic twin: generated on first use with the config's parameters, then only read."""
     subjects = biovid_subjects("all87")[:20]
-    path = ensure_folds(load_config(tiny_overrides(tmp_path)), subjects)
+    path = ensure_folds(data_of(tiny_overrides(tmp_path)), subjects)
     assert read_fold_parameters(path)["seed"] == 0
-    ensure_folds(load_config(tiny_overrides(tmp_path)), subjects)  # the same config reads it back
+    ensure_folds(data_of(tiny_overrides(tmp_path)), subjects)  # the same config reads it back
 
     with pytest.raises(SystemExit) as error:
-        ensure_folds(load_config(tiny_overrides(tmp_path, "protocol.seed=7", "protocol.val_fraction=0.3")), subjects)
+        ensure_folds(data_of(tiny_overrides(tmp_path, "protocol.seed=7", "protocol.val_fraction=0.3")), subjects)
     message = str(error.value)
     assert str(path) in message and "seed: file 0, config 7" in message
     assert "val_fraction: file 0.15, config 0.3" in message
@@ -428,14 +432,14 @@ def test_make_data_refuses_a_config_the_fold_file_was_not_made_with(tmp_path):
 def test_biovid_committed_folds_are_checked_and_other_parameters_go_to_another_folder(tmp_path):
     subjects = biovid_subjects("all87")
     biovid = ["data=biovid", "data.root=/nowhere"]
-    assert ensure_folds(load_config(biovid), subjects) == biovid_manifest_path("kfold5", "all87")
+    assert ensure_folds(data_of(biovid), subjects) == biovid_manifest_path("kfold5", "all87")
     with pytest.raises(SystemExit) as error:
-        ensure_folds(load_config([*biovid, "protocol.seed=1"]), subjects)
+        ensure_folds(data_of([*biovid, "protocol.seed=1"]), subjects)
     message = str(error.value)
     assert str(biovid_manifest_path("kfold5", "all87")) in message and "seed: file 0, config 1" in message
     assert "point data.manifest_dir at another folder" in message
 
-    path = ensure_folds(load_config([*biovid, "protocol.seed=1", f"data.manifest_dir={tmp_path}"]), subjects)
+    path = ensure_folds(data_of([*biovid, "protocol.seed=1", f"data.manifest_dir={tmp_path}"]), subjects)
     assert path == tmp_path / "kfold5_all87.csv"
     assert read_fold_parameters(path) == {**fold_parameters("kfold5", seed=1, val_fraction=0.15), "n_subjects": 87,
                                           "fold_file_sha256": fold_file_sha256(path)}

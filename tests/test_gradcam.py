@@ -9,7 +9,8 @@ from skimage import data
 
 from pipeline.analysis.gradcam import gradcam_layer, gradcam_maps
 from pipeline.data.augment import build_eval_transform
-from pipeline.models.backbones import CvtBackbone, CvtVariant, PainNet
+from pipeline.models.backbone_families.cvt import CvtBackbone, CvtVariant
+from pipeline.models.backbones import PainNet
 from pipeline.models.factory import create_model
 
 

@@ -10,17 +10,20 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
+from omegaconf import OmegaConf
 
 from pipeline.analysis.comparison_report import cost_lines, plot_accuracy_vs_cost
 from pipeline.analysis.comparison_runs import cost_and_regions, fold_scores
 from pipeline.analysis.comparison_statistics import summary_table
-from pipeline.analysis.inspection import inspect_cv
+from pipeline.analysis.inspection import InspectSettings, inspect_cv
 from pipeline.analysis.regions import box_polygon, polygons_mask
 from pipeline.cli import main
 from pipeline.models.cost import backbone_cost
 from pipeline.runs.orchestration.cross_validation import run_cv
-from pipeline.runs.store.tracking import fold_runs
+from pipeline.runs.store.cv_runs import CvConfig
+from pipeline.runs.store.tracking import fold_runs, store_uri
 from pipeline.utils.config import load_config
+from pipeline.utils.paths import resolve_path
 from tests.conftest import tiny_overrides
 
 # A ViT (rollout, Grad-CAM, the paper's pictures) at 32 px: 2 x 2 patches; one epoch per fold is enough to inspect.
@@ -157,7 +160,11 @@ def test_make_inspect_on_biovid_keeps_every_image_off_mlflow(biovid_cv, capsys) 
 
 def test_untrained_baseline_and_the_cost_reach_make_compare(biovid_cv) -> None:
     cfg, client, parent_id, _ = biovid_cv
-    baseline = inspect_cv(cfg, run_id=parent_id, untrained=True, regions=upper_face)
+    settings = InspectSettings(CvConfig.from_config(cfg), store_uri(cfg.mlflow.tracking_uri), cfg.data.name, False,
+                               resolve_path(cfg.fold_file), resolve_path(cfg.data.processed_dir),
+                               OmegaConf.to_container(cfg.loader, resolve=True), cfg.seed,
+                               resolve_path(cfg.reports_dir))
+    baseline = inspect_cv(settings, run_id=parent_id, untrained=True, regions=upper_face)
     fold = baseline["folds"][0]
     metrics = client.get_run(parent_id).data.metrics
     assert metrics["inspect/untrained/gradcam/region_score_mean"] == pytest.approx(

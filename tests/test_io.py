@@ -75,7 +75,8 @@ def test_fold_job_files_are_private(tmp_path: Path) -> None:
     password (tests/test_store_privacy.py: a tracking URI with one is refused)."""
     from dataclasses import replace
 
-    from pipeline.runs.jobs.fold_job import FoldDecisions, FoldJob
+    from pipeline.runs.jobs.fold_decisions import FoldDecisions
+    from pipeline.runs.jobs.fold_run import FoldJob
 
     weights = {"kind": "random", "ref": "", "sha256": None}
     decisions = FoldDecisions(str(tmp_path / "folds.csv"), "32-true", "vit", weights)

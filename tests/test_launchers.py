@@ -16,8 +16,9 @@ import torch
 from mlflow import MlflowClient
 
 from pipeline.runs.orchestration.cross_validation import run_cv
-from pipeline.runs.orchestration.launchers import LaunchSession, job_slots, tracking_server
-from pipeline.runs.store.cv_runs import run_key
+from pipeline.runs.orchestration.launchers import LaunchSession, job_slots
+from pipeline.runs.store.cv_runs import CvConfig, run_key
+from pipeline.runs.store.private_server import tracking_server
 from pipeline.utils.paths import PROJECT_ROOT
 from tests.conftest import tiny_overrides
 from tests.gated_cv import gate_sitecustomize, rendezvous_sitecustomize
@@ -260,7 +261,8 @@ def test_a_preempted_fold_is_requeued_and_continues_from_its_epoch_checkpoint(sl
     (parent,) = cv_parent(client)
     job_id = next(iter(json.loads(parent.data.tags["painvit.slurm_jobs"]).values()))
     fold_cfg = tiny_config(*fold)
-    checkpoint = Path(fold_cfg.cv.work_dir) / run_key(fold_cfg, uri) / parent.info.run_id / "fold_0" / "last.ckpt"
+    key = run_key(CvConfig.from_config(fold_cfg), uri)
+    checkpoint = Path(fold_cfg.cv.work_dir) / key / parent.info.run_id / "fold_0" / "last.ckpt"
 
     # Wait for the event itself: epoch 1's checkpoint on disk (written atomically, so a file that exists is whole).
     # Then hold the job's python where it is (SIGSTOP) and preempt it there: it is continued only once the

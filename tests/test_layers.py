@@ -22,6 +22,7 @@ def test_the_package_keeps_its_layers() -> None:
     result = lint_imports(PROJECT_ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "pipeline layers KEPT" in result.stdout
+    assert "no import circle KEPT" in result.stdout
 
 
 def test_an_upward_import_inside_a_function_breaks_the_contract(tmp_path: Path) -> None:
@@ -35,6 +36,20 @@ def test_an_upward_import_inside_a_function_breaks_the_contract(tmp_path: Path) 
     assert result.returncode != 0
     assert "pipeline layers BROKEN" in result.stdout
     assert "pipeline.utils.paths -> pipeline.runs.orchestration.cross_validation" in result.stdout
+
+
+def test_an_import_circle_breaks_the_contract_even_for_a_type(tmp_path: Path) -> None:
+    """The circle issue 44 removed (`fold_run` imports `fold_job`; `fold_job` importing `fold_run` back, if only for
+    a type) is found by the "no import circle" contract."""
+    shutil.copytree(PROJECT_ROOT / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(PROJECT_ROOT / "pyproject.toml", tmp_path)
+    fold_job = tmp_path / "pipeline" / "runs" / "jobs" / "fold_job.py"
+    fold_job.write_text(fold_job.read_text() + "\n\nfrom typing import TYPE_CHECKING  # noqa: E402\n\n"
+                        "if TYPE_CHECKING:\n    from pipeline.runs.jobs.fold_run import run_fold_job  # noqa: F401\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "no import circle BROKEN" in result.stdout
+    assert "in pipeline.runs.jobs" in result.stdout and ".fold_run -> .fold_job" in result.stdout
 
 
 def contract_layers() -> list[list[str]]:

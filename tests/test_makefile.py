@@ -37,7 +37,7 @@ PAYLOADS = {
 }
 # The words each variable must become (in this order, side by side) in the command's arguments
 WORDS = {
-    "MODEL": lambda value: ["model=timm", f"model.name={value}"],  # no file configs/model/<value>.yaml: a timm name
+    "MODEL": lambda value: [f"model={value}"],  # the command reads it (config.backbone_choice)
     "DATA": lambda value: [f"data={value}"],
     "TASK": lambda value: [f"task={value}"],
     "BIOVID_ROOT": lambda value: [f"data.root={CURDIR}/{value}"],  # every payload is relative
@@ -146,15 +146,21 @@ def test_every_variable_with_a_default_is_frozen_when_it_comes_from_the_environm
 
 
 def test_model_names_with_a_config_file_select_it_and_others_are_timm_names() -> None:
+    """MODEL= reaches the command as one word, `model=<name>`; the command (`config.backbone_choice`, the one rule)
+    selects the file of that name, or reads any other name as a timm model."""
+    from pipeline.utils.config import backbone_choice
+
     def model_words(model: str) -> list[str]:
         printed = make("-n", "cv", f"MODEL={model}").stdout
         return re.findall(r"'(model(?:\.name)?=[^']*)'", printed)
 
-    assert model_words("mobilevit_xxs") == ["model=mobilevit_xxs"]
-    assert model_words("timm") == ["model=timm"]
-    # a timm name, and names that make's wildcard or filter would have misread (a space, a glob, a pattern)
-    for name in ("eva02_tiny_patch14_224.mim_in22k", "vit_b16 cvt_13", "*", "%", "vit_b1"):
-        assert model_words(name) == ["model=timm", f"model.name={name}"], name
+    assert model_words("mobilevit_xxs") == ["model=mobilevit_xxs"] and backbone_choice("model=mobilevit_xxs") == [
+        "model=mobilevit_xxs"]
+    assert backbone_choice("model=timm") == ["model=timm"]
+    # a timm name, and names that a file lookup could misread (a space, a glob, a pattern, a path out of the folder)
+    for name in ("eva02_tiny_patch14_224.mim_in22k", "vit_b16 cvt_13", "*", "%", "vit_b1", "../config"):
+        assert model_words(name) == [f"model={name}"], name
+        assert backbone_choice(f"model={name}") == ["model=timm", f"model.name={name}"], name
 
 
 def test_paths_are_made_absolute_in_make_as_before(tmp_path: Path) -> None:

@@ -90,7 +90,7 @@ def test_aggregate_videos_matches_loops(method: str, k: int) -> None:
 
 def test_topk_one_equals_max() -> None:
     frames = random_frames(seed=2)
-    pd.testing.assert_frame_equal(aggregate_videos(frames, "topk", k=1), aggregate_videos(frames, "max"))
+    pd.testing.assert_frame_equal(aggregate_videos(frames, "topk", k=1), aggregate_videos(frames, "max", k=3))
 
 
 def test_aggregate_small_hand_example() -> None:
@@ -103,7 +103,7 @@ def test_aggregate_small_hand_example() -> None:
             "prob_PA4": [0.1, 0.8, 0.6, 0.9],
         }
     )
-    mean = aggregate_videos(frames, "mean").iloc[0]
+    mean = aggregate_videos(frames, "mean", 3).iloc[0]
     assert mean["prob_BL1"] == pytest.approx(0.4) and mean["prob_PA4"] == pytest.approx(0.6)
     assert mean["pred"] == 1
     top2 = aggregate_videos(frames, "topk", k=2).iloc[0]
@@ -117,15 +117,15 @@ def test_conflicting_labels_name_the_video() -> None:
     same_video = (frames["subject_name"] == first["subject_name"]) & (frames["sample_name"] == first["sample_name"])
     frames = pd.concat([frames, frames[same_video].head(1).assign(label=1 - int(first["label"]))], ignore_index=True)
     with pytest.raises(ValueError, match=f"{first['subject_name']}/{first['sample_name']}"):
-        aggregate_videos(frames)
+        aggregate_videos(frames, "mean", 3)
 
 
 def test_aggregate_rejects_unknown_method_and_missing_columns() -> None:
     frames = random_frames(seed=4)
     with pytest.raises(ValueError, match="unknown aggregation"):
-        aggregate_videos(frames, "median")
+        aggregate_videos(frames, "median", 3)
     with pytest.raises(ValueError, match="label"):
-        aggregate_videos(frames.drop(columns=["label"]))
+        aggregate_videos(frames.drop(columns=["label"]), "mean", 3)
 
 
 def pairwise_auroc(labels: np.ndarray, scores: np.ndarray) -> float:
@@ -236,7 +236,7 @@ def test_evaluate_predictions_ties_the_pieces_together() -> None:
     assert result.confusion_video.sum() == len(videos)
     assert result.per_subject["n"].sum() == len(videos)
     with pytest.raises(ValueError, match="prob_PA1"):
-        evaluate_predictions(frames, ("BL1", "PA1"))
+        evaluate_predictions(frames, ("BL1", "PA1"), "mean", 3)
 
 
 def test_summarize_folds_ignores_nan() -> None:

@@ -12,6 +12,7 @@ from pipeline.models import model_file
 from pipeline.models.factory import create_model
 from pipeline.models.model_file import load_model_file, model_meta, save_model_file
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head
+from pipeline.runs.store import tracking
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 HEAD = {"name": "gru", "mode": "two_stage", "hidden": 8, "layers": 1, "attention_heads": 2, "dropout": 0.0,
@@ -23,10 +24,11 @@ def saved(tmp_path: Path, name: str, img_size: int, head: dict | None = None) ->
     net, source = create_model(name, n_classes=2, pretrained=False, img_size=img_size)
     extra = {}
     if head:
-        net = ClipNet(net.backbone, build_temporal_head(HeadConfig(**head), net.backbone.num_features, 2))
+        net = ClipNet(net.backbone, build_temporal_head(HeadConfig.from_model_file(head), net.backbone.num_features, 2))
         extra["head"] = head
     meta = model_meta(net, model_name=name, img_size=img_size, class_names=["BL1", "PA4"], task="bl1_vs_pa4",
-                      loader={"crop_fraction": 1.0, "clip_frames": 3 if head else None}, weights=source.as_tags(),
+                      loader={"crop_fraction": 1.0, "clip_frames": 3 if head else None},
+                      weights=tracking.weights_tags(source),
                       **extra)
     return net.eval(), save_model_file(net, meta, tmp_path / f"{name}.pt")
 

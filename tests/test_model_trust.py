@@ -20,12 +20,13 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from pipeline.deployment.predict import run_predict, sampled_frames
-from pipeline.runs.orchestration.launchers import stop_process_group
+from pipeline.deployment.predict import run_predict
+from pipeline.deployment.video_frames import sampled_frames
 from pipeline.runs.serving.mlflow_model import load_scorer
 from pipeline.runs.serving.model_trust import FORMER_CODE_FILES, RETIRED_CODE_FILES, UntrustedModel, check_model_folder
 from pipeline.runs.store.registry import CHAMPION, registered_name
 from pipeline.utils.paths import PROJECT_ROOT
+from pipeline.utils.processes import stop_process_group
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,9 +8,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from pipeline.data.datamodule import PainDataModule
+from pipeline.data.datamodule import PainDataModule, SubjectRoles
 from pipeline.data.frame_dataset import FrameDataset
-from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
 from pipeline.models.callbacks import FreezeBackbone, ResumableEarlyStopping
 from pipeline.models.factory import create_model
@@ -58,9 +57,11 @@ def test_scheduler_applies_each_groups_own_rate(tiny_config) -> None:
     cfg = tiny_config()
     task = get_task("bl1_vs_pa4")
     net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, task,
-                                net.backbone.data_config, {}, loader_config(batch_size=4, num_workers=0))
-    module = PainLightningModule(net, task.classes, OPTIM)
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir),
+                                SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
+                                task,
+                                net.backbone.data_config, {}, loader_config(batch_size=4, num_workers=0), cfg.seed)
+    module = PainLightningModule(net, task.classes, OPTIM, aggregation="mean", topk=3)
     recorder = RecordLearningRates()
     trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -88,12 +89,14 @@ def test_frozen_backbone_does_not_move(tiny_config) -> None:
     net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
     before = {k: v.clone() for k, v in net.backbone.state_dict().items()}
     head_before = net.head.weight.clone()
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, task,
-                                net.backbone.data_config, {}, loader_config(batch_size=4, num_workers=0))
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir),
+                                SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
+                                task,
+                                net.backbone.data_config, {}, loader_config(batch_size=4, num_workers=0), cfg.seed)
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          callbacks=[FreezeBackbone(1)])
-    trainer.fit(PainLightningModule(net, task.classes, OPTIM), datamodule=datamodule)
+    trainer.fit(PainLightningModule(net, task.classes, OPTIM, aggregation="mean", topk=3), datamodule=datamodule)
     assert all(torch.equal(before[k], v) for k, v in net.backbone.state_dict().items())
     assert not torch.equal(head_before, net.head.weight)
 
@@ -129,14 +132,16 @@ def test_fused_adamw_still_clips_gradients(tiny_config, precision: str) -> None:
     cfg = tiny_config()
     task = get_task("bl1_vs_pa4")
     net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, task,
-                                net.backbone.data_config, {}, loader_config(batch_size=4, num_workers=0))
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir),
+                                SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
+                                task,
+                                net.backbone.data_config, {}, loader_config(batch_size=4, num_workers=0), cfg.seed)
     recorder = RecordGradientNorms()
     clip = 1e-3
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=3, accelerator="cpu", logger=False, precision=precision,
                          gradient_clip_val=clip, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, callbacks=[recorder])
-    trainer.fit(PainLightningModule(net, task.classes, OPTIM), datamodule=datamodule)
+    trainer.fit(PainLightningModule(net, task.classes, OPTIM, aggregation="mean", topk=3), datamodule=datamodule)
     assert recorder.fused == [True]
     assert len(recorder.before) == len(recorder.after) == 3
     assert min(recorder.before) > 10 * clip  # clipping had work to do
@@ -157,9 +162,11 @@ class OneClassValidation(PainDataModule):
 def one_class_fit(cfg, monitor: str) -> tuple[PainLightningModule, pl.Trainer]:
     task = get_task("bl1_vs_pa4")
     net, _ = create_model("vit_tiny_patch16_224", n_classes=2, img_size=32)
-    datamodule = OneClassValidation(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, task,
-                                    net.backbone.data_config, {}, loader_config(batch_size=8, num_workers=0))
-    module = PainLightningModule(net, task.classes, OPTIM, monitor=monitor)
+    datamodule = OneClassValidation(resolve_path(cfg.data.processed_dir),
+                                    SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
+                                    task, net.backbone.data_config, {}, loader_config(batch_size=8, num_workers=0),
+                                    cfg.seed)
+    module = PainLightningModule(net, task.classes, OPTIM, aggregation="mean", topk=3, monitor=monitor)
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=datamodule)

@@ -25,8 +25,9 @@ from pipeline.data.augment import (
     read_rgb,
 )
 from pipeline.deployment.export import export_scorer, run_export
-from pipeline.deployment.predict import load_scorer, sampled_frames
-from pipeline.models.backbones import DataConfig
+from pipeline.deployment.predict import find_scorer
+from pipeline.deployment.video_frames import sampled_frames
+from pipeline.models.backbone_adapter import DataConfig
 from pipeline.models.factory import create_model
 from pipeline.models.model_file import model_meta, save_model_file
 from pipeline.models.scoring import FrameScorer
@@ -35,6 +36,7 @@ from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.serving.mlflow_model import WEIGHTS_ARTIFACT, build_scorer
 from pipeline.runs.store import tracking
 from tests import onnx_contract_client
+from tests.conftest import scorer_source
 from tests.onnx_contract_client import ContractRuntime, network_input
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -86,7 +88,7 @@ def test_the_contract_alone_gives_each_runs_inputs_and_probabilities_on_the_crop
     for fold, run_id in folds["runs"].items():
         path = folds["exported"][fold]
         runtime = ContractRuntime(path.with_suffix(".json"))
-        scorer, _ = load_scorer(cfg, run=run_id)
+        scorer, _ = find_scorer(scorer_source(cfg), run=run_id)
         # the export is of the run asked for (this store has no champion to fall back on), deciding at its threshold
         assert runtime.contract["source"].startswith(f"run {run_id} ")
         assert runtime.contract["threshold"] == pytest.approx(scorer.threshold) and scorer.threshold != 0.5
@@ -109,7 +111,7 @@ def test_the_contract_alone_crops_video_frames_as_predict_does(folds) -> None:
     settings and weights); the alignment, warp, JPEG round trip and transform come from the contract alone."""
     cfg = folds["cfg"]
     runtime = ContractRuntime(folds["exported"][0].with_suffix(".json"))
-    scorer, _ = load_scorer(cfg, run=folds["runs"][0])
+    scorer, _ = find_scorer(scorer_source(cfg), run=folds["runs"][0])
     frames = twin_frames(cfg)
     table = scorer.score(frames)
     follower = scorer.follower()
@@ -132,9 +134,10 @@ def test_the_contract_alone_makes_square_crops_as_predict_does(folds, tmp_path) 
     """A model trained on square crops (no landmarks): the box rounding, margin, border and resize from the contract;
     boxes inside the frame, over its edges, smaller and larger than the crop."""
     cfg = folds["cfg"]
-    aligned, _ = load_scorer(cfg, run=folds["runs"][0])
+    aligned, _ = find_scorer(scorer_source(cfg), run=folds["runs"][0])
     settings = dataclasses.replace(aligned.settings, detector="haar", align=False)
-    scorer = FrameScorer(aligned.net, aligned.meta, settings, threshold=aligned.threshold)
+    scorer = FrameScorer(aligned.net, aligned.meta, settings, aggregation=aligned.aggregation, topk=aligned.topk,
+                         threshold=aligned.threshold)
     runtime = ContractRuntime(export_scorer(scorer, "square", tmp_path).with_suffix(".json"))
     assert runtime.contract["face_crop"]["crop"]["method"] == "square"
     frame = twin_frames(cfg, 1)[0]
@@ -155,13 +158,15 @@ def test_a_clip_models_contract_gives_its_window_probabilities(tiny_config, tmp_
     frame_net, source = create_model("mobilevit_xxs", n_classes=2, pretrained=False, img_size=32)
     head = {"name": "transformer", "mode": "two_stage", "hidden": 16, "layers": 1, "attention_heads": 4,
             "dropout": 0.0, "max_frames": 8, "epochs": 1, "patience": 1}
-    net = ClipNet(frame_net.backbone, build_temporal_head(HeadConfig(**head), frame_net.backbone.num_features, 2))
+    net = ClipNet(frame_net.backbone,
+                  build_temporal_head(HeadConfig.from_model_file(head), frame_net.backbone.num_features, 2))
     meta = model_meta(net, model_name="mobilevit_xxs", img_size=32, class_names=["BL1", "PA4"], task="bl1_vs_pa4",
                       loader={"crop_fraction": 0.8, "clip_frames": 3, "clip_spacing_s": 0.42},
-                      weights=source.as_tags(), head=head)
+                      weights=tracking.weights_tags(source), head=head)
     path = save_model_file(net, meta, tmp_path / "model.pt")
     crop = {"crop_size": int(cfg.preprocess.crop_size), "margin": float(cfg.preprocess.margin)}
-    scorer = build_scorer({WEIGHTS_ARTIFACT: str(path)}, {"threshold": 0.5, "crop": crop})
+    scorer = build_scorer({WEIGHTS_ARTIFACT: str(path)},
+                          {"threshold": 0.5, "aggregation": "mean", "topk": 3, "crop": crop})
     runtime = ContractRuntime(export_scorer(scorer, "clip", tmp_path).with_suffix(".json"))
     assert runtime.contract["layout"] == "NTCHW" and runtime.contract["clip_frames"] == 3
     assert runtime.contract["transform"][0]["step"] == "central_crop"

@@ -26,8 +26,9 @@ from pipeline.models.ordinal import (
     output_probabilities,
     task_levels,
 )
-from pipeline.runs.store.cv_runs import identity_config
+from pipeline.runs.store.cv_runs import CvConfig, identity_config
 from pipeline.utils.config import CONFIG_DIR, load_config
+from tests.conftest import head_config
 
 K = 5
 
@@ -211,11 +212,14 @@ def _configs_without_the_new_groups(tmp_path: Path) -> Path:
 def test_the_default_output_and_personalisation_leave_a_runs_identity_as_it_was(overrides: list[str],
                                                                                tmp_path: Path) -> None:
     composed_before = load_config(overrides, config_dir=_configs_without_the_new_groups(tmp_path))
-    before = identity_config(composed_before)
+    def identity(config) -> dict:
+        return identity_config(CvConfig.from_config(config))
+
+    before = identity(composed_before)
     assert OmegaConf.to_container(load_config(overrides)) == OmegaConf.to_container(composed_before)  # every key
-    assert identity_config(load_config(overrides)) == before
-    assert identity_config(load_config([*overrides, "model/output=softmax", "personalise=none"])) == before
-    assert identity_config(load_config([*overrides, "model/output=ordinal"])) != before  # a setting of its own
+    assert identity(load_config(overrides)) == before
+    assert identity(load_config([*overrides, "model/output=softmax", "personalise=none"])) == before
+    assert identity(load_config([*overrides, "model/output=ordinal"])) != before  # a setting of its own
 
 
 @pytest.mark.parametrize("output", ["coral", "corn", "regression"])
@@ -271,14 +275,14 @@ def test_an_ordinal_module_trains_on_its_heads_loss_and_refuses_cross_entropy_se
     output = OutputConfig("ordinal", "coral", pain_level=1)
     torch.manual_seed(0)
     net, _ = create_model("mobilevit_xxs", K, pretrained=False, img_size=32, output=output)
-    module = PainLightningModule(net, TASKS["five_class"].classes, optim)
+    module = PainLightningModule(net, TASKS["five_class"].classes, optim, aggregation="mean", topk=3)
     images, levels = torch.randn(3, 3, 32, 32), torch.tensor([0, 2, 4])
     logits = module(images)
     assert logits.shape == (3, K - 1)
     torch.testing.assert_close(module._loss(logits, levels), net.head.loss(logits, levels))
     for bad in ({"class_weights": [1.0] * K}, {"label_smoothing": 0.1}):
         with pytest.raises(ValueError, match="trainer.class_weights and trainer.label_smoothing .* CoralHead"):
-            PainLightningModule(net, TASKS["five_class"].classes, optim, **bad)
+            PainLightningModule(net, TASKS["five_class"].classes, optim, aggregation="mean", topk=3, **bad)
 
 
 @pytest.mark.parametrize("name", ["gru", "attention", "transformer"])
@@ -291,18 +295,20 @@ def test_a_temporal_head_over_levels_trains_on_its_last_layers_loss_and_exports_
     from pipeline.models.factory import create_model
     from pipeline.models.head_training import head_loss
     from pipeline.models.lightning_module import OptimConfig, PainLightningModule
-    from pipeline.models.temporal_heads import ClipLevels, ClipNet, HeadConfig, build_temporal_head
+    from pipeline.models.temporal_heads import ClipLevels, ClipNet, build_temporal_head
 
-    config = HeadConfig(name=name, hidden=8, layers=1, attention_heads=2, dropout=0.0, max_frames=8)
+    config = head_config(name=name, hidden=8, layers=1, attention_heads=2, dropout=0.0, max_frames=8)
     output = OutputConfig("ordinal", "coral", pain_level=1)
-    per_frame = build_temporal_head(HeadConfig("linear", 8, 1, 2, 0.0, 8), 8, K, output)  # mean of per-frame outputs
+    linear = head_config(name="linear", hidden=8, layers=1, attention_heads=2, dropout=0.0, max_frames=8)
+    per_frame = build_temporal_head(linear, 8, K, output)  # mean of per-frame outputs
     assert isinstance(per_frame, ClipLevels) and isinstance(per_frame.levels, CoralHead)
     _assert_distribution(per_frame, torch.randn(4, 3, 8))
     assert not isinstance(build_temporal_head(config, 8, K), ClipLevels)  # softmax: the plain head, as before
     torch.manual_seed(0)
     net, _ = create_model("mobilevit_xxs", K, pretrained=False, img_size=32, head=config, output=output)
     assert isinstance(net, ClipNet) and isinstance(net.head, ClipLevels) and isinstance(net.head.levels, CoralHead)
-    module = PainLightningModule(net, TASKS["five_class"].classes, OptimConfig(1e-2, 1e-2, 0.5, 0.0, 0.0, 0))
+    module = PainLightningModule(net, TASKS["five_class"].classes, OptimConfig(1e-2, 1e-2, 0.5, 0.0, 0.0, 0),
+                                 aggregation="mean", topk=3)
     clips, levels = torch.randn(3, 2, 3, 32, 32), torch.tensor([0, 2, 4])
     outputs = module(clips)
     assert outputs.shape == (3, K - 1)

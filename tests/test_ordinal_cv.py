@@ -13,11 +13,11 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipeline.data.datamodule import PainDataModule
-from pipeline.data.prepare import fold_file_path
+from pipeline.data.datamodule import PainDataModule, SubjectRoles
 from pipeline.data.tasks import get_task
 from pipeline.deployment.export import run_export
-from pipeline.deployment.predict import load_scorer, sampled_frames
+from pipeline.deployment.predict import find_scorer
+from pipeline.deployment.video_frames import sampled_frames
 from pipeline.evaluation.aggregation import ordinal_decision
 from pipeline.models.model_file import load_model_file
 from pipeline.models.ordinal import CoralHead, output_probabilities
@@ -26,7 +26,7 @@ from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.store import tracking
 from pipeline.runs.store.cv_runs import cv_label
 from pipeline.utils.paths import resolve_path
-from tests.conftest import loader_config
+from tests.conftest import loader_config, scorer_source
 from tests.onnx_contract_client import ContractRuntime
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -98,10 +98,11 @@ def test_the_kept_ordinal_model_loads_and_gives_the_folds_test_probabilities(ord
     assert isinstance(net.head, CoralHead) and meta["output"]["name"] == "ordinal" and meta["class_names"] == LEVELS
     biases = net.head.biases().detach()
     assert (biases[1:] < biases[:-1]).all()  # CORAL's K-1 thresholds stay ordered after training
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, get_task("five_class"),
-                                net.backbone.data_config, {}, loader_config(num_workers=0, **{
+    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir),
+                                SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
+                                get_task("five_class"), net.backbone.data_config, {}, loader_config(num_workers=0, **{
                                     key: meta["loader"][key] for key in ("frames_per_video", "from_s", "crop_fraction")
-                                    if key in meta["loader"]}))
+                                    if key in meta["loader"]}), cfg.seed)
     datamodule.setup()
     with torch.no_grad():
         probs = torch.cat([output_probabilities(net.head, net(images))
@@ -117,7 +118,7 @@ def test_the_kept_ordinal_model_loads_and_gives_the_folds_test_probabilities(ord
 
 def test_the_ordinal_model_scores_frames_and_its_onnx_export_gives_the_same_pain_probabilities(ordinal_cv) -> None:
     cfg, run = ordinal_cv["cfg"], ordinal_cv["folds"][1]
-    scorer, _ = load_scorer(cfg, run=run.info.run_id)
+    scorer, _ = find_scorer(scorer_source(cfg), run=run.info.run_id)
     video = sorted(Path(cfg.data.root, "video").rglob("*PA4*.mp4"))[0]
     frames = list(next(sampled_frames(video, 5))[2][:8])
     table = scorer.score(frames)
@@ -163,7 +164,7 @@ def test_a_two_stage_clip_model_over_levels_trains_scores_windows_and_exports(ti
     assert isinstance(net, ClipNet) and isinstance(net.head, ClipLevels) and meta["output"]["name"] == "ordinal"
     biases = net.head.levels.biases().detach()
     assert (biases[1:] < biases[:-1]).all()
-    scorer, _ = load_scorer(cfg, run=run.info.run_id)
+    scorer, _ = find_scorer(scorer_source(cfg), run=run.info.run_id)
     video = sorted(Path(cfg.data.root, "video").rglob("*PA4*.mp4"))[0]
     table = scorer.score(list(next(sampled_frames(video, 5))[2][:8]))
     found = table[table.face_found.astype(bool)]

@@ -18,14 +18,13 @@ import torch
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from pipeline.data.datamodule import ROLES
+from pipeline.data.datamodule import ROLES, SubjectRoles
 from pipeline.data.embeddings import EmbeddingDataModule, EmbeddingTable
 from pipeline.data.personalise import PersonaliseConfig
-from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import NO_PAIN, get_task
 from pipeline.deployment.export import run_export
 from pipeline.deployment.final_model import run_final
-from pipeline.deployment.predict import load_scorer, run_predict
+from pipeline.deployment.predict import find_scorer, run_predict
 from pipeline.deployment.reference import attach_reference, video_embeddings
 from pipeline.deployment.serving import guarded_app, limits_of
 from pipeline.deployment.video_frames import PredictError, sampled_frames
@@ -33,12 +32,12 @@ from pipeline.models.head_training import embedded_clips
 from pipeline.models.scoring import FrameScorer
 from pipeline.models.temporal_heads import ClipNet
 from pipeline.runs.jobs.sealing import VIDEO_PREDICTIONS
-from pipeline.runs.jobs.two_stage import served_table
+from pipeline.runs.jobs.two_stage import split_embeddings
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.serving.mlflow_model import encode_image, synthetic_frames
 from pipeline.runs.store import cv_runs, tracking
 from pipeline.utils.paths import resolve_path
-from tests.conftest import loader_config
+from tests.conftest import loader_config, scorer_source
 from tests.test_embedding_cache import FROZEN
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -61,8 +60,10 @@ def embedding_table(processed: Path, seed: int = 0, views: int = 2) -> Embedding
 
 
 def datamodule(cfg, table: EmbeddingTable, protocol: PersonaliseConfig) -> EmbeddingDataModule:
-    data = EmbeddingDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, get_task("bl1_vs_pa4"),
-                               DataConfig(), {}, loader_config(batch_size=4, num_workers=0), seed=0,
+    data = EmbeddingDataModule(resolve_path(cfg.data.processed_dir),
+                               SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
+                               get_task("bl1_vs_pa4"), DataConfig(), {}, loader_config(batch_size=4, num_workers=0),
+                               seed=0,
                                embeddings=table, source=Path("test.npz"), personalise=protocol)
     data.setup()
     return data
@@ -139,7 +140,7 @@ def baseline_cv(tiny_config, tmp_path_factory: pytest.TempPathFactory) -> dict:
     cfg = tiny_config(*FROZEN, *store, "personalise=baseline", "personalise.k=1")
     run_cv(cfg)
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    parent = cv_runs.finished_cv(client, cfg)
+    parent = cv_runs.finished_cv(client, cv_runs.CvConfig.from_config(cfg))
     return {"cfg": cfg, "client": client, "parent": parent,
             "folds": tracking.fold_runs(client, parent.info.run_id)}
 
@@ -174,10 +175,10 @@ def test_a_two_stage_heads_clips_are_made_of_the_personalised_embeddings_without
     table = embedding_table(resolve_path(cfg.data.processed_dir))
     data = datamodule(cfg, table, PersonaliseConfig("baseline", k=1, seed=0))
     plain = datamodule(cfg, table, PersonaliseConfig("none"))
-    assert served_table(plain, "test", table) is table  # a plain fold's clips are the frame model's embeddings
+    assert split_embeddings(plain, "test", table) is table  # a plain fold's clips are the frame model's embeddings
     for role in ROLES:
         rows, reference = data.frames(role), data.references[role]
-        clips = embedded_clips(rows, served_table(data, role, table), 3, Path("test.npz"))
+        clips = embedded_clips(rows, split_embeddings(data, role, table), 3, Path("test.npz"))
         taken = {row for video in clips.videos["rows"] for row in video}
         assert taken <= set(rows.index) and not taken & set(reference.index)
         means = {person: table.plain[group.index.to_numpy()].mean(axis=0)
@@ -195,7 +196,7 @@ def test_a_personalised_two_stage_cv_keeps_a_clip_model_that_scores_against_the_
                       f"mlflow.artifact_root={tmp_path / 'art'}", f"cv.work_dir={tmp_path / 'runs'}")
     run_cv(cfg)
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    parent = cv_runs.finished_cv(client, cfg)
+    parent = cv_runs.finished_cv(client, cv_runs.CvConfig.from_config(cfg))
     assert parent.data.tags[tracking.PERSONALISE_TAG] == "baseline_k1"
     fold = tracking.fold_runs(client, parent.info.run_id)[0]
     splits = json.loads(Path(client.download_artifacts(fold.info.run_id, "splits.json")).read_text())
@@ -203,7 +204,7 @@ def test_a_personalised_two_stage_cv_keeps_a_clip_model_that_scores_against_the_
                          dtype={"subject_name": str, "sample_name": str})
     tested = set(videos["subject_name"] + "/" + videos["sample_name"])
     assert tested and not tested & set(splits["test"]["reference_videos"])
-    scorer, _ = load_scorer(cfg, run=fold.info.run_id)
+    scorer, _ = find_scorer(scorer_source(cfg), run=fold.info.run_id)
     assert isinstance(scorer.net, ClipNet) and scorer.personalise.label == "baseline_k1"
     person = sorted(Path(cfg.data.root, "video").iterdir())[0]
     reference = tmp_path / "rest"
@@ -249,7 +250,7 @@ def test_a_personalised_final_model_scores_a_person_against_their_reference_and_
         personal_final, tmp_path: Path) -> None:
     cfg, uri, reference = personal_final["cfg"], personal_final["final"]["model_uri"], personal_final["reference"]
     pain = str(personal_final["pain"])
-    scorer, _ = load_scorer(cfg, uri)
+    scorer, _ = find_scorer(scorer_source(cfg), uri)
     assert scorer.personalise == PersonaliseConfig("baseline", k=1, seed=int(cfg.personalise.seed))
     with pytest.raises(SystemExit, match=r"personalised \(baseline_k1, the person's resting \(BL1\) recordings.*"
                                          r"REFERENCE=<folder of the person's recordings>"):
@@ -292,13 +293,13 @@ def test_a_personalised_model_is_not_served_or_exported_and_a_plain_one_takes_no
         run_export(cfg, model_uri=uri, out=str(tmp_path / "export"))
     local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp_path / "model"))
     with pytest.raises(SystemExit, match=r"serve: .*personalised \(baseline_k1\).*scoring request"):
-        guarded_app(local, limits_of(cfg))
+        guarded_app(local, limits_of(cfg.serve))
     served = mlflow.pyfunc.load_model(local)  # as `mlflow models serve` loads it: every request is told why
     with pytest.raises(MlflowException, match=r"personalised \(baseline_k1\)"):
         served.predict(pd.DataFrame({"image": [encode_image(frame) for frame in synthetic_frames(1)]}))
-    scorer, _ = load_scorer(cfg, uri)
+    scorer, _ = find_scorer(scorer_source(cfg), uri)
     meta = {key: value for key, value in scorer.meta.items() if key != "personalise"}
-    plain = FrameScorer(scorer.net, meta, scorer.settings)
+    plain = FrameScorer(scorer.net, meta, scorer.settings, aggregation=scorer.aggregation, topk=scorer.topk)
     with pytest.raises(PredictError, match=r"REFERENCE=.*not personalised \(personalise=none\)"):
         attach_reference(plain, str(reference), 5.0)
     assert attach_reference(plain, None, 5.0) is None

@@ -16,10 +16,11 @@ import pytest
 from mlflow import MlflowClient
 
 from pipeline.runs.orchestration.cross_validation import run_cv
-from pipeline.runs.orchestration.launchers import free_port, stop_process_group
+from pipeline.runs.store.private_server import free_port
 from pipeline.runs.store.tracking_server import PASSWORD_ENV, USERNAME_ENV, auth_call
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import PROJECT_ROOT
+from pipeline.utils.processes import stop_process_group
 from tests.conftest import tiny_overrides
 from tests.make_server import MakeServer, status_of
 from tests.test_cv import FAST

@@ -12,7 +12,7 @@ import pytest
 from scipy import stats
 
 from pipeline.analysis.comparison_statistics import PRIMARY_CHOICES, PRIMARY_METRIC
-from pipeline.analysis.power import clopper_pearson, effect_metric, run_power, study_key
+from pipeline.analysis.power import PowerSettings, clopper_pearson, effect_metric, run_power, study_key
 from pipeline.data.synthetic.settings import EFFECTS
 from pipeline.evaluation.statistics import minimum_detectable_effect
 from pipeline.utils.config import load_config
@@ -25,12 +25,16 @@ def test_clopper_pearson_is_the_exact_binomial_interval() -> None:
     assert low == pytest.approx(stats.beta.ppf(0.025, 10, 11)) and high == pytest.approx(stats.beta.ppf(0.975, 11, 10))
 
 
-def power_settings(*overrides: str):
+def power_group(*overrides: str):
     return load_config(list(overrides), groups=("power=default",)).power
 
 
+def power_settings(*overrides: str) -> PowerSettings:
+    return PowerSettings.of(power_group(*overrides))
+
+
 def test_every_configured_effect_names_a_twin_a_metric_compare_takes_and_two_settings_that_differ() -> None:
-    power = power_settings()
+    power = power_group()
     assert {"null", "temporal", "baseline", "graded"} <= set(power.effects)
     for name, entry in power.effects.items():
         assert entry.twin in EFFECTS, name
@@ -82,6 +86,7 @@ def test_make_power_repeats_a_comparison_over_twins_and_resumes(tmp_path: Path, 
     assert "== null twin" not in capsys.readouterr().out
     # a record's row is counted only for its own study: another backbone or its weights over the same seeds is not
     base = [o for o in overrides if not o.startswith(("power.", "task=", "data="))]
-    assert repeats.study.iloc[0] == study_key(cfg.power, base)
-    assert study_key(cfg.power, [*base, "model.weights=/elsewhere.pt"]) != study_key(cfg.power, base)
-    assert study_key(cfg.power, list(reversed(base))) == study_key(cfg.power, base)
+    power = PowerSettings.of(cfg.power)
+    assert repeats.study.iloc[0] == study_key(power, base)
+    assert study_key(power, [*base, "model.weights=/elsewhere.pt"]) != study_key(power, base)
+    assert study_key(power, list(reversed(base))) == study_key(power, base)

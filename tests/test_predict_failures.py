@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.deployment.predict import PredictFailed, run_predict, sampled_frames
+from pipeline.deployment.predict import PredictFailed, run_predict
+from pipeline.deployment.video_frames import sampled_frames
 from pipeline.utils.paths import PROJECT_ROOT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

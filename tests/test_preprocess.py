@@ -29,7 +29,7 @@ from pipeline.data.video import sample_frame_indices
 from pipeline.utils.config import load_config
 from tests.photo_clips import PhotoClip, astronaut, clip_frames
 
-PROJECT_CONFIG = preprocess_config(load_config())  # the settings `make data` uses; tests change a few
+PROJECT_CONFIG = preprocess_config(load_config().preprocess)  # the settings `make data` uses; tests change a few
 CONFIG = replace(PROJECT_CONFIG, frames_per_video=3, crop_size=48)
 
 

@@ -48,9 +48,10 @@ def test_pretrained_weights_load_as_weights_and_say_where_they_come_from(tiny_ba
     from mlflow import MlflowClient
 
     from pipeline.runs.orchestration.cross_validation import plan_cv
+    from pipeline.runs.orchestration.cv_settings import CvRunSettings
 
     cfg_cv, uri = cv_config(tiny_base, tmp_path, path)
-    plan = plan_cv(cfg_cv, MlflowClient(uri), uri)
+    plan = plan_cv(CvRunSettings.from_config(cfg_cv), MlflowClient(uri), uri)
     assert MlflowClient(uri).get_run(plan.parent_run_id).data.tags["pretraining_people"] == (
         f"checked: none of the 3 identities in {path.with_suffix('.json').name} is among the {len(twin)} subjects "
         f"of kfold5_all.csv")
@@ -138,6 +139,7 @@ def test_cv_weights_whose_pool_shares_a_person_with_the_fold_file_are_refused(ti
     from mlflow import MlflowClient
 
     from pipeline.runs.orchestration.cross_validation import plan_cv
+    from pipeline.runs.orchestration.cv_settings import CvRunSettings
     from pipeline.utils.paths import PROJECT_ROOT
 
     weights = run_pretrain(biovid_config(tmp_path, PROJECT_ROOT / "data_manifests" / "biovid", "pretrain.epochs=1",
@@ -147,14 +149,14 @@ def test_cv_weights_whose_pool_shares_a_person_with_the_fold_file_are_refused(ti
     twin = sorted(pd.read_csv(tiny_base / "processed" / "frames.csv")["subject_name"].unique())
     with pytest.raises(SystemExit, match=rf"starting weights {weights} were trained on {len(twin)} of the subjects "
                                          rf"of .*kfold5_all.csv \({twin[0]}, .*{weights.with_suffix('.json')}"):
-        plan_cv(cfg, MlflowClient(uri), uri)
+        plan_cv(CvRunSettings.from_config(cfg), MlflowClient(uri), uri)
     experiment = MlflowClient(uri).get_experiment_by_name(cfg.mlflow.experiment)
     assert experiment is None or not MlflowClient(uri).search_runs([experiment.experiment_id])  # no run was made
     provenance = json.loads(weights.with_suffix(".json").read_text())
     assert provenance["pool"]["checked_apart_from"].startswith("biovid: 87 participants by name")
 
     weights.with_suffix(".json").unlink()  # the same weights without their provenance: nothing can be checked
-    plan = plan_cv(cfg, MlflowClient(uri), uri)
+    plan = plan_cv(CvRunSettings.from_config(cfg), MlflowClient(uri), uri)
     tag = MlflowClient(uri).get_run(plan.parent_run_id).data.tags["pretraining_people"]
     assert tag == f"unchecked: no provenance file {weights.with_suffix('.json')}"
     assert any("nothing could be checked" in record.getMessage() for record in caplog.records)

@@ -10,14 +10,18 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipeline.data.prepare import fold_file_path
+from pipeline.data.datamodule import SubjectRoles
 from pipeline.models.model_file import MODEL_ARTIFACT, load_model_file
 from pipeline.models.probe_training import EpochState
-from pipeline.models.temporal_heads import HeadConfig
-from pipeline.runs.jobs.fold_job import check_head, plan_decisions, settings_here, train
+from pipeline.runs.jobs.fold_decisions import settings_here
+from pipeline.runs.jobs.fold_job import build_fold, train
+from pipeline.runs.jobs.head_modes import head_mode
+from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.runs.orchestration.cross_validation import run_cv
 from pipeline.runs.store import cv_runs, tracking
-from pipeline.runs.store.cv_runs import WhatTrains
+from pipeline.utils.paths import resolve_path
+from tests.conftest import head_config, planned, training_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # two folds of a frozen probe with two augmented views a crop (the draw of a view per crop and epoch is exercised)
@@ -33,7 +37,7 @@ def store(base: Path) -> tuple[str, ...]:
 
 def fold_runs(cfg) -> dict[int, object]:
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    parent = cv_runs.finished_cv(client, cfg)
+    parent = cv_runs.finished_cv(client, cv_runs.CvConfig.from_config(cfg))
     return {int(run.data.tags[tracking.FOLD_TAG]): run for run in tracking.fold_runs(client, parent.info.run_id)}
 
 
@@ -90,10 +94,11 @@ def test_a_callback_sees_each_epoch_and_stops_the_fit(tiny_config, tmp_path: Pat
     cfg = tiny_config(*FROZEN, *store(tmp_path), "model.head.fit=in_memory", "trainer.patience=50")
     run_cv(tiny_config(*FROZEN, *store(tmp_path), "model.head.fit=in_memory", "trainer.folds=[0]",
                        "trainer.max_epochs=1"))  # prepares the fold file and builds the embedding cache
-    decisions = plan_decisions(cfg, fold_file_path(cfg))
+    decisions = planned(cfg)
     stop = StopAfter(2)
-    trained = train(cfg, 0, decisions, tmp_path / "fold", settings_here(decisions, cfg.trainer.channels_last,
-                                                                     cfg.trainer.accelerator), callbacks=[stop])
+    settings = settings_here(decisions, cfg.trainer.channels_last, cfg.trainer.accelerator)
+    built = build_fold(*training_of(cfg), SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0), decisions, settings)
+    trained = train(TrainingSettings.from_config(cfg), built, tmp_path / "fold", settings, callbacks=[stop])
     assert stop.started == 2 and len(stop.scores) == 2 and len(trained.history) == 2
     assert trained.best_path is None and trained.validation is not None and trained.evaluation is not None
     assert stop.scores[trained.selected["best_epoch"]] == pytest.approx(trained.selected["best_val_score"])
@@ -105,12 +110,13 @@ def test_a_callback_sees_each_epoch_and_stops_the_fit(tiny_config, tmp_path: Pat
 ])
 def test_what_the_in_memory_fit_cannot_fit_is_refused(tiny_config, changes, message) -> None:
     with pytest.raises(ValueError, match=message):
-        check_head(WhatTrains.from_config(tiny_config("model=mobilevit_xxs", "model.head.fit=in_memory", *changes)))
+        WhatTrains.of(TrainingSettings.from_config(tiny_config("model=mobilevit_xxs", "model.head.fit=in_memory",
+                                                                *changes))).check()
 
 
 def test_a_temporal_head_or_an_unknown_fit_is_refused() -> None:
     base = {"name": "linear", "hidden": 8, "layers": 1, "attention_heads": 1, "dropout": 0.0, "max_frames": 8}
     with pytest.raises(ValueError, match="a temporal head \\(gru\\) on a fixed backbone trains in memory already"):
-        HeadConfig(**{**base, "name": "gru", "fit": "in_memory"})
+        head_mode(head_config(**{**base, "name": "gru", "fit": "in_memory"}))
     with pytest.raises(ValueError, match="model.head.fit='gpu': expected one of lightning, in_memory"):
-        HeadConfig(**{**base, "fit": "gpu"})
+        head_mode(head_config(**{**base, "fit": "gpu"}))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipeline.analysis.regions import box_polygon, polygons_mask, region_mask, region_score, video_to_crop
-from pipeline.models.backbones import DataConfig
+from pipeline.models.backbone_adapter import DataConfig
 
 
 def hand_made_regions(size: int = 32) -> np.ndarray:

@@ -10,6 +10,7 @@ import torch
 from pipeline.models.factory import create_model
 from pipeline.models.model_file import model_meta
 from pipeline.models.scoring import CropSettings, FaceFollower, FrameScorer
+from pipeline.runs.store import tracking
 from tests.photo_clips import PhotoClip, astronaut, clip_frames
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -25,8 +26,9 @@ def scorer(min_face_fraction: float) -> FrameScorer:
     torch.manual_seed(0)
     net, source = create_model("mobilevit_xxs", n_classes=2, pretrained=False, img_size=32)
     meta = model_meta(net, model_name="mobilevit_xxs", img_size=32, class_names=["BL1", "PA4"], task="bl1_vs_pa4",
-                      loader={"crop_fraction": 1.0}, weights=source.as_tags())
-    return FrameScorer(net, meta, CropSettings(crop_size=64, min_face_fraction=min_face_fraction), threshold=0.5)
+                      loader={"crop_fraction": 1.0}, weights=tracking.weights_tags(source))
+    return FrameScorer(net, meta, CropSettings(crop_size=64, min_face_fraction=min_face_fraction), aggregation="mean",
+                       topk=3, threshold=0.5)
 
 
 def test_a_small_face_is_found_with_the_predict_minimum_not_with_the_crop_minimum() -> None:

@@ -21,11 +21,12 @@ import pytest
 from mlflow.exceptions import MlflowException
 from omegaconf import OmegaConf
 
-from pipeline.deployment.predict import run_predict, sampled_frames
-from pipeline.runs.orchestration.launchers import stop_process_group
+from pipeline.deployment.predict import run_predict
+from pipeline.deployment.video_frames import sampled_frames
 from pipeline.runs.serving.mlflow_model import encode_image, frames_from_input
 from pipeline.runs.serving.serving_input import ServingLimits
 from pipeline.utils.paths import PROJECT_ROOT
+from pipeline.utils.processes import stop_process_group
 from tests.image_files import bomb_png
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -312,9 +313,9 @@ def test_serve_refuses_an_open_host_and_the_file_system_root(untrained_model) ->
     for host in ("0.0.0.0", "192.168.1.1", "::", "example.org"):
         with pytest.raises(SystemExit, match=f"serve.host={host} is not a loopback address.*serve.insecure=true"):
             run_serve(OmegaConf.merge(cfg, {"serve": {"host": host}}), model_uri=str(untrained_model["local"]))
-        check_host(OmegaConf.merge(cfg, {"serve": {"host": host, "insecure": True}}))  # said, then allowed
+        check_host(host, insecure=True)  # said, then allowed
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
-        check_host(OmegaConf.merge(cfg, {"serve": {"host": host}}))
+        check_host(host, insecure=False)
     with pytest.raises(SystemExit, match="SERVE_PATH_ROOT=/: the root of the file system"):
         run_serve(cfg, model_uri=str(untrained_model["local"]), path_root="/")
     with pytest.raises(ValueError, match="serve.path_root=/: the root"):

@@ -20,7 +20,6 @@ import pytest
 from mlflow.pyfunc.scoring_server import predictions_to_json
 
 from pipeline.deployment.serve_load import INTENDED, request_kinds, request_plan, run_load, strict_json, summary
-from pipeline.runs.orchestration.launchers import stop_process_group
 from pipeline.runs.serving.mlflow_model import (
     NO_FACE,
     NO_SCORE_COLUMN,
@@ -30,6 +29,7 @@ from pipeline.runs.serving.mlflow_model import (
     synthetic_frames,
 )
 from pipeline.utils.paths import PROJECT_ROOT
+from pipeline.utils.processes import stop_process_group
 from tests.test_serving import free_port, request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

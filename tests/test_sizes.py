@@ -106,3 +106,34 @@ def test_the_allowances_name_what_exists() -> None:
     stale += [f for f in LONG_FUNCTIONS if lengths.get(f, 0) <= FUNCTION_LINES]
     stale += [m for m, _ in LAZY_IMPORTS if m not in sizes]
     assert stale == [], f"allowances no longer needed: {stale}"
+
+
+# Functions of pipeline/ that take the composed config (a parameter annotated `DictConfig`, or an unannotated one named
+# `cfg` / `*_cfg`): only the commands (`run_*`, and `make config`'s print) and the builders of typed settings
+# (`from_config`, and the fidelity command's `reference_settings`) read it; everything below them takes typed values
+# (issue 44, item 1: at most 25; 144 in 31 modules before). A reader of one group
+# (`HeadConfig.from_config(cfg.model.head)`, `LauncherSettings.of(cfg.launcher)`) takes that group as a mapping.
+CONFIG_TAKERS_CEILING = 25
+CONFIG_TAKER_NAMES = {"from_config", "print_config", "reference_settings"}
+
+
+def config_takers() -> list[str]:
+    found = []
+    for path in modules():
+        for node in functions(ast.parse(path.read_text())):
+            arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            if any((argument.annotation is not None and "DictConfig" in ast.unparse(argument.annotation))
+                   or (argument.annotation is None and (argument.arg == "cfg" or argument.arg.endswith("_cfg")))
+                   for argument in arguments):
+                found.append(f"{relative(path)}::{node.name}")
+    return found
+
+
+def test_few_functions_take_the_composed_config() -> None:
+    takers = config_takers()
+    assert len(takers) <= CONFIG_TAKERS_CEILING, (f"{len(takers)} functions take the composed config (at most "
+                                                  f"{CONFIG_TAKERS_CEILING}): pass typed settings down instead:\n"
+                                                  + "\n".join(takers))
+    others = [taker for taker in takers
+              if not (taker.split("::")[1].startswith("run_") or taker.split("::")[1] in CONFIG_TAKER_NAMES)]
+    assert others == [], f"neither a command nor a builder of settings, yet they take the composed config: {others}"

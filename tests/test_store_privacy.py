@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.runs.jobs.fold_job import FoldJob
-from pipeline.runs.jobs.fold_run import result_from_run
+from pipeline.runs.jobs.fold_run import FoldJob, result_from_run
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.orchestration.cross_validation import plan_cv
+from pipeline.runs.orchestration.cv_settings import CvRunSettings
 from pipeline.runs.orchestration.search_workers import TuneWorker
-from pipeline.runs.store import tracking
+from pipeline.runs.store import private_server, tracking
 from pipeline.runs.store.tracking_server import ADMIN_PASSWORD_ENV, PASSWORD_ENV, USERNAME_ENV, auth_call
 from pipeline.utils.paths import PROJECT_ROOT
 from pipeline.utils.permissions import SHARED_OK_ENV
@@ -212,11 +212,11 @@ def test_fold_jobs_get_the_runs_own_user_and_no_password_leaks(tiny_config, tmp_
                       f"mlflow.artifact_root={tmp_path / 'mlartifacts'}", f"cv.work_dir={tmp_path / 'runs'}")
     uri = cfg.mlflow.tracking_uri
     client = MlflowClient(uri)
-    plan = plan_cv(cfg, client, uri)
+    plan = plan_cv(CvRunSettings.from_config(cfg), client, uri)
     artifact_root = client.get_experiment(plan.experiment_id).artifact_location
     seen: dict = {}
 
-    with launchers.tracking_server(uri, artifact_root, experiment_ids=[plan.experiment_id]) as server:
+    with private_server.tracking_server(uri, artifact_root, experiment_ids=[plan.experiment_id]) as server:
         def report(fold: int, state: str, detail) -> None:
             if state != "running":
                 return
@@ -293,7 +293,8 @@ def test_slurm_tasks_get_the_runs_credentials_alone_from_a_private_folder(tiny_c
     job = FoldJob({}, 0, "parent", "http://127.0.0.1:5000", str(tmp_path / "fold_0"), decisions=None,  # type: ignore[arg-type]
                   store_uri="http://127.0.0.1:5000")
     run_user = {USERNAME_ENV: "painvit-jobs-0000", PASSWORD_ENV: "the run's own"}
-    assert launchers.submit_slurm([job], cfg.launcher, folder, "privacy", run_user) == {0: "4242"}  # one task: no array
+    launcher = launchers.LauncherSettings.of(cfg.launcher)
+    assert launchers.submit_slurm([job], launcher, folder, "privacy", run_user) == {0: "4242"}  # one task: no array
     env = dict(line.split("=", 1) for line in seen.read_text().splitlines() if "=" in line)
     assert env[USERNAME_ENV] == "painvit-jobs-0000" and env[PASSWORD_ENV] == "the run's own"
     assert not {ADMIN_PASSWORD_ENV, "PGPASSWORD"} & set(env)

@@ -344,8 +344,8 @@ def test_mtcnn_finds_the_hard_faces_in_every_class(hard_root):
 def test_regions_map_onto_the_right_place_of_the_crop(hard_root, tmp_path):
     """The generator's eye and brow regions, mapped through each crop's recorded transform, land where the aligned
     crop puts the eyes (found by MTCNN from the pixels) and above them."""
-    config = dataclasses.replace(preprocess_config(load_config()), detector="mtcnn", align=True, frames_per_video=3,
-                                 crop_size=96)
+    config = dataclasses.replace(preprocess_config(load_config().preprocess), detector="mtcnn", align=True,
+                                 frames_per_video=3, crop_size=96)
     samples, _ = load_samples(hard_root)
     samples = samples[samples.class_name.isin(["BL1", "PA4"])]
     result = preprocess(samples, tmp_path, config, workers=1, progress=False, device="cpu")

@@ -79,7 +79,8 @@ def test_validation_scores_that_cannot_choose_fall_back_to_one_half_and_say_why(
     every score that would call every test video pain. The fold falls back to 0.5, tags why, and the CV counts it."""
     import mlflow
 
-    from pipeline.runs.jobs.fold_job import FoldResult, log_threshold_fallback
+    from pipeline.models.fold_result import FoldResult
+    from pipeline.runs.jobs.fold_job import log_threshold_fallback
     from pipeline.runs.orchestration.cv_summary import print_table
 
     inverted = videos([0, 0, 0, 1, 1, 1], [0.9, 0.8, 0.7, 0.3, 0.2, 0.1], "val-subject")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.runs.store import tracking
+from pipeline.runs.store import tracking, ui_pages
 from pipeline.utils.paths import PROJECT_ROOT
 
 
@@ -50,20 +51,20 @@ def test_find_experiment_id_reads_the_store_by_name(store, tmp_path: Path) -> No
     other = tracking.get_or_create_experiment("other", store["artifacts"], client=client)
     pain = tracking.get_or_create_experiment("pain-cv", store["artifacts"], client=client)
     assert other != pain
-    assert tracking.find_experiment_id(store["uri"]) == pain
-    assert tracking.find_experiment_id(store["uri"], "other") == other
-    assert tracking.find_experiment_id(store["uri"], "absent") is None
+    assert ui_pages.find_experiment_id(store["uri"]) == pain
+    assert ui_pages.find_experiment_id(store["uri"], "other") == other
+    assert ui_pages.find_experiment_id(store["uri"], "absent") is None
     client.delete_experiment(other)
-    assert tracking.find_experiment_id(store["uri"], "other") is None
+    assert ui_pages.find_experiment_id(store["uri"], "other") is None
     missing = tmp_path / "nowhere" / "mlflow.db"
-    assert tracking.find_experiment_id(f"sqlite:///{missing}") is None
+    assert ui_pages.find_experiment_id(f"sqlite:///{missing}") is None
     assert not missing.parent.exists(), "looking up an address must not create a store"
 
 
 def test_ui_url_opens_the_runs_table_in_model_training_mode() -> None:
-    assert tracking.ui_url("127.0.0.1", 5000, "7") == (
+    assert ui_pages.ui_url("127.0.0.1", 5000, "7") == (
         "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning")
-    assert tracking.ui_url("127.0.0.1", "5001", None) == "http://127.0.0.1:5001/#/experiments?workflowType=machine_learning"
+    assert ui_pages.ui_url("127.0.0.1", "5001", None) == "http://127.0.0.1:5001/#/experiments?workflowType=machine_learning"
 
 
 def test_make_ui_asks_for_a_password_made_for_it(store, tmp_path: Path) -> None:
@@ -78,8 +79,9 @@ def test_make_ui_asks_for_a_password_made_for_it(store, tmp_path: Path) -> None:
     import urllib.error
     import urllib.request
 
-    from pipeline.runs.orchestration.launchers import free_port, stop_process_group
+    from pipeline.runs.store.private_server import free_port
     from pipeline.runs.store.tracking_server import auth_call
+    from pipeline.utils.processes import stop_process_group
 
     experiment_id = tracking.get_or_create_experiment("pain-cv", store["artifacts"], client=store["client"])
     port = free_port()
@@ -149,15 +151,49 @@ def test_ui_url_answers_without_mlflow(store) -> None:
     assert "mlflow not imported" in printed.stdout
 
 
+class LeaseTakenOver(RuntimeError):
+    """Stands for `fold_lease.LeaseLost`: an error that ends a run KILLED, without a traceback."""
+
+
+def test_a_run_ends_finished_killed_or_failed_with_its_traceback(store) -> None:
+    """`tracking.run_lifecycle`, the one life of every run a command opens: FINISHED when the block returns, FAILED
+    with traceback.txt on an error, KILLED on Ctrl-C or on a `stopped` error (no traceback), a run the block ends
+    itself left as it is; the active run (`mlflow.start_run`) ended through MLflow, so the next one can start."""
+    import mlflow
+
+    client = store["client"]
+    experiment_id = tracking.get_or_create_experiment("pain-cv", store["artifacts"], client=client)
+
+    def ended(block, **options) -> tuple[str, list[str]]:
+        run_id = client.create_run(experiment_id).info.run_id
+        with pytest.raises(BaseException) if block is not None else contextlib.nullcontext():
+            with tracking.run_lifecycle(run_id, client, **options):
+                if block is not None:
+                    raise block
+        return client.get_run(run_id).info.status, [a.path for a in client.list_artifacts(run_id)]
+
+    assert ended(None) == (tracking.FINISHED, [])
+    assert ended(ValueError("a bad fold")) == (tracking.FAILED, ["traceback.txt"])
+    assert ended(KeyboardInterrupt()) == (tracking.KILLED, ["traceback.txt"])
+    assert ended(LeaseTakenOver(), stopped=(LeaseTakenOver,)) == (tracking.KILLED, [])
+    assert ended(None, finish=False)[0] == tracking.RUNNING
+    mlflow.set_tracking_uri(store["uri"])
+    for attempt in range(2):  # the active run is ended, so the next one can start
+        active = mlflow.start_run(experiment_id=experiment_id)
+        with pytest.raises(ValueError), tracking.run_lifecycle(active.info.run_id, client):
+            raise ValueError(f"attempt {attempt}")
+        assert mlflow.active_run() is None and client.get_run(active.info.run_id).info.status == tracking.FAILED
+
+
 def test_the_headline_view_is_a_saved_view_that_make_ui_opens(store) -> None:
     """`set_headline_view` writes the UI's saved view (name, state with the columns in order and wide enough for their
     headers), only when it changes, and grows it on `add`; `ui-url` then prints the runs address on that view and,
     once the comparisons' experiment exists, its address too, still without importing mlflow."""
     client = store["client"]
     cv = tracking.get_or_create_experiment("view-cv", store["artifacts"], client=client)
-    assert not tracking.has_headline_view(store["uri"], cv)
-    columns = [tracking.DURATION_COLUMN, tracking.metric_column("video_auroc"), tracking.metric_column("accuracy")]
-    tracking.set_headline_view(client, cv, columns)
+    assert not ui_pages.has_headline_view(store["uri"], cv)
+    columns = [tracking.DURATION_COLUMN, ui_pages.metric_column("video_auroc"), ui_pages.metric_column("accuracy")]
+    ui_pages.set_headline_view(client, cv, columns)
     key = tracking.SHARED_VIEW_TAG_PREFIX + tracking.HEADLINE_VIEW
     written = client.get_experiment(cv).tags[key]
     envelope = json.loads(written)
@@ -165,14 +201,14 @@ def test_the_headline_view_is_a_saved_view_that_make_ui_opens(store) -> None:
     assert envelope["name"] == tracking.HEADLINE_VIEW_NAME and envelope["createdAt"] <= envelope["updatedAt"]
     assert state["selectedColumns"] == columns and state["columnOrder"] == [tracking.RUN_NAME_COLUMN, *columns]
     assert state["columnWidths"]["metrics.`video_auroc`"] >= 7 * len("video_auroc")
-    tracking.set_headline_view(client, cv, columns)
+    ui_pages.set_headline_view(client, cv, columns)
     assert client.get_experiment(cv).tags[key] == written  # unchanged: not written again
-    tracking.set_headline_view(client, cv, [tracking.metric_column("a-b/diff")], add=True)
+    ui_pages.set_headline_view(client, cv, [ui_pages.metric_column("a-b/diff")], add=True)
     grown = json.loads(json.loads(client.get_experiment(cv).tags[key])["state"])["selectedColumns"]
     assert grown == [*columns, "metrics.`a-b/diff`"]
-    assert tracking.has_headline_view(store["uri"], cv)
+    assert ui_pages.has_headline_view(store["uri"], cv)
 
-    comparisons = tracking.get_or_create_experiment(tracking.comparisons_experiment("view-cv"), store["artifacts"],
+    comparisons = tracking.get_or_create_experiment(ui_pages.comparisons_experiment("view-cv"), store["artifacts"],
                                                     client=client)
     env = {**os.environ, "MLFLOW_TRACKING_URI": store["uri"]}
     probe = "import sys; from pipeline.cli import main; main(sys.argv[1:]); " \

@@ -20,7 +20,6 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from pipeline.runs.orchestration.cross_validation import run_cv
-from pipeline.runs.orchestration.launchers import stop_process_group
 from pipeline.runs.store.tracking_server import (
     JOB_USER_PREFIX,
     PASSWORD_ENV,
@@ -30,6 +29,7 @@ from pipeline.runs.store.tracking_server import (
 )
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import PROJECT_ROOT
+from pipeline.utils.processes import stop_process_group
 from tests.conftest import tiny_overrides
 from tests.test_cv import FAST
 from tests.test_launchers import cv_parent, fold_children

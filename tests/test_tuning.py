@@ -26,23 +26,33 @@ from omegaconf import OmegaConf
 from pipeline.analysis.compare import compare
 from pipeline.analysis.comparison_runs import VERSUS_UNTUNED
 from pipeline.data.fold_files import fold_subjects, read_folds
-from pipeline.runs.jobs.fold_job import plan_decisions, settings_here
+from pipeline.runs.jobs.fold_decisions import settings_here
+from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.jobs.what_trains import WhatTrains
+from pipeline.runs.orchestration import search_space
 from pipeline.runs.orchestration.cross_validation import run_cv
-from pipeline.runs.orchestration.search_space import load_space
 from pipeline.runs.orchestration.search_workers import TuneWorker, objective, run_worker
-from pipeline.runs.orchestration.studies import make_pruner, open_storage, prepare_studies
+from pipeline.runs.orchestration.studies import TuneSettings, make_pruner, open_storage, prepare_studies
 from pipeline.runs.orchestration.tuning import CHOSEN_ARTIFACT, run_tune
 from pipeline.runs.store import tracking
+from pipeline.runs.store.cv_runs import CvConfig
 from pipeline.runs.store.cv_runs import latest_finished_cvs as latest_cvs
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import PROJECT_ROOT
-from tests.conftest import tiny_overrides
+from tests.conftest import planned, tiny_overrides, training_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # validation loss: a score that moves with every label, so "unchanged" below means the labels were never read
 FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
         "loader.batch_size=8", "trainer.max_epochs=1", "trainer.patience=1", "trainer.folds=[0]", "augment=light",
         "trainer.monitor=val/loss", "trainer.monitor_mode=min", "cv.log_models=false", "tune.trials=2")
+
+
+def load_space(cfg) -> search_space.SearchSpace:
+    """The search space of a composed config, as `make tune` and a worker load it."""
+    tune = TuneSettings.from_config(cfg)
+    return search_space.load_space(tune.space, tune.model, WhatTrains.of(TrainingSettings.from_config(cfg)),
+                                   OmegaConf.to_container(cfg, resolve=True))
 
 
 def tune_config(data: Path, *changes: str):
@@ -164,10 +174,10 @@ def run_study(cfg, client: MlflowClient, experiment: str, processed: Path, journ
     """Fold 0's study over `processed` in a journal of its own, trials logged under a tuning run of their own."""
     changed = tune_config(Path(cfg.data.root).parent, f"data.processed_dir={processed}",
                           f"mlflow.tracking_uri={cfg.mlflow.tracking_uri}", f"tune.trials={trials}")
-    decisions = plan_decisions(changed, Path(changed.fold_file))
+    decisions = planned(changed)
     run = client.create_run(experiment, tags={tracking.RUN_KIND_TAG: tracking.TUNING_RUN})
     name = [("flipped-fold0", 0)]
-    prepare_studies(changed, journal, name, load_space(changed))
+    prepare_studies(TuneSettings.from_config(changed), journal, name, load_space(changed).defaults(changed))
     worker = TuneWorker(OmegaConf.to_container(changed, resolve=True), name, [0], str(journal), run.info.run_id,
                         cfg.mlflow.tracking_uri, str(journal.parent / f"{journal.stem}-work"), asdict(decisions))
     run_worker(worker)
@@ -183,19 +193,19 @@ def test_pruning_stops_a_trial_below_the_median(tiny_base: Path, tmp_path: Path)
     client = MlflowClient(cfg.mlflow.tracking_uri)
     experiment = tracking.get_or_create_experiment("tune-tests", tmp_path / "art", client=client)
     run = client.create_run(experiment, tags={tracking.RUN_KIND_TAG: tracking.TUNING_RUN})
-    study = optuna.create_study(direction="minimize", pruner=make_pruner(cfg.tune),
+    study = optuna.create_study(direction="minimize", pruner=make_pruner(TuneSettings.from_config(cfg).pruner),
                                 sampler=optuna.samplers.RandomSampler(seed=0))
     study.add_trial(optuna.trial.create_trial(value=0.0, intermediate_values={0: 0.0, 1: 0.0, 2: 0.0}))
     worker = TuneWorker(OmegaConf.to_container(cfg, resolve=True), [("s", 0)], [0], "", run.info.run_id,
                         cfg.mlflow.tracking_uri, str(tmp_path / "work"),
-                        asdict(plan_decisions(cfg, Path(cfg.fold_file))))
+                        asdict(planned(cfg)))
     trial = study.ask()
     with pytest.raises(optuna.TrialPruned):
         objective(worker, load_space(cfg), trial, 0)
     (child,) = client.search_runs([experiment], f"tags.`{tracking.PARENT_TAG}` = '{run.info.run_id}'")
     assert child.data.tags[tracking.TRIAL_STATE_TAG] == "PRUNED" and child.data.metrics["epochs_trained"] == 1
     assert len(client.get_metric_history(child.info.run_id, "val/loss")) == 1
-    here = settings_here(plan_decisions(cfg, Path(cfg.fold_file)), cfg.trainer.channels_last, cfg.trainer.accelerator)
+    here = settings_here(planned(cfg), cfg.trainer.channels_last, cfg.trainer.accelerator)
     assert (child.data.tags["precision_asked"], child.data.tags["precision"]) == ("auto", here.precision)
 
 
@@ -212,7 +222,7 @@ def test_a_two_stage_trial_trains_and_scores_the_head_the_cv_would_keep(tiny_bas
     study = optuna.create_study(direction="minimize", sampler=optuna.samplers.RandomSampler(seed=0))
     worker = TuneWorker(OmegaConf.to_container(cfg, resolve=True), [("s", 0)], [0], "", run.info.run_id,
                         cfg.mlflow.tracking_uri, str(tmp_path / "work"),
-                        asdict(plan_decisions(cfg, Path(cfg.fold_file))))
+                        asdict(planned(cfg)))
     value = objective(worker, load_space(cfg), study.ask(), 0)
     (child,) = client.search_runs([experiment], f"tags.`{tracking.PARENT_TAG}` = '{run.info.run_id}'")
     metrics = child.data.metrics
@@ -274,14 +284,16 @@ def test_two_parallel_workers_share_one_study_without_a_lost_trial(tiny_base: Pa
 def test_a_frozen_trial_reads_the_embedding_cache_and_still_never_the_test_subjects(tiny_base: Path) -> None:
     """`model.finetune=frozen` in a study: the trial's data are the cached embeddings (no backbone runs in training),
     with the study's roles: the fold's test subjects are not among its rows."""
+    from pipeline.data.datamodule import SubjectRoles
     from pipeline.data.embeddings import EmbeddingDataModule
     from pipeline.runs.jobs.fold_job import build_fold
-    from pipeline.runs.orchestration.search_workers import StudyDataModule
 
     cfg = tune_config(tiny_base, "model.finetune=frozen")
-    decisions = plan_decisions(cfg, Path(cfg.fold_file))
-    module, datamodule, _ = build_fold(cfg, 0, decisions, datamodule_class=StudyDataModule)
-    assert isinstance(datamodule, EmbeddingDataModule) and isinstance(datamodule, StudyDataModule)
+    decisions = planned(cfg)
+    study = SubjectRoles.of_fold(Path(cfg.fold_file), 0).validation_as_test()  # a study's roles (search_workers)
+    built = build_fold(*training_of(cfg), study, decisions)
+    module, datamodule = built.module, built.datamodule
+    assert isinstance(datamodule, EmbeddingDataModule)
     assert module.finetune.name == "frozen" and type(module.finetune).__name__ == "FrozenOnEmbeddings"
     roles = fold_subjects(read_folds(Path(cfg.fold_file)), 0)
     seen = set().union(*(set(datamodule.frames(role)["subject_name"]) for role in ("train", "val", "test")))
@@ -289,9 +301,8 @@ def test_a_frozen_trial_reads_the_embedding_cache_and_still_never_the_test_subje
 
 
 def test_a_strategy_key_that_names_no_strategy_is_an_error(tmp_path: Path, monkeypatch) -> None:
-    """A search space's `strategies` keys are `model.finetune` values (STRATEGY_NAMES): ViT-B/16's file once keyed its
+    """A search space's `strategies` keys are `model.finetune` values (STRATEGIES): ViT-B/16's file once keyed its
     frozen override `linear_probe`, so frozen studies searched backbone settings that do nothing."""
-    from pipeline.runs.orchestration import search_space
     from pipeline.utils.config import CONFIG_DIR
 
     for path in (CONFIG_DIR / "tune" / "spaces").glob("*.yaml"):  # every shipped space, with every strategy's changes
@@ -343,7 +354,7 @@ def test_the_study_key_holds_the_weights_sha256_not_their_path(tiny_base: Path, 
 
     def key_for(path: Path) -> str:
         cfg = tune_config(tiny_base, "model.pretrained=true", f"model.weights={path}")
-        return search_key(cfg, load_space(cfg), "f" * 64, plan_decisions(cfg, Path(cfg.fold_file)))
+        return search_key(CvConfig.from_config(cfg), load_space(cfg), "f" * 64, planned(cfg))
 
     weights = save(0, tmp_path / "start.pt")
     first = key_for(weights)

@@ -13,18 +13,19 @@ import pytorch_lightning as pl
 import torch
 from mlflow import MlflowClient
 
-from pipeline.data.datamodule import LoaderConfig, PainDataModule
+from pipeline.data.datamodule import LoaderConfig, PainDataModule, SubjectRoles
 from pipeline.data.fold_files import fold_subjects, read_folds
-from pipeline.data.prepare import fold_file_path
 from pipeline.data.tasks import get_task
 from pipeline.models.embedding_cache import state_dict_sha256
 from pipeline.models.factory import create_model
 from pipeline.models.model_file import load_model_file
 from pipeline.models.temporal_heads import ClipNet
-from pipeline.runs.jobs.fold_job import plan_decisions, train_fold
-from pipeline.runs.store.cv_runs import config_sha256
+from pipeline.runs.jobs.fold_job import train_fold
+from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.store.cv_runs import CvConfig, config_sha256
 from pipeline.runs.store.tracking import get_or_create_experiment
 from pipeline.utils.paths import resolve_path
+from tests.conftest import planned
 
 FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
         "loader.batch_size=8", "trainer.max_epochs=1", "trainer.limit_train_batches=1", "augment=light",
@@ -37,7 +38,8 @@ def two_stage_fold(cfg, fold: int, work_dir: Path, keep_model: bool = False) -> 
     mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
     experiment_id = get_or_create_experiment("two-stage-tests", Path(cfg.mlflow.artifact_root))
     with mlflow.start_run(experiment_id=experiment_id) as run:
-        result = train_fold(cfg, fold, plan_decisions(cfg, fold_file_path(cfg)), work_dir, keep_model=keep_model)
+        result = train_fold(TrainingSettings.from_config(cfg),
+                            fold, planned(cfg), work_dir, keep_model=keep_model)
     client = MlflowClient(cfg.mlflow.tracking_uri)
     record = json.loads(Path(client.download_artifacts(run.info.run_id, "two_stage.json")).read_text())
     if keep_model:
@@ -58,7 +60,7 @@ def test_two_stage_never_embeds_a_folds_test_subjects_with_a_model_that_trained_
     cfg = tiny_config(*FAST, "model.head.name=gru", store)
     fold = 1
     metrics, params, record = two_stage_fold(cfg, fold, tmp_path, keep_model=True)
-    roles = fold_subjects(read_folds(fold_file_path(cfg)), fold)  # the fold file, as written
+    roles = fold_subjects(read_folds(resolve_path(cfg.fold_file)), fold)  # the fold file, as written
     # the frame model trained on the fold's training subjects only, and the cache entry's key says so
     assert record["frame_model"] == "fine-tuned in this fold"
     assert record["frame_model_trained_on"] == sorted(roles["train"])
@@ -96,11 +98,13 @@ def test_a_frozen_backbone_skips_the_first_stage_and_shares_the_cache(tiny_confi
 
 
 def test_the_cv_identity_holds_the_head_and_keeps_older_frame_cvs(tiny_config) -> None:
-    linear = tiny_config(*FAST)
-    assert config_sha256(linear) == config_sha256(tiny_config(*FAST, "loader.clip_frames=5", "model.head.hidden=8"))
-    gru = config_sha256(tiny_config(*FAST, "model.head.name=gru"))
-    assert len({config_sha256(linear), gru, config_sha256(tiny_config(*FAST, "model.head.name=transformer")),
-                config_sha256(tiny_config(*FAST, "model.head.name=gru", "model.head.mode=end_to_end"))}) == 4
+    def identity(*overrides: str) -> str:
+        return config_sha256(CvConfig.from_config(tiny_config(*FAST, *overrides)))
+
+    linear = identity()
+    assert linear == identity("loader.clip_frames=5", "model.head.hidden=8")
+    assert len({linear, identity("model.head.name=gru"), identity("model.head.name=transformer"),
+                identity("model.head.name=gru", "model.head.mode=end_to_end")}) == 4
 
 
 def test_a_two_stage_lora_folds_kept_model_loads_and_scores_as_in_the_fold(tiny_config, store, tmp_path: Path) -> None:
@@ -109,14 +113,16 @@ def test_a_two_stage_lora_folds_kept_model_loads_and_scores_as_in_the_fold(tiny_
     cfg = tiny_config(*FAST, "model.head.name=gru", "model.finetune=lora", store)
     mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
     with mlflow.start_run(experiment_id=get_or_create_experiment("two-stage-tests", Path(cfg.mlflow.artifact_root))):
-        result = train_fold(cfg, 0, plan_decisions(cfg, fold_file_path(cfg)), tmp_path, keep_model=True)
+        result = train_fold(TrainingSettings.from_config(cfg),
+                            0, planned(cfg), tmp_path, keep_model=True)
         run_id = mlflow.active_run().info.run_id
     kept, meta = load_model_file(run_id, cfg.mlflow.tracking_uri)
     assert isinstance(kept, ClipNet) and meta["finetune"] == "lora_r8" and meta["head"]["mode"] == "two_stage"
     assert not any("lora_" in name for name in kept.state_dict())  # merged: a plain backbone
     # the fold's test clips as images (the evaluation transform, the clip's crops in time order), through the kept model
-    data = PainDataModule(resolve_path(cfg.data.processed_dir), fold_file_path(cfg), 0, get_task(cfg.task.name),
-                          kept.backbone.data_config, {}, LoaderConfig.from_config(cfg.loader), clips=True)
+    data = PainDataModule(resolve_path(cfg.data.processed_dir), SubjectRoles.of_fold(resolve_path(cfg.fold_file), 0),
+                          get_task(cfg.task.name), kept.backbone.data_config, {}, LoaderConfig.from_config(cfg.loader),
+                          cfg.seed, clips=True)
     data.setup()
     rows = data.prediction_rows("test")
     with torch.no_grad():

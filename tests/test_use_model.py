@@ -18,14 +18,16 @@ import pytest
 from mlflow import MlflowClient
 
 from pipeline.deployment.final_model import read_split, run_final
-from pipeline.deployment.predict import run_predict, sampled_frames
+from pipeline.deployment.predict import run_predict
+from pipeline.deployment.video_frames import sampled_frames
 from pipeline.evaluation.thresholds import choose_threshold
 from pipeline.runs.orchestration.cross_validation import run_cv
-from pipeline.runs.orchestration.launchers import stop_process_group
 from pipeline.runs.serving.mlflow_model import encode_image
 from pipeline.runs.store.registry import CANDIDATE, CHAMPION, registered_name, run_promote
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.paths import PROJECT_ROOT
+from pipeline.utils.processes import stop_process_group
+from tests.conftest import scorer_source
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FAST = ("model=mobilevit_xxs", "model.img_size=32", "model.pretrained=false", "loader.num_workers=0",
@@ -192,7 +194,7 @@ def test_export_writes_the_champion_as_onnx_with_its_input_contract(chain) -> No
 
 
 def test_fold_ensemble_averages_the_fold_models(chain) -> None:
-    from pipeline.deployment.predict import load_scorer
+    from pipeline.deployment.predict import find_scorer
 
     cfg, client = chain["cfg"], chain["client"]
     run = client.get_run(chain["final"]["run_id"])
@@ -200,11 +202,11 @@ def test_fold_ensemble_averages_the_fold_models(chain) -> None:
     name = f"{registered_name('mobilevit_xxs', 'bl1_vs_pa4')}-folds"
     assert str(client.get_model_version_by_alias(name, CANDIDATE).version) == run.data.tags["painvit.ensemble_version"]
     _, _, frames = next(sampled_frames(twin_video(cfg), 5))
-    ensemble, _ = load_scorer(cfg, model_uri=f"models:/{name}@{CANDIDATE}")
+    ensemble, _ = find_scorer(scorer_source(cfg), model_uri=f"models:/{name}@{CANDIDATE}")
     assert len(ensemble.ensemble) == 1  # two folds: one network plus one more
     together = ensemble.score(frames[:4])
     fold_runs = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
-    alone = [load_scorer(cfg, run=r.info.run_id)[0].score(frames[:4]) for r in fold_runs]
+    alone = [find_scorer(scorer_source(cfg), run=r.info.run_id)[0].score(frames[:4]) for r in fold_runs]
     assert len(alone) == 2 and together.face_found.all()
     np.testing.assert_allclose(together.pain_probability, np.mean([a.pain_probability for a in alone], axis=0),
                                atol=1e-6)
@@ -215,7 +217,8 @@ def test_run_and_the_fold_model_decide_alike_at_the_folds_own_threshold(chain) -
     fold resolved `trainer.precision=auto` on the device it trained on."""
     import mlflow
 
-    from pipeline.deployment.predict import load_scorer
+    from pipeline.deployment.predict import find_scorer
+    from pipeline.models.backbone_adapter import family_traits
     from pipeline.models.backbones import model_family
     from pipeline.runs.serving.mlflow_model import encode_image, logged_model_uri
     from pipeline.utils.devices import precision_for
@@ -226,11 +229,11 @@ def test_run_and_the_fold_model_decide_alike_at_the_folds_own_threshold(chain) -
     fold_run = client.search_runs([client.get_run(parent_id).info.experiment_id],
                                   f"tags.`mlflow.parentRunId` = '{parent_id}'")[0]
     resolved = precision_for("auto", training_device(cfg.trainer.accelerator).kind,
-                             model_family(cfg.model.name, cfg.model.img_size))
+                             family_traits(model_family(cfg.model.name, cfg.model.img_size)))
     assert fold_run.data.tags["precision"] == resolved == client.get_run(parent_id).data.tags["precision"]
     threshold = fold_run.data.metrics["test/threshold"]
     assert threshold != 0.5
-    scorer, _ = load_scorer(cfg, run=fold_run.info.run_id)
+    scorer, _ = find_scorer(scorer_source(cfg), run=fold_run.info.run_id)
     assert scorer.threshold == pytest.approx(threshold)
     _, _, frames = next(sampled_frames(twin_video(cfg), 5))
     ours = scorer.score(frames[:6])
@@ -241,7 +244,7 @@ def test_run_and_the_fold_model_decide_alike_at_the_folds_own_threshold(chain) -
 
 
 def test_requirement_mismatches_name_what_the_environment_lacks(tmp_path: Path) -> None:
-    """The load-time check `load_scorer` makes in place of MLflow's (which costs two seconds of every predict):
+    """The load-time check `find_scorer` makes in place of MLflow's (which costs two seconds of every predict):
     pins this environment meets pass (a local build label such as +cu130 included), others are named."""
     from importlib import metadata
 

@@ -14,7 +14,8 @@ from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
 from pipeline.course.vit_numpy import vit_forward, weights_from_state_dict
-from pipeline.models.backbones import VIT_REF_VARIANTS, ReferenceVitBackbone, create_backbone, weights_source
+from pipeline.models.backbone_families.reference_vit import VIT_REF_VARIANTS, ReferenceVitBackbone
+from pipeline.models.backbones import create_backbone, weights_source
 from pipeline.models.factory import create_model
 from pipeline.models.lightning_module import OptimConfig, parameter_groups
 from pipeline.models.vit_reference import ReferenceViT, interpolate_position_embeddings

@@ -20,7 +20,9 @@ from safetensors.torch import save_file
 from timm.layers import resample_abs_pos_embed
 from transformers import CvtConfig, CvtForImageClassification
 
-from pipeline.models.backbones import CVT_VARIANTS, TIMM_ARCHITECTURES, create_backbone
+from pipeline.models.backbone_families.cvt import CVT_VARIANTS
+from pipeline.models.backbone_families.timm_models import TIMM_ARCHITECTURES
+from pipeline.models.backbones import create_backbone
 from pipeline.models.factory import create_model
 from pipeline.models.weights import (
     RANDOM_INIT,
@@ -30,6 +32,8 @@ from pipeline.models.weights import (
     hub_cache_dir,
     resolve_weights,
 )
+from pipeline.runs.store import tracking
+from tests.conftest import planned
 
 # small tensors: one torch thread (see conftest.one_torch_thread)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -266,7 +270,8 @@ def test_timm_weights_in_the_hub_cache_load_as_hub(
     backbone, source = create_backbone(MOBILEVIT, pretrained=pretrained)
     _assert_same_tensors(backbone.model.state_dict(), _without_head(mobilevit_source, "head.fc"))
     assert source == WeightsSource(kind="hub", ref=repo_id, sha256=_sha256(file))
-    assert source.as_tags() == {"weights_source": "hub", "weights_ref": repo_id, "weights_sha256": _sha256(file)}
+    assert tracking.weights_tags(source) == {"weights_source": "hub", "weights_ref": repo_id,
+                                             "weights_sha256": _sha256(file)}
 
 
 def test_cvt_weights_in_the_hub_cache_load_as_hub(empty_offline_hub_cache: Path, tmp_path: Path) -> None:
@@ -311,13 +316,13 @@ def test_auto_without_weights_warns_loudly_and_falls_back_to_random(caplog: pyte
         model, source = create_model(MOBILEVIT, pretrained="auto")
     assert "timm/mobilevit_xxs.cvnets_in1k" in str(warned[0].message)
     assert any(record.levelno == logging.WARNING and "RANDOM" in record.getMessage() for record in caplog.records)
-    assert source == RANDOM_INIT and source.as_tags()["weights_source"] == "random"
+    assert source == RANDOM_INIT and tracking.weights_tags(source)["weights_source"] == "random"
     assert model.head.out_features == 2
 
 
 def test_random_init_records_random() -> None:
     _, source = create_backbone(MOBILEVIT, pretrained=False)
-    assert source.as_tags() == {"weights_source": "random", "weights_ref": "", "weights_sha256": ""}
+    assert tracking.weights_tags(source) == {"weights_source": "random", "weights_ref": "", "weights_sha256": ""}
 
 
 def test_auto_does_not_hide_a_weights_path_that_does_not_exist(tmp_path: Path) -> None:
@@ -395,19 +400,23 @@ def test_a_folder_with_several_weight_files_is_ambiguous(mobilevit_source: dict,
 def test_a_fold_job_uses_the_planned_weights_or_says_why_it_cannot(mobilevit_source: dict, tmp_path: Path,
                                                                      tiny_config) -> None:
     """The plan decides the weights once; a node that finds another file under the same path refuses to train."""
-    from pipeline.runs.jobs.fold_job import DecisionNotHonoured, FoldJob, build_network, plan_decisions
+    from pipeline.models.ordinal import OutputConfig
+    from pipeline.runs.jobs.fold_decisions import DecisionNotHonoured
+    from pipeline.runs.jobs.fold_job import build_network
+    from pipeline.runs.jobs.fold_run import FoldJob
 
     path = _save(mobilevit_source, tmp_path / "mobilevit.safetensors", None)
     cfg = tiny_config(f"model={MOBILEVIT}", f"model.weights={path}", "model.pretrained=true")
-    decisions = plan_decisions(cfg, tmp_path / "folds.csv")
+    decisions = planned(cfg, tmp_path / "folds.csv")
     assert decisions.weights == {"kind": "file", "ref": str(path), "sha256": _sha256(path)}
     assert decisions.model_family == "timm" and decisions.precision == "32-true"
-    assert build_network(cfg, 2, decisions).backbone.family == "timm"  # the same file: honoured
+    softmax = OutputConfig.from_config(None)
+    assert build_network(cfg.model.name, cfg.model.img_size, softmax, 2, decisions).backbone.family == "timm"
     changed = dict(mobilevit_source)
     first = next(iter(changed))
     changed[first] = changed[first] + 1
     _save(changed, path, None)  # another file at the planned path, as on a node with other weights
     with pytest.raises(DecisionNotHonoured, match="the plan chose weights file"):
-        build_network(cfg, 2, decisions)
+        build_network(cfg.model.name, cfg.model.img_size, softmax, 2, decisions)
     job = FoldJob({}, 0, "parent", "sqlite://", str(tmp_path / "fold_0"), decisions)
     assert FoldJob.read(job.write(tmp_path / "job.json")) == job  # the decisions travel with the job, as written

@@ -6,16 +6,17 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.augment import build_train_transform, save_augmentation_preview
-from pipeline.data.prepare import prepare_data, processed_frames
+from pipeline.data.prepare import DataSettings, prepare_data, processed_frames
 from pipeline.models.backbones import create_backbone
 from pipeline.utils.paths import resolve_path
 
 
 def run_aug_preview(cfg: DictConfig) -> None:
     """Write a PNG grid of training-augmented crops, as the model of `cfg.model` would see them."""
-    frames = processed_frames(cfg)
+    data = DataSettings.from_config(cfg)
+    frames = processed_frames(data)
     if frames is None:
-        frames = prepare_data(cfg)[0].frames
+        frames = prepare_data(data)[0].frames
     backbone, _ = create_backbone(cfg.model.name, pretrained=False, img_size=cfg.model.img_size)
     transform = build_train_transform(backbone.data_config, OmegaConf.to_container(cfg.augment),
                                       cfg.loader.crop_fraction)

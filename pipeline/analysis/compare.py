@@ -150,7 +150,7 @@ def compare(dataset: str, protocol: str, task: str, out_dir: Path, tracking_uri:
     check_comparable(runs, allow_incomplete, allow_differences)
     differences = comparability_problems(runs, True, [key for key in (*SAME_TAGS, *SAME_PARAMS)
                                                       if not is_allowed(key, allow_differences)])
-    complete = {model: run.data.tags.get("complete", "true") == "true" for model, run in runs.items()}
+    complete = {model: tracking.is_complete(run.data.tags) for model, run in runs.items()}
     scores = all_fold_scores(client, runs, metrics)
     summary = summary_table(scores, metrics)
     paired = pd.concat([paired_tests(scores, metric) for metric in metrics], ignore_index=True)
@@ -243,21 +243,21 @@ def comparison_tags(runs: Mapping[str, Run], dataset: str, protocol: str, task: 
     """The comparison run's tags: what was compared, the tuning budget the CVs share, the family of tests, whether
     every CV was complete, what was compared despite a difference and what the pairing left out."""
     first = next(iter(runs.values()))
-    tags = {tracking.RUN_KIND_TAG: tracking.COMPARISON_RUN, "dataset": dataset, "protocol": protocol, "task": task,
-            FOLD_FILE_TAG: first.data.tags[FOLD_FILE_TAG]}
+    tags = {tracking.RUN_KIND_TAG: tracking.COMPARISON_RUN, tracking.DATASET_TAG: dataset,
+            tracking.PROTOCOL_TAG: protocol, tracking.TASK_TAG: task, FOLD_FILE_TAG: first.data.tags[FOLD_FILE_TAG]}
     if subject_set:
-        tags["subject_set"] = subject_set
+        tags[tracking.SUBJECT_SET_TAG] = subject_set
     budget = tracking.tune_budget(first)  # tuned CVs: the one budget they share
     tags.update({f"{tracking.TUNE_TAG_PREFIX}{k}": v for k, v in budget.items()})
     if budget.get("scope") == "shared":
         tags[tracking.TUNE_NOTE_TAG] = "OPTIMISTIC: settings chosen by a study shared over folds"
     if subject_paired is not None and len(subject_paired):
-        tags["correction_family"] = correction_family(subject_paired)[:5000]
-    tags["complete"] = str(all(complete.values())).lower()  # false: a smoke comparison of incomplete CVs
+        tags[tracking.CORRECTION_FAMILY_TAG] = correction_family(subject_paired)[:tracking.MAX_TAG_CHARS]
+    tags[tracking.COMPLETE_TAG] = str(all(complete.values())).lower()  # false: a smoke comparison of incomplete CVs
     if differences:
-        tags["compared_despite"] = " | ".join(differences)[:5000]
+        tags[tracking.COMPARED_DESPITE_TAG] = " | ".join(differences)[:tracking.MAX_TAG_CHARS]
     if common is not None:
-        tags["paired_on"] = common_line(common)[:5000]
+        tags[tracking.PAIRED_ON_TAG] = common_line(common)[:tracking.MAX_TAG_CHARS]
     return tags
 
 
@@ -266,12 +266,13 @@ def run_compare(cfg, tuned: str | None = None) -> dict:
     fold file and crop settings; `tuned` (`--tuned=latest` or a budget, `tracking.parse_tune_budget`): tuned CVs of
     that one search budget instead of untuned ones. Prints the report (`comparison_report.print_report`)."""
     # Only CVs on the current fold file: runs on older or other folds never enter the comparison.
-    sha = cv_runs.current_fold_file_sha256(cfg)
+    cv = cv_runs.CvConfig.from_config(cfg)
+    sha = cv_runs.current_fold_file_sha256(cv)
     options = cfg.get("compare") or {}
     try:
         result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, resolve_path(cfg.reports_dir),
                          tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
-                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=cv_runs.crop_settings(cfg),
+                         subject_set=cfg.data.subject_set, fold_file_sha256=sha, crop_params=cv_runs.crop_settings(cv),
                          tuned=tuned if tuned in (None, "latest", VERSUS_UNTUNED)
                          else tracking.parse_tune_budget(tuned),
                          allow_incomplete=bool(options.get("allow_incomplete", False)),

@@ -3,7 +3,7 @@ runs table tells apart (task, protocol, the CVs compared), its result table as t
 renders it as Markdown: each pair's difference with its interval, p, corrected p, `mde80`, the unit resampled, then
 each CV's figures), each pair's headline figures as metrics (the runs table's columns and MLflow's own run
 comparison), its plots first among its artifacts (then each metric's plot per fold, then the tables). The run lives
-in an experiment of its own beside the CVs' (`tracking.comparisons_experiment`), whose headline view shows every
+in an experiment of its own beside the CVs' (`ui_pages.comparisons_experiment`), whose headline view shows every
 pair's figures as columns.
 
 Metric names come from the tables `compare` produces, so a column added there flows through: `<a>-<b>/<column>`
@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from mlflow import MlflowClient
-from mlflow.entities import Experiment, Metric, Param, Run, RunStatus, RunTag
+from mlflow.entities import Experiment, Metric, Param, Run, RunTag
 
-from pipeline.runs.store import tracking
+from pipeline.runs.store import tracking, ui_pages
 
 # the paired table's columns (comparison_statistics) -> the short metric names they are logged under
 PAIR_METRICS = {"mean_diff": "diff", "diff_ci95_low": "diff_ci_low", "diff_ci95_high": "diff_ci_high",
@@ -53,8 +53,9 @@ def pair_name(row) -> str:
 
 def comparison_name(tags: Mapping[str, str], labels: Sequence[str]) -> str:
     """The run's name: what tells comparisons apart first (task, protocol, the CVs), then the data."""
-    data = tags["dataset"] + (f" {tags['subject_set']}" if tags.get("subject_set") else "")
-    return f"{tags['task']} {tags['protocol']}: {' vs '.join(labels)} ({data})"
+    subject_set = tags.get(tracking.SUBJECT_SET_TAG)
+    data = tags[tracking.DATASET_TAG] + (f" {subject_set}" if subject_set else "")
+    return f"{tags[tracking.TASK_TAG]} {tags[tracking.PROTOCOL_TAG]}: {' vs '.join(labels)} ({data})"
 
 
 def shown_value(value) -> float:
@@ -96,7 +97,7 @@ def headline_columns(paired: pd.DataFrame | None) -> list[str]:
     """The comparisons' view's columns for these pairs: the primary test's headline figures of each."""
     if paired is None:
         return []
-    return [tracking.metric_column(f"{pair_name(row)}/{name}") for row in paired[paired["primary"]].itertuples()
+    return [ui_pages.metric_column(f"{pair_name(row)}/{name}") for row in paired[paired["primary"]].itertuples()
             for name in HEADLINE_PAIR_METRICS]
 
 
@@ -182,7 +183,7 @@ def description(result: Mapping, runs: Mapping[str, Run], tags: Mapping[str, str
                   markdown(table), *lines]
     else:
         parts.append("No paired tests over subjects: fewer than two of these CVs logged their pooled test videos.")
-    parts += [f"{key}: {tags[key]}" for key in ("correction_family", "paired_on") if key in tags]
+    parts += [f"{key}: {tags[key]}" for key in (tracking.CORRECTION_FAMILY_TAG, tracking.PAIRED_ON_TAG) if key in tags]
     parts += ["Each CV (95 % subject-bootstrap intervals of the pooled test videos; video AUROC: mean ± sd over "
               "folds):",
               markdown(cvs_table(result, runs))]
@@ -210,13 +211,14 @@ def log_comparison(client: MlflowClient, cv_experiment: Experiment, runs: Mappin
                    tags: Mapping[str, str]) -> str:
     """The comparison's MLflow run in the comparisons' experiment beside `cv_experiment`: its name, tags, the
     compared CVs as params, the figures as metrics, its description and files; the experiment's headline view grown
-    by its pairs' columns. FINISHED, or FAILED when logging fails. Returns its id."""
-    experiment_id = tracking.get_or_create_experiment(tracking.comparisons_experiment(cv_experiment.name),
+    by its pairs' columns. FINISHED, or FAILED when logging fails (`tracking.run_lifecycle`). Returns its id."""
+    experiment_id = tracking.get_or_create_experiment(ui_pages.comparisons_experiment(cv_experiment.name),
                                                       cv_experiment.artifact_location, client)
     name = comparison_name(tags, sorted(runs))
     run_id = client.create_run(experiment_id, tags=dict(tags), run_name=name).info.run_id
-    try:
-        params = {key: tags[key] for key in ("dataset", "protocol", "task", "subject_set") if key in tags}
+    with tracking.run_lifecycle(run_id, client):
+        params = {key: tags[key] for key in (tracking.DATASET_TAG, tracking.PROTOCOL_TAG, tracking.TASK_TAG,
+                                             tracking.SUBJECT_SET_TAG) if key in tags}
         params.update({"models": ",".join(runs),
                        **{f"parent_run_id.{metric_name(model)}": run.info.run_id for model, run in runs.items()}})
         client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
@@ -236,9 +238,5 @@ def log_comparison(client: MlflowClient, cv_experiment: Experiment, runs: Mappin
             primary = result["subjects_paired"][result["subjects_paired"]["primary"]]
             text = description({**result, "subjects_paired": primary}, runs, tags, name, plots)
         client.log_batch(run_id, tags=[RunTag(tracking.NOTE_TAG, text[:MAX_DESCRIPTION])])
-        tracking.set_headline_view(client, experiment_id, headline_columns(result["subjects_paired"]), add=True)
-    except BaseException:
-        client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FAILED))
-        raise
-    client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FINISHED))
+        ui_pages.set_headline_view(client, experiment_id, headline_columns(result["subjects_paired"]), add=True)
     return run_id

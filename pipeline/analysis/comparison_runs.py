@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 from mlflow import MlflowClient
-from mlflow.entities import Run, RunStatus
+from mlflow.entities import Run
 
 from pipeline.data.tasks import get_task
 from pipeline.models.cost import backbone_cost
@@ -38,13 +38,13 @@ def fold_scores(client: MlflowClient, parent_run: Run, metrics: Sequence[str],
     training seeds gives each fold's mean over its seeds.
     """
     parent_id = parent_run.info.run_id
-    model = label or parent_run.data.tags.get("model", "")
+    model = label or parent_run.data.tags.get(tracking.MODEL_TAG, "")
     children = tracking.fold_runs(client, parent_id)
     rows: dict[tuple[int, str], dict] = {}
     for child in sorted(children, key=lambda r: r.info.start_time or 0, reverse=True):
-        if child.info.status != RunStatus.to_string(RunStatus.FINISHED):
+        if child.info.status != tracking.FINISHED:
             continue
-        fold_tag = child.data.tags.get("fold")
+        fold_tag = child.data.tags.get(tracking.FOLD_TAG)
         try:
             fold = int(fold_tag)
         except (TypeError, ValueError):
@@ -75,7 +75,7 @@ def check_same_folds(runs: Mapping[str, Run]) -> None:
 # What must be equal for two CVs to be compared: identity tags of the parent run, and logged parameters (how the
 # test videos are decided, aggregated and sampled; which training seeds). A parameter that a run does not hold is
 # "(not set)": `cv.seeds` is only logged where several seeds were asked for.
-SAME_TAGS = ("dataset", "task", "protocol", "subject_set", FOLD_FILE_TAG)
+SAME_TAGS = (tracking.DATASET_TAG, tracking.TASK_TAG, tracking.PROTOCOL_TAG, tracking.SUBJECT_SET_TAG, FOLD_FILE_TAG)
 SAME_PARAMS = ("eval.threshold", "cv.seeds", "trainer.aggregation", "trainer.topk", "loader.frames_per_video",
                "loader.from_s", "personalise.mode", "personalise.k")
 NOT_SET = "(not set)"
@@ -105,7 +105,7 @@ def comparability_problems(runs: Mapping[str, Run | cv_runs.CvSettings], allow_i
             if len(set(values.values())) > 1:
                 listing = "; ".join(f"{model}: {value}" for model, value in sorted(values.items()))
                 problems.append(f"{key} differs ({listing})")
-    incomplete = sorted(model for model, cv in settings.items() if cv.tags.get("complete", "true") != "true")
+    incomplete = sorted(model for model, cv in settings.items() if not tracking.is_complete(cv.tags))
     if incomplete and not allow_incomplete:
         problems.append("incomplete CVs (some folds or limited batches: complete=false): " + ", ".join(incomplete)
                         + "; ARGS=\"compare.allow_incomplete=true\" compares them as a smoke test, marked as one")
@@ -151,7 +151,8 @@ def cost_and_regions(runs: Mapping[str, Run], summary: pd.DataFrame, task: str,
             row.update({"params": metrics["cost/params"], "macs": metrics["cost/macs"], "cost_source": "run"})
         else:
             try:
-                cost = backbone_cost(run.data.tags.get("model", model), _optional_int(params.get("model.img_size")),
+                cost = backbone_cost(run.data.tags.get(tracking.MODEL_TAG, model),
+                                     _optional_int(params.get("model.img_size")),
                                      get_task(task).n_classes)
                 row.update({"params": cost["cost/params"], "macs": cost["cost/macs"], "cost_source": "computed"})
             except (ValueError, KeyError, RuntimeError) as error:

@@ -162,7 +162,7 @@ def plot_curves(rows: dict[str, dict], path: Path, title: str) -> None:
 def run_fidelity(cfg: DictConfig) -> dict:
     """`make fidelity DATA=<twin>`: the reference curve of the twin beside the published one; JSON and PNG into
     `<reports>/fidelity/`; SystemExit(1) where a task is outside its band or the binary curve does not rise."""
-    if not is_twin(cfg):
+    if not is_twin(cfg.data):
         raise SystemExit(f"fidelity measures a synthetic twin (DATA=synthetic87); {cfg.data.name} has no generator")
     started = time.time()
     section = cfg.fidelity
@@ -184,13 +184,13 @@ def run_fidelity(cfg: DictConfig) -> dict:
     paths = {"json": out_dir / f"{cfg.data.name}.json", "plot": out_dir / f"{cfg.data.name}.png"}
     atomic_write_text(paths["json"], json.dumps(report, indent=2, default=list) + "\n")
     plot_curves(rows, paths["plot"], f"{cfg.data.name}: the reference method on the twin and on BioVid (published)")
-    print_report(rows, rising, paths)
+    print_fidelity(rows, rising, paths)
     if not passed:
         raise SystemExit(1)
     return report
 
 
-def print_report(rows: dict[str, dict], rising: bool, paths: dict[str, Path]) -> None:
+def print_fidelity(rows: dict[str, dict], rising: bool, paths: dict[str, Path]) -> None:
     """The twin's curve beside the published one, a task a line."""
     print(f"{'task':<14}{'published':>10}{'twin':>8}{'95 % interval':>17}{'band':>7}  within  source")
     for task, row in rows.items():

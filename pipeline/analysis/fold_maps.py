@@ -139,8 +139,7 @@ class VideoMaps:
 
 
 def inspect_fold(net: PainNet, datamodule: PainDataModule, class_names: Sequence[str], fold: int, run_id: str,
-                 regions: RegionMasks | None = None, crop_fraction: float = 1.0, aggregation: str = "mean",
-                 topk: int = 3) -> FoldInspection:
+                 regions: RegionMasks | None, crop_fraction: float, aggregation: str, topk: int) -> FoldInspection:
     """Maps, predictions and region scores of `net` on the fold's test crops (`datamodule`, set up)."""
     net.eval()
     data_config = net.backbone.data_config

@@ -1,7 +1,8 @@
 """Grad-CAM for every backbone family, through the grad-cam package (`pytorch_grad_cam`), with the right layer.
 
 The package hooks one module and expects it to return a tensor, and maps of shape (B, C, H, W). Which module that
-is differs by family, and a wrong choice fails silently (a module returning a tuple, as Hugging Face CvT stages do,
+is differs by family, so each backbone adapter lists its candidates (`Backbone.cam_layers`), and a wrong choice
+fails silently (a module returning a tuple, as Hugging Face CvT stages do,
 records no gradient; the last block's output of a class-token model gets no gradient from the class token):
 
 - timm ViT: the last block's `norm1` (its input to attention, where the class token still reads the patches),
@@ -30,8 +31,7 @@ from pytorch_grad_cam import GradCAM
 from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
 from torch import nn
 
-from pipeline.models.backbones import CvtBackbone, PainNet, TimmBackbone
-from pipeline.models.introspection import vit_of
+from pipeline.models.backbones import PainNet
 
 
 @dataclass(frozen=True)
@@ -56,55 +56,10 @@ def tokens_to_map(num_prefix_tokens: int) -> Callable[[torch.Tensor], torch.Tens
     return reshape
 
 
-def _vit_like(backbone: nn.Module) -> nn.Module | None:
-    """A timm ViT, or a model built like one (a class token, blocks with `norm1`: the course's reference ViT)."""
-    vit = vit_of(backbone)
-    if vit is not None:
-        return vit
-    model = getattr(backbone, "model", None)
-    blocks = getattr(model, "blocks", None)
-    if getattr(model, "cls_token", None) is not None and blocks is not None and hasattr(blocks[-1], "norm1"):
-        return model
-    return None
-
-
 def candidate_layers(net: PainNet) -> list[CamLayer]:
-    """Grad-CAM layers of the network's family, deepest first."""
-    backbone = net.backbone
-    vit = _vit_like(backbone)
-    if vit is not None:
-        reshape = tokens_to_map(int(getattr(vit, "num_prefix_tokens", 1)))
-        return [CamLayer(f"blocks.{index}.norm1", block.norm1, reshape)
-                for index, block in reversed(list(enumerate(vit.blocks)))]
-    if isinstance(backbone, CvtBackbone):
-        stage = backbone.cvt.encoder.stages[-1]
-        prefix = 1 if getattr(stage, "cls_token", None) is not None else 0
-        reshape = tokens_to_map(prefix)
-        last = len(backbone.cvt.encoder.stages) - 1
-        layers = [CamLayer(f"stages.{last}.layers.{i}.layernorm_before", layer.layernorm_before, reshape)
-                  for i, layer in reversed(list(enumerate(stage.layers)))]
-        # earlier stages have no class token and return plain (B, C, H, W) maps from their embedding convolution
-        layers += [CamLayer(f"stages.{i}.embedding", s.embedding, None)
-                   for i, s in reversed(list(enumerate(backbone.cvt.encoder.stages)))]
-        return layers
-    if isinstance(backbone, TimmBackbone):
-        model = backbone.model
-        layers = []
-        if isinstance(getattr(model, "final_conv", None), nn.Module) and not isinstance(model.final_conv, nn.Identity):
-            layers.append(CamLayer("final_conv", model.final_conv, None))
-        # timm's own list of the feature maps each stage returns (stem to top)
-        for info in reversed(list(getattr(model, "feature_info", None) or [])):
-            name = info.get("module") if isinstance(info, dict) else None
-            if name:
-                layers.append(CamLayer(name, model.get_submodule(name), None))
-        unique, seen = [], set()
-        for layer in layers:  # final_conv is often timm's last feature_info entry too
-            if id(layer.module) not in seen:
-                seen.add(id(layer.module))
-                unique.append(layer)
-        if unique:
-            return unique
-    raise TypeError(f"no Grad-CAM layer known for backbone {backbone.name!r} ({type(backbone).__name__})")
+    """Grad-CAM layers of the network's backbone, deepest first, as its adapter lists them (`Backbone.cam_layers`)."""
+    return [CamLayer(spec.name, spec.module, None if spec.prefix_tokens is None else tokens_to_map(spec.prefix_tokens))
+            for spec in net.backbone.cam_layers()]
 
 
 def _map_shape(layer: CamLayer, net: PainNet, image_size: int) -> tuple[int, ...] | None:

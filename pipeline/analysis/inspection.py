@@ -27,11 +27,11 @@ import pandas as pd
 import torch
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Run
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.analysis.fold_maps import PREFIX, FoldInspection, RegionMasks, inspect_fold
 from pipeline.analysis.inspection_plots import write_fold_outputs
-from pipeline.data.datamodule import LoaderConfig, PainDataModule
+from pipeline.data.datamodule import LoaderConfig, PainDataModule, SubjectRoles
 from pipeline.data.fold_files import fold_file_sha256
 from pipeline.data.prepare import is_twin
 from pipeline.data.tasks import get_task
@@ -49,12 +49,29 @@ class InspectionError(RuntimeError):
     """The cross-validation cannot be inspected (no such run, no kept models, other folds)."""
 
 
+@dataclass(frozen=True)
+class InspectSettings:
+    """What `make inspect` reads of its config, read once by `run_inspect`: the CV to find and the store it is in,
+    the dataset (whether its faces are drawn: a twin's), the fold file and crops, how crops are loaded (a kept
+    model's own crop window replaces the group's), the seed of an untrained baseline, where pictures go."""
+
+    cv: cv_runs.CvConfig
+    tracking_uri: str
+    dataset: str
+    twin: bool
+    fold_file: Path
+    processed_dir: Path
+    loader: dict  # the `loader` group, resolved
+    seed: int
+    reports_dir: Path
+
+
 @dataclass
 class Inspecting:
-    """What every fold of one inspection shares: the config, the store, the CV's parent run, trained models or the
+    """What every fold of one inspection shares: its settings, the store, the CV's parent run, trained models or the
     untrained baseline, the region masks, whether pictures may go to MLflow, and where they are written."""
 
-    cfg: DictConfig
+    settings: InspectSettings
     client: MlflowClient
     uri: str
     parent: Run
@@ -73,20 +90,21 @@ class Inspecting:
         return f"{PREFIX}/untrained/" if self.untrained else f"{PREFIX}/"
 
 
-def inspect_cv(cfg: DictConfig, run_id: str | None = None, untrained: bool = False,
+def inspect_cv(settings: InspectSettings, run_id: str | None = None, untrained: bool = False,
                regions: RegionMasks | None = None, no_regions_reason: str = "no region masks were given") -> dict:
     """Inspect every fold of a cross-validation (see the module docstring); returns the parent's summary and paths."""
-    uri = tracking.store_uri(cfg.mlflow.tracking_uri)
+    uri = settings.tracking_uri
     client = MlflowClient(uri)
-    parent, children = inspected_cv(client, cfg, run_id)
+    parent, children = inspected_cv(client, settings, run_id)
     parent_id, tags = parent.info.run_id, parent.data.tags
-    dataset = tags.get("dataset", cfg.data.name)
+    dataset = tags.get(tracking.DATASET_TAG, settings.dataset)
     # face images go to MLflow only for a twin's drawn faces; recordings of people (BioVid) stay on disk
-    images_allowed = dataset == cfg.data.name and is_twin(cfg)
-    out_root = (resolve_path(cfg.reports_dir) / "inspect" /
-                f"{tags.get('model')}_{dataset}_{tags.get('protocol')}_{tags.get('task')}_{parent_id[:8]}"
+    images_allowed = dataset == settings.dataset and settings.twin
+    out_root = (settings.reports_dir / "inspect" /
+                f"{tags.get(tracking.MODEL_TAG)}_{dataset}_{tags.get(tracking.PROTOCOL_TAG)}_"
+                f"{tags.get(tracking.TASK_TAG)}_{parent_id[:8]}"
                 f"{'_untrained' if untrained else ''}")
-    job = Inspecting(cfg, client, uri, parent, untrained, regions, images_allowed, out_root)
+    job = Inspecting(settings, client, uri, parent, untrained, regions, images_allowed, out_root)
     print(f"inspecting {parent.info.run_name!r} (parent run {parent_id}), {len(children)} fold(s), {job.kind} models")
     if images_allowed:
         print(f"pictures: {out_root} and the fold runs in MLflow (synthetic faces)")
@@ -106,24 +124,25 @@ def inspect_cv(cfg: DictConfig, run_id: str | None = None, untrained: bool = Fal
             "images_in_mlflow": images_allowed}
 
 
-def inspected_cv(client: MlflowClient, cfg: DictConfig, run_id: str | None) -> tuple[Run, dict[int, Run]]:
+def inspected_cv(client: MlflowClient, settings: InspectSettings, run_id: str | None) -> tuple[Run, dict[int, Run]]:
     """The CV to inspect (`cv_runs.source_cv`) and its finished fold runs; an error when its fold file is not the
     config's (the test subjects could not be recovered), when it has no finished fold, or when it trained clip
     models (maps are of single crops)."""
     try:
-        parent = cv_runs.source_cv(client, cfg, run_id)
+        parent = cv_runs.source_cv(client, settings.cv, run_id)
     except CvNotFound as error:
         raise InspectionError(str(error)) from None
     parent_id, tags = parent.info.run_id, parent.data.tags
-    fold_file = resolve_path(cfg.fold_file)
-    if not fold_file.is_file() or fold_file_sha256(fold_file) != tags.get("fold_file_sha256"):
+    fold_file = settings.fold_file
+    if not fold_file.is_file() or fold_file_sha256(fold_file) != tags.get(tracking.FOLD_FILE_TAG):
         raise InspectionError(f"the fold file {fold_file} is not the one cross-validation {parent_id} ran on "
-                              f"(SHA-256 {tags.get('fold_file_sha256')}); its test subjects cannot be recovered")
+                              f"(SHA-256 {tags.get(tracking.FOLD_FILE_TAG)}); its test subjects cannot be recovered")
     children = tracking.finished_fold_runs(client, parent_id)
     if not children:
         raise InspectionError(f"cross-validation {parent_id} has no finished fold runs")
-    if tags.get("head", "linear") not in ("", "linear"):  # maps and region scores are of single crops
-        raise InspectionError(f"cross-validation {parent_id} trained clip models ({tags['head']}): make inspect draws "
+    if tags.get(tracking.HEAD_TAG, "linear") not in ("", "linear"):  # maps and region scores are of single crops
+        raise InspectionError(f"cross-validation {parent_id} trained clip models ({tags[tracking.HEAD_TAG]}): make "
+                              f"inspect draws "
                               f"attention and Grad-CAM maps of frame models only; inspect the frame model's CV of "
                               f"the same backbone (model.head.name=linear)")
     return parent, children
@@ -132,31 +151,31 @@ def inspected_cv(client: MlflowClient, cfg: DictConfig, run_id: str | None) -> t
 def inspect_kept_model(job: Inspecting, fold: int, child: Run) -> FoldInspection:
     """One fold: its kept model (or an untrained one like it) on the fold's test crops, with the model's own crop
     window; the pictures and tables written, the numbers logged on the fold run."""
-    cfg, params = job.cfg, job.parent.data.params
+    settings, params = job.settings, job.parent.data.params
     try:
         net, meta = load_model_file(child.info.run_id, tracking_uri=job.uri)
     except Exception as error:  # a CV run with cv.log_models=false keeps no model
         raise InspectionError(f"fold {fold}: no kept model in child run {child.info.run_id} ({error}); "
                               f"cross-validations run with cv.log_models=false cannot be inspected") from error
     if job.untrained:
-        net = untrained_like(meta, seed=int(cfg.seed) + fold)
+        net = untrained_like(meta, seed=settings.seed + fold)
     net = net.to("cuda" if torch.cuda.is_available() else "cpu")
     loader = meta.get("loader", {})
     # the kept model's own crop window and crops per clip, in this process, one batch size throughout
-    settings = LoaderConfig.from_config(
-        cfg.loader, eval_batch_size=int(cfg.loader.batch_size), num_workers=0,
+    loading = LoaderConfig.from_config(
+        settings.loader, eval_batch_size=int(settings.loader["batch_size"]), num_workers=0,
         frames_per_video=loader.get("frames_per_video"), crop_fraction=loader.get("crop_fraction") or 1.0,
         from_s=loader.get("from_s"))
-    datamodule = PainDataModule(resolve_path(cfg.data.processed_dir), resolve_path(cfg.fold_file), fold,
-                                get_task(meta["task"]), net.backbone.data_config, {}, settings)
+    roles = SubjectRoles.of_fold(settings.fold_file, fold)
+    datamodule = PainDataModule(settings.processed_dir, roles, get_task(meta["task"]), net.backbone.data_config, {},
+                                loading, settings.seed)
     datamodule.setup()
     started = time.perf_counter()
     inspection = inspect_fold(net, datamodule, meta["class_names"], fold, child.info.run_id, job.regions,
                               crop_fraction=loader.get("crop_fraction") or 1.0,
-                              aggregation=params.get("trainer.aggregation", "mean"),
-                              topk=int(params.get("trainer.topk", 3)))
-    title = (f"{job.parent.data.tags.get('model')} fold {fold} ({job.kind}), {len(inspection.videos)} test videos; "
-             f"Grad-CAM at {inspection.cam_layer}")
+                              aggregation=params["trainer.aggregation"], topk=int(params["trainer.topk"]))
+    title = (f"{job.parent.data.tags.get(tracking.MODEL_TAG)} fold {fold} ({job.kind}), {len(inspection.videos)} "
+             f"test videos; Grad-CAM at {inspection.cam_layer}")
     outputs = write_fold_outputs(inspection, net, job.out_root / f"fold_{fold}", title)
     log_fold(job.client, inspection, outputs, job.images_allowed, job.prefix)
     print(f"fold {fold}: {len(inspection.videos)} test videos, {int(inspection.videos['n_crops'].sum())} crops, "
@@ -229,8 +248,12 @@ def run_inspect(cfg: DictConfig, run: str | None = None, untrained: str | None =
 
     regions, why = action_unit_masks(resolve_path(cfg.data.root) if cfg.data.root else None,
                                      resolve_path(cfg.data.processed_dir))
+    settings = InspectSettings(cv_runs.CvConfig.from_config(cfg), tracking.store_uri(cfg.mlflow.tracking_uri),
+                               str(cfg.data.name), is_twin(cfg.data), resolve_path(cfg.fold_file),
+                               resolve_path(cfg.data.processed_dir), OmegaConf.to_container(cfg.loader, resolve=True),
+                               int(cfg.seed), resolve_path(cfg.reports_dir))
     try:
-        return inspect_cv(cfg, run_id=run or None, untrained=str(untrained or "0") not in ("0", "", "false"),
+        return inspect_cv(settings, run_id=run or None, untrained=str(untrained or "0") not in ("0", "", "false"),
                           regions=regions, no_regions_reason=why)
     except InspectionError as error:
         raise SystemExit(f"inspect: {error}") from None

@@ -22,8 +22,10 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -60,73 +62,101 @@ def clopper_pearson(rejections: int, repeats: int, confidence: float = 0.95) -> 
     return float(interval.low), float(interval.high)
 
 
-def effect_name(power: DictConfig) -> str:
-    """`power.effect` as a name: `EFFECT=null` reaches Hydra as YAML's null, and names the null twin."""
-    return "null" if power.effect is None else str(power.effect)
+@dataclass(frozen=True)
+class PowerSettings:
+    """The `power` group as one value, read once where `make power` starts (`of`): the chosen effect and its entry of
+    `power.effects` (the twin, the task, the two settings `a` and `b` with their labels and overrides, the paired
+    test's `metric`, the differences compare may allow), the repeats and the first one's seed, alpha, the overrides
+    every repeat shares, where the twins go and whether they are kept, and the group as `power.yaml` records it."""
+
+    effect: str  # `EFFECT=null` reaches Hydra as YAML's null, and names the null twin
+    entry: dict  # power.effects[effect]
+    repeats: int
+    seed: int
+    alpha: float
+    dir: Path
+    keep_data: bool
+    common: tuple[str, ...]
+    yaml: str
+
+    @classmethod
+    def of(cls, power: Mapping[str, Any]) -> PowerSettings:
+        """The group's settings; an unknown effect is an error listing the ones there are."""
+        effect = "null" if power["effect"] is None else str(power["effect"])
+        if effect not in power["effects"]:
+            raise SystemExit(f"power: unknown EFFECT={effect!r}; configured: {', '.join(power['effects'])}")
+        return cls(effect, OmegaConf.to_container(power["effects"][effect]), int(power["repeats"]),
+                   int(power["seed"]), float(power["alpha"]), resolve_path(power["dir"]), bool(power["keep_data"]),
+                   tuple(power["common"]), OmegaConf.to_yaml(power))
+
+    @property
+    def task(self) -> str:
+        return str(self.entry["task"])
+
+    def side(self, name: str) -> dict:
+        """Setting `a` or `b`: its label and overrides."""
+        return self.entry[name]
 
 
-def effect_settings(power: DictConfig) -> DictConfig:
-    """The chosen effect's entry of `power.effects`, or an error listing the ones there are."""
-    if effect_name(power) not in power.effects:
-        raise SystemExit(f"power: unknown EFFECT={effect_name(power)!r}; configured: {', '.join(power.effects)}")
-    return power.effects[effect_name(power)]
-
-
-def effect_metric(power: DictConfig) -> str:
+def effect_metric(power: PowerSettings) -> str:
     """The paired test's metric of the chosen effect: its own (`metric`, e.g. mae for the graded twin), else compare's
     primary one."""
-    return str(effect_settings(power).get("metric") or PRIMARY_METRIC)
+    return str(power.entry.get("metric") or PRIMARY_METRIC)
 
 
-def twin_overrides(power: DictConfig, seed: int, classes: Sequence[str]) -> list[str]:
+def twin_overrides(power: PowerSettings, seed: int, classes: Sequence[str]) -> list[str]:
     """The config overrides of repeat `seed`'s twin: the effect's generator settings, its own folders and store."""
-    folder = resolve_path(power.dir) / effect_name(power) / f"seed_{seed}"
-    return [f"data.synthetic.effect='{effect_settings(power).twin}'", f"data.synthetic.seed={seed}",
+    folder = power.dir / power.effect / f"seed_{seed}"
+    return [f"data.synthetic.effect='{power.entry['twin']}'", f"data.synthetic.seed={seed}",
             f"data.synthetic.classes=[{','.join(classes)}]", f"data.root={folder / 'raw'}",
             f"data.processed_dir={folder / 'processed'}", f"mlflow.experiment={EXPERIMENT}"]
 
 
-def study_key(power: DictConfig, base: Sequence[str]) -> str:
+def study_key(power: PowerSettings, base: Sequence[str]) -> str:
     """What makes repeats of one study: the effect's pair and twin, the settings every repeat shares and the
     command's own overrides (the backbone, its weights, ...), hashed. A record's rows of another study (another
     MODEL= or WEIGHTS= over the same seeds) are never counted as this one's."""
-    described = {"effect": effect_name(power), "entry": OmegaConf.to_container(effect_settings(power)),
-                 "common": list(power.common), "alpha": float(power.alpha), "base": sorted(base)}
+    described = {"effect": power.effect, "entry": power.entry, "common": list(power.common), "alpha": power.alpha,
+                 "base": sorted(base)}
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def planted_size(cfg: DictConfig, effect: str) -> dict:
-    """The generator settings that make `effect`, as the twin of `cfg` has them (what synthetic_config.json records)."""
-    config = synthetic_config(cfg.data.synthetic)
+def planted_size(synthetic: Mapping[str, Any], effect: str) -> dict:
+    """The generator settings that make `effect`, as a twin's `data.synthetic` group makes them (what
+    synthetic_config.json records)."""
+    config = synthetic_config(synthetic)
     return {key: getattr(config, key) for key in PLANTED.get(effect, ())}
 
 
-def run_repeat(power: DictConfig, base: Sequence[str], seed: int, out_dir: Path, session: LaunchSession) -> dict:
+def run_repeat(power: PowerSettings, base: Sequence[str], seed: int, out_dir: Path,
+               session: LaunchSession) -> dict:
     """One twin, the two settings' CVs on it (through `session`: the study's server and workers), and `compare` of
     those two: the primary metric's paired row."""
-    entry = effect_settings(power)
-    task = get_task(entry.task)
-    twin = [*base, *power.common, f"task={entry.task}", *twin_overrides(power, seed, task.classes)]
+    task = get_task(power.task)
+    twin = [*base, *power.common, f"task={power.task}", *twin_overrides(power, seed, task.classes)]
     started = time.time()
     configs = {}
     for side in ("a", "b"):
-        cfg = load_config([*twin, *entry[side].overrides])
-        print(f"== {effect_name(power)} twin seed {seed}: {entry[side].label} ({cv_runs.config_label(cfg)})",
+        cfg = load_config([*twin, *power.side(side)["overrides"]])
+        print(f"== {power.effect} twin seed {seed}: {power.side(side)['label']} "
+              f"({cv_runs.config_label(cv_runs.CvConfig.from_config(cfg))})",
               flush=True)
         run_cv(cfg, session)
         configs[side] = cfg
-    labels = {side: cv_runs.config_label(cfg) for side, cfg in configs.items()}
+    labels = {side: cv_runs.config_label(cv_runs.CvConfig.from_config(cfg)) for side, cfg in configs.items()}
     if labels["a"] == labels["b"]:
-        raise SystemExit(f"power: both settings of {effect_name(power)} are the CV label {labels['a']!r}; compare "
+        raise SystemExit(f"power: both settings of {power.effect} are the CV label {labels['a']!r}; compare "
                          f"cannot tell them apart")
     cfg = configs["a"]
     primary = effect_metric(power)
     try:
         result = compare(cfg.data.name, cfg.protocol.name, cfg.task.name, out_dir / f"seed_{seed}",
                          tracking_uri=cfg.mlflow.tracking_uri, experiment=cfg.mlflow.experiment,
-                         subject_set=cfg.data.subject_set, fold_file_sha256=cv_runs.current_fold_file_sha256(cfg),
-                         crop_params=cv_runs.crop_settings(cfg), only=[labels["a"], labels["b"]],
-                         allow_differences=list(entry.get("allow_differences") or []), primary=primary)
+                         subject_set=cfg.data.subject_set,
+                         fold_file_sha256=cv_runs.current_fold_file_sha256(cv_runs.CvConfig.from_config(cfg)),
+                         crop_params=cv_runs.crop_settings(cv_runs.CvConfig.from_config(cfg)),
+                         only=[labels["a"], labels["b"]],
+                         allow_differences=list(power.entry.get("allow_differences") or []), primary=primary)
     except ComparisonError as error:
         raise SystemExit(f"power: {error}") from None
     paired = result["subjects_paired"]
@@ -136,8 +166,8 @@ def run_repeat(power: DictConfig, base: Sequence[str], seed: int, out_dir: Path,
     if not power.keep_data:
         shutil.rmtree(resolve_path(cfg.data.processed_dir).parent, ignore_errors=True)
     low, high = sorted((sign * row.diff_ci95_low, sign * row.diff_ci95_high))
-    return {"study": study_key(power, base), "effect": effect_name(power), "seed": seed, "task": entry.task,
-            "a": entry.a.label, "b": entry.b.label,
+    return {"study": study_key(power, base), "effect": power.effect, "seed": seed, "task": power.task,
+            "a": power.side("a")["label"], "b": power.side("b")["label"],
             "n_subjects": int(row.n_subjects), "value_a": float(values[(labels["a"], primary)]),
             "value_b": float(values[(labels["b"], primary)]), "mean_diff": sign * float(row.mean_diff),
             "diff_ci95_low": low, "diff_ci95_high": high, "p_value": float(row.p_value),
@@ -145,18 +175,18 @@ def run_repeat(power: DictConfig, base: Sequence[str], seed: int, out_dir: Path,
             "seconds": round(time.time() - started, 1)}
 
 
-def summarise(repeats: pd.DataFrame, power: DictConfig, planted: dict) -> dict:
+def summarise(repeats: pd.DataFrame, power: PowerSettings, planted: dict) -> dict:
     """The rejection rate with its Clopper-Pearson interval, the planted size, the mean difference and MDE."""
     n, k = len(repeats), int(repeats["rejected"].sum())
     low, high = clopper_pearson(k, n)
-    return {"effect": effect_name(power), "comparison": f"{repeats['a'].iloc[0]} - {repeats['b'].iloc[0]}",
+    return {"effect": power.effect, "comparison": f"{repeats['a'].iloc[0]} - {repeats['b'].iloc[0]}",
             "task": repeats["task"].iloc[0], "metric": effect_metric(power), "repeats": n, "rejections": k,
             "rejection_rate": k / n, "rate_ci95_low": low, "rate_ci95_high": high,
-            "measures": "type-I error" if effect_name(power) == "null" else "power",
+            "measures": "type-I error" if power.effect == "null" else "power",
             "planted": json.dumps(planted, default=list), "mean_diff": float(repeats["mean_diff"].mean()),
             "sd_diff": float(repeats["mean_diff"].std(ddof=1)) if n > 1 else float("nan"),
             "mean_mde80": float(repeats["mde80"].mean()), "n_subjects": int(repeats["n_subjects"].median()),
-            "alpha": float(power.alpha), "seconds_per_repeat": float(repeats["seconds"].median())}
+            "alpha": power.alpha, "seconds_per_repeat": float(repeats["seconds"].median())}
 
 
 def plot_repeats(repeats: pd.DataFrame, summary: dict, path: Path) -> None:
@@ -189,18 +219,18 @@ def plot_repeats(repeats: pd.DataFrame, summary: dict, path: Path) -> None:
 
 def run_power(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict:
     """`make power EFFECT=... REPEATS=n`: run the repeats not yet done, then summarise, plot and log them."""
-    power = cfg.power
-    entry = effect_settings(power)
+    power = PowerSettings.of(cfg.power)  # read once
     base = [o for o in overrides if not o.startswith(("power.", "task=", "data="))]
-    out_dir = resolve_path(cfg.reports_dir) / "power" / effect_name(power)
+    out_dir = resolve_path(cfg.reports_dir) / "power" / power.effect
     record = out_dir / "repeats.csv"
     done = pd.read_csv(record, dtype={"study": str}) if record.is_file() else pd.DataFrame(columns=REPEAT_COLUMNS)
     if "study" not in done:  # a record written before repeats named their study: none of its rows is this one's
         done.insert(0, "study", "")
     study = study_key(power, base)
     ours = done["study"] == study
-    seeds = [int(power.seed) + r for r in range(int(power.repeats))]
-    print(f"power: {effect_name(power)} twin, {entry.a.label} against {entry.b.label} on {entry.task}, {len(seeds)} "
+    seeds = [power.seed + r for r in range(power.repeats)]
+    print(f"power: {power.effect} twin, {power.side('a')['label']} against {power.side('b')['label']} on "
+          f"{power.task}, {len(seeds)} "
           f"repeats ({int((ours & done['seed'].isin(seeds)).sum())} done before); study {study}; record {record}"
           + (f" ({int((~ours).sum())} rows of other studies there, not counted)" if (~ours).any() else ""),
           flush=True)
@@ -211,19 +241,19 @@ def run_power(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict:
             row = run_repeat(power, base, seed, out_dir, session)
             done = pd.concat([done, pd.DataFrame([row])], ignore_index=True)
             atomic_write_csv(record, done)  # each repeat kept as soon as it is known: a killed run resumes after it
-            print(f"power {effect_name(power)} seed {seed}: {row['a']} - {row['b']} {row['mean_diff']:+.3f} "
+            print(f"power {power.effect} seed {seed}: {row['a']} - {row['b']} {row['mean_diff']:+.3f} "
                   f"[{row['diff_ci95_low']:+.3f}, {row['diff_ci95_high']:+.3f}], p_holm {row['p_holm']:.3g}"
                   f"{' REJECTED' if row['rejected'] else ''}; mde80 {row['mde80']:.3f} ({row['seconds']:.0f} s)",
                   flush=True)
     repeats = done[(done["study"] == study) & done["seed"].isin(seeds)].sort_values("seed", ignore_index=True)
-    first = load_config([*base, *power.common, f"task={entry.task}",
-                         *twin_overrides(power, seeds[0], get_task(entry.task).classes)])
-    summary = summarise(repeats, power, planted_size(first, effect_name(power)))
+    first = load_config([*base, *power.common, f"task={power.task}",
+                         *twin_overrides(power, seeds[0], get_task(power.task).classes)])
+    summary = summarise(repeats, power, planted_size(first.data.synthetic, power.effect))
     paths = {"summary": out_dir / "power_summary.csv", "plot": out_dir / "power.png", "repeats": record}
     atomic_write_csv(paths["summary"], pd.DataFrame([summary]))
     plot_repeats(repeats, summary, paths["plot"])
     atomic_write_text(out_dir / "power_summary.json", json.dumps(summary, indent=2) + "\n")
-    log_power(cfg, summary, paths)
+    log_power(tracking.store_uri(cfg.mlflow.tracking_uri), cfg.mlflow.artifact_root, power, summary, paths)
     print(f"{summary['measures']} of {summary['comparison']} ({summary['metric']}, Holm, alpha {summary['alpha']}) "
           f"on the {summary['effect']} twin: {summary['rejections']} of {summary['repeats']} = "
           f"{summary['rejection_rate']:.3f} [95 % Clopper-Pearson {summary['rate_ci95_low']:.3f}, "
@@ -236,19 +266,21 @@ def run_power(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict:
     return summary
 
 
-def log_power(cfg: DictConfig, summary: dict, paths: dict[str, Path]) -> None:
-    """The summary as a run of its own (kind `power`) in the power experiment, with its tables and plot."""
-    client = MlflowClient(tracking.store_uri(cfg.mlflow.tracking_uri))
-    artifact_root = (resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root
-                     else tracking.artifact_root(PROJECT_ROOT))
+def log_power(tracking_uri: str, artifacts: str | None, power: PowerSettings, summary: dict,
+              paths: dict[str, Path]) -> None:
+    """The summary as a run of its own (kind `power`) in the power experiment of the store at `tracking_uri`
+    (artifacts under `artifacts`, mlflow.artifact_root; None: the project's), with its tables and plot."""
+    client = MlflowClient(tracking_uri)
+    artifact_root = resolve_path(artifacts) if artifacts else tracking.artifact_root(PROJECT_ROOT)
     experiment_id = tracking.get_or_create_experiment(EXPERIMENT, artifact_root, client=client)
     run = client.create_run(experiment_id, run_name=f"power {summary['effect']} ({summary['repeats']} twins)",
-                            tags={tracking.RUN_KIND_TAG: tracking.POWER_RUN, "effect": summary["effect"],
-                                  "measures": summary["measures"], "comparison": summary["comparison"]})
-    for key in ("rejection_rate", "rate_ci95_low", "rate_ci95_high", "mean_diff", "mean_mde80", "repeats"):
-        client.log_metric(run.info.run_id, f"power/{key}", float(summary[key]))
-    client.log_param(run.info.run_id, "planted", summary["planted"][:500])
-    client.log_text(run.info.run_id, OmegaConf.to_yaml(cfg.power), "power.yaml")
-    for path in paths.values():
-        client.log_artifact(run.info.run_id, str(path), "power")
-    client.set_terminated(run.info.run_id, tracking.FINISHED)
+                            tags={tracking.RUN_KIND_TAG: tracking.POWER_RUN, tracking.EFFECT_TAG: summary["effect"],
+                                  tracking.MEASURES_TAG: summary["measures"],
+                                  tracking.COMPARISON_TAG: summary["comparison"]})
+    with tracking.run_lifecycle(run.info.run_id, client):
+        for key in ("rejection_rate", "rate_ci95_low", "rate_ci95_high", "mean_diff", "mean_mde80", "repeats"):
+            client.log_metric(run.info.run_id, f"power/{key}", float(summary[key]))
+        client.log_param(run.info.run_id, "planted", summary["planted"][:500])
+        client.log_text(run.info.run_id, power.yaml, "power.yaml")
+        for path in paths.values():
+            client.log_artifact(run.info.run_id, str(path), "power")

@@ -21,12 +21,12 @@ from __future__ import annotations
 import csv
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
-from mlflow.entities import RunStatus
 
 from pipeline.data.personalise import PersonaliseConfig
 from pipeline.runs.orchestration.cross_validation import run_cv
@@ -82,13 +82,6 @@ def describe_subject_set(name: str, dataset: str) -> str:
         text = (f"synthetic people under the subject names of {BIOVID_SUBJECT_SETS[base]} (dataset {dataset}: not "
                 f"BioVid's people or videos)")
     return text + (" (only those with face crops; the fold file's sidecar names the others)" if base != name else "")
-
-
-def model_overrides(model: str) -> list[str]:
-    """The config overrides that pick a backbone, as the Makefile does: its own file, or any timm model name."""
-    if (PROJECT_ROOT / "configs" / "model" / f"{model}.yaml").is_file():
-        return [f"model={model}"]
-    return ["model=timm", f"model.name={model}"]
 
 
 def read_literature(path: Path = LITERATURE) -> pd.DataFrame:
@@ -185,9 +178,9 @@ def project_row(model: str, task: str, run, protocol: str = "none") -> dict:
     if run is not None:
         protocol = run.data.tags.get(tracking.PERSONALISE_TAG) or "none"
     row = {"model": model, "task": task, "personalise": protocol, "parent_run_id": run.info.run_id if run else "",
-           "complete": run.data.tags.get("complete", "") if run else "",
-           "unusable_subjects": run.data.tags.get("task_unusable_subjects", "") if run else "",
-           "skipped_folds": run.data.tags.get("task_skipped_folds", "") if run else "",
+           "complete": str(tracking.is_complete(run.data.tags)).lower() if run else "",
+           "unusable_subjects": run.data.tags.get(tracking.TASK_UNUSABLE_TAG, "") if run else "",
+           "skipped_folds": run.data.tags.get(tracking.TASK_SKIPPED_FOLDS_TAG, "") if run else "",
            "interval": interval_kind(run)}
     for column, metric in METRICS.items():
         for suffix, name in (("", column), ("_ci95_low", f"{column}_ci95_low"), ("_ci95_high", f"{column}_ci95_high")):
@@ -203,7 +196,7 @@ def interval_kind(run) -> str:
     """Which kind of interval a run's pooled metrics carry (the tag the CV writes; subjects only before it)."""
     if run is None:
         return ""
-    return run.data.tags.get("interval_kind", "subject bootstrap")
+    return run.data.tags.get(tracking.INTERVAL_KIND_TAG, "subject bootstrap")
 
 
 def cell(row: pd.Series, column: str) -> str:
@@ -341,6 +334,15 @@ def plot_table(ours: pd.DataFrame, published: pd.DataFrame, title: str, path: Pa
     save_png(figure, path)
 
 
+@dataclass(frozen=True)
+class TableOf:
+    """What a results table is of: the dataset, protocol and subject set its cells share."""
+
+    dataset: str
+    protocol: str
+    subject_set: str
+
+
 def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tasks: str | None = None,
               tuned: str | None = None, trials: str | None = None, scope: str | None = None) -> dict:
     """Run or reuse every (backbone, task) cross-validation, then write and log the table. `tuned` (any non-empty
@@ -348,11 +350,12 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
     model_names = (models or cfg.model.name).split()
     task_names = (tasks or " ".join(TASKS)).split()
     client = MlflowClient(tracking.store_uri(cfg.mlflow.tracking_uri))
-    rows = pd.DataFrame(project_rows(cfg, client, overrides, model_names, task_names, tuned, trials, scope))
-    report = build_report(rows, model_names, task_names, cfg.data.name, cfg.protocol.name, cfg.data.subject_set)
+    rows = pd.DataFrame(project_rows(client, overrides, model_names, task_names, tuned, trials, scope))
+    of = TableOf(str(cfg.data.name), str(cfg.protocol.name), str(cfg.data.subject_set))
+    report = build_report(rows, model_names, task_names, of.dataset, of.protocol, of.subject_set)
     ours, facts = report["ours"], report["facts"]
     views = {group: published_view(report[group]) for group in GROUPS}
-    title = table_title(cfg, report["interval"], tuned, scope)
+    title = table_title(of, report["interval"], tuned, scope)
     stem = f"table_{cfg.data.name}_{cfg.protocol.name}_{cfg.data.subject_set}"
     if tuple(task_names) != TASKS:  # a subset never overwrites the full table
         stem += "_" + "_".join(task_names)
@@ -380,7 +383,10 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
     atomic_write_csv(paths["csv"], long)
     plot_table(ours, pd.concat([views[group].assign(group=GROUPS[group]) for group in GROUPS], ignore_index=True),
                title, paths["png"])
-    run_id = log_table_run(client, cfg, stem, model_names, task_names, rows, paths)
+    artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
+        PROJECT_ROOT)
+    experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
+    run_id = log_table_run(client, experiment_id, of, stem, model_names, task_names, rows, paths)
     print(f"\n{title}\n{ours.to_string(index=False)}\n")
     print(facts.to_string(index=False))
     for note in report["notes"]:
@@ -396,7 +402,7 @@ def run_table(cfg, overrides: Sequence[str] = (), models: str | None = None, tas
             "other": report["other"], "published": published, "paths": paths, "run_id": run_id}
 
 
-def project_rows(cfg, client: MlflowClient, overrides: Sequence[str], model_names: Sequence[str],
+def project_rows(client: MlflowClient, overrides: Sequence[str], model_names: Sequence[str],
                  task_names: Sequence[str], tuned: str | None, trials: str | None, scope: str | None) -> list[dict]:
     """One row per (backbone, task): its cross-validation run or reused (`run_cv`; `make tune`'s `run_tune` for a
     tuned table, with TRIALS= and SCOPE=), then read from its finished parent run (`project_row`)."""
@@ -407,25 +413,25 @@ def project_rows(cfg, client: MlflowClient, overrides: Sequence[str], model_name
         for model in model_names:
             for task in task_names:
                 if tuned:  # the tuned CV's identity includes its `tune` section: cv_runs.finished_cv finds that one
-                    run_cfg = load_config([*base, *model_overrides(model), f"task={task}", *search],
+                    run_cfg = load_config([*base, f"model={model}", f"task={task}", *search],
                                           groups=("tune=default",))
                     print(f"== {model} on {task}, tuned ({run_cfg.tune.trials} trials, {run_cfg.tune.scope})")
                     run_tune(run_cfg)
                 else:
-                    run_cfg = load_config([*base, *model_overrides(model), f"task={task}"])
+                    run_cfg = load_config([*base, f"model={model}", f"task={task}"])
                     print(f"== {model} on {task}")
                     run_cv(run_cfg, session)
                 asked = PersonaliseConfig.from_config(run_cfg.get("personalise")).label
-                rows.append(project_row(model, task, cv_runs.finished_cv(client, run_cfg), asked))
+                finished = cv_runs.finished_cv(client, cv_runs.CvConfig.from_config(run_cfg))
+                rows.append(project_row(model, task, finished, asked))
     return rows
 
 
-def table_title(cfg, interval: str, tuned: str | None, scope: str | None) -> str:
+def table_title(of: TableOf, interval: str, tuned: str | None, scope: str | None) -> str:
     """The table's title: dataset, protocol, subject set, what the numbers are; a tuned table says how it was
     tuned (OPTIMISTIC for a shared study)."""
-    subject_set = (f"subject set {cfg.data.subject_set}: "
-                   f"{describe_subject_set(cfg.data.subject_set, cfg.data.name)}")
-    title = (f"this project: {cfg.data.name}, {PROTOCOL_LABELS.get(cfg.protocol.name, cfg.protocol.name)}, "
+    subject_set = f"subject set {of.subject_set}: {describe_subject_set(of.subject_set, of.dataset)}"
+    title = (f"this project: {of.dataset}, {PROTOCOL_LABELS.get(of.protocol, of.protocol)}, "
              f"{subject_set}.\nPooled test videos, in percent, [95 % CI: {interval}]; accuracy at each "
              f"fold's validation threshold (argmax for five classes) beside argmax accuracy")
     if tuned:
@@ -434,21 +440,18 @@ def table_title(cfg, interval: str, tuned: str | None, scope: str | None) -> str
     return title
 
 
-def log_table_run(client: MlflowClient, cfg, stem: str, model_names: Sequence[str], task_names: Sequence[str],
-                  rows: pd.DataFrame, paths: dict[str, Path]) -> str:
-    """The table's MLflow run (tagged `table`): the backbones, tasks and the parent run of each cell as params, the
-    three files as artifacts; FINISHED. Returns its id."""
-    artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
-        PROJECT_ROOT)
-    experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
+def log_table_run(client: MlflowClient, experiment_id: str, of: TableOf, stem: str, model_names: Sequence[str],
+                  task_names: Sequence[str], rows: pd.DataFrame, paths: dict[str, Path]) -> str:
+    """The table's MLflow run (tagged `table`) in `experiment_id`: the backbones, tasks and the parent run of each
+    cell as params, the three files as artifacts; FINISHED. Returns its id."""
     run = client.create_run(experiment_id, run_name=stem, tags={
-        tracking.RUN_KIND_TAG: tracking.TABLE_RUN, "dataset": cfg.data.name, "protocol": cfg.protocol.name,
-        "subject_set": cfg.data.subject_set,
-        "subject_set_description": describe_subject_set(cfg.data.subject_set, cfg.data.name)})
-    for key, value in {"models": ",".join(model_names), "tasks": ",".join(task_names),
-                       **{f"parent_run_id.{r.model}.{r.task}": r.parent_run_id for r in rows.itertuples()}}.items():
-        client.log_param(run.info.run_id, key, value)
-    for path in paths.values():
-        client.log_artifact(run.info.run_id, str(path), "table")
-    client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FINISHED))
+        tracking.RUN_KIND_TAG: tracking.TABLE_RUN, tracking.DATASET_TAG: of.dataset,
+        tracking.PROTOCOL_TAG: of.protocol, tracking.SUBJECT_SET_TAG: of.subject_set,
+        tracking.SUBJECT_SET_DESCRIPTION_TAG: describe_subject_set(of.subject_set, of.dataset)})
+    with tracking.run_lifecycle(run.info.run_id, client):
+        for key, value in {"models": ",".join(model_names), "tasks": ",".join(task_names),
+                           **{f"parent_run_id.{r.model}.{r.task}": r.parent_run_id for r in rows.itertuples()}}.items():
+            client.log_param(run.info.run_id, key, value)
+        for path in paths.values():
+            client.log_artifact(run.info.run_id, str(path), "table")
     return run.info.run_id

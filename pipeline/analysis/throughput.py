@@ -30,26 +30,28 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from pipeline.data.biovid import load_samples
-from pipeline.data.datamodule import PainDataModule, evenly_spaced_frames, frames_from
+from pipeline.data.datamodule import PainDataModule, SubjectRoles, evenly_spaced_frames, frames_from
 from pipeline.data.face_crops import PreprocessConfig, preprocess
 from pipeline.data.fold_files import MIN_SUBJECTS, make_folds, write_folds
-from pipeline.data.prepare import preprocess_config
-from pipeline.data.tasks import get_task
-from pipeline.models.backbones import BACKBONE_NAMES, VIT_REF_VARIANTS, model_family
-from pipeline.models.finetune import FinetuneConfig
+from pipeline.data.prepare import DataSettings
+from pipeline.models.backbone_adapter import family_traits
+from pipeline.models.backbones import backbone_names, model_family
 from pipeline.models.lightning_module import (
     PainLightningModule,
     fused_adamw_supported,
     parameter_groups,
     warmup_cosine,
 )
-from pipeline.runs.jobs.fold_job import build_fold, plan_decisions
+from pipeline.runs.jobs.fold_decisions import plan_decisions
+from pipeline.runs.jobs.fold_job import build_fold
+from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.utils.accelerator import training_device
 from pipeline.utils.atomic_io import atomic_write_csv, atomic_write_text
-from pipeline.utils.config import CONFIG_DIR, load_config
+from pipeline.utils.config import load_config
 from pipeline.utils.cpus import available_cpus
 from pipeline.utils.devices import precision_for
-from pipeline.utils.paths import PROJECT_ROOT, git_commit
+from pipeline.utils.paths import PROJECT_ROOT, git_commit, resolve_path
 
 DEFAULT_OUT = PROJECT_ROOT / "reports" / "bench"
 DEFAULT_WORK = PROJECT_ROOT / "data" / "bench"
@@ -58,19 +60,12 @@ DEFAULT_WORK = PROJECT_ROOT / "data" / "bench"
 # --- settings: the config of `make cv` -------------------------------------------------------------------------------
 
 
-def model_overrides(name: str) -> list[str]:
-    """The overrides that pick backbone `name`, as the Makefile's MODEL= does: its own file, else any timm model."""
-    if (CONFIG_DIR / "model" / f"{name}.yaml").is_file():
-        return [f"model={name}"]
-    return ["model=timm", f"model.name={name}"]
-
-
 def check_model_names(names: Sequence[str]) -> None:
     """Fail in a second, before any data is generated, on a backbone name that does not exist."""
     import timm
 
 
-    known = (*BACKBONE_NAMES, *VIT_REF_VARIANTS)
+    known = backbone_names()
     unknown = [name for name in names if name not in known and not timm.is_model(name)]
     if unknown:
         raise SystemExit(
@@ -91,41 +86,45 @@ def load_configs(
     if picks_model:
         configs = [load_config(overrides)]
     else:
-        configs = [load_config([*model_overrides(name), *overrides]) for name in models or default_models]
+        configs = [load_config([f"model={name}", *overrides]) for name in models or default_models]
     check_model_names([cfg.model.name for cfg in configs])
     return configs
 
 
-def listed(cfg: DictConfig, dataset: Mapping[str, Any]) -> DictConfig:
-    """`cfg` reading the crops `loader_dataset` listed, with random weights (speed does not depend on them)."""
-    cfg = copy.deepcopy(cfg)
-    cfg.data.processed_dir = str(dataset["processed_dir"])
-    cfg.model.pretrained = False
-    cfg.model.weights = None
-    return cfg
+def listed(training: TrainingSettings, dataset: Mapping[str, Any]) -> TrainingSettings:
+    """`training` reading the crops `loader_dataset` listed, with random weights (speed does not depend on them)."""
+    config = copy.deepcopy(training.config)
+    config["data"]["processed_dir"] = str(dataset["processed_dir"])
+    config["model"].update(pretrained=False, weights=None)
+    return dataclasses.replace(training, processed_dir=resolve_path(dataset["processed_dir"]), pretrained=False,
+                               weights=None, config=config)
 
 
-def build(cfg: DictConfig, dataset: Mapping[str, Any]) -> tuple[PainLightningModule, PainDataModule]:
+def build(training: TrainingSettings, dataset: Mapping[str, Any]) -> tuple[PainLightningModule, PainDataModule]:
     """The LightningModule and the data of fold 0 over `dataset`, built by `make cv`'s own `build_fold`."""
-    cfg = listed(cfg, dataset)
-    module, datamodule, _ = build_fold(cfg, 0, plan_decisions(cfg, Path(dataset["fold_file"])))
+    training = listed(training, dataset)
+    fold_file = Path(dataset["fold_file"])
+    built = build_fold(training, WhatTrains.of(training).check(), SubjectRoles.of_fold(fold_file, 0),
+                       plan_decisions(training, fold_file))
+    module, datamodule = built.module, built.datamodule
     return module, datamodule
 
 
-def precision(cfg: DictConfig) -> str:
-    """The precision a fold of `make cv` would train `cfg` at on this machine's device (resolved the way the fold
-    job resolves it)."""
-    return precision_for(cfg.trainer.precision, training_device(cfg.trainer.accelerator).kind,
-                         model_family(cfg.model.name, cfg.model.img_size))
+def precision(training: TrainingSettings) -> str:
+    """The precision a fold of `make cv` would train at on this machine's device (resolved the way the fold job
+    resolves it)."""
+    return precision_for(training.trainer.precision, training_device(training.trainer.accelerator).kind,
+                         family_traits(model_family(training.model_name, training.img_size)))
 
 
-def training_settings(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule) -> dict[str, Any]:
+def training_settings(training: TrainingSettings, module: PainLightningModule,
+                      datamodule: PainDataModule) -> dict[str, Any]:
     """What a benchmark measured with, read back from the built objects (for the report, and for the test that
     they are `make cv`'s)."""
     import albumentations as A
 
     return {
-        "model": cfg.model.name,
+        "model": training.model_name,
         "img_size": module.model.backbone.data_config.input_size[-1],
         "task": datamodule.task.name,
         "optim": dataclasses.asdict(module.optim),
@@ -135,18 +134,18 @@ def training_settings(cfg: DictConfig, module: PainLightningModule, datamodule: 
         "balanced_sampling": datamodule.balanced_sampling,
         "frames_per_video": datamodule.frames_per_video,
         "from_s": datamodule.from_s,
-        "precision": precision(cfg),
-        "finetune": FinetuneConfig.from_config(cfg).label,
+        "precision": precision(training),
+        "finetune": training.finetune.label,
         "channels_last": module.channels_last,
-        "gradient_clip_val": cfg.trainer.gradient_clip_val,
+        "gradient_clip_val": training.trainer.gradient_clip_val,
         "seed": datamodule.seed,
     }
 
 
-def preprocess_settings(cfg: DictConfig) -> tuple[PreprocessConfig, int]:
-    """How `make data` crops faces for this config, and with how many processes."""
+def preprocess_settings(data: DataSettings) -> tuple[PreprocessConfig, int]:
+    """How `make data` crops faces for these settings, and with how many processes."""
 
-    return preprocess_config(cfg), cfg.preprocess.workers or available_cpus()
+    return data.preprocess, data.workers or available_cpus()
 
 
 # --- timing ----------------------------------------------------------------------------------------------------------
@@ -197,7 +196,7 @@ def timed() -> Iterator[Callable[[], float]]:
     end.append(time.perf_counter())
 
 
-def bare_training_throughput(cfg: DictConfig, module: PainLightningModule, batch_size: int, *, steps: int,
+def bare_training_throughput(training: TrainingSettings, module: PainLightningModule, batch_size: int, *, steps: int,
                              warmup_steps: int, progress: bool = True, desc: str = "bare steps") -> dict[str, float]:
     """Images/s of a plain PyTorch loop over `module`'s network: one pre-made random batch, fwd + loss + bwd + clip +
     AdamW + LR step, at the config's precision and gradient clipping.
@@ -211,13 +210,13 @@ def bare_training_throughput(cfg: DictConfig, module: PainLightningModule, batch
     optimizer = torch.optim.AdamW(parameter_groups(net, module.optim), fused=fused_adamw_supported(net))
     total = warmup_steps + steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, 1, total))
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(training.seed)
     images = torch.randn(batch_size, *net.backbone.data_config.input_size, generator=generator).to(device)
     if module.channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
     labels = torch.randint(0, len(module.class_names), (batch_size,), generator=generator).to(device)
-    bf16 = precision(cfg).startswith("bf16")
-    clip = cfg.trainer.gradient_clip_val
+    bf16 = precision(training).startswith("bf16")
+    clip = training.trainer.gradient_clip_val
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -259,12 +258,12 @@ def generate_subset(root: Path, preset: str, n_subjects: int, samples_per_class:
     return samples, seconds()
 
 
-def prepared_subset(work_dir: Path, preset: str, n_subjects: int, samples_per_class: int, cfg: DictConfig,
+def prepared_subset(work_dir: Path, preset: str, n_subjects: int, samples_per_class: int, data: DataSettings,
                     progress: bool = True) -> Path:
-    """A generated subset in `work_dir`, cropped as `make data` crops for `cfg` (made once, reused); returns its
+    """A generated subset in `work_dir`, cropped as `make data` crops for `data` (made once, reused); returns its
     processed folder."""
 
-    config, workers = preprocess_settings(cfg)
+    config, workers = preprocess_settings(data)
     samples, _ = generate_subset(work_dir / "raw", preset, n_subjects, samples_per_class, workers, progress)
     result = preprocess(samples, work_dir / "processed", config, workers=workers, progress=progress)
     if result.frames.empty:
@@ -272,9 +271,10 @@ def prepared_subset(work_dir: Path, preset: str, n_subjects: int, samples_per_cl
     return work_dir / "processed"
 
 
-def loader_dataset(source_dir: Path, out_dir: Path, min_train_images: int, cfg: DictConfig) -> dict[str, Any]:
+def loader_dataset(source_dir: Path, out_dir: Path, min_train_images: int,
+                   training: TrainingSettings) -> dict[str, Any]:
     """A frame table and hold-out fold file over `source_dir`'s crops with at least `min_train_images` training
-    frames, counted as `cfg`'s loader selects them (the task's classes, loader.from_s, loader.frames_per_video).
+    frames, counted as `training`'s loader selects them (the task's classes, loader.from_s, loader.frames_per_video).
 
     A small subset is listed several times, each copy as new subjects ("<name>+<copy>"): the crops are the same
     files either way and a real dataset's crops sit in the page cache after the first epoch too, so images/s is
@@ -285,13 +285,14 @@ def loader_dataset(source_dir: Path, out_dir: Path, min_train_images: int, cfg: 
         raise SystemExit(f"frame table {frames_csv} not found: prepare the data first (make data)")
     text_columns = {"subject_name": str, "sample_name": str, "class_name": str, "crop_path": str}
     source = pd.read_csv(frames_csv, dtype=text_columns, keep_default_na=False)
-    source = source[source["class_name"].isin(get_task(cfg.task.name).classes)]
-    if cfg.loader.from_s is not None:
-        source = frames_from(source, cfg.loader.from_s, frames_csv)
-    if cfg.loader.frames_per_video is not None:
-        source = evenly_spaced_frames(source, cfg.loader.frames_per_video)
+    loader = training.loader
+    source = source[source["class_name"].isin(training.task.classes)]
+    if loader.from_s is not None:
+        source = frames_from(source, loader.from_s, frames_csv)
+    if loader.frames_per_video is not None:
+        source = evenly_spaced_frames(source, loader.frames_per_video)
     if source.empty:
-        raise SystemExit(f"{frames_csv}: no frames of task {cfg.task.name}")
+        raise SystemExit(f"{frames_csv}: no frames of task {training.task.name}")
     source = source.assign(crop_path=[str((source_dir / path).resolve()) for path in source["crop_path"]])
 
     def copies_of(n_copies: int) -> pd.DataFrame:
@@ -304,7 +305,7 @@ def loader_dataset(source_dir: Path, out_dir: Path, min_train_images: int, cfg: 
     n_copies = max(1, math.ceil(MIN_SUBJECTS / source["subject_name"].nunique()))
     while True:
         table = copies_of(n_copies)
-        folds = make_folds(sorted(set(table["subject_name"])), "holdout", seed=cfg.seed)
+        folds = make_folds(sorted(set(table["subject_name"])), "holdout", seed=training.seed)
         train_subjects = set(folds.loc[folds["role"] == "train", "subject_name"])
         n_train = int(table["subject_name"].isin(train_subjects).sum())
         if n_train >= min_train_images:

@@ -30,7 +30,7 @@ from pipeline.utils.atomic_io import atomic_write_bytes
 
 
 class DataConfigLike(Protocol):
-    """What this module reads from `pipeline.models.backbones.DataConfig` (the backbone's pretrained preprocessing)."""
+    """What this module reads from `pipeline.models.backbone_adapter.DataConfig` (a backbone's own preprocessing)."""
 
     input_size: tuple[int, int, int]
     mean: tuple[float, float, float]

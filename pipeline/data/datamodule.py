@@ -1,10 +1,12 @@
-"""Face-crop frames of one protocol fold and task as Lightning dataloaders.
+"""Face-crop frames of one set of subject roles and a task as Lightning dataloaders.
 
-Splits are by whole subjects, read from a fold file that is leak-checked on every load
-(`pipeline.data.fold_files.read_folds`). Each item carries its frame-table row number so that predictions can be mapped
-back to videos and subjects. With `clips=True` (a temporal head trained end to end) an item is a whole video instead:
-its `loader.clip_frames` crops in time order under one augmentation draw (`pipeline.data.clips.ClipDataset`), and
-its number indexes the split's video table (`prediction_rows`).
+Splits are by whole subjects: which subjects train, validate and test is data (`SubjectRoles`) handed to the one
+DataModule: a fold of a fold file, leak-checked on every load (`SubjectRoles.of_fold`, `pipeline.data.fold_files.
+read_folds`), the final model's split (its held-out subjects validate and test it), or a study's inner split (a
+fold's test subjects left out: `validation_as_test`). Each item carries its frame-table row number so that
+predictions can be mapped back to videos and subjects. With `clips=True` (a temporal head trained end to end) an
+item is a whole video instead: its `loader.clip_frames` crops in time order under one augmentation draw
+(`pipeline.data.clips.ClipDataset`), and its number indexes the split's video table (`prediction_rows`).
 
 Training draws are keyed, not streamed: `EpochSampler` makes epoch k's order of crops and each crop's augmentation
 seed from (seed, fold, k) alone (`pipeline.utils.seeds`), so a fold resumed from an epoch checkpoint sees the same
@@ -14,7 +16,7 @@ batches as one that never stopped, with any number of loader workers, persistent
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -177,16 +179,43 @@ class LoaderConfig:
         return cls(**{**values, **changes})
 
 
-class PainDataModule(pl.LightningDataModule):
-    """Train / val / test frames of fold `fold` in `fold_file` for `task`, over the crops in `processed_dir`."""
+@dataclass(frozen=True)
+class SubjectRoles:
+    """Which subjects train, validate and test one model. `fold` names the random streams its training draws from
+    (the fold's number; the final model's 0); `source` says where the roles come from, in messages."""
 
-    def __init__(self, processed_dir: Path, fold_file: Path, fold: int, task: Task, data_config: DataConfigLike,
-                 augment: Mapping[str, Any], loader: LoaderConfig, seed: int = 0, clips: bool = False) -> None:
+    train: tuple[str, ...]
+    val: tuple[str, ...]
+    test: tuple[str, ...]
+    fold: int
+    source: str
+
+    @classmethod
+    def of_fold(cls, fold_file: Path, fold: int) -> SubjectRoles:
+        """Fold `fold` of a fold file, read and leak-checked."""
+        roles = fold_subjects(read_folds(fold_file), fold)
+        return cls(tuple(roles["train"]), tuple(roles["val"]), tuple(roles["test"]), int(fold),
+                   f"{fold_file}, fold {fold}")
+
+    def validation_as_test(self) -> SubjectRoles:
+        """The same training and validation subjects, the validation subjects standing in as the test split: the
+        other subjects' rows are never loaded (a study's inner split; the final model's held-out subjects)."""
+        return replace(self, test=self.val)
+
+    def as_dict(self) -> dict[str, list[str]]:
+        return {role: list(getattr(self, role)) for role in ROLES}
+
+
+class PainDataModule(pl.LightningDataModule):
+    """Train / val / test frames of the subjects' `roles` for `task`, over the crops in `processed_dir`."""
+
+    def __init__(self, processed_dir: Path, roles: SubjectRoles, task: Task, data_config: DataConfigLike,
+                 augment: Mapping[str, Any], loader: LoaderConfig, seed: int, clips: bool = False) -> None:
         super().__init__()
         self.clips = clips  # items are whole videos' clips (end-to-end clip training), not single crops
         self.processed_dir = Path(processed_dir)
-        self.fold_file = Path(fold_file)
-        self.fold = int(fold)
+        self.roles = roles
+        self.fold = roles.fold
         self.task = task
         self.data_config = data_config
         self.loader = loader
@@ -236,12 +265,12 @@ class PainDataModule(pl.LightningDataModule):
         table = self._read_frame_table()
         # The fold file may cover a subset of the preprocessed subjects (e.g. the 67 responders out of 87), so it is
         # checked on its own (roles, duplicates, leaks) and then must only name subjects that have frames.
-        roles = self.subject_roles()
+        roles = self.roles.as_dict()
         subjects_with_frames = set(table["subject_name"])
         without_frames = sorted({s for members in roles.values() for s in members} - subjects_with_frames)
         if without_frames:
             raise ValueError(
-                f"{self.fold_file}, fold {self.fold}: {len(without_frames)} subject(s) have no frames in "
+                f"{self.roles.source}: {len(without_frames)} subject(s) have no frames in "
                 f"{self.frames_csv}: {without_frames}"
             )
         task_frames = table[table["class_name"].isin(self.task.classes)].copy()
@@ -256,7 +285,7 @@ class PainDataModule(pl.LightningDataModule):
             rows = task_frames[task_frames["subject_name"].isin(roles[role])]
             if rows.empty:
                 raise ValueError(
-                    f"{self.fold_file}, fold {self.fold}: role {role!r} has no frames of task "
+                    f"{self.roles.source}: role {role!r} has no frames of task "
                     f"{self.task.name} (classes {', '.join(self.task.classes)}); subjects: {roles[role]}"
                 )
             splits[role] = rows
@@ -266,10 +295,6 @@ class PainDataModule(pl.LightningDataModule):
         if self.clips:
             return ClipDataset(rows, self.processed_dir, transform, self.loader.clip_frames)
         return FrameDataset(rows, self.processed_dir, transform)
-
-    def subject_roles(self) -> dict[str, list[str]]:
-        """Which subjects train, validate and test: fold `fold` of the fold file, read and leak-checked."""
-        return fold_subjects(read_folds(self.fold_file), self.fold)
 
     def _read_frame_table(self) -> pd.DataFrame:
         if not self.frames_csv.is_file():

@@ -27,16 +27,10 @@ import pandas as pd
 import torch
 from torch.utils.data import Dataset
 
-from pipeline.data.datamodule import ROLES, LoaderConfig, PainDataModule
+from pipeline.data.datamodule import ROLES, LoaderConfig, PainDataModule, SubjectRoles
 from pipeline.data.personalise import (
     VIDEO_KEYS,
     PersonaliseConfig,
-    label_free_rows,
-    reference_means,
-    relative_to_reference,
-    select_baseline,
-    standardised,
-    subject_statistics,
 )
 
 
@@ -97,12 +91,12 @@ class EmbeddingDataModule(PainDataModule):
 
     The embeddings live in memory, so loading runs in the main process (no workers)."""
 
-    def __init__(self, processed_dir: Path, fold_file: Path, fold: int, task, data_config, augment: Any,
-                 loader: LoaderConfig, seed: int = 0, *, embeddings: EmbeddingTable, source: Path,
-                 personalise: PersonaliseConfig | None = None) -> None:
-        super().__init__(processed_dir, fold_file, fold, task, data_config, augment, loader, seed=seed)
+    def __init__(self, processed_dir: Path, roles: SubjectRoles, task, data_config, augment: Any,
+                 loader: LoaderConfig, seed: int, *, embeddings: EmbeddingTable, source: Path,
+                 personalise: PersonaliseConfig) -> None:
+        super().__init__(processed_dir, roles, task, data_config, augment, loader, seed)
         self.embeddings, self.source = embeddings, Path(source)
-        self.personalise = personalise or PersonaliseConfig("none")
+        self.personalise = personalise
         self.num_workers, self.persistent_workers, self.pin_memory = 0, False, False
         self.references: dict[str, pd.DataFrame] = {}  # baseline: per split, the reference crops taken out of it
 
@@ -110,37 +104,35 @@ class EmbeddingDataModule(PainDataModule):
         if self._splits is not None:
             return
         self._splits = self.split_frames()  # no image dataset is built: the items are embeddings
-        if self.personalise.mode == "baseline":
-            for role in ROLES:
-                self._splits[role], self.references[role] = self._without_reference(self._splits[role])
+        protocol = self.personalise.protocol
+        for role in ROLES:  # a protocol that reads a person's reference videos takes them out of the split
+            taken = protocol.take_reference(self._splits[role], self.personalise)
+            if taken is not None:
+                self._splits[role], self.references[role] = taken
         self._datasets = {role: EmbeddingDataset(rows, self.embeddings, self.source, augmented=role == "train")
                           for role, rows in self._splits.items()}
         for role, dataset in self._datasets.items():
             self._personalise(role, dataset)
 
-    def _without_reference(self, rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-        """A split's rows without each person's k reference BL1 videos, and those reference rows. The selection
-        sees the rows without their labels and the BL1 mask (`label_free_rows`), nothing else."""
-        free, is_bl1 = label_free_rows(rows)
-        assert self.personalise.k is not None and self.personalise.seed is not None  # checked by from_config
-        split = select_baseline(free, is_bl1, self.personalise.k, self.personalise.seed)
-        return rows.loc[split.remaining.index], rows.loc[split.reference.index]
-
     def _personalise(self, role: str, dataset: EmbeddingDataset) -> None:
+        """The split's embeddings as the protocol shows them to the head (`Protocol.split_transform`)."""
+        protocol = self.personalise.protocol
+        if not protocol.personal:
+            return
         subjects = self._splits[role]["subject_name"].to_numpy(dtype=str) if self._splits else np.array([])
-        if self.personalise.mode == "subject_normalised":
-            stats = subject_statistics(subjects, dataset.plain.numpy())
-            dataset.transform(lambda features: standardised(subjects, features, stats))
-        elif self.personalise.mode == "baseline":
-            reference = self.references[role]
+        reference = self.references.get(role)
+        reference_subjects, reference_features = np.array([], dtype=str), self.embeddings.plain[:0]
+        if reference is not None:
             positions = self.embeddings.positions(reference.index.to_numpy(dtype=np.int64), self.source)
-            means = reference_means(reference["subject_name"].to_numpy(dtype=str),
-                                    self.embeddings.plain[positions])
-            dataset.transform(lambda features: relative_to_reference(subjects, features, means))
+            reference_subjects, reference_features = (reference["subject_name"].to_numpy(dtype=str),
+                                                      self.embeddings.plain[positions])
+        change = protocol.split_transform(subjects, dataset.plain.numpy(), reference_subjects, reference_features)
+        if change is not None:
+            dataset.transform(change)
 
     def protocol_metrics(self) -> dict[str, float]:
         """What the personalisation protocol cost each split: its reference videos and the videos left."""
-        if self.personalise.mode != "baseline":
+        if not self.references:
             return {}
         out = {}
         for role in ROLES:
@@ -155,13 +147,3 @@ class EmbeddingDataModule(PainDataModule):
                 f"{subject}/{sample}" for subject, sample in reference[VIDEO_KEYS]
                 .drop_duplicates().itertuples(index=False))
         return summary
-
-
-def embedding_variant(datamodule_class: type[PainDataModule]) -> type[EmbeddingDataModule]:
-    """`datamodule_class` fed cached embeddings: its subjects' roles (a fold's, a final split's, a study's without the
-    fold's test subjects), `EmbeddingDataModule`'s items."""
-    if datamodule_class is PainDataModule:
-        return EmbeddingDataModule
-    variant: type[EmbeddingDataModule] = type(f"Embedding{datamodule_class.__name__}",
-                                               (EmbeddingDataModule, datamodule_class), {})
-    return variant

@@ -7,9 +7,7 @@ every face of a frame, as MTCNN gives them (what `make predict` follows and fall
 the frames without a face again, rotated.
 
 A face followed through a video is `pipeline.data.face_tracks`'; the crops cut around it are
-`pipeline.data.crop_geometry`'. The crop contract's flags (`CROP_BORDER`, `ALIGN_INTERPOLATION`, `SQUARE_*`) and
-`square_crop`, `aligned_crop`, `alignment_target` are also importable from here, as `pipeline.models.scoring` imports
-them (`import ... as ...`: an explicit re-export).
+`pipeline.data.crop_geometry`'.
 """
 
 from __future__ import annotations
@@ -22,14 +20,7 @@ from typing import Protocol
 import cv2
 import numpy as np
 
-from pipeline.data.crop_geometry import ALIGN_INTERPOLATION as ALIGN_INTERPOLATION
 from pipeline.data.crop_geometry import CANONICAL_LANDMARKS, Box, apply_transform, similarity_transform
-from pipeline.data.crop_geometry import CROP_BORDER as CROP_BORDER
-from pipeline.data.crop_geometry import SQUARE_GROW_INTERPOLATION as SQUARE_GROW_INTERPOLATION
-from pipeline.data.crop_geometry import SQUARE_SHRINK_INTERPOLATION as SQUARE_SHRINK_INTERPOLATION
-from pipeline.data.crop_geometry import aligned_crop as aligned_crop
-from pipeline.data.crop_geometry import alignment_target as alignment_target
-from pipeline.data.crop_geometry import square_crop as square_crop
 from pipeline.data.video import VideoFailure, read_sampled_frames
 
 LANDMARK_NAMES = ("eye_left", "eye_right", "nose", "mouth_left", "mouth_right")

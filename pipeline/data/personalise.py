@@ -13,6 +13,11 @@ Faces differ more between people than one person's BL1 and PA1 do; two protocols
   class or label columns. It draws each person's reference from the rows given for that person, so a training
   subject's reference comes from their own training videos.
 
+The protocols are a registry (`PROTOCOLS`, name -> `Protocol`) that `personalise.mode` names and the embedding
+data, the scorer and the reference ask: what a protocol takes out of a split (`take_reference`), how it shows a
+split's embeddings to the head (`split_transform`) and a new person's (`applied`). A new protocol is one subclass
+registered with `@register_protocol`.
+
 `reference_statistics` is the same for a new person (`make predict REFERENCE=<folder>`): the folder's recordings
 play the part a person's own videos play in a cross-validation, their mean the baseline reference, their mean and
 spread a subject-normalised model's statistics (`ReferenceStatistics.applied`).
@@ -24,7 +29,7 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -32,7 +37,6 @@ import pandas as pd
 from pipeline.data.tasks import NO_PAIN
 from pipeline.utils.seeds import derived_seed
 
-MODES = ("none", "subject_normalised", "baseline")
 VIDEO_KEYS = ["subject_name", "sample_name"]
 LABEL_COLUMNS = ("class_name", "class_id", "label")  # what a baseline selection must never be handed
 
@@ -49,24 +53,31 @@ class PersonaliseConfig:
     def from_config(cls, section: Mapping[str, Any] | None) -> PersonaliseConfig:
         """The config's `personalise` section (None or empty: none), checked."""
         if not section:
-            return cls("none")
+            return cls(NONE)
         config = cls(**dict(section))
-        if config.mode not in MODES:
-            raise ValueError(f"personalise.mode={config.mode!r}: expected one of {', '.join(MODES)}")
-        if config.mode == "baseline" and (config.k is None or config.k < 1 or config.seed is None):
-            raise ValueError(f"personalise=baseline needs personalise.k >= 1 and personalise.seed, got k={config.k}, "
-                             f"seed={config.seed}")
+        if config.mode not in PROTOCOLS:
+            raise ValueError(f"personalise.mode={config.mode!r}: expected one of {', '.join(PROTOCOLS)}")
+        config.protocol.check(config)
         return config
+
+    @property
+    def protocol(self) -> Protocol:
+        return PROTOCOLS[self.mode]
+
+    @property
+    def personal(self) -> bool:
+        """Whether a person is seen against their own statistics (anything but `none`)."""
+        return self.protocol.personal
 
     @property
     def label(self) -> str:
         """How tables and tags name the protocol: none, subject_normalised, baseline_k2."""
-        return f"baseline_k{self.k}" if self.mode == "baseline" else self.mode
+        return self.protocol.label(self)
 
     def meta(self) -> dict[str, Any]:
         """What a kept model records of its protocol (`meta["personalise"]`, read back with `from_config`): nothing
         for none, so a plain model's file is as before."""
-        return {} if self.mode == "none" else {"personalise": {"mode": self.mode, "k": self.k, "seed": self.seed}}
+        return {"personalise": {"mode": self.mode, "k": self.k, "seed": self.seed}} if self.personal else {}
 
 
 def refuse_unapplied(config: PersonaliseConfig, *, reads_cache: bool) -> None:
@@ -75,7 +86,7 @@ def refuse_unapplied(config: PersonaliseConfig, *, reads_cache: bool) -> None:
     whose clips are made of the same personalised embeddings. A backbone trained on images would need each person's
     reference re-embedded by the backbone as it changes, which is not done: a CV asked for one is refused before it
     plans anything, rather than a plain model trained and recorded under the protocol's name."""
-    if config.mode == "none" or reads_cache:
+    if not config.personal or reads_cache:
         return
     raise ValueError(f"personalise={config.mode} ({config.label}) is applied to a frozen backbone's cached "
                      f"embeddings (model.finetune=frozen, under a frame head or a two-stage temporal head); a backbone "
@@ -236,14 +247,8 @@ class ReferenceStatistics:
         return features - self.mean
 
     def applied(self, features: np.ndarray, config: PersonaliseConfig) -> np.ndarray:
-        """`features` (N, D) as protocol `config` showed its training crops to the head: minus the reference mean
-        (baseline), or standardised by the reference's mean and spread, a constant dimension centred only
-        (subject_normalised, as `subject_statistics` does)."""
-        if config.mode == "baseline":
-            return self.relative(features)
-        if config.mode == "subject_normalised":
-            return self.relative(features) / np.where(self.sd > 0, self.sd, 1.0)
-        raise ValueError(f"personalise={config.mode}: a plain model takes no reference")
+        """`features` (N, D) as protocol `config` showed its training crops to the head (`Protocol.applied`)."""
+        return config.protocol.applied(self, features)
 
 
 NO_REFERENCE = ("it scores a person against their own recordings; give a folder of them: make predict "
@@ -252,9 +257,7 @@ NO_REFERENCE = ("it scores a person against their own recordings; give a folder 
 
 def no_reference(config: PersonaliseConfig) -> str:
     """What to say when a personalised model has no reference to score against."""
-    what = ("resting (BL1) recordings, their mean the reference" if config.mode == "baseline" else
-            "unlabelled recordings, their mean and spread the statistics")
-    return f"this model is personalised ({config.label}, the person's {what}): {NO_REFERENCE}"
+    return f"this model is personalised ({config.label}, the person's {config.protocol.reference}): {NO_REFERENCE}"
 
 
 def not_served(config: PersonaliseConfig) -> str:
@@ -298,3 +301,105 @@ def reference_statistics(folder: str | Path | None,
         parts.append(values)
     stacked = np.concatenate(parts)
     return ReferenceStatistics(stacked.mean(axis=0), stacked.std(axis=0), len(parts), len(stacked), folder)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The protocols
+
+Change = Callable[[np.ndarray], np.ndarray]  # a split's features (N, D) -> as the head sees them
+
+
+class Protocol:
+    """No protocol (`none`): every crop as the backbone embeds it. The base of the protocols."""
+
+    name: ClassVar[str] = "none"
+    personal: ClassVar[bool] = False  # a person is seen against their own statistics
+    reference: ClassVar[str] = ""  # what of a person's own recordings it reads, in words
+
+    def check(self, config: PersonaliseConfig) -> None:
+        """Refuse settings this protocol cannot run with."""
+
+    def label(self, config: PersonaliseConfig) -> str:
+        return self.name
+
+    def take_reference(self, rows: pd.DataFrame, config: PersonaliseConfig) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+        """A split's frame rows without each person's reference videos, and those videos' rows; None: it takes
+        none out."""
+        return None
+
+    def split_transform(self, subjects: np.ndarray, plain: np.ndarray, reference_subjects: np.ndarray,
+                        reference_features: np.ndarray) -> Change | None:
+        """How a split's embeddings (`plain`, one row per crop of `subjects`) are shown to the head, given its
+        reference crops (none where `take_reference` took none); None: as they are."""
+        return None
+
+    def applied(self, statistics: ReferenceStatistics, features: np.ndarray) -> np.ndarray:
+        """A new person's `features` (N, D) against their reference (`reference_statistics`)."""
+        raise ValueError(f"personalise={self.name}: a plain model takes no reference")
+
+
+PROTOCOLS: dict[str, Protocol] = {}
+
+
+def register_protocol(protocol: type[Protocol]) -> type[Protocol]:
+    """Add a protocol that `personalise.mode` may name (its `name`; a name already taken is an error)."""
+    if protocol.name in PROTOCOLS:
+        raise ValueError(f"a personalisation protocol named {protocol.name!r} exists already")
+    PROTOCOLS[protocol.name] = protocol()
+    return protocol
+
+
+NONE = register_protocol(Protocol).name
+
+
+@register_protocol
+class SubjectNormalised(Protocol):
+    """Each person's embeddings standardised by their own mean and spread (`subject_normalise`)."""
+
+    name = "subject_normalised"
+    personal = True
+    reference = "unlabelled recordings, their mean and spread the statistics"
+
+    def split_transform(self, subjects: np.ndarray, plain: np.ndarray, reference_subjects: np.ndarray,
+                        reference_features: np.ndarray) -> Change | None:
+        statistics = subject_statistics(subjects, plain)
+        return lambda features: standardised(subjects, features, statistics)
+
+    def applied(self, statistics: ReferenceStatistics, features: np.ndarray) -> np.ndarray:
+        """Standardised by the reference's mean and spread, a constant dimension centred only (as
+        `subject_statistics` does)."""
+        return statistics.relative(features) / np.where(statistics.sd > 0, statistics.sd, 1.0)
+
+
+@register_protocol
+class Baseline(Protocol):
+    """k of each person's BL1 videos as their resting reference, taken out of their rows (`select_baseline`); every
+    other crop minus the reference mean (`relative_to_reference`)."""
+
+    name = "baseline"
+    personal = True
+    reference = "resting (BL1) recordings, their mean the reference"
+
+    def check(self, config: PersonaliseConfig) -> None:
+        if config.k is None or config.k < 1 or config.seed is None:
+            raise ValueError(f"personalise=baseline needs personalise.k >= 1 and personalise.seed, got k={config.k}, "
+                             f"seed={config.seed}")
+
+    def label(self, config: PersonaliseConfig) -> str:
+        return f"baseline_k{config.k}"
+
+    def take_reference(self, rows: pd.DataFrame, config: PersonaliseConfig) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+        """The selection sees the rows without their labels and the BL1 mask (`label_free_rows`), nothing else."""
+        free, is_bl1 = label_free_rows(rows)
+        assert config.k is not None and config.seed is not None  # checked by from_config
+        split = select_baseline(free, is_bl1, config.k, config.seed)
+        return rows.loc[split.remaining.index], rows.loc[split.reference.index]
+
+    def split_transform(self, subjects: np.ndarray, plain: np.ndarray, reference_subjects: np.ndarray,
+                        reference_features: np.ndarray) -> Change | None:
+        means = reference_means(reference_subjects, reference_features)
+        return lambda features: relative_to_reference(subjects, features, means)
+
+    def applied(self, statistics: ReferenceStatistics, features: np.ndarray) -> np.ndarray:
+        """Minus the reference mean."""
+        return statistics.relative(features)

@@ -170,15 +170,17 @@ def run_export(cfg: DictConfig, model_uri: str | None = None, run: str | None = 
                out: str | None = None) -> Path:
     """`make export [MODEL_URI=... | RUN=<fold or final run>] [FORMAT=onnx] [OUT=folder]`: default the champion of
     MODEL / TASK."""
-    from pipeline.deployment.predict import PredictError, load_scorer
+    from pipeline.deployment.predict import ScorerSource, find_scorer
+    from pipeline.deployment.video_frames import PredictError
 
     if format not in FORMATS:
         raise SystemExit(f"export: FORMAT={format!r} is not supported; choose one of {', '.join(FORMATS)}")
     try:
-        scorer, name = load_scorer(cfg, model_uri or None, run or None)
+        source = ScorerSource.of(cfg.mlflow.tracking_uri, cfg.model.name, cfg.task.name, cfg.predict)
+        scorer, name = find_scorer(source, model_uri or None, run or None)
     except PredictError as error:
         raise SystemExit(f"export: {error}") from None
-    if scorer.personalise.mode != "none":
+    if scorer.personalise.personal:
         raise SystemExit(f"export: {name}: {not_served(scorer.personalise)}")
     out_dir = Path(out).expanduser().resolve() if out else resolve_path(cfg.reports_dir) / "export"
     return export_scorer(scorer, name, out_dir)

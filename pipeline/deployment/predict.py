@@ -28,8 +28,10 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -137,7 +139,26 @@ def output_paths(stem: Path) -> tuple[Path, Path]:
     return stem.with_name(f"{stem.name}.csv"), stem.with_name(f"{stem.name}.png")
 
 
-def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None = None) -> tuple[FrameScorer, str]:
+@dataclass(frozen=True)
+class ScorerSource:
+    """Where a command finds the model it scores with and how its scorer runs: the store, the backbone and task whose
+    registered champion is the default, and the `predict` group's device and smallest face."""
+
+    tracking_uri: str  # the store's URI, resolved (`tracking.store_uri`)
+    model_name: str
+    task: str
+    device: str
+    min_face_fraction: float
+
+    @classmethod
+    def of(cls, tracking_uri: str | None, model_name: str, task: str, predict: Mapping[str, Any]) -> ScorerSource:
+        """From `mlflow.tracking_uri`, `model.name`, `task.name` and the `predict` group."""
+        return cls(tracking.store_uri(tracking_uri), str(model_name), str(task), str(predict["device"]),
+                   float(predict["min_face_fraction"]))
+
+
+def find_scorer(source: ScorerSource, model_uri: str | None = None,
+                run: str | None = None) -> tuple[FrameScorer, str]:
     """The scorer of an MLflow model (`model_uri`, default the registered champion) or of the MLflow model a fold or
     final run logged (`run`), built by the one factory (`pipeline.runs.serving.mlflow_model.load_scorer`) once the model
     folder is found to be the project's (a refusal names the reason); and its name. A fold run's model decides at the
@@ -147,22 +168,21 @@ def load_scorer(cfg: DictConfig, model_uri: str | None = None, run: str | None =
     from mlflow.exceptions import MlflowException
 
 
-    tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
+    tracking_uri = source.tracking_uri
     mlflow.set_tracking_uri(tracking_uri)
     if run:
         uri = run_model_uri(MlflowClient(tracking_uri), run)
         name = f"run {run} ({uri})"
     else:
-        uri = model_uri or champion_uri(cfg.model.name, cfg.task.name)
+        uri = model_uri or champion_uri(source.model_name, source.task)
         name = uri
     try:
-        scorer = mlflow_model.load_scorer(uri, device=cfg.predict.device,
-                                          min_face_fraction=float(cfg.predict.min_face_fraction))
+        scorer = mlflow_model.load_scorer(uri, device=source.device, min_face_fraction=source.min_face_fraction)
     except UntrustedModel as error:
         raise PredictError(f"refused model {uri}: {error}") from None
     except (MlflowException, OSError) as error:
-        hint = ("" if model_uri or run else f" (run `make final MODEL={cfg.model.name}` and `make promote "
-                f"MODEL={cfg.model.name} VERSION=<n>`, or give MODEL_URI= or RUN=)")
+        hint = ("" if model_uri or run else f" (run `make final MODEL={source.model_name}` and `make promote "
+                f"MODEL={source.model_name} VERSION=<n>`, or give MODEL_URI= or RUN=)")
         raise PredictError(f"cannot load model {uri}: {getattr(error, 'message', error)}{hint}") from None
     return scorer, name
 
@@ -352,7 +372,8 @@ def run_predict(cfg: DictConfig, video: str | None = None, model_uri: str | None
         if not inputs.videos:  # every folder unreadable: the summary says which, no model needed
             summary = predict(None, inputs, out_dir, float(cfg.predict.fps))
         else:
-            scorer, name = load_scorer(cfg, model_uri or None, run or None)
+            scorer, name = find_scorer(ScorerSource.of(cfg.mlflow.tracking_uri, cfg.model.name, cfg.task.name,
+                                                       cfg.predict), model_uri or None, run or None)
             print(f"model {name}: {scorer.meta['model_name']}, threshold {scorer.threshold:.3f} "
                   f"(loaded in {time.perf_counter() - started:.1f} s)")
             said = attach_reference(scorer, reference or None, float(cfg.predict.fps))

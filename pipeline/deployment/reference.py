@@ -41,7 +41,7 @@ def attach_reference(scorer: FrameScorer, folder: str | None, fps: float) -> str
     a plain model without one. A personalised model without a folder, or a plain model with one, is a PredictError
     that says which and what to give."""
     protocol = scorer.personalise
-    if protocol.mode == "none":
+    if not protocol.personal:
         if folder:
             raise PredictError(f"REFERENCE={folder}: this model is not personalised (personalise=none), it scores "
                                f"every person alike and takes no reference; drop REFERENCE=")

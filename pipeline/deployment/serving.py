@@ -39,7 +39,7 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -224,17 +224,17 @@ class RequestGuard:
         await send({"type": "http.response.body", "body": content, "more_body": False})
 
 
-def limits_of(cfg: DictConfig, path_root: str | None = None) -> ServingLimits:
-    """The `serve` settings as limits; `path_root` (`make serve SERVE_PATH_ROOT=`) before `serve.path_root`, a relative
-    one taken from the current folder."""
-    return ServingLimits.from_settings({**cfg.serve, "path_root": path_root or cfg.serve.path_root},
+def limits_of(serve: Mapping[str, Any], path_root: str | None = None) -> ServingLimits:
+    """The `serve` group's settings as limits; `path_root` (`make serve SERVE_PATH_ROOT=`) before `serve.path_root`, a
+    relative one taken from the current folder."""
+    return ServingLimits.from_settings({**serve, "path_root": path_root or serve["path_root"]},
                                        names={"path_root": "SERVE_PATH_ROOT" if path_root else "serve.path_root"})
 
 
-def check_host(cfg: DictConfig) -> None:
-    """A host other than loopback is refused unless `serve.insecure=true`: the server asks no one who they are."""
-    host = str(cfg.serve.host)
-    if not is_loopback(host) and not cfg.serve.insecure:
+def check_host(host: str, insecure: bool) -> None:
+    """A host (`serve.host`) other than loopback is refused unless `serve.insecure=true`: the server asks no one who
+    they are."""
+    if not is_loopback(host) and not insecure:
         raise SystemExit(f"serve: serve.host={host} is not a loopback address, and the scoring server has no "
                          f"authentication or TLS: serve on 127.0.0.1 behind a reverse proxy that adds them, or set "
                          f"serve.insecure=true to open it to every machine that reaches this one")
@@ -252,7 +252,7 @@ def guarded_app(model_path: str, limits: ServingLimits) -> ASGIApp:
     model = scoring_server.load_model_with_mlflow_config(model_path)
     python_model = model.unwrap_python_model()
     personalise = python_model.scorer.personalise
-    if personalise.mode != "none":  # said once at start, not as the answer to every request
+    if personalise.personal:  # said once at start, not as the answer to every request
         raise SystemExit(f"serve: {not_served(personalise)}")
     python_model.pool.fill()  # every scorer ready before the first request
     return RequestGuard(scoring_server.init(model), limits)
@@ -267,9 +267,9 @@ def threads_per_scorer(scorers: int) -> int:
 def run_serve(cfg: DictConfig, model_uri: str | None = None, path_root: str | None = None) -> None:
     """`make serve [MODEL_URI=...] [SERVE_PATH_ROOT=...]`: the champion (or `model_uri`) on
     http://<serve.host>:<serve.port>."""
-    check_host(cfg)
+    check_host(str(cfg.serve.host), bool(cfg.serve.insecure))
     try:
-        limits = limits_of(cfg, path_root)
+        limits = limits_of(cfg.serve, path_root)
     except ValueError as error:
         raise SystemExit(f"serve: {error}") from None
     cap_opencv_pixels(limits.max_frame_pixels)  # before anything below loads OpenCV

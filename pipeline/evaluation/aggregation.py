@@ -15,14 +15,15 @@ import numpy as np
 AGGREGATIONS = ("mean", "max", "topk")
 
 
-def check_aggregation(method: str, k: int = 3) -> None:
+def check_aggregation(method: str, k: int) -> None:
+    """`trainer.aggregation` and `trainer.topk` (configs/trainer/default.yaml holds their defaults), checked."""
     if method not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {method!r}; choose one of {AGGREGATIONS}")
     if method == "topk" and k < 1:
         raise ValueError(f"topk aggregation needs k >= 1, got {k}")
 
 
-def aggregate_class_probabilities(probabilities: np.ndarray, method: str = "mean", k: int = 3) -> np.ndarray:
+def aggregate_class_probabilities(probabilities: np.ndarray, method: str, k: int) -> np.ndarray:
     """One video's class probabilities (shape (C,)) from its frames' (shape (N, C), N >= 1)."""
     check_aggregation(method, k)
     probs = np.asarray(probabilities, dtype=float)

@@ -44,7 +44,7 @@ def _require_columns(table: pd.DataFrame, columns: Sequence[str], what: str) -> 
         raise ValueError(f"{what} is missing columns {missing}; it has {list(table.columns)}")
 
 
-def aggregate_videos(frames: pd.DataFrame, method: str = "mean", k: int = 3, ordinal: bool = False) -> pd.DataFrame:
+def aggregate_videos(frames: pd.DataFrame, method: str, k: int, ordinal: bool = False) -> pd.DataFrame:
     """One row per video from per-frame class probabilities, by the rule of `pipeline.evaluation.aggregation`
     (the one `make predict` applies to a new video); `pred` is the argmax class index (`ordinal`: the level
     `aggregation.ordinal_decision` calls from the video's level probabilities)."""
@@ -192,7 +192,7 @@ class Evaluation:
 
 
 def evaluate_predictions(
-    frames: pd.DataFrame, class_names: Sequence[str], aggregation: str = "mean", k: int = 3, ordinal: bool = False
+    frames: pd.DataFrame, class_names: Sequence[str], aggregation: str, k: int, ordinal: bool = False
 ) -> Evaluation:
     """Frame and video metrics for one fold's per-frame predictions; per-subject accuracy is video-level. `ordinal`:
     the probabilities are an ordinal or regression output's level probabilities, and frames and videos are called

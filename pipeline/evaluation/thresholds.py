@@ -16,6 +16,9 @@ decision of its own, made on the validation subjects of the fold (never its test
 - `shrinkage`: Youden's threshold pulled toward 0.5 by the number n of validation subjects, w = n / (n + 10);
 - a number in [0, 1]: that fixed threshold (0.5 reproduces argmax on two classes).
 
+The rules are a registry (`THRESHOLD_RULES`, name -> `ThresholdRule`): `eval.threshold`, `threshold_spread` and
+scripts/threshold_simulation.py ask it, so a new rule is one `register_rule` call.
+
 Which to use: scripts/threshold_simulation.py compares them on simulated folds and on finished CVs' folds; the
 default it chose, and why, is in docs/numbers.md ("Which rule is the default").
 
@@ -29,13 +32,13 @@ every score that calls every test video pain). Then the fold falls back to 0.5 (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 
-RULES = ("youden", "balanced_accuracy", "equal_error", "median_midpoint", "logit_midpoint", "shrinkage")
 FALLBACK_THRESHOLD = 0.5
 # why a named rule could not choose (ThresholdChoice.fallback); "" when it chose
 ONE_CLASS = "one class only among the validation videos"
@@ -71,14 +74,42 @@ def roc_points(labels: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.n
     return fps / fps[-1], tps / tps[-1], np.r_[np.inf, ranked[ends]]
 
 
+@dataclass(frozen=True)
+class ThresholdRule:
+    """A named rule of `eval.threshold`: `cut(labels, scores, n_subjects)`, the threshold it picks on validation
+    videos (labels 0/1 of both classes, scores, the number of validation subjects they come from); `measured`:
+    whether `threshold_spread` reports how much it moves (a rule that is another one by a second name is not)."""
+
+    name: str
+    cut: Callable[[np.ndarray, np.ndarray, int], float]
+    measured: bool = True
+
+
+THRESHOLD_RULES: dict[str, ThresholdRule] = {}
+
+
+def register_rule(rule: ThresholdRule) -> ThresholdRule:
+    """Add a rule that `eval.threshold` may name (a name already taken is an error)."""
+    if rule.name in THRESHOLD_RULES:
+        raise ValueError(f"a threshold rule named {rule.name!r} exists already")
+    THRESHOLD_RULES[rule.name] = rule
+    return rule
+
+
+def measured_rules() -> tuple[str, ...]:
+    """The rules `threshold_spread` measures, in the order they were registered."""
+    return tuple(name for name, rule in THRESHOLD_RULES.items() if rule.measured)
+
+
 def parse_rule(rule: str | float) -> str | float:
     """A rule name, or a fixed threshold as a float in [0, 1]; anything else is an error naming the setting."""
-    if isinstance(rule, str) and rule in RULES:
+    if isinstance(rule, str) and rule in THRESHOLD_RULES:
         return rule
     try:
         value = float(rule)
     except (TypeError, ValueError):
-        raise ValueError(f"eval.threshold={rule!r}: expected one of {', '.join(RULES)} or a number in [0, 1]") from None
+        raise ValueError(f"eval.threshold={rule!r}: expected one of {', '.join(THRESHOLD_RULES)} or a number in "
+                         f"[0, 1]") from None
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"eval.threshold={rule!r}: a fixed threshold must lie in [0, 1]")
     return value
@@ -101,26 +132,41 @@ def choose_threshold(labels: np.ndarray, scores: np.ndarray, rule: str | float,
         raise ValueError(f"labels and scores must be 1-D of equal length, got {labels.shape} and {scores.shape}")
     if not np.isfinite(scores).all():
         raise ValueError("scores contain NaN or infinite values")
+    reason = cannot_choose(labels, scores)
+    if reason:
+        return ThresholdChoice(FALLBACK_THRESHOLD, reason)
+    return ThresholdChoice(THRESHOLD_RULES[rule].cut(labels, scores, int(n_subjects or 0)))
+
+
+def cannot_choose(labels: np.ndarray, scores: np.ndarray) -> str:
+    """Why no named rule can choose on these videos (one class, all scores equal, no cut point better than chance),
+    or "" where one can."""
+    return _youden_points(labels, scores)[0]
+
+
+def _youden_points(labels: np.ndarray, scores: np.ndarray) -> tuple[str, np.ndarray, np.ndarray]:
+    """(`cannot_choose`'s reason, Youden's J at every cut point, the cut points): the ROC computed once."""
     if len(np.unique(labels)) < 2:
-        return ThresholdChoice(FALLBACK_THRESHOLD, ONE_CLASS)
+        return ONE_CLASS, np.empty(0), np.empty(0)
     if np.all(scores == scores[0]):
-        return ThresholdChoice(FALLBACK_THRESHOLD, ALL_EQUAL)
+        return ALL_EQUAL, np.empty(0), np.empty(0)
     fpr, tpr, candidates = roc_points(labels, scores)
     j = tpr - fpr
     if j.max() <= 1e-12:  # the all-positive and all-negative cuts have J = 0: nothing better exists
-        return ThresholdChoice(FALLBACK_THRESHOLD, NO_BETTER_THAN_CHANCE)
-    if rule == "equal_error":
-        return ThresholdChoice(equal_error_threshold(labels, scores))
-    if rule == "median_midpoint":
-        return ThresholdChoice(median_midpoint_threshold(labels, scores))
-    if rule == "logit_midpoint":
-        return ThresholdChoice(logit_midpoint_threshold(labels, scores))
+        return NO_BETTER_THAN_CHANCE, j, candidates
+    return "", j, candidates
+
+
+def youden_threshold(labels: np.ndarray, scores: np.ndarray, n_subjects: int = 0) -> float:
+    """The ROC point that maximises Youden's J; among equally good ones the nearest 0.5 (it moves the decision no
+    further than the data asks). 0.5 where no rule can choose (`cannot_choose`)."""
+    reason, j, candidates = _youden_points(np.asarray(labels).astype(int), np.asarray(scores, dtype=float))
+    if reason:
+        return FALLBACK_THRESHOLD
     # roc_curve's first candidate is +inf (nothing positive), J = 0: never the best once some J > 0
     best = np.flatnonzero(np.isclose(j, j.max()))
     finite = [i for i in best if np.isfinite(candidates[i])]
-    # among equally good cut points, the one nearest 0.5: it moves the decision no further than the data asks
-    youden = float(candidates[min(finite, key=lambda i: (abs(candidates[i] - 0.5), i))])
-    return ThresholdChoice(shrink(youden, int(n_subjects)) if rule == "shrinkage" else youden)
+    return float(candidates[min(finite, key=lambda i: (abs(candidates[i] - 0.5), i))])
 
 
 def threshold_scores(videos: pd.DataFrame, class_names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -192,13 +238,11 @@ def rule_name(rule: str | float, n_classes: int) -> str:
     return rule if isinstance(rule, str) else "fixed"
 
 
-# The rules `threshold_spread` measures: how much each one's threshold moves when the fold's validation subjects are
-# resampled (each also selectable through eval.threshold).
 SHRINKAGE_SUBJECTS = 10  # the shrinkage rule weighs Youden's threshold by n / (n + 10) validation subjects
 SPREAD_RESAMPLES = 200
 
 
-def equal_error_threshold(labels: np.ndarray, scores: np.ndarray) -> float:
+def equal_error_threshold(labels: np.ndarray, scores: np.ndarray, n_subjects: int = 0) -> float:
     """The cut point where the false positive rate is nearest the false negative rate (0.5 with one class)."""
     if len(np.unique(labels)) < 2:
         return FALLBACK_THRESHOLD
@@ -208,7 +252,7 @@ def equal_error_threshold(labels: np.ndarray, scores: np.ndarray) -> float:
     return float(candidates[finite][int(np.argmin(gap))])
 
 
-def median_midpoint_threshold(labels: np.ndarray, scores: np.ndarray) -> float:
+def median_midpoint_threshold(labels: np.ndarray, scores: np.ndarray, n_subjects: int = 0) -> float:
     """Halfway between the median score of baseline videos and that of pain videos (0.5 with one class)."""
     if len(np.unique(labels)) < 2:
         return FALLBACK_THRESHOLD
@@ -218,7 +262,7 @@ def median_midpoint_threshold(labels: np.ndarray, scores: np.ndarray) -> float:
 LOGIT_EPSILON = 1e-6  # probabilities are clipped to [eps, 1 - eps] before the logit: 0 and 1 have none
 
 
-def logit_midpoint_threshold(labels: np.ndarray, scores: np.ndarray) -> float:
+def logit_midpoint_threshold(labels: np.ndarray, scores: np.ndarray, n_subjects: int = 0) -> float:
     """The probability halfway between the class medians on the logit scale: sigmoid((median logit of baseline
     videos + median logit of pain videos) / 2) (0.5 with one class)."""
     if len(np.unique(labels)) < 2:
@@ -238,16 +282,21 @@ def shrink(threshold: float, n_subjects: int) -> float:
 
 def shrunk_threshold(labels: np.ndarray, scores: np.ndarray, n_subjects: int) -> float:
     """Youden's threshold pulled toward 0.5 by the number of validation subjects (`shrink`)."""
-    return shrink(choose_threshold(labels, scores, "youden").threshold, n_subjects)
+    return shrink(youden_threshold(labels, scores), n_subjects)
+
+
+for _rule in (ThresholdRule("youden", youden_threshold),
+              ThresholdRule("balanced_accuracy", youden_threshold, measured=False),  # Youden's optimum by that name
+              ThresholdRule("equal_error", equal_error_threshold),
+              ThresholdRule("median_midpoint", median_midpoint_threshold),
+              ThresholdRule("logit_midpoint", logit_midpoint_threshold),
+              ThresholdRule("shrinkage", shrunk_threshold)):
+    register_rule(_rule)
 
 
 def rule_thresholds(labels: np.ndarray, scores: np.ndarray, n_subjects: int) -> dict[str, float]:
-    """Each measured rule's threshold on these validation videos (balanced accuracy's equals Youden's)."""
-    return {"youden": choose_threshold(labels, scores, "youden").threshold,
-            "equal_error": equal_error_threshold(labels, scores),
-            "median_midpoint": median_midpoint_threshold(labels, scores),
-            "logit_midpoint": logit_midpoint_threshold(labels, scores),
-            "shrinkage": shrunk_threshold(labels, scores, n_subjects)}
+    """Each measured rule's threshold on these validation videos."""
+    return {name: THRESHOLD_RULES[name].cut(labels, scores, n_subjects) for name in measured_rules()}
 
 
 def threshold_spread(val_videos: pd.DataFrame, positive: str, n_resamples: int = SPREAD_RESAMPLES,

@@ -80,7 +80,7 @@ class KeepBestValidation(pl.Callback):
 
     "Best" is decided as Lightning's ModelCheckpoint decides it (strictly better on `monitor` in `mode`). Only this
     process's epochs are seen: a fold resumed after its best epoch has `epoch` -1 or another epoch, and the caller
-    validates the best checkpoint again instead (`pipeline.runs.jobs.fold_fit.validate_fold`).
+    validates the best checkpoint again instead (`pipeline.runs.jobs.fold_fit.validate_best`).
     """
 
     def __init__(self, monitor: str, mode: str = "max") -> None:

@@ -200,23 +200,6 @@ def collapse_numbered(rows: list[tuple[str, object]]) -> list[tuple[str, object]
 
 # --- shape trace -----------------------------------------------------------------------------------------------------
 
-# Modules whose outputs a trace shows, by family (names inside PainNet). Attention weights are the inputs of the
-# dropout after the softmax.
-TRACE_PATTERNS = (
-    (r"backbone\.model\.(patch_embed|pos_drop|norm|stem|final_conv)", "output"),
-    (r"backbone\.model\.blocks\.\d+", "output"),
-    (r"backbone\.model\.blocks\.\d+\.attn\.attn_drop", "attention weights"),
-    (r"backbone\.model\.stages\.\d+", "output"),
-    (r"backbone\.model\.stages\.\d+\.\d+\.transformer", "tokens inside a MobileViT block"),
-    (r"backbone\.model\.stages\.\d+\.\d+\.transformer\.\d+\.attn\.attn_drop", "attention weights"),
-    (r"backbone\.model\.layer\d+", "output"),
-    (r"backbone\.cvt\.encoder\.stages\.\d+\.embedding", "convolutional token embedding"),
-    (r"backbone\.cvt\.encoder\.stages\.\d+\.layers\.\d+", "tokens"),
-    (r"backbone\.cvt\.encoder\.stages\.\d+\.layers\.\d+\.attention\.attention\.dropout", "attention weights"),
-    (r"backbone\.layernorm", "output"),
-)
-
-
 def _shape_of(output) -> tuple[int, ...] | None:
     if isinstance(output, torch.Tensor):
         return tuple(output.shape)
@@ -237,10 +220,11 @@ def shape_trace(net: PainNet, img_size: int, batch: int) -> list[tuple[str, str,
                 rows.append((name, what, shape))
         return hook
 
-    for name, module in net.named_modules():
-        for pattern, what in TRACE_PATTERNS:
+    patterns = net.backbone.trace_patterns()  # the modules its adapter shows, by their names inside the backbone
+    for name, module in net.backbone.named_modules():
+        for pattern, what in patterns:
             if re.fullmatch(pattern, name):
-                handles.append(module.register_forward_hook(keep(name, what)))
+                handles.append(module.register_forward_hook(keep(f"backbone.{name}", what)))
     handles.append(net.backbone.register_forward_hook(keep("backbone", "pooled features")))
     handles.append(net.head.register_forward_hook(keep("head", "logits")))
     flags = disable_fused_attention(net)
@@ -254,9 +238,9 @@ def shape_trace(net: PainNet, img_size: int, batch: int) -> list[tuple[str, str,
             module.fused_attn = flag
     input_row = ("input", "images", (batch, 3, img_size, img_size))
     described = _vit_descriptions(net)
-    return [input_row] + [(short, described.get(short, what), shape) for short, what, shape in
-                          ((re.sub(r"^backbone\.(model\.|cvt\.encoder\.)?", "", name), what, shape)
-                           for name, what, shape in rows)]
+    shown = [(net.backbone.trace_name(name.removeprefix("backbone.")) if name.startswith("backbone.") else name,
+              what, shape) for name, what, shape in rows]
+    return [input_row] + [(short, described.get(short, what), shape) for short, what, shape in shown]
 
 
 def _vit_descriptions(net: PainNet) -> dict[str, str]:

@@ -19,7 +19,7 @@ JSON is refused with its name, never used.
 
 Without views (`cache.views=0`, the default) a frozen head trains on the plain embedding every epoch: no training
 augmentation at all, whatever `augment.*` says. Its runs keep those settings as params (identity) and say that they
-were not applied (tags `augment_applied=false`, `augmentation`: `pipeline.runs.store.cv_runs.WhatTrains`).
+were not applied (tags `augment_applied=false`, `augmentation`: `pipeline.runs.jobs.what_trains.WhatTrains`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pipeline.data.augment import build_eval_transform, build_train_transform
 from pipeline.data.datamodule import default_num_workers, evenly_spaced_frames
 from pipeline.data.embeddings import EmbeddingTable
 from pipeline.data.frame_dataset import FrameDataset
-from pipeline.models.backbones import Backbone
+from pipeline.models.backbone_adapter import Backbone
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text
 from pipeline.utils.seeds import derived_seed
 

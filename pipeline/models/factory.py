@@ -37,7 +37,7 @@ def create_model(name: str, n_classes: int = 2, *, pretrained: bool | str = Fals
                  img_size: int | None = None, head: HeadConfig | None = None,
                  strategy: FinetuneStrategy | None = None, channels_last: bool = False,
                  output: OutputConfig | None = None) -> tuple[PainNet | ClipNet, WeightsSource]:
-    """The network of backbone `name` (one of `backbones.BACKBONE_NAMES` or any timm model name) and where its
+    """The network of backbone `name` (one of `backbones.backbone_names()` or any timm model name) and where its
     weights came from.
 
     `pretrained` / `weights` / `img_size`: as `create_backbone` takes them. `head`: a temporal head (anything but
@@ -48,7 +48,7 @@ def create_model(name: str, n_classes: int = 2, *, pretrained: bool | str = Fals
     of its temporal head)."""
     output = output or OutputConfig("softmax")
     backbone, source = create_backbone(name, pretrained=pretrained, weights=weights, img_size=img_size)
-    last = None if output.name == "softmax" else build_output_head(output, backbone.num_features, n_classes)
+    last = build_output_head(output, backbone.num_features, n_classes) if output.over_levels else None
     net: PainNet | ClipNet = PainNet(backbone, n_classes, last)
     if head is not None and head.temporal:
         net = clip_model(backbone, build_temporal_head(head, backbone.num_features, n_classes, output))

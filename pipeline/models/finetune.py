@@ -10,6 +10,9 @@
   (a full-match regex over the backbone's module names); the backbone's own weights stay fixed. A kept model has the
   adapters merged into the weights they adapt, so it is a plain `PainNet` again.
 
+The strategies are a registry (`STRATEGIES`, name -> class; `register_strategy`): `model.finetune` names one, and
+`FinetuneConfig` and `strategy_for` ask it, so a new strategy is one class here or in a module of its own.
+
 A strategy does three things: `prepare` the network once (requires_grad, adapters), keep the frozen part in eval mode
 whenever Lightning puts the module in train mode (`after_train_mode`), and give the network to keep (`for_keeping`).
 The optimizer then takes what requires a gradient (`lightning_module.parameter_groups`), so layer-wise LR decay
@@ -32,7 +35,6 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from pipeline.models.backbones import PainNet
 
-STRATEGY_NAMES = ("full", "frozen", "top_blocks", "lora")
 ADAPTER_MARK = "lora_"  # peft's adapter parameters carry it in their names (lora_A, lora_B, ...)
 
 
@@ -64,24 +66,22 @@ class FinetuneConfig:
     cache_embeddings: bool  # cache.embeddings: a fixed backbone's features read from the embedding cache
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGY_NAMES:
-            raise ValueError(f"unknown model.finetune={self.strategy!r}; use one of {', '.join(STRATEGY_NAMES)}")
-        if self.strategy == "top_blocks" and (self.blocks is None or self.blocks < 1):
-            raise ValueError(f"model.finetune=top_blocks needs model.finetune_blocks >= 1, got {self.blocks}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown model.finetune={self.strategy!r}; use one of {', '.join(STRATEGIES)}")
+        STRATEGIES[self.strategy].check(self)
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> FinetuneConfig:
-        """The strategy of a composed config (its `model` and `cache` groups)."""
-        model = cfg["model"]
+    def from_config(cls, model: Mapping[str, Any], cache: Mapping[str, Any]) -> FinetuneConfig:
+        """The strategy of the `model` and `cache` groups."""
         lora = dict(model["lora"])
         return cls(str(model["finetune"]), model.get("finetune_blocks"),
                    LoraSettings(int(lora["rank"]), float(lora["alpha"]), float(lora["dropout"]),
-                                str(lora["target_modules"])), bool(cfg["cache"]["embeddings"]))
+                                str(lora["target_modules"])), bool(cache["embeddings"]))
 
     @property
     def backbone_fixed(self) -> bool:
         """The backbone's weights never change (`frozen`): nothing to fine-tune, its features a function of the crop."""
-        return self.strategy == "frozen"
+        return STRATEGIES[self.strategy].backbone_fixed
 
     @property
     def reads_cache(self) -> bool:
@@ -91,11 +91,13 @@ class FinetuneConfig:
     @property
     def label(self) -> str:
         """A short name for tags and tables: full, frozen, top_blocks3, lora_r8."""
-        if self.strategy == "top_blocks":
-            return f"top_blocks{self.blocks}"
-        if self.strategy == "lora":
-            return f"lora_r{self.lora.rank}"
-        return self.strategy
+        return STRATEGIES[self.strategy].label(self)
+
+
+def refuse_embeddings(config: FinetuneConfig, embeddings: bool) -> None:
+    """Cached embeddings feed a fixed backbone's head only: any other strategy trains the backbone on images."""
+    if embeddings:
+        raise ValueError(f"cached embeddings serve model.finetune=frozen only, not {config.strategy}")
 
 
 class FinetuneStrategy:
@@ -107,6 +109,21 @@ class FinetuneStrategy:
 
     def __init__(self) -> None:
         self.frozen_norms: list[nn.Module] = []
+
+    @classmethod
+    def from_config(cls, config: FinetuneConfig, embeddings: bool) -> FinetuneStrategy:
+        """The strategy object of `config`; `embeddings`: fed a fixed backbone's cached embeddings."""
+        refuse_embeddings(config, embeddings)
+        return cls()
+
+    @classmethod
+    def check(cls, config: FinetuneConfig) -> None:
+        """Refuse settings this strategy cannot train with."""
+
+    @classmethod
+    def label(cls, config: FinetuneConfig) -> str:
+        """Its short name for tags and tables."""
+        return cls.name
 
     def prepare(self, net: PainNet) -> PainNet:
         """Set what trains (and inject adapters); returns the same network."""
@@ -139,6 +156,10 @@ class FrozenBackbone(FinetuneStrategy):
     name = "frozen"
     backbone_fixed = True
 
+    @classmethod
+    def from_config(cls, config: FinetuneConfig, embeddings: bool) -> FinetuneStrategy:
+        return FrozenOnEmbeddings() if embeddings else cls()
+
     def prepare(self, net: PainNet) -> PainNet:
         net.backbone.requires_grad_(False)
         net.head.requires_grad_(True)
@@ -166,6 +187,21 @@ class TopBlocks(FinetuneStrategy):
         super().__init__()
         self.blocks = int(blocks)
 
+    @classmethod
+    def from_config(cls, config: FinetuneConfig, embeddings: bool) -> FinetuneStrategy:
+        refuse_embeddings(config, embeddings)
+        assert config.blocks is not None  # checked
+        return cls(config.blocks)
+
+    @classmethod
+    def check(cls, config: FinetuneConfig) -> None:
+        if config.blocks is None or config.blocks < 1:
+            raise ValueError(f"model.finetune=top_blocks needs model.finetune_blocks >= 1, got {config.blocks}")
+
+    @classmethod
+    def label(cls, config: FinetuneConfig) -> str:
+        return f"top_blocks{config.blocks}"
+
     def prepare(self, net: PainNet) -> PainNet:
         groups = net.backbone.parameter_groups()
         if self.blocks > len(groups):
@@ -186,6 +222,15 @@ class Lora(FinetuneStrategy):
     def __init__(self, settings: LoraSettings) -> None:
         super().__init__()
         self.settings = settings
+
+    @classmethod
+    def from_config(cls, config: FinetuneConfig, embeddings: bool) -> FinetuneStrategy:
+        refuse_embeddings(config, embeddings)
+        return cls(config.lora)
+
+    @classmethod
+    def label(cls, config: FinetuneConfig) -> str:
+        return f"lora_r{config.lora.rank}"
 
     def prepare(self, net: PainNet) -> PainNet:
         names = [name for name, _ in net.backbone.named_modules()]
@@ -218,18 +263,24 @@ def merged_copy(net: PainNet) -> PainNet:
     return merged
 
 
+STRATEGIES: dict[str, type[FinetuneStrategy]] = {}
+
+
+def register_strategy(strategy: type[FinetuneStrategy]) -> type[FinetuneStrategy]:
+    """Add a strategy that `model.finetune` may name (its `name`; a name already taken is an error)."""
+    if strategy.name in STRATEGIES:
+        raise ValueError(f"a fine-tuning strategy named {strategy.name!r} exists already")
+    STRATEGIES[strategy.name] = strategy
+    return strategy
+
+
+for _strategy in (FinetuneStrategy, FrozenBackbone, TopBlocks, Lora):
+    register_strategy(_strategy)
+
+
 def strategy_for(config: FinetuneConfig, *, embeddings: bool = False) -> FinetuneStrategy:
     """The strategy object of `config`; `embeddings`: a frozen run fed cached embeddings (`config.reads_cache`)."""
-    if config.backbone_fixed:
-        return FrozenOnEmbeddings() if embeddings else FrozenBackbone()
-    if embeddings:
-        raise ValueError(f"cached embeddings serve model.finetune=frozen only, not {config.strategy}")
-    if config.strategy == "top_blocks":
-        assert config.blocks is not None
-        return TopBlocks(config.blocks)
-    if config.strategy == "lora":
-        return Lora(config.lora)
-    return FinetuneStrategy()
+    return STRATEGIES[config.strategy].from_config(config, embeddings)
 
 
 def parameter_counts(net: nn.Module) -> dict[str, int]:

@@ -86,9 +86,9 @@ class PainLightningModule(pl.LightningModule):
     number: one prediction row per video.
     """
 
-    def __init__(self, model: nn.Module, class_names: Sequence[str], optim: OptimConfig,
-                 label_smoothing: float = 0.0, class_weights: Sequence[float] | None = None,
-                 aggregation: str = "mean", topk: int = 3, channels_last: bool = False,
+    def __init__(self, model: nn.Module, class_names: Sequence[str], optim: OptimConfig, *, aggregation: str,
+                 topk: int, label_smoothing: float = 0.0, class_weights: Sequence[float] | None = None,
+                 channels_last: bool = False,
                  monitor: str | None = None, finetune: FinetuneStrategy | None = None) -> None:
         super().__init__()
         self.model = model

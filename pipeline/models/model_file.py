@@ -22,7 +22,8 @@ import torch
 from accelerate import init_empty_weights
 from torch import nn
 
-from pipeline.models.backbones import DataConfig, PainNet
+from pipeline.models.backbone_adapter import DataConfig
+from pipeline.models.backbones import PainNet
 from pipeline.models.factory import create_model
 from pipeline.models.ordinal import OutputConfig
 from pipeline.models.temporal_heads import ClipNet, HeadConfig
@@ -78,7 +79,7 @@ def load_model_file(source: str | Path, tracking_uri: str | None = None) -> tupl
 
 def _build_net(meta: dict[str, Any]) -> PainNet | ClipNet:
     """The network `meta` describes, freshly initialised (on the current default device)."""
-    head = HeadConfig.from_config(meta["head"]) if meta.get("head") else None
+    head = HeadConfig.from_model_file(meta["head"]) if meta.get("head") else None
     net, _ = create_model(meta["model_name"], len(meta["class_names"]), pretrained=False, img_size=meta["img_size"],
                           head=head, output=OutputConfig.from_config(meta.get("output")))
     return net

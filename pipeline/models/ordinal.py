@@ -13,6 +13,10 @@ its decoding.
   as a cumulative logit with fixed cut points halfway between levels, so that it too gives level probabilities and
   a pain score P(level >= t) = sigmoid(intensity - t + 1/2), monotone in the intensity.
 
+The outputs are a registry (`OUTPUT_KINDS`, name -> `OutputKind`: how it is checked, named and built), which
+`model.output.name` names and the factory, the temporal heads and the model file ask; a new output is one
+`register_output` call.
+
 Decoding gives what the project's aggregation and threshold paths take: the level probabilities are the `prob_<class>`
 columns (a video's mean of them is again a distribution), and the pain probability at level t is P(level >= t), which
 at t = 1 is 1 - P(BL1), the binary rule of `data.tasks.NO_PAIN`. Every operation exports to ONNX (cumulative products
@@ -22,7 +26,7 @@ are taken as exponentials of cumulative sums of log-sigmoids).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,7 +36,7 @@ from torch import nn
 
 from pipeline.data.tasks import Task, graded_levels
 
-OUTPUTS = ("softmax", "ordinal", "regression")
+SOFTMAX = "softmax"  # the default output: a kept model or a config without `output` has it
 ORDINAL_METHODS = ("coral", "corn")
 REGRESSION_LOSSES = ("mse", "huber")
 
@@ -52,34 +56,39 @@ class OutputConfig:
     def from_config(cls, section: Mapping[str, Any] | None) -> OutputConfig:
         """The config's `model.output` section (None or empty: softmax), checked."""
         if not section:
-            return cls("softmax")
+            return cls(SOFTMAX)
         config = cls(**dict(section))
-        if config.name not in OUTPUTS:
-            raise ValueError(f"model.output.name={config.name!r}: expected one of {', '.join(OUTPUTS)}")
-        if config.name == "ordinal" and config.ordinal not in ORDINAL_METHODS:
-            raise ValueError(f"model.output.ordinal={config.ordinal!r}: expected one of {', '.join(ORDINAL_METHODS)}")
-        if config.name == "regression" and config.loss not in REGRESSION_LOSSES:
-            raise ValueError(f"model.output.loss={config.loss!r}: expected one of {', '.join(REGRESSION_LOSSES)}")
-        if config.name != "softmax" and (config.pain_level is None or config.pain_level < 1):
+        if config.name not in OUTPUT_KINDS:
+            raise ValueError(f"model.output.name={config.name!r}: expected one of {', '.join(OUTPUT_KINDS)}")
+        config.kind.check(config)
+        if config.over_levels and (config.pain_level is None or config.pain_level < 1):
             raise ValueError(f"model.output.pain_level={config.pain_level!r}: expected a level of 1 or more")
         return config
+
+    @property
+    def kind(self) -> OutputKind:
+        return OUTPUT_KINDS[self.name]
+
+    @property
+    def over_levels(self) -> bool:
+        """Whether the output predicts ordered levels (ordinal, regression), not classes (softmax)."""
+        return self.kind.over_levels
 
     def meta(self) -> dict[str, Any]:
         """What a kept model records of its output (`model_file`): nothing for softmax (a kept model without the
         key is softmax, as every model kept before outputs existed), else `{"output": <the settings>}`."""
-        return {} if self.name == "softmax" else {"output": asdict(self)}
+        return {} if self.name == SOFTMAX else {"output": asdict(self)}
 
     @property
     def label(self) -> str:
         """How a run names its output: softmax, ordinal_coral, ordinal_corn, regression_huber."""
-        return {"softmax": "softmax", "ordinal": f"ordinal_{self.ordinal}",
-                "regression": f"regression_{self.loss}"}[self.name]
+        return self.kind.label(self)
 
 
 def task_levels(task: Task, config: OutputConfig) -> int:
     """K, the number of levels the output predicts for `task` (its labels 0..K-1 are its levels in order); an ordinal
     or regression output on a task whose classes are not ordered levels is refused, naming them."""
-    if config.name != "softmax":
+    if config.over_levels:
         graded_levels(task)
         if config.pain_level is not None and config.pain_level >= task.n_classes:
             raise ValueError(f"model.output.pain_level={config.pain_level} is not a level of task {task.name!r} "
@@ -97,7 +106,7 @@ def graded_scoring(task: Task, config: OutputConfig) -> bool:
         graded_levels(task)
     except ValueError:
         return False
-    return task.n_classes > 2 or config.name != "softmax"
+    return task.n_classes > 2 or config.over_levels
 
 
 def _check_levels(n_levels: int) -> None:
@@ -244,14 +253,54 @@ class RegressionHead(LevelHead):
         return torch.round(self.intensity(outputs)).clamp(0, self.n_levels - 1).long()
 
 
+@dataclass(frozen=True)
+class OutputKind:
+    """One `model.output.name`: `build(config, in_features, n_levels)`, its last layer; `label(config)`, how runs name
+    it; `check(config)`, its own settings refused where wrong; `over_levels`: it predicts ordered levels."""
+
+    name: str
+    build: Callable[[OutputConfig, int, int], nn.Module]
+    label: Callable[[OutputConfig], str]
+    check: Callable[[OutputConfig], None] = lambda config: None
+    over_levels: bool = True
+
+
+OUTPUT_KINDS: dict[str, OutputKind] = {}
+
+
+def register_output(kind: OutputKind) -> OutputKind:
+    """Add an output that `model.output.name` may name (a name already taken is an error)."""
+    if kind.name in OUTPUT_KINDS:
+        raise ValueError(f"an output named {kind.name!r} exists already")
+    OUTPUT_KINDS[kind.name] = kind
+    return kind
+
+
+def _check_choice(setting: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"model.output.{setting}={value!r}: expected one of {', '.join(choices)}")
+
+
+def _ordinal_head(config: OutputConfig, in_features: int, n_levels: int) -> nn.Module:
+    return (CoralHead if config.ordinal == "coral" else CornHead)(in_features, n_levels)
+
+
+def _regression_head(config: OutputConfig, in_features: int, n_levels: int) -> nn.Module:
+    return RegressionHead(in_features, n_levels, str(config.loss), config.huber_delta)
+
+
+register_output(OutputKind(SOFTMAX, lambda config, features, levels: nn.Linear(features, levels),
+                           lambda config: SOFTMAX, over_levels=False))
+register_output(OutputKind("ordinal", _ordinal_head, lambda config: f"ordinal_{config.ordinal}",
+                           lambda config: _check_choice("ordinal", config.ordinal, ORDINAL_METHODS)))
+register_output(OutputKind("regression", _regression_head, lambda config: f"regression_{config.loss}",
+                           lambda config: _check_choice("loss", config.loss, REGRESSION_LOSSES)))
+
+
 def build_output_head(config: OutputConfig, in_features: int, n_levels: int) -> nn.Module:
     """The last layer `config` asks for, over `in_features` embeddings: `Linear(D, K)` for softmax (the head the
     network has now), `CoralHead` / `CornHead`, or `RegressionHead`."""
-    if config.name == "softmax":
-        return nn.Linear(in_features, n_levels)
-    if config.name == "ordinal":
-        return (CoralHead if config.ordinal == "coral" else CornHead)(in_features, n_levels)
-    return RegressionHead(in_features, n_levels, str(config.loss), config.huber_delta)
+    return config.kind.build(config, in_features, n_levels)
 
 
 def output_probabilities(head: nn.Module, outputs: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from torch import nn
 
 from pipeline.data.datamodule import EpochSampler, PainDataModule, class_balanced_weights
 from pipeline.evaluation.metrics import VIDEO_KEYS, Evaluation, evaluate_predictions
+from pipeline.models.fold_result import FoldResult
 from pipeline.models.lightning_module import (
     BACKBONE_PREFIX,
     PainLightningModule,
@@ -73,16 +74,6 @@ class EpochState:
     should_stop: bool = False
 
 
-@dataclass
-class ProbeFit:
-    """The best epoch's weights (left in the module), its validation, and every epoch's metrics."""
-
-    best_epoch: int
-    best_score: float
-    history: list[dict]
-    validation: Evaluation  # the best epoch's validation, as it was scored then
-
-
 def split_probabilities(module: PainLightningModule, datamodule: PainDataModule, role: str) -> tuple[np.ndarray,
                                                                                                       float]:
     """The split's plain embeddings through the module in evaluation batches (the evaluation loader's order): the
@@ -113,7 +104,7 @@ def score_split(module: PainLightningModule, datamodule: PainDataModule, role: s
 
 
 def fit_probe(module: PainLightningModule, datamodule: PainDataModule, settings: ProbeTraining,
-              callbacks: Sequence = ()) -> ProbeFit:
+              callbacks: Sequence = ()) -> FoldResult:
     """Fit the module's head on the datamodule's training embeddings; select and stop on the validation videos (the
     module docstring). On one torch thread: a head on embeddings is tiny ops."""
     if not module.finetune.on_embeddings:
@@ -169,7 +160,7 @@ class TrainingSplit:
 
 
 def _fit(module: PainLightningModule, datamodule: PainDataModule, settings: ProbeTraining,
-         callbacks: Sequence) -> ProbeFit:
+         callbacks: Sequence) -> FoldResult:
     train = TrainingSplit.of(datamodule)
     optimizer, scheduler = optimizer_and_schedule(module.model, module.optim, settings.max_epochs * train.batches,
                                                   train.batches)
@@ -199,7 +190,8 @@ def _fit(module: PainLightningModule, datamodule: PainDataModule, settings: Prob
     _, validation, _ = score_split(module, datamodule, "val")  # the best epoch's whole validation, as it scored
     log.info("probe fitted in memory: best epoch %d of %d (%s %.4f)", best_epoch, len(history), settings.monitor,
              best_score)
-    return ProbeFit(best_epoch, best_score, history, validation)
+    return FoldResult(datamodule.fold, history=history, best_epoch=best_epoch, epochs_trained=len(history),
+                      best_score=best_score, validation=validation)
 
 
 def _train_epoch(module: PainLightningModule, datamodule: PainDataModule, train: TrainingSplit, epoch: int,

@@ -26,16 +26,16 @@ import pandas as pd
 import torch
 
 from pipeline.data.augment import build_eval_transform, opencv_name
-from pipeline.data.faces import (
+from pipeline.data.crop_geometry import (
     ALIGN_INTERPOLATION,
     CROP_BORDER,
-    LANDMARK_NAMES,
     SQUARE_GROW_INTERPOLATION,
     SQUARE_SHRINK_INTERPOLATION,
+    aligned_crop,
     alignment_target,
-    plausibility,
-    retry_rotated,
+    square_crop,
 )
+from pipeline.data.faces import LANDMARK_NAMES, plausibility, retry_rotated
 from pipeline.data.personalise import PersonaliseConfig, ReferenceStatistics, no_reference
 from pipeline.data.tasks import no_pain_index
 from pipeline.evaluation.aggregation import aggregate_class_probabilities, check_aggregation, pain_probability
@@ -295,8 +295,8 @@ class FrameScorer:
     predict REFERENCE=`); without one, scoring is an error that says what to give.
     """
 
-    def __init__(self, net: PainNet | ClipNet, meta: dict[str, Any], settings: CropSettings, threshold: float = 0.5,
-                 aggregation: str = "mean", topk: int = 3, device: str = "cpu", batch_size: int = 32,
+    def __init__(self, net: PainNet | ClipNet, meta: dict[str, Any], settings: CropSettings, *, aggregation: str,
+                 topk: int, threshold: float = 0.5, device: str = "cpu", batch_size: int = 32,
                  ensemble: Sequence[PainNet] = ()) -> None:
         self.net = net.eval().to(device)
         # a fold ensemble: every network sees the same crop, their class probabilities are averaged
@@ -319,7 +319,7 @@ class FrameScorer:
             raise ValueError("a fold ensemble of clip models is not supported; score one clip model")
         self.personalise = PersonaliseConfig.from_config(meta.get("personalise"))
         self.reference: ReferenceStatistics | None = None  # a personalised model's person (`make predict REFERENCE=`)
-        if self.personalise.mode != "none" and self.ensemble:
+        if self.personalise.personal and self.ensemble:
             raise ValueError(f"personalise={self.personalise.label}: a personalised model scores one network")
 
     @property
@@ -339,8 +339,6 @@ class FrameScorer:
 
     def crop(self, frame_bgr: np.ndarray, face: np.ndarray) -> np.ndarray:
         """The face as the network saw its training crops: an RGB crop after the JPEG round trip."""
-        from pipeline.data.faces import aligned_crop, square_crop
-
         s = self.settings
         if s.align:
             landmarks = np.stack([face[5:10], face[10:15]], axis=1)
@@ -385,7 +383,7 @@ class FrameScorer:
         """Each crop's class probabilities (shape (N, C)), averaged over the ensemble's networks."""
         if not crops_rgb:
             return np.empty((0, len(self.class_names)))
-        if self.personalise.mode != "none":
+        if self.personalise.personal:
             return self.personal_probabilities(crops_rgb)
         out = []
         for batch in self.batches(crops_rgb):
@@ -406,7 +404,7 @@ class FrameScorer:
         out, sizes = [], []
         for start, batch in zip(range(0, len(crops_rgb), self.batch_size), self.batches(crops_rgb), strict=True):
             embeddings = self.net.backbone(batch).float()
-            if self.personalise.mode != "none":  # each crop against the person's reference, as its clips were
+            if self.personalise.personal:  # each crop against the person's reference, as its clips were
                 embeddings = self.personal(embeddings.cpu().numpy())
             for offset, embedding in enumerate(embeddings):
                 window = follower.window.add(embedding, None if times_s is None else times_s[start + offset])

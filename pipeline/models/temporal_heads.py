@@ -26,8 +26,6 @@ from torch.nn import functional as F
 from pipeline.models.ordinal import LevelHead, OutputConfig, build_output_head
 
 HEADS = ("linear", "attention", "gru", "transformer")
-MODES = ("two_stage", "end_to_end")
-FITS = ("lightning", "in_memory")
 
 
 @dataclass(frozen=True)
@@ -40,22 +38,16 @@ class HeadConfig:
     attention_heads: int  # transformer attention heads (hidden must divide by it)
     dropout: float
     max_frames: int  # transformer: the longest clip its time-position embeddings cover
-    epochs: int = 50  # two_stage: the head's epochs at most (an epoch over a fold's clips takes milliseconds)
-    patience: int = 10  # two_stage: epochs without a better validation score before the head stops
-    mode: str = "two_stage"  # a temporal head: two_stage (on the fold's frame model's embeddings) | end_to_end
-    fit: str = "lightning"  # the linear head on cached embeddings: lightning | in_memory (models/probe_training.py)
+    epochs: int  # two_stage: the head's epochs at most (an epoch over a fold's clips takes milliseconds)
+    patience: int  # two_stage: epochs without a better validation score before the head stops
+    # the head mode (pipeline.runs.jobs.head_modes, which checks the names): of a temporal head, `mode`: two_stage (on
+    # the fold's frame model's embeddings) | end_to_end; of the linear head, `fit`: lightning | in_memory
+    mode: str
+    fit: str
 
     def __post_init__(self) -> None:
         if self.name not in HEADS:
             raise ValueError(f"model.head.name={self.name!r}: expected one of {', '.join(HEADS)}")
-        if self.mode not in MODES:
-            raise ValueError(f"model.head.mode={self.mode!r}: expected one of {', '.join(MODES)}")
-        if self.fit not in FITS:
-            raise ValueError(f"model.head.fit={self.fit!r}: expected one of {', '.join(FITS)}")
-        if self.fit == "in_memory" and self.name != "linear":
-            raise ValueError(f"model.head.fit=in_memory fits the linear frame head on cached embeddings; a temporal "
-                             f"head ({self.name}) on a fixed backbone trains in memory already "
-                             f"(model.head.mode=two_stage)")
         if min(self.hidden, self.layers, self.attention_heads, self.max_frames) < 1:
             raise ValueError(f"model.head sizes must be >= 1, got {self}")
         if self.name == "transformer" and self.hidden % self.attention_heads:
@@ -65,16 +57,6 @@ class HeadConfig:
     def temporal(self) -> bool:
         """Whether the head sees a whole clip (anything but the per-frame linear head)."""
         return self.name != "linear"
-
-    @property
-    def two_stage(self) -> bool:
-        """A temporal head trained on a fixed frame model's embeddings (`pipeline.runs.jobs.two_stage`)."""
-        return self.temporal and self.mode == "two_stage"
-
-    @property
-    def end_to_end(self) -> bool:
-        """A temporal head trained with its backbone on clips of images (`ClipNet`)."""
-        return self.temporal and self.mode == "end_to_end"
 
     @property
     def label(self) -> str:
@@ -87,11 +69,24 @@ class HeadConfig:
 
     @classmethod
     def from_config(cls, head: Mapping[str, Any]) -> HeadConfig:
+        """The `model.head` group, every setting given (configs/model/timm.yaml holds the defaults)."""
         names = {field.name for field in fields(cls)}
-        unknown = sorted(set(dict(head)) - names)
-        if unknown:
-            raise ValueError(f"unknown model.head setting(s) {unknown}; known: {sorted(names)}")
+        unknown, missing = sorted(set(dict(head)) - names), sorted(names - set(dict(head)))
+        if unknown or missing:
+            raise ValueError(f"model.head: unknown setting(s) {unknown}, missing {missing}; known: {sorted(names)}")
         return cls(**dict(head))
+
+    @classmethod
+    def from_model_file(cls, head: Mapping[str, Any]) -> HeadConfig:
+        """The head a kept model file records; one kept before a training setting was recorded (`fit` before
+        2026-12-04, `epochs`, `patience` before the two-stage head) trained as every head did then (`RECORDED_LATER`):
+        these settings shape how a head trains, never the network a file holds."""
+        return cls.from_config({**RECORDED_LATER, **dict(head)})
+
+
+# What a head kept before its file recorded these settings trained with: the only fit there was (Lightning's), and
+# the two-stage head's first epochs and patience.
+RECORDED_LATER = {"fit": "lightning", "epochs": 50, "patience": 10}
 
 
 class AttentionPoolHead(nn.Module):
@@ -225,7 +220,7 @@ def build_temporal_head(config: HeadConfig, in_features: int, n_classes: int,
         head = TransformerHead(in_features, n_classes, config)
     else:
         head = PerFrameLinearHead(in_features, n_classes)
-    if output is None or output.name == "softmax":
+    if output is None or not output.over_levels:
         return head
     head.classify = build_output_head(output, head.classify.in_features, n_classes)
     return ClipLevels(head)

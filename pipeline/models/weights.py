@@ -37,10 +37,6 @@ class WeightsSource:
     ref: str  # hub repo id, file path, or "" for random init
     sha256: str | None = None
 
-    def as_tags(self) -> dict[str, str]:
-        """MLflow tags (values must be strings)."""
-        return {"weights_source": self.kind, "weights_ref": self.ref, "weights_sha256": self.sha256 or ""}
-
 
 RANDOM_INIT = WeightsSource(kind="random", ref="", sha256=None)
 

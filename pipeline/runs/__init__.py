@@ -4,4 +4,4 @@ pretraining, `make embed`), planning a CV or a study and launching its jobs (`or
 cross-validation's plan, launch and aggregate, the search's studies, the launchers: local, parallel, SLURM), and the
 MLflow model that fold jobs and final models log and that predict and serve load (`serving/`). The three modules
 here (`mlflow_model`, `serving_input`, `pain_model`) are old paths that MLflow models logged before the split import;
-they only re-export from `serving/`."""
+they only import from `serving/` what those models' code files name, and the project never imports them."""

@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,12 +33,16 @@ class GpuUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class TrainingDevice:
-    """Where Lightning trains for a `trainer.accelerator` setting: `line` for the terminal, `tags` for the run."""
+    """Where Lightning trains for a `trainer.accelerator` setting: `line` for the terminal, the facts for the run
+    (`pipeline.runs.store.tracking.training_device_tags`)."""
 
     kind: str  # cuda | mps | cpu | another Lightning accelerator name
     name: str
     line: str
-    tags: dict[str, str] = field(default_factory=dict)
+    gpu: str | None = None  # its name; on a CPU run: the GPU left unused, or why there is none
+    cpu: str | None = None  # the CPU (cpus.cpu_description) of a CPU run
+    gpu_driver: str | None = None  # the NVIDIA driver (or "unknown") of a CUDA or CPU run
+    cuda_runtime: str | None = None  # the CUDA runtime torch was built for (or "none")
 
 
 def driver_version() -> str | None:
@@ -130,7 +134,7 @@ def install_advice(driver_cuda: tuple[int, int] | None, torch_cuda: str | None =
             "CUDA builds of each torch version).")
 
 
-def _gpu_tags() -> dict[str, str]:
+def _driver_and_runtime() -> dict[str, str]:
     return {"gpu_driver": driver_version() or "unknown", "cuda_runtime": torch.version.cuda or "none"}
 
 
@@ -146,26 +150,24 @@ def training_device(accelerator: str = "auto") -> TrainingDevice:
                              f"{why_no_gpu(full=True)}.\n{install_advice(driver_cuda_version())}")
     if accelerator in (*GPU_ACCELERATORS, "auto") and cuda:
         properties = torch.cuda.get_device_properties(0)
-        tags = {"device": "cuda", "gpu": properties.name, **_gpu_tags()}
+        versions = _driver_and_runtime()
         line = (f"device: GPU {properties.name} ({properties.total_memory / 2**30:.0f} GiB; "
-                f"{torch.cuda.device_count()} visible; driver {tags['gpu_driver']}, CUDA runtime "
-                f"{tags['cuda_runtime']} of torch {torch.__version__})")
-        return TrainingDevice("cuda", properties.name, line, tags)
+                f"{torch.cuda.device_count()} visible; driver {versions['gpu_driver']}, CUDA runtime "
+                f"{versions['cuda_runtime']} of torch {torch.__version__})")
+        return TrainingDevice("cuda", properties.name, line, gpu=properties.name, **versions)
     mps = torch.backends.mps.is_available()
     if accelerator == "mps" or (accelerator == "auto" and mps):
-        return TrainingDevice("mps", "Apple GPU (MPS)", "device: Apple GPU (MPS)", {"device": "mps", "gpu": "mps"})
+        return TrainingDevice("mps", "Apple GPU (MPS)", "device: Apple GPU (MPS)", gpu="mps")
     if accelerator not in ("auto", "cpu"):  # tpu, hpu, ...: Lightning checks those itself
-        return TrainingDevice(accelerator, accelerator, f"device: {accelerator} (trainer.accelerator)",
-                              {"device": accelerator})
+        return TrainingDevice(accelerator, accelerator, f"device: {accelerator} (trainer.accelerator)")
     cpu = cpu_description()
-    tags = {"device": "cpu", "cpu": cpu, **_gpu_tags()}
     if cuda:  # accelerator=cpu on a GPU machine: said, so nobody wonders why it is slow
-        tags["gpu"] = f"{torch.cuda.get_device_name(0)} (not used: trainer.accelerator=cpu)"
-        return TrainingDevice("cpu", cpu, f"device: CPU {cpu}; GPU {tags['gpu']}", tags)
+        gpu = f"{torch.cuda.get_device_name(0)} (not used: trainer.accelerator=cpu)"
+        return TrainingDevice("cpu", cpu, f"device: CPU {cpu}; GPU {gpu}", gpu=gpu, cpu=cpu, **_driver_and_runtime())
     reason = why_no_gpu()
-    tags["gpu"] = f"none: {reason}"
     note = " (trainer.accelerator=cpu)" if accelerator == "cpu" else ""
-    return TrainingDevice("cpu", cpu, f"device: CPU {cpu}; no GPU visible: {reason}{note}", tags)
+    return TrainingDevice("cpu", cpu, f"device: CPU {cpu}; no GPU visible: {reason}{note}", gpu=f"none: {reason}",
+                          cpu=cpu, **_driver_and_runtime())
 
 
 def announce_device(accelerator: str = "auto") -> TrainingDevice:

@@ -14,10 +14,27 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline.utils.config_checks import UsageError, check_choices, check_values, is_group, parse_overrides
+from pipeline.utils.config_checks import (
+    UsageError,
+    check_choices,
+    check_values,
+    defaults_tree,
+    is_group,
+    parse_overrides,
+)
 from pipeline.utils.paths import PROJECT_ROOT
 
 CONFIG_DIR = PROJECT_ROOT / "configs"
+
+
+def backbone_choice(override: str, config_dir: Path = CONFIG_DIR) -> list[str]:
+    """`model=<name>` as every command (and the Makefile's MODEL=) means it: a backbone with its own file in
+    configs/model/ selects that file, any other name is a timm model (`model=timm`, `model.name=<name>`). Any other
+    override is itself."""
+    key, equals, name = override.partition("=")
+    if key.strip() != "model" or not equals or name in {path.stem for path in (config_dir / "model").glob("*.yaml")}:
+        return [override]
+    return ["model=timm", f"model.name={name}"]
 
 
 def load_config(overrides: Sequence[str] = (), config_dir: Path = CONFIG_DIR, groups: Sequence[str] = ()) -> DictConfig:
@@ -32,13 +49,14 @@ def load_config(overrides: Sequence[str] = (), config_dir: Path = CONFIG_DIR, gr
     added = [o for o in overrides if o.lstrip().startswith("+")]
     if added:
         raise UsageError(f"adding keys is not allowed ({', '.join(added)}): every key must exist in configs/")
+    overrides = [word for override in overrides for word in backbone_choice(override, config_dir)]
     parsed = parse_overrides(overrides)
     check_choices(parsed, config_dir)
     chosen = [word for word, override in zip(overrides, parsed, strict=True)
               if is_group(config_dir, override.key_or_group)]
     if len(chosen) < len(parsed):
         check_values([o for o in parsed if not is_group(config_dir, o.key_or_group)],
-                     _compose(config_dir, groups, chosen), config_dir)
+                     defaults_tree(_compose(config_dir, groups, chosen)), config_dir)
     cfg = _compose(config_dir, groups, overrides)
     with open_dict(cfg):
         del cfg["hydra"]

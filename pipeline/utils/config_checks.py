@@ -19,7 +19,7 @@ import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 # The Makefile's variable for each group it sets (make cv TASK=...): named in the answer beside the group's key
 MAKE_VARIABLES = {"model": "MODEL", "data": "DATA", "protocol": "PROTOCOL", "task": "TASK", "launcher": "LAUNCHER"}
@@ -78,10 +78,8 @@ def check_group_choice(config_dir: Path, override: Override) -> None:
     variable = MAKE_VARIABLES.get(group)
     said = f"{variable}={value}" if variable else f"{group}={value}"
     options = ", ".join(group_options(config_dir, group))
-    extra = " or any timm model name (MODEL=<name> through make; model=timm model.name=<name>)" if group == "model" \
-        else ""
     raise UsageError(f"{said}: no {group} of that name (no configs/{group}/{value}.yaml); the {group} options: "
-                     f"{options}{extra}")
+                     f"{options}")
 
 
 def check_choices(overrides: Sequence[Override], config_dir: Path) -> None:
@@ -99,12 +97,26 @@ def check_choices(overrides: Sequence[Override], config_dir: Path) -> None:
 
 
 def key_paths(node: Any, prefix: str = "") -> Iterator[str]:
-    """Every key of a composed config, sections and leaves, as dotted paths."""
-    if isinstance(node, DictConfig):
-        for name in node.keys():
+    """Every key of a composed config's tree (`defaults_tree`), sections and leaves, as dotted paths."""
+    if isinstance(node, dict):
+        for name, child in node.items():
             path = f"{prefix}{name}"
             yield path
-            yield from key_paths(node._get_node(name), f"{path}.")
+            yield from key_paths(child, f"{path}.")
+
+
+def defaults_tree(composed: Any) -> dict:
+    """The composed config as plain data, unresolved: an interpolation stays its `${...}` text, a value to be given
+    its `???` (what `check_values` compares a command line against)."""
+    return OmegaConf.to_container(composed, resolve=False)  # type: ignore[return-value]
+
+
+def section(tree: dict, path: str) -> Any:
+    """The node at a dotted path of a `defaults_tree` (`""`: the whole tree), or None where there is none."""
+    node: Any = tree
+    for part in path.split(".") if path else ():
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def nearest_keys(key: str, paths: Sequence[str], n: int = 3) -> list[str]:
@@ -136,7 +148,7 @@ def option_holding(key: str, config_dir: Path) -> str | None:
     return None
 
 
-def unknown_key(key: str, value: Any, defaults: DictConfig, config_dir: Path) -> UsageError:
+def unknown_key(key: str, value: Any, defaults: dict, config_dir: Path) -> UsageError:
     """A key that is not in the configuration, with the group option that brings it or the nearest keys that are."""
     option = option_holding(key, config_dir)
     if option:
@@ -166,9 +178,9 @@ def type_problem(default: Any, value: Any) -> str | None:
     single value."""
     if value is None or default is None:
         return None
-    if isinstance(default, DictConfig):
+    if isinstance(default, dict):
         return f"a section of keys ({', '.join(map(str, list(default.keys())[:4]))}, ...): set one of them"
-    if isinstance(default, ListConfig):
+    if isinstance(default, list):
         return None if isinstance(value, list) else "a list, e.g. [0,1]"
     if isinstance(value, (list, dict)):
         return f"a single value like its default {value_text(default)}"
@@ -179,26 +191,27 @@ def type_problem(default: Any, value: Any) -> str | None:
     return None
 
 
-def check_values(overrides: Sequence[Override], defaults: DictConfig, config_dir: Path) -> None:
-    """Each key=value override against the configuration composed without them (`defaults`): the key exists, and
-    the value has its default's type (`type_problem`; an interpolated default, `${...}`, is not checked)."""
+def check_values(overrides: Sequence[Override], defaults: dict, config_dir: Path) -> None:
+    """Each key=value override against the configuration composed without them (`defaults`, its `defaults_tree`):
+    the key exists, and the value has its default's type (`type_problem`; an interpolated default, `${...}`, and one
+    still to be given, `???`, are not checked)."""
     for override in overrides:
         key = override.key_or_group
         if is_group(config_dir, key) or override.is_add():
             continue
         value = override.value()
         parent, _, leaf = key.rpartition(".")
-        container = OmegaConf.select(defaults, parent, throw_on_resolution_failure=False) if parent else defaults
-        if not isinstance(container, DictConfig) or leaf not in container.keys():  # `in` misses a ??? value
+        container = section(defaults, parent)
+        if not isinstance(container, dict) or leaf not in container:
             raise unknown_key(key, value, defaults, config_dir)
-        if OmegaConf.is_interpolation(container, leaf) or OmegaConf.is_missing(container, leaf) or (
+        default = container[leaf]
+        if (isinstance(default, str) and ("${" in default or default == MISSING)) or (
                 isinstance(value, str) and "${" in value):
             continue
-        default = container[leaf]
         problem = type_problem(default, value)
         if problem:
             raise UsageError(f"{key}={value_text(value)}: expected {problem} (its default: {value_text(default)})"
-                             if not isinstance(default, DictConfig) else f"{key} is {problem}, e.g. "
+                             if not isinstance(default, dict) else f"{key} is {problem}, e.g. "
                              f"{key}.{next(iter(default.keys()))}=...")
 
 

@@ -52,18 +52,28 @@ def cpu_runs_bf16_natively() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
+@dataclass(frozen=True)
+class FamilyTraits:
+    """What a device decides by a backbone's family (the adapter's, `pipeline.models.backbone_adapter`): whether bf16
+    autocast pays on a CPU that runs bf16 natively (a plain ViT's matrix products gain; the hybrids' convolutions and
+    reshapes lose more to conversions), and whether channels-last memory helps it on a GPU (convolutions)."""
+
+    bf16_on_cpu: bool
+    channels_last_on_gpu: bool
+
+
 # What `trainer.precision=auto` may become on some device; an explicit setting allows only itself.
 AUTO_PRECISIONS = ("bf16-mixed", "32-true")
 
 
-def precision_for(setting: str, device_kind: str = "cpu", family: str = "", gpu_bf16: bool | None = None,
+def precision_for(setting: str, device_kind: str, traits: FamilyTraits, gpu_bf16: bool | None = None,
                   cpu_bf16: bool | None = None) -> str:
     """Lightning precision for `setting` on a device of `device_kind` (cuda | mps | cpu, as
     `pipeline.utils.accelerator.training_device` reports it). `auto`: bf16-mixed on a CUDA GPU that has bf16
     (`gpu_bf16`, read from this machine's GPU when None), 32-true on one without; on a CPU, bf16-mixed only for a
-    plain ViT (`family` "vit", as the backbone adapter reports it) on a CPU that runs bf16 natively (`cpu_bf16`,
-    read from this CPU when None), else 32-true. The facts are the training device's, so the fold job decides this
-    on the node it trains on (a GPU node of a CPU-only login node gets bf16).
+    family whose `traits` say bf16 pays there (a plain ViT, as its backbone adapter reports) on a CPU that runs bf16
+    natively (`cpu_bf16`, read from this CPU when None), else 32-true. The facts are the training device's, so the
+    fold job decides this on the node it trains on (a GPU node of a CPU-only login node gets bf16).
 
     Measured on a 2-core Xeon with AMX (one training step, batch 16-32): bf16 autocast made ViT-B/16 at 64 px 3x
     faster (0.84 s against 2.5 s) but CvT-13 2.3x slower (1.54 s against 0.66 s) and MobileViT-S no faster
@@ -78,7 +88,7 @@ def precision_for(setting: str, device_kind: str = "cpu", family: str = "", gpu_
         return "bf16-mixed" if gpu_bf16 else "32-true"
     if device_kind == "cpu":
         native = cpu_runs_bf16_natively() if cpu_bf16 is None else cpu_bf16
-        return "bf16-mixed" if family == "vit" and native else "32-true"
+        return "bf16-mixed" if traits.bf16_on_cpu and native else "32-true"
     return "32-true"  # Apple's MPS and other accelerators: float32, which every one of them runs
 
 
@@ -87,11 +97,11 @@ def allowed_precisions(setting: str) -> tuple[str, ...]:
     return AUTO_PRECISIONS if setting == "auto" else (setting,)
 
 
-def use_channels_last(setting: bool | str, family: str, device_kind: str = "cpu") -> bool:
-    """channels_last helps convolutions on GPUs; a plain ViT gains nothing from it."""
+def use_channels_last(setting: bool | str, traits: FamilyTraits, device_kind: str) -> bool:
+    """channels_last helps convolutions on GPUs; a plain ViT gains nothing from it (`traits`)."""
     if setting != "auto":
         return bool(setting)
-    return device_kind == "cuda" and family != "vit"
+    return device_kind == "cuda" and traits.channels_last_on_gpu
 
 
 @dataclass(frozen=True)
@@ -103,10 +113,6 @@ class DeviceSettings:
     precision_asked: str  # trainer.precision as planned (auto, or an explicit value honoured as it is)
     channels_last: bool
 
-    def tags(self) -> dict[str, str]:
-        return {"precision": self.precision, "precision_asked": self.precision_asked,
-                "channels_last": str(self.channels_last).lower()}
-
     @property
     def line(self) -> str:
         asked = "" if self.precision_asked == self.precision else f" (trainer.precision={self.precision_asked})"
@@ -114,12 +120,13 @@ class DeviceSettings:
                 f"channels_last {'on' if self.channels_last else 'off'}")
 
 
-def device_settings(precision: str, channels_last: bool | str, family: str, device_kind: str,
+def device_settings(precision: str, channels_last: bool | str, traits: FamilyTraits, device_kind: str,
                     gpu_bf16: bool | None = None, cpu_bf16: bool | None = None) -> DeviceSettings:
-    """Resolve `trainer.precision` and `trainer.channels_last` for a `family` backbone on a `device_kind` device;
-    an explicit value is honoured everywhere. Raises ValueError if the result is not one the plan allows."""
-    resolved = precision_for(precision, device_kind, family, gpu_bf16, cpu_bf16)
+    """Resolve `trainer.precision` and `trainer.channels_last` for a backbone of a family with `traits` on a
+    `device_kind` device; an explicit value is honoured everywhere. Raises ValueError if the result is not one the
+    plan allows."""
+    resolved = precision_for(precision, device_kind, traits, gpu_bf16, cpu_bf16)
     if resolved not in allowed_precisions(precision):
         raise ValueError(f"trainer.precision={precision} resolved to {resolved} on this {device_kind}, which the "
                          f"plan does not allow ({', '.join(allowed_precisions(precision))})")
-    return DeviceSettings(device_kind, resolved, str(precision), use_channels_last(channels_last, family, device_kind))
+    return DeviceSettings(device_kind, resolved, str(precision), use_channels_last(channels_last, traits, device_kind))

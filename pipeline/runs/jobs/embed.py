@@ -11,18 +11,22 @@ import pytorch_lightning as pl
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.data.datamodule import LoaderConfig
-from pipeline.data.prepare import prepare_data
+from pipeline.data.prepare import DataSettings, prepare_data
 from pipeline.data.tasks import get_task
 from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings
-from pipeline.runs.jobs.fold_job import build_network, plan_decisions
+from pipeline.models.ordinal import OutputConfig
+from pipeline.runs.jobs.fold_decisions import plan_decisions
+from pipeline.runs.jobs.fold_job import build_network
+from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.utils.paths import resolve_path
 
 
 def run_embed(cfg: DictConfig) -> None:
-    _, fold_file = prepare_data(cfg)
-    decisions = plan_decisions(cfg, fold_file)
+    _, fold_file = prepare_data(DataSettings.from_config(cfg))
+    decisions = plan_decisions(TrainingSettings.from_config(cfg), fold_file)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)  # as build_fold: the same random init, if random
-    net = build_network(cfg, get_task(cfg.task.name).n_classes, decisions)
+    net = build_network(cfg.model.name, cfg.model.img_size, OutputConfig.from_config(cfg.model.get("output")),
+                        get_task(cfg.task.name).n_classes, decisions)
     loader = LoaderConfig.from_config(cfg.loader)
     processed_dir = resolve_path(cfg.data.processed_dir)
     entry = ensure_embeddings(net.backbone, processed_dir, crop_fraction=loader.crop_fraction,

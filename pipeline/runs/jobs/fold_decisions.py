@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
-
+from pipeline.models.backbone_adapter import family_traits
 from pipeline.models.backbones import model_family, weights_source
 from pipeline.models.weights import WeightsSource
+from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.utils.accelerator import TrainingDevice, training_device
 from pipeline.utils.devices import DeviceSettings, device_settings
 from pipeline.utils.paths import resolve_path
@@ -30,7 +30,7 @@ class FoldDecisions:
 
     fold_file: str  # the checked fold file, absolute
     precision: str  # trainer.precision as asked: `auto` (each fold resolves it on its device) or an explicit value
-    model_family: str  # the backbone adapter's family (pipeline.models.backbones.FAMILIES)
+    model_family: str  # the backbone adapter's family (pipeline.models.backbone_adapter.FAMILIES)
     weights: dict[str, str | None]  # where the initial weights come from: WeightsSource's kind, ref, sha256
 
     @property
@@ -38,15 +38,15 @@ class FoldDecisions:
         return WeightsSource(**self.weights)
 
 
-def plan_decisions(cfg: DictConfig, fold_file: Path) -> FoldDecisions:
-    """Resolve the fold file, the backbone family and the weights source of `cfg`, once; carry the precision as
+def plan_decisions(training: TrainingSettings, fold_file: Path) -> FoldDecisions:
+    """Resolve the fold file, the backbone family and the weights source of a training, once; carry the precision as
     asked (the fold job resolves `auto` on its device).
 
     A missing weights file or hub cache entry fails here, in seconds, not in the first fold.
     """
-    family = model_family(cfg.model.name, cfg.model.img_size)
-    weights = weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
-    return FoldDecisions(str(resolve_path(fold_file)), str(cfg.trainer.precision), family, asdict(weights))
+    family = model_family(training.model_name, training.img_size)
+    weights = weights_source(training.model_name, training.pretrained, training.weights)
+    return FoldDecisions(str(resolve_path(fold_file)), str(training.trainer.precision), family, asdict(weights))
 
 
 def settings_on_device(decisions: FoldDecisions, channels_last: bool | str, device_kind: str) -> DeviceSettings:
@@ -54,7 +54,7 @@ def settings_on_device(decisions: FoldDecisions, channels_last: bool | str, devi
     device: `auto` resolved from that device's facts, an explicit value honoured; an error if the result is not one
     the plan allows."""
     try:
-        return device_settings(decisions.precision, channels_last, decisions.model_family, device_kind)
+        return device_settings(decisions.precision, channels_last, family_traits(decisions.model_family), device_kind)
     except ValueError as error:
         raise DecisionNotHonoured(str(error)) from error
 

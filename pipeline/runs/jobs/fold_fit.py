@@ -1,8 +1,8 @@
 """A fold's fit: Lightning on the fold's training subjects with early stopping on its validation subjects, an epoch
 checkpoint every epoch (written atomically; a fold that finds one resumes from it exactly), the best epoch's
-checkpoint selected, then validated again where needed (`validate_fold`) and tested once (`test_fold`).
+checkpoint selected (`lightning_fit`), then validated again where needed and tested once (`fit_fold`).
 
-`fit_fold` is what `pipeline.runs.jobs.fold_job.train` calls where the head mode fits a network.
+`fit_fold` is how a head mode fits a network with Lightning (`pipeline.runs.jobs.head_modes.HeadMode.fit`).
 """
 
 from __future__ import annotations
@@ -12,22 +12,22 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
 import numpy as np
-import pandas as pd
 import pytorch_lightning as pl
 import torch
-from omegaconf import DictConfig
 from pytorch_lightning.plugins.environments import SLURMEnvironment
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from pipeline.data.datamodule import PainDataModule
 from pipeline.evaluation.metrics import Evaluation
 from pipeline.models.callbacks import FreezeBackbone, KeepBestValidation, ResumableEarlyStopping, SeedEachBatch
+from pipeline.models.fold_result import FoldResult
 from pipeline.models.lightning_module import PainLightningModule
+from pipeline.runs.jobs.step_times import StepTimes
+from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.runs.store.tracking import RESUMED_AFTER_EPOCH_TAG
 from pipeline.utils.atomic_io import atomic_path
 from pipeline.utils.cpus import one_torch_thread
@@ -86,19 +86,30 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, tmp, storage_options)
 
 
-@dataclass
-class Fitted:
-    trainer: pl.Trainer
-    best_path: str
-    best_epoch: int
-    best_score: float
-    history: list[dict]
-    best_validation: Evaluation | None = None  # the best epoch's validation, kept as it ran (None: not seen here)
+def fit_fold(training: TrainingSettings, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
+             precision: str, extra_callbacks: Sequence[pl.Callback], scored: Sequence[str],
+             times: StepTimes) -> FoldResult:
+    """The fold's fit (`lightning_fit`), then its best checkpoint scored on the splits in `scored`: re-validated
+    (`val`: the predictions the threshold is chosen on) and tested once (`test`)."""
+    with times("fit"):
+        trainer, result, kept = lightning_fit(training, module, datamodule, work_dir, precision, extra_callbacks)
+    if "val" in scored:
+        with times("validation_repass"):
+            result.validation = kept if kept is not None else validate_best(trainer, result, module, datamodule)
+    if "test" in scored:
+        with times("test"):
+            with one_torch_thread(module.finetune.on_embeddings):
+                trainer.test(module, datamodule=datamodule, ckpt_path=result.best_path, verbose=False)
+            result.frame_predictions, result.evaluation = module.test_predictions, module.test_evaluation
+    return result
 
 
-def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
-             precision: str, extra_callbacks: Sequence[pl.Callback] = ()) -> Fitted:
-    """Train with early stopping; select the best epoch on the inner validation subjects.
+def lightning_fit(training: TrainingSettings, module: PainLightningModule, datamodule: PainDataModule, work_dir: Path,
+                  precision: str, extra_callbacks: Sequence[pl.Callback] = ()
+                  ) -> tuple[pl.Trainer, FoldResult, Evaluation | None]:
+    """Train with early stopping; select the best epoch on the inner validation subjects. Returns the trainer, the
+    fold's result so far (its epochs, the best checkpoint, what was selected) and the best epoch's validation as it
+    ran (None where the best epoch did not run in this process).
 
     Every epoch writes `last.ckpt` into work_dir; a fold that finds one there continues from it, exactly: the
     checkpoint holds the weights, optimizer, LR schedule, early-stopping counter, best-checkpoint record and epoch
@@ -106,31 +117,32 @@ def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataM
     (`EpochSampler`, `SeedEachBatch`), so it does not depend on the epochs before having run in this process.
     `extra_callbacks` join the fit (a tuning trial's pruning callback, `pipeline.runs.orchestration.search_workers`).
     """
-    if cfg.trainer.devices != 1:
+    trainer_settings = training.trainer
+    if trainer_settings.devices != 1:
         raise ValueError("trainer.devices must be 1: video-level metrics are computed from one process's predictions")
     epoch_logger = MlflowEpochLogger()
-    best = pl.callbacks.ModelCheckpoint(dirpath=work_dir, filename="best", monitor=cfg.trainer.monitor,
-                                        mode=cfg.trainer.monitor_mode, save_top_k=1, save_weights_only=True)
+    best = pl.callbacks.ModelCheckpoint(dirpath=work_dir, filename="best", monitor=trainer_settings.monitor,
+                                        mode=trainer_settings.monitor_mode, save_top_k=1, save_weights_only=True)
     # every epoch's full state, overwritten in place (Lightning's save_last only writes when another save happened)
     last = pl.callbacks.ModelCheckpoint(dirpath=work_dir, filename="last", monitor=None, save_top_k=1,
                                         enable_version_counter=False)
-    early_stopping = ResumableEarlyStopping(monitor=cfg.trainer.monitor, mode=cfg.trainer.monitor_mode,
-                                           patience=cfg.trainer.patience)
-    keeper = KeepBestValidation(cfg.trainer.monitor, cfg.trainer.monitor_mode)
-    callbacks = [epoch_logger, best, last, early_stopping, SeedEachBatch(cfg.seed, datamodule.fold), keeper,
+    early_stopping = ResumableEarlyStopping(monitor=trainer_settings.monitor, mode=trainer_settings.monitor_mode,
+                                           patience=trainer_settings.patience)
+    keeper = KeepBestValidation(trainer_settings.monitor, trainer_settings.monitor_mode)
+    callbacks = [epoch_logger, best, last, early_stopping, SeedEachBatch(training.seed, datamodule.fold), keeper,
                  *extra_callbacks]
-    if cfg.model.optim.freeze_backbone_epochs > 0:
-        callbacks.append(FreezeBackbone(cfg.model.optim.freeze_backbone_epochs))
+    if training.optim.freeze_backbone_epochs > 0:
+        callbacks.append(FreezeBackbone(training.optim.freeze_backbone_epochs))
     plugins = [AtomicCheckpointIO()]
     if "SLURM_JOB_ID" in os.environ:  # submitit owns requeueing on SLURM; Lightning's own would requeue twice
         plugins.append(SLURMEnvironment(auto_requeue=False))
         callbacks.append(LeaveSigtermToSubmitit())
-    limits = {k: cfg.trainer[k] for k in ("limit_train_batches", "limit_val_batches") if cfg.trainer[k] is not None}
+    limits = trainer_settings.limits
     trainer = pl.Trainer(
-        max_epochs=cfg.trainer.max_epochs, accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices,
-        precision=precision,
-        gradient_clip_val=cfg.trainer.gradient_clip_val, deterministic=cfg.trainer.deterministic,
-        log_every_n_steps=cfg.trainer.log_every_n_steps, callbacks=callbacks, logger=False, plugins=plugins,
+        max_epochs=trainer_settings.max_epochs, accelerator=trainer_settings.accelerator,
+        devices=trainer_settings.devices, precision=precision,
+        gradient_clip_val=trainer_settings.gradient_clip_val, deterministic=trainer_settings.deterministic,
+        log_every_n_steps=trainer_settings.log_every_n_steps, callbacks=callbacks, logger=False, plugins=plugins,
         default_root_dir=work_dir, enable_model_summary=False, num_sanity_val_steps=0,
         enable_progress_bar=sys.stderr.isatty(), **limits)  # a bar in a terminal, none in a job's log file
     resume_from = work_dir / "last.ckpt"
@@ -139,29 +151,21 @@ def fit_fold(cfg: DictConfig, module: PainLightningModule, datamodule: PainDataM
     with one_torch_thread(module.finetune.on_embeddings):
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from.is_file() else None)
     if not best.best_model_path:
-        raise RuntimeError(f"no checkpoint was selected on {cfg.trainer.monitor} (was it logged?); "
+        raise RuntimeError(f"no checkpoint was selected on {trainer_settings.monitor} (was it logged?); "
                            f"refusing to test the last epoch's weights instead")
     best_score = float(best.best_model_score) if best.best_model_score is not None else float("nan")
     best_epoch = next((h["epoch"] for h in epoch_logger.history
-                       if np.isclose(h.get(cfg.trainer.monitor, np.nan), best_score)), -1)
+                       if np.isclose(h.get(trainer_settings.monitor, np.nan), best_score)), -1)
     kept = keeper.evaluation if keeper.epoch == best_epoch >= 0 else None
-    return Fitted(trainer, best.best_model_path, best_epoch, best_score, epoch_logger.history, kept)
+    result = FoldResult(datamodule.fold, history=epoch_logger.history, best_path=best.best_model_path,
+                        best_epoch=best_epoch, epochs_trained=len(epoch_logger.history), best_score=best_score)
+    return trainer, result, kept
 
 
-def test_fold(fitted: Fitted, module: PainLightningModule,
-              datamodule: PainDataModule) -> tuple[pd.DataFrame, Evaluation]:
-    """Score the best checkpoint once on the test subjects: per-crop predictions and their evaluation."""
+def validate_best(trainer: pl.Trainer, result: FoldResult, module: PainLightningModule,
+                  datamodule: PainDataModule) -> Evaluation:
+    """The best checkpoint's scores on the fold's validation subjects (the last epoch's may be another epoch's), for a
+    fold resumed after its best epoch: validated again."""
     with one_torch_thread(module.finetune.on_embeddings):
-        fitted.trainer.test(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
-    return module.test_predictions, module.test_evaluation
-
-
-def validate_fold(fitted: Fitted, module: PainLightningModule, datamodule: PainDataModule) -> Evaluation:
-    """The best checkpoint's scores on the fold's validation subjects (the last epoch's may be another epoch's): the
-    predictions the decision threshold is chosen on. Kept from training when the best epoch ran in this process;
-    otherwise (a fold resumed after its best epoch) the best checkpoint is validated again."""
-    if fitted.best_validation is not None:
-        return fitted.best_validation
-    with one_torch_thread(module.finetune.on_embeddings):
-        fitted.trainer.validate(module, datamodule=datamodule, ckpt_path=fitted.best_path, verbose=False)
+        trainer.validate(module, datamodule=datamodule, ckpt_path=result.best_path, verbose=False)
     return module.val_evaluation

@@ -1,5 +1,7 @@
-"""A fold job's child run: one fold of a cross-validation trained anywhere (this process, another process, a SLURM
-node) under a run of its own, idempotently.
+"""A fold job (`FoldJob`) and its child run: one fold of a cross-validation trained anywhere (this process, another
+process, a SLURM node) under a run of its own, idempotently. A `FoldJob` holds plain values only (the resolved config,
+the fold id, the parent run id, the tracking URI and a work folder), so it pickles for submitit and writes as JSON
+for a subprocess.
 
 `run_fold_job` does not train a fold that already has a FINISHED child run; a child run left RUNNING by a killed
 attempt is marked KILLED, and training continues from the fold's last epoch checkpoint when one exists. A lease in
@@ -14,12 +16,15 @@ marked FAILED with the reason and the fold trained again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
-import traceback
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import mlflow
 import pandas as pd
@@ -27,10 +32,11 @@ import pytorch_lightning as pl
 from mlflow import MlflowClient
 from mlflow.entities import Run
 from mlflow.environment_variables import MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT as URL_PRINTING_OFF
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from pipeline.runs.jobs.fold_decisions import settings_on_device
-from pipeline.runs.jobs.fold_job import FoldJob, FoldResult, train_fold
+from pipeline.models.fold_result import FoldResult
+from pipeline.runs.jobs.fold_decisions import FoldDecisions, settings_on_device
+from pipeline.runs.jobs.fold_job import train_fold
 from pipeline.runs.jobs.sealing import (
     FRAME_PREDICTIONS,
     VIDEO_PREDICTIONS,
@@ -38,28 +44,84 @@ from pipeline.runs.jobs.sealing import (
     retire_unreadable,
     seal_fold,
 )
+from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.runs.store import fold_lease
 from pipeline.runs.store.run_record import RunRecord
 from pipeline.runs.store.tracking import (
     ATTEMPT_TAG,
-    FINISHED,
     FOLD_RUN,
     FOLD_TAG,
     HOST_TAG,
+    INHERITED_TAGS,
     JOB_TRACKING_URI_TAG,
     LEASE_LOST_TAG,
     PARENT_TAG,
     PID_TAG,
     RUN_KIND_TAG,
+    SEED_TAG,
     SLURM_JOB_TAG,
     STORED_ARTIFACTS_TAG,
     fold_runs,
+    inherited_tags,
     redact_uri,
+    run_lifecycle,
+    training_device_tags,
+    uri_has_credentials,
 )
 from pipeline.runs.store.unreachable import EXIT_UNREACHABLE, bound_retries, is_unreachable, unreachable_line
 from pipeline.utils.accelerator import training_device
+from pipeline.utils.atomic_io import atomic_path
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FoldJob:
+    """Everything a fold needs, as plain values; a launcher's job (`launchers.Job`), keyed by its fold."""
+
+    config: dict  # the resolved config (OmegaConf.to_container)
+    fold: int
+    parent_run_id: str
+    tracking_uri: str
+    work_dir: str  # the fold's own folder: epoch checkpoints (for resuming) and the kept model before upload
+    decisions: FoldDecisions
+    seed: int | None = None  # cv.seeds: this training seed instead of the config's `seed` (tagged on the child run)
+    store_uri: str = ""  # the store the records live in (behind a launcher's server), tagged; "": tracking_uri
+    # the parent run's experiment and the tags its fold runs copy (tracking.INHERITED_TAGS), as the plan knows them;
+    # empty (a job written before they travelled): read from the parent run
+    experiment_id: str = ""
+    parent_tags: dict = field(default_factory=dict)
+    tool: ClassVar[str] = "fold-job"  # `python -m pipeline fold-job <job.json>` runs it in a process of its own
+
+    @property
+    def key(self) -> int:
+        return self.fold
+
+    @property
+    def name(self) -> str:
+        return f"fold {self.fold}" + (f" (seed {self.seed})" if self.seed is not None else "")
+
+    def file(self, kind: str) -> Path:
+        """Its spec ("json") or log ("log") beside the fold's folder."""
+        return Path(self.work_dir).parent / f"fold_{self.fold}.{kind}"
+
+    def run(self) -> FoldResult:
+        return run_fold_job(self)
+
+    def write(self, path: Path) -> Path:
+        """The job as JSON, owner only; no password in it: a tracking URI with one is refused (a job reaches its
+        server with the credentials in its environment), and the store URI is written redacted."""
+        if uri_has_credentials(self.tracking_uri):
+            raise ValueError(f"fold job {path}: the tracking URI {redact_uri(self.tracking_uri)} carries a password, "
+                             f"and a job file holds none")
+        with atomic_path(path, mode=0o600) as tmp:
+            tmp.write_text(json.dumps({**asdict(self), "store_uri": redact_uri(self.store_uri)}))
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> FoldJob:
+        values = json.loads(Path(path).read_text())
+        return cls(**{**values, "decisions": FoldDecisions(**values["decisions"])})
 
 
 class StopWhenLeaseLost(pl.Callback):
@@ -82,9 +144,12 @@ def result_from_run(client: MlflowClient, run) -> FoldResult:
     run_id = run.info.run_id
     frames = pd.read_csv(client.download_artifacts(run_id, FRAME_PREDICTIONS))
     videos = pd.read_csv(client.download_artifacts(run_id, VIDEO_PREDICTIONS))
-    seed = run.data.tags.get("seed")
-    return FoldResult(int(run.data.tags["fold"]), dict(run.data.metrics), frames, videos, run_seconds(run), run_id,
-                      int(seed) if seed not in (None, "") else None)
+    seed = run.data.tags.get(SEED_TAG)
+    metrics = dict(run.data.metrics)
+    return FoldResult(int(run.data.tags[FOLD_TAG]), metrics, frames, videos, run_seconds(run), run_id,
+                      int(seed) if seed not in (None, "") else None, best_epoch=int(metrics.get("best_epoch", -1)),
+                      epochs_trained=int(metrics.get("epochs_trained", 0)),
+                      best_score=metrics.get("best_val_score", float("nan")))
 
 
 def run_seconds(run: Run) -> float:
@@ -103,10 +168,6 @@ def job_owner_tags() -> dict[str, str]:
     return tags
 
 
-# what a fold run copies of its parent's tags (FoldJob.parent_tags)
-PARENT_TAGS_COPIED = ("model", "dataset", "protocol", "task", "subject_set", "seed")
-
-
 def counted_attempts(client: MlflowClient, job: FoldJob, experiment_id: str) -> list[Run]:
     """The fold's attempts, newest first, with any FINISHED one whose artifacts are gone retired first."""
     runs = fold_runs(client, job.parent_run_id, job.fold, job.seed, experiment_id)
@@ -118,9 +179,9 @@ def parent_facts(client: MlflowClient, job: FoldJob) -> tuple[str, dict[str, str
     """The parent's experiment and the tags a fold run copies: as the job carries them, or for a job written without
     them, read from the parent run."""
     if job.experiment_id and job.parent_tags:
-        return job.experiment_id, {key: str(job.parent_tags.get(key, "")) for key in PARENT_TAGS_COPIED}
+        return job.experiment_id, {name: str(job.parent_tags.get(name, "")) for name in INHERITED_TAGS}
     parent = client.get_run(job.parent_run_id)
-    return parent.info.experiment_id, {key: parent.data.tags.get(key, "") for key in PARENT_TAGS_COPIED}
+    return parent.info.experiment_id, inherited_tags(parent)
 
 
 def run_fold_job(job: FoldJob) -> FoldResult:
@@ -128,37 +189,39 @@ def run_fold_job(job: FoldJob) -> FoldResult:
     whose attempt is taken over by another job (`fold_lease.LeaseLost`) leaves that attempt unfinished and waits
     for the fold like any other job: it returns the result of whichever attempt finishes it."""
     client = MlflowClient(job.tracking_uri)
-    cfg = OmegaConf.create(job.config)
+    cfg = OmegaConf.create(job.config)  # the job's entry: its config read once, into typed settings
+    training = TrainingSettings.from_config(cfg)
     retry_s = OmegaConf.select(cfg, "mlflow.retry_s")
     if retry_s is not None:  # a server that goes away: each call retries it this long (unreachable.bound_retries)
         bound_retries(float(retry_s))
     experiment_id, parent_tags = parent_facts(client, job)
     # a lease in the store: a fold another machine trains now is waited for, a dead attempt replaced (fold_lease)
-    lease_s = float(OmegaConf.select(cfg, "cv.lease_s", default=300))
+    lease_s = float(cfg.cv.lease_s)
     owner = fold_lease.new_owner()
     watch = fold_lease.Watch(lease_s)  # what this job has seen of other attempts, on its own clock
     while True:
         attempt, finished = fold_lease.acquire(client, job.parent_run_id, job.fold, job.seed, owner, lease_s,
-                                               lambda: counted_attempts(client, job, experiment_id), watch=watch)
+                                               lambda: counted_attempts(client, job, experiment_id),
+                                               watch=watch)
         if finished is not None:
             log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished.info.run_id)
             return result_from_run(client, finished)
         try:
-            return train_attempt(client, job, cfg, attempt, owner, lease_s, experiment_id, parent_tags)
+            return train_attempt(client, job, training, attempt, owner, lease_s, experiment_id, parent_tags)
         except fold_lease.LeaseLost as lost:
             print(f"fold {job.fold}{'' if job.seed is None else f' (seed {job.seed})'}: {lost}; this job stopped "
                   f"without finishing it and waits for the fold", flush=True)
 
 
-def train_attempt(client: MlflowClient, job: FoldJob, cfg: DictConfig, attempt: int, owner: str, lease_s: float,
-                  experiment_id: str, parent_tags: dict[str, str]) -> FoldResult:
+def train_attempt(client: MlflowClient, job: FoldJob, training: TrainingSettings, attempt: int, owner: str,
+                  lease_s: float, experiment_id: str, parent_tags: dict[str, str]) -> FoldResult:
     """Attempt `attempt` of the fold, claimed by `owner`: its child run (in `experiment_id`, with `parent_tags`),
     trained under a heartbeat, its records gathered and written at once (`RunRecord`), sealed, FINISHED.
     `fold_lease.LeaseLost` when another job took it over meanwhile (the run is then left KILLED, never FINISHED)."""
     tags = dict(parent_tags)
     if job.seed is not None:  # one of several training seeds: the fold is trained with it, and tagged so
-        cfg.seed = job.seed
-        tags["seed"] = str(job.seed)
+        training = training.with_seed(job.seed)
+        tags[SEED_TAG] = str(job.seed)
     work_dir = Path(job.work_dir)
     mlflow.set_tracking_uri(job.tracking_uri)
     name = f"fold {job.fold}" + (f" seed {job.seed}" if job.seed is not None else "")
@@ -170,36 +233,40 @@ def train_attempt(client: MlflowClient, job: FoldJob, cfg: DictConfig, attempt: 
                                  **fold_lease.lease_tags(owner)})
     record = RunRecord(client, run.info.run_id, run.info.artifact_uri)
     heartbeat = fold_lease.Heartbeat(client, run.info.run_id, lease_s / 5, owner)  # renewed while the fold trains
-    try:
-        with heartbeat:
-            record.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
-            device = training_device(cfg.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
-            # decided where the device is known
-            settings = settings_on_device(job.decisions, cfg.trainer.channels_last, device.kind)
-            log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
-            record.set_tags(device.tags)
-            result = train_fold(cfg, job.fold, job.decisions, work_dir, keep_model=cfg.cv.log_models,
-                                settings=settings, callbacks=[StopWhenLeaseLost(heartbeat)], record=record)
-            heartbeat.check()
-            stored = seal_fold(record, work_dir, keep_model=cfg.cv.log_models)
-            record.set_tags({STORED_ARTIFACTS_TAG: json.dumps(stored, sort_keys=True)})
-            record.flush()  # parameters, tags and metrics in one request, before the run is FINISHED
-        heartbeat.confirm()  # the run read once more, the heartbeat stopped: a job taken over never finishes it
-    except fold_lease.LeaseLost as lost:
-        record.set_tags({LEASE_LOST_TAG: str(lost)})
-        flush_what_was_gathered(record)
-        end_fold_run("KILLED")
-        raise
-    except BaseException as error:
-        if is_unreachable(error):  # nothing more reaches the store: the run stays RUNNING, resumed from there
+    # FINISHED only once sealed; a store that does not answer: the run stays RUNNING, resumed from there
+    with no_run_url_line(), run_lifecycle(run.info.run_id, client, stopped=(fold_lease.LeaseLost,),
+                                          left_running=is_unreachable):
+        try:
+            with heartbeat:
+                result = train_under_heartbeat(job, training, record, work_dir, heartbeat)
+                record.flush()  # parameters, tags and metrics in one request, before the run is FINISHED
+            heartbeat.confirm()  # the run read once more, the heartbeat stopped: a job taken over never finishes it
+        except BaseException as error:
+            if isinstance(error, fold_lease.LeaseLost):
+                record.set_tags({LEASE_LOST_TAG: str(error)})
+            if not is_unreachable(error):  # an unfinished attempt's records, to read its failure by
+                flush_what_was_gathered(record)
             raise
-        client.log_text(run.info.run_id, traceback.format_exc(), "traceback.txt")
-        flush_what_was_gathered(record)
-        end_fold_run("KILLED" if isinstance(error, KeyboardInterrupt | SystemExit) else "FAILED")
-        raise
-    end_fold_run(FINISHED)
     keep_only_artifacts(work_dir)  # the rest of the folder goes once the CV is FINISHED (its aggregate step)
     result.run_id, result.seed = run.info.run_id, job.seed
+    return result
+
+
+def train_under_heartbeat(job: FoldJob, training: TrainingSettings, record: RunRecord, work_dir: Path,
+                          heartbeat: fold_lease.Heartbeat) -> FoldResult:
+    """The fold trained on this node's device, its run sealed (`seal_fold`): what the CV will read is in the store,
+    its parameters, tags and metrics gathered in `record`."""
+    record.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
+    device = training_device(training.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
+    # decided where the device is known
+    settings = settings_on_device(job.decisions, training.trainer.channels_last, device.kind)
+    log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
+    record.set_tags(training_device_tags(device))
+    result = train_fold(training, job.fold, job.decisions, work_dir, keep_model=training.log_models, settings=settings,
+                        callbacks=[StopWhenLeaseLost(heartbeat)], record=record)
+    heartbeat.check()
+    stored = seal_fold(record, work_dir, keep_model=training.log_models)
+    record.set_tags({STORED_ARTIFACTS_TAG: json.dumps(stored, sort_keys=True)})
     return result
 
 
@@ -212,13 +279,14 @@ def flush_what_was_gathered(record: RunRecord) -> None:
         log.warning("run %s: what it gathered was not written (%s)", record.run_id, error)
 
 
-def end_fold_run(status: str) -> None:
-    """`mlflow.end_run`, without the "View run" line MLflow prints for a tracking server's run (it reads the run
-    back from the server for it: a request per fold for a line in a log)."""
+@contextlib.contextmanager
+def no_run_url_line() -> Iterator[None]:
+    """`mlflow.end_run` within, without the "View run" line MLflow prints for a tracking server's run (it reads the
+    run back from the server for it: a request per fold for a line in a log)."""
     was = os.environ.get(URL_PRINTING_OFF.name)
     URL_PRINTING_OFF.set(True)
     try:
-        mlflow.end_run(status)
+        yield
     finally:
         if was is None:
             URL_PRINTING_OFF.unset()

@@ -56,10 +56,13 @@ from pipeline.data.biovid import SAMPLES_CSV, load_samples
 from pipeline.data.datamodule import default_num_workers
 from pipeline.data.face_crops import preprocess
 from pipeline.data.frame_dataset import FrameDataset
-from pipeline.data.prepare import preprocess_config, synthetic_config, synthetic_fingerprint
-from pipeline.models.backbones import Backbone, PainNet
+from pipeline.data.prepare import DataSettings, synthetic_config, synthetic_fingerprint
+from pipeline.models.backbone_adapter import Backbone, family_traits
+from pipeline.models.backbones import PainNet
 from pipeline.models.factory import create_model
 from pipeline.models.weights import provenance_path, sha256_of_file
+from pipeline.runs.jobs.training_settings import PretrainSettings
+from pipeline.runs.store import tracking
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text
 from pipeline.utils.devices import precision_for
@@ -92,14 +95,11 @@ class Pool:
     provenance: dict[str, Any]
 
 
-# --- who is in the pool ------------------------------------------------------------------------------------------
-
-
-def pool_config(cfg: DictConfig) -> Any:
+def pool_config(settings: PretrainSettings) -> Any:
     """The pool's generator config: `pretrain.synthetic` over the twin's look (difficulty) when the CV dataset is a
     twin; over the preset's own look for a recorded dataset (BioVid has no `data.synthetic`)."""
-    difficulty = OmegaConf.select(cfg, "data.synthetic.difficulty", default=None)
-    return synthetic_config(cfg.pretrain.synthetic, **({"difficulty": difficulty} if difficulty else {}))
+    difficulty = (settings.data.synthetic or {}).get("difficulty")
+    return synthetic_config(settings.synthetic, **({"difficulty": difficulty} if difficulty else {}))
 
 
 def look(subject: Any) -> tuple:
@@ -122,7 +122,7 @@ class Roster:
     sources: tuple[str, ...]  # where the names were read
 
 
-def dataset_roster(cfg: DictConfig) -> Roster:
+def dataset_roster(data: DataSettings) -> Roster:
     """Every participant of the CV dataset that can be read: its frame table, its samples table, the committed
     subject list beside its fold files (`<manifest_dir>/subjects.csv`: BioVid's 87 without BIOVID_ROOT) and, for a
     twin (a `data.synthetic` section), its generator. A dataset none of which can be read is refused with the
@@ -131,9 +131,9 @@ def dataset_roster(cfg: DictConfig) -> Roster:
 
     names: set[str] = set()
     sources, missing = [], []
-    frames = resolve_path(cfg.data.processed_dir) / "frames.csv"
-    root = resolve_path(cfg.data.root) if cfg.data.root else None
-    committed = resolve_path(cfg.data.manifest_dir) / "subjects.csv"
+    frames = data.processed_dir / "frames.csv"
+    root = resolve_path(data.root) if data.root else None
+    committed = data.manifest_dir / "subjects.csv"
     for path, separator in ((frames, ","), (root / SAMPLES_CSV if root else None, "\t"), (committed, ",")):
         if path is not None and path.is_file():
             names |= set(pd.read_csv(path, sep=separator, usecols=["subject_name"], dtype=str)["subject_name"])
@@ -142,61 +142,63 @@ def dataset_roster(cfg: DictConfig) -> Roster:
             missing.append(f"no {path}")
     if root is None:
         missing.append("data.root is not set (BIOVID_ROOT=)")
-    section = OmegaConf.select(cfg, "data.synthetic", default=None)
+    section = data.synthetic
     generated = tuple(make_subjects(synthetic_config(section))) if section is not None else ()
     if generated:
+        assert section is not None
         names |= {subject.subject_name for subject in generated}
-        sources.append(f"the {cfg.data.name} generator (seed {section.seed})")
+        sources.append(f"the {data.name} generator (seed {section['seed']})")
     if not names:
-        raise PretrainError(f"the {cfg.data.name} dataset's participants cannot be read ({'; '.join(missing)}), so "
+        raise PretrainError(f"the {data.name} dataset's participants cannot be read ({'; '.join(missing)}), so "
                             f"the pretraining pool cannot be checked apart from them: run `make data` for it first, "
                             f"or give its root (BIOVID_ROOT=)")
     return Roster(frozenset(names), generated, tuple(sources))
 
 
-def check_apart(cfg: DictConfig, pool_subjects: list) -> Roster:
+def check_apart(data: DataSettings, pool_subjects: list) -> Roster:
     """Refuse a synthetic pool that shares a person with the CV dataset (by name, and for a twin by look)."""
-    roster = dataset_roster(cfg)
+    roster = dataset_roster(data)
     shared = shared_identities(pool_subjects, list(roster.generated))
     named = roster.names & {s.subject_name for s in pool_subjects}
     shared = sorted(set(shared) | named)
     if shared:
         raise PretrainError(
             f"the pretraining pool shares {len(shared)} identit{'y' if len(shared) == 1 else 'ies'} with the "
-            f"{cfg.data.name} dataset the backbone will be fine-tuned on ({', '.join(shared[:5])}"
+            f"{data.name} dataset the backbone will be fine-tuned on ({', '.join(shared[:5])}"
             f"{', ...' if len(shared) > 5 else ''}): a pretrained starting point must not have seen its people. "
             f"Choose another pretrain.synthetic.seed"
-            + (f" (the twin's is {cfg.data.synthetic.seed})." if roster.generated else "."))
+            + (f" (the twin's is {(data.synthetic or {}).get('seed')})." if roster.generated else "."))
     return roster
 
 
 # --- the pools -------------------------------------------------------------------------------------------------------
 
 
-def synthetic_pool(cfg: DictConfig, progress: bool = True) -> Pool:
+def synthetic_pool(settings: PretrainSettings, progress: bool = True) -> Pool:
     """Generate (resumable) and crop the synthetic pool; targets from its ground truth."""
     from pipeline.data.synthetic import generate, make_subjects, regions_path
 
-    config = pool_config(cfg)
+    data = settings.data
+    config = pool_config(settings)
     subjects = make_subjects(config)
-    roster = check_apart(cfg, subjects)  # before anything is generated
+    roster = check_apart(data, subjects)  # before anything is generated
     # one folder per generator config: a pool of other settings is another folder, never a refused resume
     digest = hashlib.sha256(json.dumps(dataclasses.asdict(config), sort_keys=True).encode()).hexdigest()[:8]
-    pool_dir = resolve_path(cfg.pretrain.pool_dir) / f"seed{config.seed}_{cfg.pretrain.synthetic.preset}_{digest}"
+    pool_dir = settings.pool_dir / f"seed{config.seed}_{settings.synthetic['preset']}_{digest}"
     raw, processed = pool_dir / "raw", pool_dir / "processed"
     print(f"pretraining pool: {len(subjects)} synthetic identities (seed {config.seed}, none of them in the "
-          f"{cfg.data.name} dataset) -> {pool_dir}", flush=True)
-    generate(raw, config, workers=OmegaConf.select(cfg, "data.synthetic.workers", default=None), progress=progress)
+          f"{data.name} dataset) -> {pool_dir}", flush=True)
+    generate(raw, config, workers=(data.synthetic or {}).get("workers"), progress=progress)
     samples, _ = load_samples(raw, subject_set="all")
-    if cfg.pretrain.target == "au":  # the resting clips only (AU_CLASSES): the others are not cropped for it
+    if settings.target == "au":  # the resting clips only (AU_CLASSES): the others are not cropped for it
         samples = samples[samples["class_name"].isin(AU_CLASSES)].reset_index(drop=True)
     source = synthetic_fingerprint(raw)
-    result = preprocess(samples, processed, preprocess_config(cfg), workers=cfg.preprocess.workers,
-                        progress=progress, device=cfg.preprocess.device, source=source)
+    result = preprocess(samples, processed, data.preprocess, workers=data.workers, progress=progress,
+                        device=data.device, source=source)
     rows = result.frames[["crop_path", "subject_name", "sample_name", "class_name", "frame_index"]].rename(
         columns={"subject_name": "identity"})
     targets = ["identity"]
-    if cfg.pretrain.target == "au":  # each crop's frame in its video's ground truth
+    if settings.target == "au":  # each crop's frame in its video's ground truth
         clips = rows[["identity", "sample_name"]].drop_duplicates().itertuples(index=False)
         truth = pd.concat([pd.read_csv(regions_path(raw, subject, sample), usecols=["frame_index", *AU_COLUMNS])
                            .assign(identity=subject, sample_name=sample) for subject, sample in clips])
@@ -207,26 +209,26 @@ def synthetic_pool(cfg: DictConfig, progress: bool = True) -> Pool:
             raise PretrainError(f"{regions_path(raw, first.identity, first.sample_name)} has no row for frame "
                                 f"{first.frame_index} ({int(unknown.sum())} crops without action units)")
         targets = list(AU_COLUMNS)
-    provenance = {"kind": "synthetic", "seed": config.seed, "preset": cfg.pretrain.synthetic.preset,
+    provenance = {"kind": "synthetic", "seed": config.seed, "preset": settings.synthetic["preset"],
                   "difficulty": config.difficulty, "folder": str(pool_dir),
                   "generator_sha256": source.removeprefix("synthetic:"),
                   "classes": sorted(set(rows["class_name"])),
-                  "checked_apart_from": apart_from(cfg, roster, "name and look" if roster.generated else "name")}
+                  "checked_apart_from": apart_from(data, roster, "name and look" if roster.generated else "name")}
     return Pool(rows.drop(columns="class_name"), processed, targets, provenance)
 
 
-def apart_from(cfg: DictConfig, roster: Roster, how: str) -> str:
+def apart_from(data: DataSettings, roster: Roster, how: str) -> str:
     """What the pool was checked apart from, for its provenance: the dataset, how many people, from where."""
-    return f"{cfg.data.name}: {len(roster.names)} participants by {how} ({'; '.join(roster.sources)})"
+    return f"{data.name}: {len(roster.names)} participants by {how} ({'; '.join(roster.sources)})"
 
 
-def folder_pool(cfg: DictConfig) -> Pool:
+def folder_pool(settings: PretrainSettings) -> Pool:
     """Crops and labels a lab holds; identities that are CV subjects are refused by name."""
-    folder = cfg.pretrain.folder
-    if not folder.crops_dir or not folder.labels_csv:
+    folder, data = settings.folder, settings.data
+    if not folder["crops_dir"] or not folder["labels_csv"]:
         raise PretrainError("pretrain.pool=folder needs pretrain.folder.crops_dir (face crops) and "
                             "pretrain.folder.labels_csv (crop_path, identity, target columns)")
-    crops, labels_csv = resolve_path(folder.crops_dir), resolve_path(folder.labels_csv)
+    crops, labels_csv = resolve_path(folder["crops_dir"]), resolve_path(folder["labels_csv"])
     if not labels_csv.is_file():
         raise PretrainError(f"pretrain.folder.labels_csv: {labels_csv} does not exist")
     labels = pd.read_csv(labels_csv)
@@ -234,10 +236,10 @@ def folder_pool(cfg: DictConfig) -> Pool:
     if missing:
         raise PretrainError(f"{labels_csv}: no column(s) {', '.join(missing)} (needs crop_path, identity, targets)")
     labels["identity"] = labels["identity"].astype(str)
-    roster = dataset_roster(cfg)
+    roster = dataset_roster(data)
     shared = sorted(set(labels["identity"]) & roster.names)
     if shared:
-        raise PretrainError(f"{labels_csv}: identities {', '.join(shared[:5])} are subjects of the {cfg.data.name} "
+        raise PretrainError(f"{labels_csv}: identities {', '.join(shared[:5])} are subjects of the {data.name} "
                             "dataset the backbone will be fine-tuned on; a pretraining pool must not hold its people")
     paths = [crops / p for p in labels["crop_path"]]
     absent = [(i, p) for i, p in enumerate(paths) if not p.is_file()]
@@ -246,8 +248,8 @@ def folder_pool(cfg: DictConfig) -> Pool:
         raise PretrainError(f"{labels_csv} row {row + 2}: crop {path} does not exist ({len(absent)} missing in all)")
     rows = labels[["crop_path", "identity"]]
     targets = ["identity"]
-    if cfg.pretrain.target == "au":
-        chosen = list(folder.target_columns or [c for c in labels.columns if c not in ("crop_path", "identity")
+    if settings.target == "au":
+        chosen = list(folder["target_columns"] or [c for c in labels.columns if c not in ("crop_path", "identity")
                                                  and pd.api.types.is_numeric_dtype(labels[c])])
         if not chosen:
             raise PretrainError(f"{labels_csv}: no numeric target column for pretrain.target=au")
@@ -258,7 +260,7 @@ def folder_pool(cfg: DictConfig) -> Pool:
         targets = chosen
     return Pool(rows, crops, targets, {"kind": "folder", "crops_dir": str(crops), "labels_csv": str(labels_csv),
                                 "labels_sha256": sha256_of_file(labels_csv),
-                                "checked_apart_from": apart_from(cfg, roster, "name")})
+                                "checked_apart_from": apart_from(data, roster, "name")})
 
 
 # --- training --------------------------------------------------------------------------------------------------------
@@ -342,11 +344,10 @@ def backbone_state(backbone: Backbone) -> dict[str, torch.Tensor]:
         raise PretrainError(f"make pretrain writes timm and CvT backbones: {error}") from None
 
 
-def weights_path(cfg: DictConfig, pool: Pool, img_size: int) -> Path:
+def weights_path(settings: PretrainSettings, pool: Pool, img_size: int) -> Path:
     """`<out_dir>/<model>_<target>_<pool><seed>_<size>px.pt`: one file per starting point."""
     where = pool.provenance.get("seed", "")
-    name = f"{cfg.model.name}_{cfg.pretrain.target}_{cfg.pretrain.pool}{where}_{img_size}px.pt"
-    return resolve_path(cfg.pretrain.out_dir) / name
+    return settings.out_dir / f"{settings.model_name}_{settings.target}_{settings.pool}{where}_{img_size}px.pt"
 
 
 def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
@@ -355,37 +356,48 @@ def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
     if p.target not in TARGETS or p.pool not in POOLS:
         raise PretrainError(f"pretrain.target must be one of {TARGETS} and pretrain.pool one of {POOLS}; got "
                             f"{p.target!r}, {p.pool!r}")
-    device = announce_device(cfg.trainer.accelerator)
-    pool = synthetic_pool(cfg, progress) if p.pool == "synthetic" else folder_pool(cfg)
+    settings = PretrainSettings(
+        str(p.target), str(p.pool), resolve_path(p.pool_dir), resolve_path(p.out_dir),
+        int(p.epochs or OmegaConf.select(p, f"presets.{cfg.model.name}.epochs", default=p.default_epochs)),
+        int(p.batch_size or cfg.loader.batch_size), float(p.lr), float(p.backbone_lr), float(p.weight_decay),
+        float(p.held_out_share), OmegaConf.to_container(p.synthetic, resolve=True),
+        OmegaConf.to_container(p.folder, resolve=True), OmegaConf.to_container(p, resolve=True),
+        DataSettings.from_config(cfg), str(cfg.model.name), cfg.model.pretrained, cfg.model.weights,
+        cfg.model.img_size, OmegaConf.to_container(cfg.augment, resolve=True), float(cfg.loader.crop_fraction),
+        cfg.loader.num_workers, str(cfg.trainer.accelerator), str(cfg.trainer.precision), int(cfg.seed))
+    device = announce_device(settings.accelerator)
+    pool = synthetic_pool(settings, progress) if settings.pool == "synthetic" else folder_pool(settings)
     if pool.rows.empty:
         raise PretrainError("the pretraining pool has no face crops")
-    targets = pool_targets(pool, p.target == "identity", float(p.held_out_share))
-    pl.seed_everything(int(cfg.seed), workers=True)
-    net, source = create_model(cfg.model.name, targets.n_outputs, pretrained=cfg.model.pretrained,
-                               weights=cfg.model.weights, img_size=cfg.model.img_size)
-    img_size = int(cfg.model.img_size or net.backbone.data_config.input_size[-1])
-    fit = train_on_pool(cfg, net, pool, targets, device.kind, f"{img_size} px, from {source.kind} weights", progress)
-    path = weights_path(cfg, pool, img_size)
+    targets = pool_targets(pool, settings.target == "identity", settings.held_out_share)
+    pl.seed_everything(settings.seed, workers=True)
+    net, source = create_model(settings.model_name, targets.n_outputs, pretrained=settings.pretrained,
+                               weights=settings.weights, img_size=settings.img_size)
+    img_size = int(settings.img_size or net.backbone.data_config.input_size[-1])
+    fit = train_on_pool(settings, net, pool, targets, device.kind, f"{img_size} px, from {source.kind} weights",
+                        progress)
+    path = weights_path(settings, pool, img_size)
     with atomic_path(path) as tmp:
         torch.save(backbone_state(net.backbone), tmp)
     last = fit.history[-1] if fit.history else {}
     provenance = {
-        "weights": path.name, "sha256": sha256_of_file(path), "model": cfg.model.name,
-        "architecture": net.backbone.architecture, "img_size": img_size, "started_from": source.as_tags(),
-        "target": p.target, "target_names": pool.targets, "outputs": targets.n_outputs,
+        "weights": path.name, "sha256": sha256_of_file(path), "model": settings.model_name,
+        "architecture": net.backbone.architecture, "img_size": img_size, "started_from": tracking.weights_tags(source),
+        "target": settings.target, "target_names": pool.targets, "outputs": targets.n_outputs,
         "pool": {**pool.provenance, "identities": sorted(set(pool.rows["identity"])),
                  "held_out_identities": targets.outside, "crops": len(pool.rows),
                  "training_crops": fit.training_crops, "held_out_crops": fit.held_out_crops},
         "epochs": fit.epochs, "history": fit.history, "held_out_loss": last.get("val_loss", math.nan),
-        "held_out_baseline_loss": targets.baseline, "seconds": round(fit.seconds, 1), "device": device.tags,
+        "held_out_baseline_loss": targets.baseline, "seconds": round(fit.seconds, 1),
+        "device": tracking.training_device_tags(device),
         "precision": fit.precision, "git_commit": git_commit(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "settings": OmegaConf.to_container(p, resolve=True),
+        "settings": settings.record,
     }
     atomic_write_text(provenance_path(path), json.dumps(provenance, indent=2, default=str) + "\n")
     print(f"held-out loss {provenance['held_out_loss']:.4f} against {targets.baseline:.4f} for always answering the "
           f"training {'shares' if targets.classify else 'mean'}; {fit.seconds:.1f} s of training")
     print(f"weights: {path}\n         (provenance: {provenance_path(path)})\n"
-          f"use it:  make cv MODEL={cfg.model.name} WEIGHTS={path}")
+          f"use it:  make cv MODEL={settings.model_name} WEIGHTS={path}")
     return path
 
 
@@ -432,32 +444,32 @@ class PoolFit:
     held_out_crops: int
 
 
-def train_on_pool(cfg: DictConfig, net: PainNet, pool: Pool, targets: PoolTargets, device_kind: str, starting: str,
-                  progress: bool) -> PoolFit:
+def train_on_pool(settings: PretrainSettings, net: PainNet, pool: Pool, targets: PoolTargets, device_kind: str,
+                  starting: str, progress: bool) -> PoolFit:
     """The backbone and its head trained on the pool's training crops (augmented as `make cv` augments) for the
     preset's epochs, the held-out crops scored after each epoch."""
-    p, data_config = cfg.pretrain, net.backbone.data_config
+    data_config = net.backbone.data_config
     train_set = PoolDataset(targets.training, pool.crops_dir, targets.train,
-                            build_train_transform(data_config, cfg.augment, cfg.loader.crop_fraction))
+                            build_train_transform(data_config, settings.augment, settings.crop_fraction))
     val_set = PoolDataset(targets.held_out, pool.crops_dir, targets.held,
-                          build_eval_transform(data_config, cfg.loader.crop_fraction))
-    batch = int(p.batch_size or cfg.loader.batch_size)
-    workers = default_num_workers() if cfg.loader.num_workers is None else int(cfg.loader.num_workers)
+                          build_eval_transform(data_config, settings.crop_fraction))
+    batch = settings.batch_size
+    workers = default_num_workers() if settings.num_workers is None else int(settings.num_workers)
     keep = workers > 0  # the workers live through the epochs (each start imports torch again)
     train_loader = DataLoader(train_set, batch_size=batch, shuffle=True, num_workers=workers,
                               drop_last=len(train_set) > batch, persistent_workers=keep)
     val_loader = (DataLoader(val_set, batch_size=batch, num_workers=workers, persistent_workers=keep)
                   if len(val_set) else None)
-    epochs = int(p.epochs or OmegaConf.select(p, f"presets.{cfg.model.name}.epochs", default=p.default_epochs))
-    module = PretrainModule(net, targets.classify, float(p.lr), float(p.backbone_lr), float(p.weight_decay))
-    precision = precision_for(cfg.trainer.precision, device_kind, getattr(net.backbone, "family", ""))
-    trainer = pl.Trainer(max_epochs=epochs, accelerator=cfg.trainer.accelerator, devices=1, precision=precision,
+    epochs = settings.epochs
+    module = PretrainModule(net, targets.classify, settings.lr, settings.backbone_lr, settings.weight_decay)
+    precision = precision_for(settings.precision, device_kind, family_traits(net.backbone.family))
+    trainer = pl.Trainer(max_epochs=epochs, accelerator=settings.accelerator, devices=1, precision=precision,
                          logger=False, enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=progress, num_sanity_val_steps=0)
     classes = pool.provenance.get("classes")
-    print(f"pretraining {cfg.model.name} ({starting}) on {len(train_set)} crops of "
+    print(f"pretraining {settings.model_name} ({starting}) on {len(train_set)} crops of "
           f"{targets.training['identity'].nunique()} identities"
-          f"{' (clips ' + ', '.join(classes) + ')' if classes else ''}, target {p.target} ({targets.n_outputs} "
+          f"{' (clips ' + ', '.join(classes) + ')' if classes else ''}, target {settings.target} ({targets.n_outputs} "
           f"outputs), {epochs} epoch(s), {precision}", flush=True)
     started = time.perf_counter()
     trainer.fit(module, train_loader, val_loader)

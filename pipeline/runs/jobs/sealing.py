@@ -23,7 +23,7 @@ from mlflow.entities import Run
 
 from pipeline.models.model_file import MODEL_ARTIFACT
 from pipeline.runs.store.run_record import RunRecord
-from pipeline.runs.store.tracking import FAILED_REASON_TAG, FINISHED, FOLD_TAG, STORED_ARTIFACTS_TAG
+from pipeline.runs.store.tracking import FAILED, FAILED_REASON_TAG, FINISHED, FOLD_TAG, STORED_ARTIFACTS_TAG
 from pipeline.utils.atomic_io import fsync_tree
 
 FRAME_PREDICTIONS = "predictions_frames.csv"
@@ -132,6 +132,6 @@ def retire_unreadable(client: MlflowClient, runs: list[Run]) -> list[Run]:
             print(f"fold {run.data.tags.get(FOLD_TAG)}: finished run {run.info.run_id} marked FAILED: {message}",
                   flush=True)
             client.set_tag(run.info.run_id, FAILED_REASON_TAG, message)
-            client.set_terminated(run.info.run_id, "FAILED")
+            client.set_terminated(run.info.run_id, FAILED)
             retired.append(run)
     return retired

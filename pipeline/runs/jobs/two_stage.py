@@ -22,32 +22,31 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
-from omegaconf import DictConfig, OmegaConf
 
-from pipeline.data.datamodule import LoaderConfig, PainDataModule
+from pipeline.data.datamodule import PainDataModule
 from pipeline.data.embeddings import EmbeddingDataModule, EmbeddingDataset, EmbeddingTable
 from pipeline.data.fold_checks import ROLES
-from pipeline.evaluation.metrics import Evaluation, evaluate_predictions
+from pipeline.evaluation.metrics import evaluate_predictions
 from pipeline.models.embedding_cache import (
-    CacheSettings,
     cache_key,
     ensure_embeddings,
     read_or_build,
     state_dict_sha256,
 )
 from pipeline.models.factory import clip_model
+from pipeline.models.fold_result import FoldResult
 from pipeline.models.head_training import HeadTraining, clip_predictions, embedded_clips, train_head
 from pipeline.models.lightning_module import PainLightningModule
-from pipeline.models.ordinal import LevelHead, OutputConfig
-from pipeline.models.temporal_heads import ClipNet, HeadConfig, build_temporal_head, head_parameters
+from pipeline.models.ordinal import LevelHead
+from pipeline.models.temporal_heads import build_temporal_head, head_parameters
+from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.utils.atomic_io import atomic_write_text
-from pipeline.utils.paths import resolve_path
 
 log = logging.getLogger(__name__)
 RECORD = "two_stage.json"
@@ -59,28 +58,12 @@ class EmbeddingsSource:
     path: Path  # the cache entry's arrays file
 
 
-@dataclass
-class SecondStage:
-    """The head's validation and test predictions (one row per video), their evaluations, and how it trained."""
-
-    net: ClipNet  # the fold's frame backbone and its trained head
-    validation: Evaluation
-    predictions: pd.DataFrame  # test clips, in the frame-prediction layout (one row per video)
-    evaluation: Evaluation
-    history: list[dict]
-    best_epoch: int
-    best_score: float
-    record: dict  # two_stage.json
-
-
-def fold_embeddings(cfg: DictConfig, fold: int, module: PainLightningModule, datamodule: PainDataModule,
+def fold_embeddings(training: TrainingSettings, fold: int, module: PainLightningModule, datamodule: PainDataModule,
                     fine_tuned: bool, work_dir: Path) -> tuple[EmbeddingsSource, dict]:
     """The fold's crops embedded by its frame model (module docstring) and the record of who embedded what."""
     backbone = module.model.backbone
-    loader = LoaderConfig.from_config(cfg.loader)
-    augment = OmegaConf.to_container(cfg.augment)
-    processed_dir = resolve_path(cfg.data.processed_dir)
-    plain = CacheSettings(views=0, seed=int(cfg.cache.seed), batch_size=int(cfg.cache.batch_size))
+    loader, augment, processed_dir = training.loader, training.augment, training.processed_dir
+    plain = replace(training.cache, views=0)
     weights_sha256 = state_dict_sha256(backbone)
     trained_on = sorted(datamodule.frames("train")["subject_name"].unique()) if fine_tuned else []
     started = time.time()
@@ -109,39 +92,41 @@ def fold_embeddings(cfg: DictConfig, fold: int, module: PainLightningModule, dat
     return source, facts
 
 
-def served_table(datamodule: PainDataModule, role: str, table: EmbeddingTable) -> EmbeddingTable:
+def split_embeddings(datamodule: PainDataModule, role: str, table: EmbeddingTable) -> EmbeddingTable:
     """The embeddings a split's clips are made of: the frame model's (`table`), or a personalised fold's as its
     datamodule serves them (`EmbeddingDataModule`: each crop as its protocol sees it, a baseline's reference crops
     out of the split), so a clip head sees what a frame head sees."""
-    if not isinstance(datamodule, EmbeddingDataModule) or datamodule.personalise.mode == "none":
+    if not isinstance(datamodule, EmbeddingDataModule) or not datamodule.personalise.personal:
         return table
     dataset = datamodule.dataset(role)
     assert isinstance(dataset, EmbeddingDataset)
     return EmbeddingTable(dataset.rows, dataset.plain.numpy(), np.empty((0, *dataset.plain.shape), np.float32))
 
 
-def second_stage(cfg: DictConfig, fold: int, module: PainLightningModule, datamodule: PainDataModule,
-                 best_path: str | None, work_dir: Path) -> SecondStage:
-    """Train and test the fold's temporal head on its frame model's embeddings; `best_path`: the first stage's best
-    checkpoint (None: the first stage was skipped and the backbone is used as built)."""
-    config = HeadConfig.from_config(cfg.model.head)
+def second_stage(training: TrainingSettings, fold: int, module: PainLightningModule, datamodule: PainDataModule,
+                 first: FoldResult, work_dir: Path) -> FoldResult:
+    """Train and test the fold's temporal head on its frame model's embeddings: the fold's result with the head's
+    selection and scores in place of the first stage's (`first`: its best checkpoint, or None where the first stage
+    was skipped and the backbone is used as built; its test scores kept as `frame_model_metrics`)."""
+    best_path = first.best_path
+    config = training.head
     if best_path is not None:
         state = torch.load(best_path, map_location="cpu", weights_only=True)["state_dict"]
         module.load_state_dict(state, strict=module.strict_loading)
     module.eval()
-    source, facts = fold_embeddings(cfg, fold, module, datamodule, best_path is not None, work_dir)
-    clip_frames = int(cfg.loader.clip_frames)
-    clips = {role: embedded_clips(datamodule.frames(role), served_table(datamodule, role, source.table), clip_frames,
-                                  source.path) for role in ROLES}
-    torch.manual_seed(cfg.seed)
+    source, facts = fold_embeddings(training, fold, module, datamodule, best_path is not None, work_dir)
+    clip_frames = training.clip_frames
+    clips = {role: embedded_clips(datamodule.frames(role), split_embeddings(datamodule, role, source.table),
+                                  clip_frames, source.path) for role in ROLES}
+    torch.manual_seed(training.seed)
     head = build_temporal_head(config, clips["train"].embeddings.shape[-1], len(module.class_names),
-                               OutputConfig.from_config(cfg.model.get("output")))  # softmax, or over levels
+                               training.output)  # softmax, or over levels
     facts["head"], facts["head_parameters"] = config.label, head_parameters(head)
     log.info("fold %d: temporal head %s, %d parameters, clips of %d frames", fold, config.label,
              facts["head_parameters"], clip_frames)
-    settings = HeadTraining(max_epochs=config.epochs, patience=config.patience, lr=float(cfg.model.optim.head_lr),
-                            weight_decay=float(cfg.model.optim.weight_decay), batch_size=int(cfg.loader.batch_size),
-                            seed=int(cfg.seed), stream=fold)
+    settings = HeadTraining(max_epochs=config.epochs, patience=config.patience, lr=float(training.optim.head_lr),
+                            weight_decay=float(training.optim.weight_decay), batch_size=training.loader.batch_size,
+                            seed=training.seed, stream=fold)
     trained = train_head(head, clips["train"], clips["val"], settings)
     names = module.class_names
     # one row per video: its clip's score is the video's, called by the ordinal rule where the head is over levels
@@ -149,9 +134,11 @@ def second_stage(cfg: DictConfig, fold: int, module: PainLightningModule, datamo
     validation = evaluate_predictions(clip_predictions(trained.head, clips["val"], names), names, **aggregation)
     predictions = clip_predictions(trained.head, clips["test"], names)
     evaluation = evaluate_predictions(predictions, names, **aggregation)
-    net = clip_model(module.model.backbone, trained.head)
-    return SecondStage(net, validation, predictions, evaluation, trained.history, trained.best_epoch,
-                       trained.best_score, facts)
+    frame_model = first.evaluation.metrics(prefix="frame_model/test/") if first.evaluation is not None else {}
+    return replace(first, validation=validation, frame_predictions=predictions, evaluation=evaluation,
+                   best_epoch=trained.best_epoch, epochs_trained=len(trained.history), best_score=trained.best_score,
+                   frame_model_metrics=frame_model, head=clip_model(module.model.backbone, trained.head),
+                   head_history=trained.history, record=facts)
 
 
 def write_record(facts: dict, path: Path) -> Path:

@@ -16,6 +16,7 @@ plan -> launch -> aggregate:
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import json
 import logging
@@ -30,7 +31,7 @@ from pathlib import Path
 import pandas as pd
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, Run
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeline.data.exclusions import (
     exclusion_tables,
@@ -38,16 +39,18 @@ from pipeline.data.exclusions import (
     lost_share_warning,
     unusable_for_task,
 )
-from pipeline.data.prepare import prepare_data, read_fold_file, subject_set_tags
-from pipeline.data.tasks import Task, get_task
+from pipeline.data.prepare import prepare_data, read_fold_file
+from pipeline.data.tasks import Task
 from pipeline.evaluation.thresholds import parse_rule
 from pipeline.models.cost import backbone_cost
+from pipeline.models.fold_result import FoldResult
 from pipeline.models.weights import WeightsSource, weights_provenance
 from pipeline.runs.jobs.fold_decisions import FoldDecisions, plan_decisions
-from pipeline.runs.jobs.fold_job import FoldJob, FoldResult, check_head
-from pipeline.runs.jobs.fold_run import PARENT_TAGS_COPIED, result_from_run, run_seconds
+from pipeline.runs.jobs.fold_run import FoldJob, result_from_run, run_seconds
 from pipeline.runs.jobs.sealing import retire_unreadable
+from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.runs.orchestration import launchers
+from pipeline.runs.orchestration.cv_settings import CvRunSettings
 from pipeline.runs.orchestration.cv_summary import (
     HEADLINE,
     calibration_line,
@@ -56,7 +59,6 @@ from pipeline.runs.orchestration.cv_summary import (
     record_precisions,
 )
 from pipeline.runs.store import cv_runs, fold_lease, registry, tracking
-from pipeline.runs.store.cv_runs import WhatTrains
 from pipeline.runs.store.environment import library_versions, log_environment
 from pipeline.runs.store.unreachable import is_unreachable
 from pipeline.utils.accelerator import announce_device, training_device
@@ -92,7 +94,7 @@ def check_pretraining_people(weights: WeightsSource, folds: pd.DataFrame, fold_f
         why = f"no provenance file {sidecar}" if provenance is None else f"{sidecar} names no pool identities"
         log.warning("WEIGHTS=%s: %s, so nothing could be checked about the people these weights were trained on; "
                     "make sure none of them is among the subjects of %s", weights.ref, why, fold_file)
-        return {"pretraining_people": f"unchecked: {why}"}
+        return {tracking.PRETRAINING_PEOPLE_TAG: f"unchecked: {why}"}
     subjects = set(folds["subject_name"])
     shared = sorted({str(name) for name in identities} & subjects)
     if shared:
@@ -101,15 +103,17 @@ def check_pretraining_people(weights: WeightsSource, folds: pd.DataFrame, fold_f
             f"({', '.join(shared[:10])}{', ...' if len(shared) > 10 else ''}; listed in their provenance {sidecar}): "
             f"a fold would test people its starting point has seen. Pretrain on a pool apart from this dataset "
             f"(make pretrain DATA=<this dataset> checks it) or start from other weights")
-    return {"pretraining_people": f"checked: none of the {len(identities)} identities in {sidecar.name} is among "
-                                  f"the {len(subjects)} subjects of {fold_file.name}"}
+    return {tracking.PRETRAINING_PEOPLE_TAG: f"checked: none of the {len(identities)} identities in {sidecar.name} "
+                                             f"is among the {len(subjects)} subjects of {fold_file.name}"}
 
 
 @dataclass
 class Plan:
     """A cross-validation ready to launch: its parent run and the folds still to do."""
 
-    cfg: DictConfig
+    config: dict  # the resolved config each fold job gets
+    launcher: launchers.LauncherSettings
+    model_name: str
     decisions: FoldDecisions  # fold file, precision, backbone family, weights: decided here, once
     trains: WhatTrains  # what trains (strategy, head, output, protocol), read once from `cfg`
     fold_ids: list[int]
@@ -133,10 +137,10 @@ class Plan:
 
     def job(self, fold: int, tracking_uri: str | None = None, seed: int | None = None) -> FoldJob:
         folder = f"fold_{fold}" + (f"_seed_{seed}" if seed is not None else "")
-        return FoldJob(OmegaConf.to_container(self.cfg, resolve=True), int(fold), self.parent_run_id,
+        return FoldJob(copy.deepcopy(self.config), int(fold), self.parent_run_id,
                        tracking_uri or self.tracking_uri, str(self.work_dir / folder), self.decisions, seed,
                        store_uri=tracking.redact_uri(self.tracking_uri), experiment_id=self.experiment_id,
-                       parent_tags={key: self.identity.get(key, "") for key in PARENT_TAGS_COPIED})
+                       parent_tags={name: self.identity.get(name, "") for name in tracking.INHERITED_TAGS})
 
 
 @contextlib.contextmanager
@@ -165,56 +169,58 @@ def identity_lock(work_dir: Path, key: str, what: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def driver_description(command: str, cfg: DictConfig, tracking_uri: str) -> str:
+def driver_description(command: str, run: CvRunSettings, tracking_uri: str) -> str:
     """What a CV's driver is, in its lock file (what a second one of the same CV is told): the command, the backbone,
     dataset, protocol, task, strategy, config hash and store."""
-    return (f"`{command}` of {cfg.model.name} on {cfg.data.name} {cfg.protocol.name} {cfg.task.name} "
-            f"({WhatTrains.from_config(cfg).finetune.label}, config {cv_runs.config_sha256(cfg)[:12]}, store "
+    return (f"`{command}` of {run.training.model_name} on {run.data.name} {run.protocol} {run.training.task.name} "
+            f"({run.training.finetune.label}, config {cv_runs.config_sha256(run.cv)[:12]}, store "
             f"{tracking.redact_uri(tracking_uri)})")
 
 
-def plan_cv(cfg: DictConfig, client: MlflowClient, tracking_uri: str) -> Plan:
+def plan_cv(run: CvRunSettings, client: MlflowClient, tracking_uri: str) -> Plan:
     """The CV's plan: the data prepared and checked, the folds this task can test, the decisions every fold uses
     (`plan_decisions`), and the parent run: the unfinished one of the same identity (resumed), or a new one."""
-    parse_rule(cfg.eval.threshold)  # a wrong setting fails before any data or training
-    trains = WhatTrains.from_config(cfg)
-    check_head(trains)
-    frames_result, fold_file = prepare_data(cfg)
+    training = run.training  # what every fold trains, read once
+    parse_rule(training.threshold_rule)  # a wrong setting fails before any data or training
+    trains = WhatTrains.of(training).check()
+    frames_result, fold_file = prepare_data(run.data)
     folds = read_fold_file(fold_file, sorted(set(frames_result.frames.subject_name)))
-    task = get_task(cfg.task.name)
-    requested = None if cfg.trainer.folds is None else [int(fold) for fold in cfg.trainer.folds]
+    task = training.task
+    trainer = training.trainer
+    requested = None if trainer.folds is None else [int(fold) for fold in trainer.folds]
     fold_ids, unusable, skipped = usable_folds(requested, frames_result.frames, folds, task)
     # Where the weights come from, before any training: a missing checkpoint fails in seconds, not after fold 1.
-    decisions = plan_decisions(cfg, fold_file)
+    decisions = plan_decisions(training, fold_file)
     weights = decisions.weights_source
-    warn_from_scratch(cfg.model.name, weights)
+    warn_from_scratch(training.model_name, weights)
     people_checked = check_pretraining_people(weights, folds, fold_file)  # a WEIGHTS= file's people: none tested
 
-    artifact_root = resolve_path(cfg.mlflow.artifact_root) if cfg.mlflow.artifact_root else tracking.artifact_root(
-        PROJECT_ROOT)
-    experiment_id = tracking.get_or_create_experiment(cfg.mlflow.experiment, artifact_root, client=client)
-    tags = cv_runs.identity_tags(cfg, fold_file, weights)  # the weights file hashed once, by plan_decisions()
-    plan = Plan(cfg, decisions, trains, fold_ids, task.classes, tracking_uri, experiment_id, "", Path(), identity=tags)
-    parent = cv_runs.newest_cv(client, experiment_id, tags) if cfg.cv.resume == "auto" else None
-    if parent is None and cfg.cv.resume == "auto":
-        why = cv_runs.why_not_resumed(client, experiment_id, tags, cfg)
+    artifact_root = resolve_path(run.artifact_root) if run.artifact_root else tracking.artifact_root(PROJECT_ROOT)
+    experiment_id = tracking.get_or_create_experiment(run.experiment, artifact_root, client=client)
+    cv = run.cv  # what identifies this CV, read once
+    tags = cv_runs.identity_tags(cv, fold_file, weights)  # the weights file hashed once, by plan_decisions()
+    plan = Plan(training.config, run.launcher, training.model_name, decisions, trains, fold_ids, task.classes,
+                tracking_uri, experiment_id, "", Path(), identity=tags)
+    parent = cv_runs.newest_cv(client, experiment_id, tags) if run.resume == "auto" else None
+    if parent is None and run.resume == "auto":
+        why = cv_runs.why_not_resumed(client, experiment_id, tags, cv)
         if why:
             print(why)
     if parent is None:
-        complete = (len(fold_ids) + len(skipped) == folds.fold.nunique() and cfg.trainer.limit_train_batches is None
-                    and cfg.trainer.limit_val_batches is None)
-        device = device_tags(cfg.launcher.name, cfg.trainer.accelerator)
+        complete = (len(fold_ids) + len(skipped) == folds.fold.nunique() and trainer.limit_train_batches is None
+                    and trainer.limit_val_batches is None)
+        device = device_tags(run.launcher.name, trainer.accelerator)
         described = {**new_parent_tags(plan, fold_file, complete, unusable, skipped, device), **people_checked}
-        parent = create_parent(cfg, client, experiment_id, tags, described, fold_file, frames_result)
+        parent = create_parent(run, client, experiment_id, tags, described, fold_file, frames_result)
     else:
         # a finished fold whose artifacts have gone from the store is not done: marked FAILED, trained again
         lost = retire_unreadable(client, tracking.fold_runs(client, parent.info.run_id))
         plan.finished = parent.info.status == tracking.FINISHED and not lost
         if not plan.finished:
-            client.update_run(parent.info.run_id, status="RUNNING")
+            client.update_run(parent.info.run_id, status=tracking.RUNNING)
     plan.parent_run_id = parent.info.run_id
-    plan.work_dir = resolve_path(cfg.cv.work_dir) / cv_runs.run_key(cfg, tracking_uri) / plan.parent_run_id
-    plan.seeds = [int(seed) for seed in cfg.cv.seeds] if cfg.cv.seeds else [None]
+    plan.work_dir = run.work_dir / cv_runs.run_key(run.cv, tracking_uri) / plan.parent_run_id
+    plan.seeds = list(run.seeds) if run.seeds else [None]
     plan.done = [(fold, seed) for seed in plan.seeds
                  for fold in tracking.finished_fold_runs(client, plan.parent_run_id, seed) if fold in fold_ids]
     return plan
@@ -242,42 +248,44 @@ def new_parent_tags(plan: Plan, fold_file: Path, complete: bool, unusable: dict[
     CV, the plan's decisions, the machine (`device`: `device_tags`) and libraries, the strategy and protocol, the
     subject set, the task's unusable subjects and skipped folds, and the standard tags."""
     decisions = plan.decisions
-    return {tracking.RUN_KIND_TAG: tracking.CV_RUN, "git_commit": git_commit(),
-            "fold_file": str(fold_file), "n_folds": str(len(plan.fold_ids)),
+    return {tracking.RUN_KIND_TAG: tracking.CV_RUN, tracking.GIT_COMMIT_TAG: git_commit(),
+            tracking.FOLD_FILE_PATH_TAG: str(fold_file), tracking.N_FOLDS_TAG: str(len(plan.fold_ids)),
             # a smoke run (some folds, limited batches) is marked so nobody mistakes it for a full CV
             tracking.COMPLETE_TAG: str(complete).lower(),
-            tracking.PRECISION_ASKED_TAG: decisions.precision, "model_family": decisions.model_family,
-            "cpu": cpu_description(), **device, **library_versions(), **decisions.weights_source.as_tags(),
+            tracking.PRECISION_ASKED_TAG: decisions.precision, tracking.MODEL_FAMILY_TAG: decisions.model_family,
+            tracking.CPU_TAG: cpu_description(), **device, **library_versions(),
+            **tracking.weights_tags(decisions.weights_source),
             **plan.trains.tags(),  # with whether augment.* was applied (a frozen head on plain embeddings)
             **plan.trains.protocol_tags(),  # output and personalisation protocol (descriptive: not identity)
-            **subject_set_tags(fold_file),
-            "task_unusable_subjects": ",".join(unusable), "task_skipped_folds": ",".join(map(str, skipped)),
+            **cv_runs.subject_set_tags(fold_file),
+            tracking.TASK_UNUSABLE_TAG: ",".join(unusable),
+            tracking.TASK_SKIPPED_FOLDS_TAG: ",".join(map(str, skipped)),
             **registry.standard_tags("make cv")}
 
 
-def create_parent(cfg: DictConfig, client: MlflowClient, experiment_id: str, identity: dict[str, str],
+def create_parent(run: CvRunSettings, client: MlflowClient, experiment_id: str, identity: dict[str, str],
                   described: dict[str, str], fold_file: Path, frames_result) -> Run:
     """A new parent run, tagged with its `identity` and what `described` adds, with the identity params, the resolved
     config, the environment, the backbone's cost, the fold file, what face detection lost and the subjects; where
     another machine's `make cv` of the same CV created its parent meanwhile, the first of the two
     (`fold_lease.first_of_twins`)."""
-    task = get_task(cfg.task.name)
-    run_name = f"{cfg.model.name} {cfg.data.name} {cfg.protocol.name} {task.name}"
+    task, model_name = run.training.task, run.training.model_name
+    run_name = f"{model_name} {run.data.name} {run.protocol} {task.name}"
     parent = client.create_run(experiment_id, run_name=run_name, tags={**identity, **described})
     run_id = parent.info.run_id
-    for chunk in cv_runs.chunks(list(cv_runs.identity_params(cfg).items()), 100):
+    for chunk in cv_runs.chunks(list(cv_runs.identity_params(run.cv).items()), 100):
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
-    client.log_text(run_id, OmegaConf.to_yaml(cfg), "config.yaml")
+    client.log_text(run_id, run.config_yaml, "config.yaml")
     log_environment(client, run_id)
     now = int(time.time() * 1000)  # what the backbone costs, for `make compare`'s accuracy-against-cost plot
-    cost = backbone_cost(cfg.model.name, cfg.model.img_size, task.n_classes)
+    cost = backbone_cost(model_name, run.training.img_size, task.n_classes)
     client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in cost.items()])
     client.log_artifact(run_id, str(fold_file), "folds")
-    log_exclusions(client, run_id, frames_result, cfg.preprocess.frames_per_video)
+    log_exclusions(client, run_id, frames_result, run.data.preprocess.frames_per_video)
     registry.log_subjects(client, run_id, registry.cv_subjects(fold_file, frames_result.frames, task.classes),
-                          f"{cfg.data.name}-{task.name}-{fold_file.stem}")
+                          f"{run.data.name}-{task.name}-{fold_file.stem}")
     # another machine's `make cv` of the same CV may have created its parent meanwhile: one of the two goes on
-    if cfg.cv.resume == "auto":
+    if run.resume == "auto":
         parent = fold_lease.first_of_twins(client, experiment_id,
                                            {tracking.RUN_KIND_TAG: tracking.CV_RUN, **identity}, parent)
     return parent
@@ -287,8 +295,8 @@ def device_tags(launcher: str, accelerator: str) -> dict[str, str]:
     """The training device's tags (`trainer.accelerator` here); under the `slurm` launcher each fold's node chooses
     its own, and its fold run carries them."""
     if launcher == "slurm":
-        return {"device": "chosen on each SLURM node (see the fold runs' device tags)"}
-    return training_device(accelerator).tags
+        return {tracking.DEVICE_TAG: "chosen on each SLURM node (see the fold runs' device tags)"}
+    return tracking.training_device_tags(training_device(accelerator))
 
 
 def log_exclusions(client: MlflowClient, run_id: str, frames_result, frames_per_video: int) -> None:
@@ -300,7 +308,7 @@ def log_exclusions(client: MlflowClient, run_id: str, frames_result, frames_per_
     warning = lost_share_warning(per_class)
     if warning:
         log.warning(warning)
-        client.set_tag(run_id, "data_warning", warning)
+        client.set_tag(run_id, tracking.DATA_WARNING_TAG, warning)
     with tempfile.TemporaryDirectory() as tmp:
         per_class.to_csv(Path(tmp) / "exclusions_per_class.csv", index=False)
         per_subject.to_csv(Path(tmp) / "exclusions_per_subject.csv", index=False)
@@ -357,7 +365,7 @@ def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Prog
                 session: launchers.LaunchSession) -> launchers.LaunchOutcome:
     """Run one seed's pending folds on the configured launcher (SLURM jobs of an earlier `launcher.wait=false` run
     that are still queued are followed, not submitted again), through `session`'s store and workers."""
-    launcher = plan.cfg.launcher
+    launcher = plan.launcher
     pending = plan.pending(seed)
 
     def result_of(fold: int) -> Run | None:  # a fold is done with its FINISHED child run, whose scores are shown
@@ -378,7 +386,7 @@ def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Prog
     queued = {fold: job_id for fold, job_id in submitted.items() if fold in pending and job_id in alive}
     to_submit = [fold for fold in pending if fold not in queued]
     if to_submit:
-        name = f"painvit-{plan.cfg.model.name}-{plan.parent_run_id[:8]}"
+        name = f"painvit-{plan.model_name}-{plan.parent_run_id[:8]}"
         new = launchers.submit_slurm([plan.job(fold, seed=seed) for fold in to_submit], launcher,
                                      plan.work_dir / "slurm", name + (f"-seed{seed}" if seed is not None else ""),
                                      credentials)
@@ -405,9 +413,10 @@ def run_cv(cfg: DictConfig, session: launchers.LaunchSession | None = None) -> d
         print(f"device: chosen on each SLURM node (trainer.accelerator={cfg.trainer.accelerator})")
     else:
         announce_device(cfg.trainer.accelerator)
-    with identity_lock(resolve_path(cfg.cv.work_dir), cv_runs.run_key(cfg, tracking_uri),
-                       driver_description("make cv", cfg, tracking_uri)):
-        plan = plan_cv(cfg, client, tracking_uri)
+    run = CvRunSettings.from_config(cfg)  # read once
+    with identity_lock(run.work_dir, cv_runs.run_key(run.cv, tracking_uri),
+                       driver_description("make cv", run, tracking_uri)):
+        plan = plan_cv(run, client, tracking_uri)
         name = client.get_run(plan.parent_run_id).info.run_name
         if plan.finished:
             print(f"cross-validation {name!r} already finished with these settings: parent run {plan.parent_run_id} "
@@ -420,18 +429,15 @@ def run_cv(cfg: DictConfig, session: launchers.LaunchSession | None = None) -> d
               f"precision {plan.decisions.precision}{auto}")
         print(f"MLflow: {tracking.redact_uri(tracking_uri)} (experiment {cfg.mlflow.experiment}, parent run "
               f"{plan.parent_run_id}); `make ui` to review")
-        try:
+        # aggregate() finishes it; a store that does not answer cannot be told either: the run stays RUNNING
+        with tracking.run_lifecycle(plan.parent_run_id, client, finish=False, left_running=is_unreachable):
             outcome = launch(plan, client, session) if len(plan.done) < len(plan.units) else launchers.LaunchOutcome()
-        except BaseException as error:
-            if not is_unreachable(error):  # a store that does not answer cannot be told either
-                client.set_terminated(plan.parent_run_id, "KILLED")
-            raise
         if outcome.submitted:
             print(f"{len(outcome.submitted)} fold(s) queued on SLURM; run the same command again to follow them "
                   f"and aggregate once all are done")
             return {}
         if outcome.failed:
-            client.set_terminated(plan.parent_run_id, "FAILED")
+            client.set_terminated(plan.parent_run_id, tracking.FAILED)
             failed = ", ".join(str(fold) for fold in sorted(outcome.failed))
             message = data_error_message(outcome.failed)
             if message:
@@ -463,17 +469,17 @@ def aggregate(plan: Plan, client: MlflowClient) -> dict[str, float]:
         runs += [finished[fold] for fold in plan.fold_ids]
     results = [result_from_run(client, run) for run in runs]
     record_precisions(client, plan.parent_run_id, runs)
-    summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, resolve_path(plan.cfg.fold_file),
-                            several_seeds=bool(plan.cfg.cv.get("seeds")), graded=plan.trains.graded)
+    summary = log_aggregate(client, plan.parent_run_id, results, plan.class_names, Path(plan.decisions.fold_file),
+                            several_seeds=plan.seeds != [None], graded=plan.trains.graded)
     client.set_tag(plan.parent_run_id, tracking.HEADLINE_TAG, HEADLINE)  # the number to quote beside the literature
     client.set_terminated(plan.parent_run_id, tracking.FINISHED)
     remove_fold_folders(plan.work_dir)
     table = print_table(results, summary)
     calibration = calibration_line(summary, len(results))
-    client.set_tag(plan.parent_run_id, "calibration_note", calibration)
+    client.set_tag(plan.parent_run_id, tracking.CALIBRATION_NOTE_TAG, calibration)
     print(calibration)
     print(f"augmentation: {plan.trains.augmentation_label}")
-    registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.cfg.model.name}: video-level test "
+    registry.describe_run(client, plan.parent_run_id, f"Cross-validation of {plan.model_name}: video-level test "
                           f"scores per fold", table.rename_axis("").reset_index())
     return summary
 

@@ -26,8 +26,8 @@ from pipeline.evaluation.metrics import (
     summarize_folds,
 )
 from pipeline.evaluation.statistics import calibration_intervals, subject_intervals, subject_scores
-from pipeline.runs.jobs.fold_job import FoldResult
-from pipeline.runs.store import cv_runs, tracking
+from pipeline.models.fold_result import FoldResult
+from pipeline.runs.store import cv_runs, tracking, ui_pages
 
 log = logging.getLogger(__name__)
 REPORTED = ("auroc", "accuracy", "balanced_accuracy", "f1")
@@ -36,7 +36,7 @@ AT_THRESHOLD = ("accuracy_at_threshold", "balanced_accuracy_at_threshold", "sens
                 "specificity_at_threshold")
 HEADLINE = "pooled/video_accuracy_at_threshold"  # the number to set beside the BioVid literature
 # A CV's headline figures under short, stable names (logged beside the long ones they copy): the runs table's columns
-# in the experiment's headline view (`tracking.set_headline_view`, the address `make ui` prints). Name -> summary key.
+# in the experiment's headline view (`ui_pages.set_headline_view`, the address `make ui` prints). Name -> summary key.
 HEADLINE_METRICS = {
     "video_auroc": "cv/video_auroc_mean",  # mean over folds, each fold's test subjects
     "video_auroc_sd": "cv/video_auroc_std",
@@ -123,8 +123,8 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     metrics = [Metric(k, float(v), now, 0) for k, v in summary.items() if np.isfinite(v)]
     for chunk in cv_runs.chunks(metrics, 500):
         client.log_batch(run_id, metrics=chunk)
-    tracking.set_headline_view(client, client.get_run(run_id).info.experiment_id,
-                               [tracking.DURATION_COLUMN, *map(tracking.metric_column, HEADLINE_METRICS)])
+    ui_pages.set_headline_view(client, client.get_run(run_id).info.experiment_id,
+                               [tracking.DURATION_COLUMN, *map(ui_pages.metric_column, HEADLINE_METRICS)])
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

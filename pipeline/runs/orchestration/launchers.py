@@ -18,15 +18,15 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from mlflow import MlflowClient
-from omegaconf import DictConfig
+from omegaconf import OmegaConf
 
 from pipeline.runs.orchestration.job_workers import WorkerPool
-from pipeline.runs.store.private_server import TrackingServer, free_port, tracking_server
+from pipeline.runs.store.private_server import tracking_server
 from pipeline.runs.store.tracking import redact_uri, uri_has_credentials
 from pipeline.runs.store.tracking_server import (
     PASSWORD_ENV,
@@ -37,15 +37,39 @@ from pipeline.runs.store.tracking_server import (
 )
 from pipeline.runs.store.unreachable import is_unreachable
 from pipeline.utils.cpus import available_cpus
-from pipeline.utils.processes import stop_process_group
 
-# the private server (pipeline.runs.store.private_server) and the process helpers, importable from here as before
-__all__ = ["TrackingServer", "free_port", "stop_process_group", "tracking_server"]
 log = logging.getLogger(__name__)
 LAUNCHERS = ("local", "parallel", "slurm")
 
 # report(key, state, detail): state is one of pending | running | done (detail: the job's result) | failed
 Report = Callable[[int, str, Any], None]
+
+
+@dataclass(frozen=True)
+class LauncherSettings:
+    """The `launcher` group (configs/launcher/<name>.yaml) as one value, read once by the command that launches:
+    every launcher's name, `parallel`'s jobs, `slurm`'s site settings and whether to wait for its jobs. A key the
+    launcher's file does not have is None."""
+
+    name: str
+    jobs: int | None  # parallel: processes at once (None: one per visible GPU, else 1)
+    partition: str | None
+    account: str | None
+    qos: str | None
+    gpus_per_task: int | None
+    cpus_per_task: int | None
+    mem_gb: int | None
+    time_min: int | None
+    array_parallelism: int | None
+    setup: list[str] | None
+    additional: dict | None
+    wait: bool | None
+    poll_s: float | None
+
+    @classmethod
+    def of(cls, section: Mapping[str, Any]) -> LauncherSettings:
+        values = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else dict(section)
+        return cls(**{item.name: values.get(item.name) for item in fields(cls)})
 
 
 class Job(Protocol):
@@ -305,7 +329,7 @@ class SlurmTask:
         return submitit.helpers.DelayedSubmission(SlurmTask(self.job))
 
 
-def slurm_executor(launcher: DictConfig, folder: Path, name: str):
+def slurm_executor(launcher: LauncherSettings, folder: Path, name: str):
     """A submitit executor with every site-specific setting taken from `configs/launcher/slurm.yaml`."""
     import submitit
 
@@ -313,7 +337,7 @@ def slurm_executor(launcher: DictConfig, folder: Path, name: str):
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     folder.chmod(0o700)
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-    parameters = {"timeout_min": launcher.time_min, "cpus_per_task": launcher.cpus_per_task,
+    parameters: dict[str, Any] = {"timeout_min": launcher.time_min, "cpus_per_task": launcher.cpus_per_task,
                   "tasks_per_node": 1, "nodes": 1, "name": name,
                   "slurm_array_parallelism": launcher.array_parallelism,
                   "slurm_setup": list(launcher.setup or [])}
@@ -344,7 +368,7 @@ def submission_environment(credentials: Mapping[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def submit_slurm(jobs: Sequence[Job], launcher: DictConfig, folder: Path, name: str,
+def submit_slurm(jobs: Sequence[Job], launcher: LauncherSettings, folder: Path, name: str,
                  credentials: Mapping[str, str] | None = None) -> dict[int, str]:
     """Submit the jobs as one SLURM array (`SlurmTask`s), with `credentials` as the tasks' only secret; returns
     key -> SLURM job id (`<array>_<task>`)."""

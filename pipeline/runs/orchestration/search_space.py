@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import optuna
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from pipeline.models.finetune import STRATEGY_NAMES
-from pipeline.runs.store.cv_runs import WhatTrains
+from pipeline.models.finetune import STRATEGIES
+from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.utils.config import CONFIG_DIR
 
 SPACES_DIR = CONFIG_DIR / "tune" / "spaces"
@@ -64,11 +65,12 @@ class SearchSpace:
     def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
         return {p.key: p.suggest(trial) for p in self.parameters}
 
-    def defaults(self, cfg: DictConfig) -> dict[str, Any]:
-        """Today's hand-picked values of the searched keys: the study's first trial. Each must be in its range."""
+    def defaults(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """Today's hand-picked values of the searched keys in the resolved `config`: the study's first trial. Each
+        must be in its range."""
         values = {}
         for p in self.parameters:
-            value = OmegaConf.select(cfg, p.key, default=None)
+            value = config_value(config, p.key)
             if not p.contains(value):
                 raise TuneError(f"{self.source}: the configured {p.key} = {value!r} lies outside the searched range "
                                 f"({p.choices if p.type == 'categorical' else f'{p.low}..{p.high}'}); widen the "
@@ -92,24 +94,34 @@ def _space_entries(name: str, seen: tuple[str, ...] = ()) -> tuple[dict, dict, l
     if raw.get("extends"):
         parameters, strategies, sources = _space_entries(str(raw["extends"]), (*seen, name))
     parameters = {**parameters, **(raw.get("parameters") or {})}
-    wrong = sorted(set(raw.get("strategies") or {}) - set(STRATEGY_NAMES))
+    wrong = sorted(set(raw.get("strategies") or {}) - set(STRATEGIES))
     if wrong:  # a key no `model.finetune` takes would never apply: its study would search settings that do nothing
         raise TuneError(f"{path}: strategies key(s) {', '.join(map(repr, wrong))} name no fine-tuning strategy; "
-                        f"model.finetune is one of {', '.join(STRATEGY_NAMES)}")
+                        f"model.finetune is one of {', '.join(STRATEGIES)}")
     for strategy, extra in (raw.get("strategies") or {}).items():
         strategies[strategy] = {**strategies.get(strategy, {}), **(extra or {})}
     return parameters, strategies, [*sources, str(path)]
 
 
-def load_space(cfg: DictConfig) -> SearchSpace:
-    """The search space for `cfg`: its backbone's file (or `tune.space`), with the fine-tuning strategy's changes.
-    A run whose training applies no augmentation (a frozen head on plain cached embeddings,
-    `WhatTrains.augmentation_applied`) does not search `augment.*`: those settings would change nothing it trains on."""
-    name = cfg.tune.space
+def config_value(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """The value at a dotted key of a resolved config (`default` where a part of the key is absent)."""
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def load_space(space: str, model_name: str, trains: WhatTrains, config: Mapping[str, Any]) -> SearchSpace:
+    """The search space `space` (`tune.space`; `auto`: the backbone's file, else the default one) for what `trains`
+    trains, with the fine-tuning strategy's changes; every searched key must be one of the resolved `config`. A run
+    whose training applies no augmentation (a frozen head on plain cached embeddings, `WhatTrains.augmentation_applied`)
+    does not search `augment.*`: those settings would change nothing it trains on."""
+    name = space
     if name == "auto":
-        name = cfg.model.name if (SPACES_DIR / f"{cfg.model.name}.yaml").is_file() else "default"
+        name = model_name if (SPACES_DIR / f"{model_name}.yaml").is_file() else "default"
     entries, strategies, sources = _space_entries(str(name))
-    trains = WhatTrains.from_config(cfg)
     strategy = trains.finetune.strategy
     if strategy in strategies:
         entries = {**entries, **strategies[strategy]}
@@ -121,7 +133,7 @@ def load_space(cfg: DictConfig) -> SearchSpace:
     for key, spec in entries.items():
         if spec is None or (unaugmented and key.startswith("augment.")):  # removed, or nothing it would change
             continue
-        if OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
+        if config_value(config, key, "__missing__") == "__missing__":
             raise TuneError(f"{source}: parameter {key} is not a key of the composed config")
         kind = spec.get("type")
         if kind not in ("float", "int", "categorical"):
@@ -137,9 +149,9 @@ def load_space(cfg: DictConfig) -> SearchSpace:
     return SearchSpace(source, tuple(parameters))
 
 
-def with_params(config: dict | DictConfig, params: dict[str, Any]) -> DictConfig:
-    """A copy of the config with the trial's (or the chosen) values set at their dotted keys."""
-    cfg = OmegaConf.create(OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config)
+def with_params(config: Mapping[str, Any], params: dict[str, Any]) -> dict:
+    """A copy of the resolved config with the trial's (or the chosen) values set at their dotted keys."""
+    changed = OmegaConf.create(dict(config))
     for key, value in params.items():
-        OmegaConf.update(cfg, key, value, merge=False)
-    return cfg
+        OmegaConf.update(changed, key, value, merge=False)
+    return OmegaConf.to_container(changed, resolve=True)

@@ -1,10 +1,10 @@
 """The search's workers: each asks the studies for trials until every study has `tune.trials` finished ones, and
 trains each trial as a fold job with other settings (`fold_job.train`, a two-stage head's second stage included) on
-a DataModule whose test split is the fold's validation subjects (`StudyDataModule`), so the fold's test subjects are
-never read by a study. A worker (`TuneWorker`) is a launcher's job (`launchers.Job`, keyed by its index) and runs on
-the CV's launchers: here (`launcher=local`), as `python -m pipeline tune-worker <spec.json>` processes
-(`launcher=parallel`, through `launchers.job_store`'s private server over a database store) or as SLURM array tasks
-(`launcher=slurm`).
+the fold's roles with its validation subjects as the test split (`SubjectRoles.validation_as_test`), so the fold's
+test subjects are never read by a study. A worker (`TuneWorker`) is a launcher's job (`launchers.Job`, keyed by its
+index) and runs on the CV's launchers: here (`launcher=local`), as `python -m pipeline tune-worker <spec.json>`
+processes (`launcher=parallel`, through `launchers.job_store`'s private server over a database store) or as SLURM
+array tasks (`launcher=slurm`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 import logging
 import shutil
 import sys
-import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -23,30 +22,28 @@ import numpy as np
 import optuna
 import pytorch_lightning as pl
 from mlflow import MlflowClient
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from pipeline.data.datamodule import PainDataModule
+from pipeline.data.datamodule import SubjectRoles
 from pipeline.runs.jobs.fold_decisions import FoldDecisions, settings_here
-from pipeline.runs.jobs.fold_job import Trained, train
+from pipeline.runs.jobs.fold_job import build_fold, train
 from pipeline.runs.jobs.fold_run import job_owner_tags
+from pipeline.runs.jobs.training_settings import TrainingSettings
+from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.runs.orchestration import launchers
 from pipeline.runs.orchestration.search_space import SearchSpace, TuneError, load_space, with_params
-from pipeline.runs.orchestration.studies import FINISHED_STATES, finished_trials, open_storage, open_study, study_lock
+from pipeline.runs.orchestration.studies import (
+    FINISHED_STATES,
+    TuneSettings,
+    finished_trials,
+    open_storage,
+    open_study,
+    study_lock,
+)
 from pipeline.runs.store import tracking
-from pipeline.runs.store.cv_runs import WhatTrains
 from pipeline.utils.atomic_io import atomic_path
 
 log = logging.getLogger(__name__)
-
-
-class StudyDataModule(PainDataModule):
-    """A fold's frames for its study: train and validation subjects of the fold file; the fold's test subjects' rows
-    are dropped from the frame table before any crop is loaded (the validation subjects stand in as the unused test
-    split)."""
-
-    def subject_roles(self) -> dict[str, list[str]]:
-        roles = super().subject_roles()
-        return {"train": roles["train"], "val": roles["val"], "test": roles["val"]}
 
 
 class ReportToTrial(pl.Callback):
@@ -120,51 +117,56 @@ def train_trial(worker: TuneWorker, trial: optuna.Trial, fold: int, params: dict
                 report: bool = True) -> tuple[float, int | None]:
     """Train fold `fold` with the trial's settings under a child run of the tuning run; its best validation score
     and the epoch it was pruned after (None: not pruned)."""
-    cfg = with_params(worker.config, params)
+    config = with_params(worker.config, params)
+    training = TrainingSettings.from_config(OmegaConf.create(config))  # the trial's settings, read once
     decisions = FoldDecisions(**worker.decisions)
     client = MlflowClient(worker.tracking_uri)
     parent = client.get_run(worker.tuning_run_id)
-    tags = {k: parent.data.tags.get(k, "") for k in ("model", "dataset", "protocol", "task", "subject_set")}
+    tags = tracking.inherited_tags(parent, tuple(n for n in tracking.INHERITED_TAGS if n != tracking.SEED_TAG))
     mlflow.set_tracking_uri(worker.tracking_uri)
     run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=f"fold {fold} trial {trial.number}",
                            tags={**tags, tracking.PARENT_TAG: worker.tuning_run_id,
                                  tracking.RUN_KIND_TAG: tracking.TRIAL_RUN, tracking.FOLD_TAG: str(fold),
                                  tracking.TRIAL_TAG: str(trial.number), tracking.STUDY_TAG: trial.study.study_name,
-                                 tracking.TUNE_SCOPE_TAG: cfg.tune.scope, **job_owner_tags()})
+                                 tracking.TUNE_SCOPE_TAG: config["tune"]["scope"], **job_owner_tags()})
     work_dir = Path(worker.work_dir) / f"fold_{fold}" / f"trial_{trial.number}"
     try:
-        mlflow.log_params({"fold": fold, "trial": trial.number, **params})
-        # precision and channels_last decided on this worker's device
-        settings = settings_here(decisions, cfg.trainer.channels_last, cfg.trainer.accelerator)
-        mlflow.set_tags({**settings.tags(), **WhatTrains.from_config(cfg).tags()})  # a frozen trial: the cache
-        reporter = ReportToTrial(trial, cfg.trainer.monitor, step_offset, report)
-        # the CV's training path on the study's subjects, second stage included: the value is the validation score of
-        # what the tuned CV would keep (a two-stage head's, after its frame model's epochs fed the pruner)
-        trained = train(cfg, fold, decisions, work_dir, settings, datamodule_class=StudyDataModule,
-                        callbacks=[reporter], scored=())
-        value = trial_value(cfg, trained)
-        mlflow.log_metrics({"tune/value": value, "best_epoch": trained.selected["best_epoch"],
-                            "epochs_trained": trained.selected["epochs_trained"],
-                            **({"tune/frame_model_epochs": len(trained.history)} if trained.stage else {})})
-        mlflow.set_tag(tracking.TRIAL_STATE_TAG, "PRUNED" if reporter.pruned_at is not None else "COMPLETE")
-    except BaseException as error:
-        mlflow.log_text(traceback.format_exc(), "traceback.txt")
-        mlflow.set_tag(tracking.TRIAL_STATE_TAG, "FAIL")
-        mlflow.end_run("KILLED" if isinstance(error, KeyboardInterrupt | SystemExit) else "FAILED")
-        raise
+        with tracking.run_lifecycle(run.info.run_id, client):
+            try:
+                value, pruned_at = trial_on_run(training, fold, decisions, work_dir, trial, params, step_offset,
+                                                report)
+            except BaseException:
+                mlflow.set_tag(tracking.TRIAL_STATE_TAG, tracking.TRIAL_FAIL)
+                raise
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)  # epoch checkpoints of a trial are not kept
-    mlflow.end_run(tracking.FINISHED)
-    del run
+    return value, pruned_at
+
+
+def trial_on_run(training: TrainingSettings, fold: int, decisions: FoldDecisions, work_dir: Path, trial: optuna.Trial,
+                 params: dict[str, Any], step_offset: int, report: bool) -> tuple[float, int | None]:
+    """The trial's fold trained on the active trial run: its value, logged with its state and what was selected, and
+    the epoch it was pruned after (None: not pruned)."""
+    mlflow.log_params({"fold": fold, "trial": trial.number, **params})
+    # precision and channels_last decided on this worker's device
+    settings = settings_here(decisions, training.trainer.channels_last, training.trainer.accelerator)
+    trains = WhatTrains.of(training).check()
+    mlflow.set_tags({**tracking.device_settings_tags(settings), **trains.tags()})  # a frozen trial: the cache
+    reporter = ReportToTrial(trial, training.trainer.monitor, step_offset, report)
+    # the CV's training path on the study's subjects, second stage included: the value is the validation score of
+    # what the tuned CV would keep (a two-stage head's, after its frame model's epochs fed the pruner)
+    # the fold's training and validation subjects; its test subjects' rows are never loaded (the validation subjects
+    # stand in as the unused test split)
+    roles = SubjectRoles.of_fold(Path(decisions.fold_file), fold).validation_as_test()
+    built = build_fold(training, trains, roles, decisions, settings)
+    result = train(training, built, work_dir, settings, callbacks=[reporter], scored=())
+    value = trains.mode.trial_value(result, training.trainer.monitor_mode)
+    mlflow.log_metrics({"tune/value": value, "best_epoch": result.best_epoch,
+                        "epochs_trained": result.epochs_trained,
+                        **({"tune/frame_model_epochs": len(result.history)} if result.head is not None else {})})
+    pruned = reporter.pruned_at is not None
+    mlflow.set_tag(tracking.TRIAL_STATE_TAG, tracking.TRIAL_PRUNED if pruned else tracking.TRIAL_COMPLETE)
     return value, reporter.pruned_at
-
-
-def trial_value(cfg: DictConfig, trained: Trained) -> float:
-    """A trial's value in the study's direction (`trainer.monitor_mode`): the best validation score of what the CV
-    would keep. A second stage's head scores higher-better (validation video AUROC, or minus the loss), so a study
-    that minimises gets it negated."""
-    score = float(trained.selected["best_val_score"])
-    return -score if trained.stage is not None and cfg.trainer.monitor_mode == "min" else score
 
 
 def objective(worker: TuneWorker, space: SearchSpace, trial: optuna.Trial, fold: int | None) -> float:
@@ -188,19 +190,20 @@ def objective(worker: TuneWorker, space: SearchSpace, trial: optuna.Trial, fold:
 
 def run_worker(worker: TuneWorker) -> int:
     """Ask each study for trials until it has `tune.trials` finished ones; returns the number of trials run here."""
-    cfg = OmegaConf.create(worker.config)
-    space = load_space(cfg)
+    cfg = OmegaConf.create(worker.config)  # the worker's entry: its config read once
+    tune = TuneSettings.from_config(cfg)
+    space = load_space(tune.space, tune.model, WhatTrains.of(TrainingSettings.from_config(cfg)), worker.config)
     storage = open_storage(worker.storage)
     ran = 0
     for name, fold in worker.studies:
-        study = open_study(cfg, storage, name, fold, worker.worker)
+        study = open_study(tune, storage, name, fold, worker.worker)
         failures = 0
         while True:
             with study_lock(worker.storage):
                 states = [t.state for t in study.get_trials(deepcopy=False)]
                 done = sum(state in FINISHED_STATES for state in states)
                 running = states.count(optuna.trial.TrialState.RUNNING)
-                if done + running >= cfg.tune.trials:
+                if done + running >= tune.trials:
                     break
                 trial = study.ask()
                 owner = job_owner_tags()
@@ -220,18 +223,18 @@ def run_worker(worker: TuneWorker) -> int:
                 failures += 1
                 log.warning("%s trial %d failed: %s: %s", name, trial.number, type(error).__name__, error)
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                if failures >= cfg.tune.max_failures:
+                if failures >= tune.max_failures:
                     raise TuneError(f"study {name}: {failures} trials in a row failed (last: {error}); see the "
                                     f"trial runs' traceback.txt") from error
                 continue
             failures = 0
             study.tell(trial, value)
             print(f"{name}: trial {trial.number} value {value:.4f} ({len(finished_trials(study))}/"
-                  f"{cfg.tune.trials} finished)", flush=True)
+                  f"{tune.trials} finished)", flush=True)
     return ran
 
 
-def worker_main(argv: list[str] | None = None) -> int:
+def tune_worker_main(argv: list[str] | None = None) -> int:
     """`python -m pipeline tune-worker <spec.json>`: one search worker (what the parallel launcher starts)."""
     from pipeline.utils.logging_setup import setup_logging
 
@@ -264,12 +267,12 @@ def worker_result(folder: Path, job_id: str) -> int | None:
     return value if state == "success" else None
 
 
-def launch_workers(cfg: DictConfig, worker: TuneWorker, client: MlflowClient, experiment_id: str) -> None:
+def launch_workers(launcher: launchers.LauncherSettings, model_name: str, worker: TuneWorker, client: MlflowClient,
+                   experiment_id: str) -> None:
     """Run the search's workers on the CV's launchers: one here (`local`), `launcher.jobs` processes here, each in its
     CPU or GPU slot (`parallel`), or one SLURM array task per study, at most `launcher.array_parallelism` (`slurm`),
     writing where `launchers.job_store` says, with the credentials made for them. A worker that fails is reported with
     its log (the search then finds its studies short); Ctrl-C stops the workers."""
-    launcher = cfg.launcher
     if launcher.name == "slurm":  # one SLURM array task per study (per fold), at most launcher.array_parallelism
         n_jobs = max(1, min(int(launcher.array_parallelism or 1), len(worker.studies)))
     else:
@@ -283,7 +286,7 @@ def launch_workers(cfg: DictConfig, worker: TuneWorker, client: MlflowClient, ex
             launchers.launch_parallel(workers, n_jobs, report_worker, lambda _: "exit code 0", credentials)
         else:
             folder = Path(worker.work_dir) / "slurm"
-            job_ids = launchers.submit_slurm(workers, launcher, folder, f"painvit-tune-{cfg.model.name}",
+            job_ids = launchers.submit_slurm(workers, launcher, folder, f"painvit-tune-{model_name}",
                                              credentials)
             print(f"submitted {n_jobs} search worker(s) to SLURM: {', '.join(job_ids.values())}", flush=True)
             launchers.wait_slurm(job_ids, report_worker, lambda k: worker_result(folder, job_ids[k]),

@@ -9,22 +9,48 @@ import contextlib
 import fcntl
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from optuna.storages.journal import JournalFileBackend
 
 from pipeline.runs.orchestration import launchers
-from pipeline.runs.orchestration.search_space import SearchSpace, TuneError
+from pipeline.runs.orchestration.search_space import TuneError
 from pipeline.runs.store import fold_lease
 from pipeline.utils.paths import resolve_path
 
 FINISHED_STATES = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
 
 
-def storage_path(cfg: DictConfig, search_key: str) -> Path:
-    return resolve_path(cfg.tune.storage_dir) / f"{cfg.model.name}-{cfg.task.name}-{search_key[:12]}.journal"
+@dataclass(frozen=True)
+class TuneSettings:
+    """The `tune` section (configs/tune/default.yaml) and what a study reads beside it, read once where a search or a
+    worker starts: the config's seed, the study's direction (`trainer.monitor_mode`), the backbone and task."""
+
+    trials: int
+    scope: str  # per_fold | shared
+    space: str  # the search space's file (auto: the backbone's, else default)
+    sampler: dict  # name (tpe | random), seed (None: the config's), n_startup_trials, multivariate
+    pruner: dict  # name (median | none), n_startup_trials, n_warmup_steps
+    storage_dir: Path
+    max_failures: int
+    seed: int
+    monitor_mode: str  # max | min
+    model: str
+    task: str
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> TuneSettings:
+        tune = OmegaConf.to_container(cfg.tune, resolve=True)
+        return cls(int(tune["trials"]), str(tune["scope"]), str(tune["space"]), dict(tune["sampler"]),
+                   dict(tune["pruner"]), resolve_path(tune["storage_dir"]), int(tune["max_failures"]), int(cfg.seed),
+                   str(cfg.trainer.monitor_mode), str(cfg.model.name), str(cfg.task.name))
+
+
+def storage_path(tune: TuneSettings, search_key: str) -> Path:
+    return tune.storage_dir / f"{tune.model}-{tune.task}-{search_key[:12]}.journal"
 
 
 def open_storage(path: str | Path) -> optuna.storages.JournalStorage:
@@ -33,35 +59,35 @@ def open_storage(path: str | Path) -> optuna.storages.JournalStorage:
     return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
 
 
-def make_sampler(tune: DictConfig, seed: int) -> optuna.samplers.BaseSampler:
-    name = tune.sampler.name
+def make_sampler(sampler: dict, seed: int) -> optuna.samplers.BaseSampler:
+    name = sampler["name"]
     if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=tune.sampler.n_startup_trials,
-                                          multivariate=tune.sampler.multivariate)
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=sampler["n_startup_trials"],
+                                          multivariate=sampler["multivariate"])
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     raise TuneError(f"unknown tune.sampler.name {name!r}; known: tpe, random")
 
 
-def make_pruner(tune: DictConfig) -> optuna.pruners.BasePruner:
-    name = tune.pruner.name
+def make_pruner(pruner: dict) -> optuna.pruners.BasePruner:
+    name = pruner["name"]
     if name == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=tune.pruner.n_startup_trials,
-                                           n_warmup_steps=tune.pruner.n_warmup_steps)
+        return optuna.pruners.MedianPruner(n_startup_trials=pruner["n_startup_trials"],
+                                           n_warmup_steps=pruner["n_warmup_steps"])
     if name == "none":
         return optuna.pruners.NopPruner()
     raise TuneError(f"unknown tune.pruner.name {name!r}; known: median, none")
 
 
-def open_study(cfg: DictConfig, storage: optuna.storages.BaseStorage, name: str, fold: int | None,
-               worker: int = 0) -> optuna.Study:
+def open_study(tune: TuneSettings, storage: optuna.storages.BaseStorage, name: str, fold: int | None,
+               worker: int) -> optuna.Study:
     """The study `name` (created if new), with this worker's sampler: seeded by (seed, fold, worker), so a rerun draws
     the same trials and two workers do not draw the same ones."""
-    seed = cfg.tune.sampler.seed if cfg.tune.sampler.seed is not None else cfg.seed
-    direction = "maximize" if cfg.trainer.monitor_mode == "max" else "minimize"
+    seed = tune.sampler["seed"] if tune.sampler["seed"] is not None else tune.seed
+    direction = "maximize" if tune.monitor_mode == "max" else "minimize"
     return optuna.create_study(storage=storage, study_name=name, direction=direction, load_if_exists=True,
-                               sampler=make_sampler(cfg.tune, int(seed) + 1000 * worker + (fold or 0)),
-                               pruner=make_pruner(cfg.tune))
+                               sampler=make_sampler(tune.sampler, int(seed) + 1000 * worker + (fold or 0)),
+                               pruner=make_pruner(tune.pruner))
 
 
 def owner_alive(attrs: dict) -> bool:
@@ -114,16 +140,15 @@ def study_lock(storage: str | Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def prepare_studies(cfg: DictConfig, storage_file: Path, names: list[tuple[str, int | None]],
-                    space: SearchSpace) -> dict[str, optuna.Study]:
-    """Create or load the studies; a new study gets today's settings as its first trial; a trial left RUNNING by a
-    dead worker is failed and retried."""
+def prepare_studies(tune: TuneSettings, storage_file: Path, names: list[tuple[str, int | None]],
+                    defaults: dict) -> dict[str, optuna.Study]:
+    """Create or load the studies; a new study gets today's settings (`defaults`: `SearchSpace.defaults`) as its
+    first trial; a trial left RUNNING by a dead worker is failed and retried."""
     storage = open_storage(storage_file)
-    defaults = space.defaults(cfg)
     studies = {}
     with study_lock(storage_file):
         for name, fold in names:
-            study = open_study(cfg, storage, name, fold)
+            study = open_study(tune, storage, name, fold, 0)
             if not study.get_trials(deepcopy=False):
                 study.enqueue_trial(defaults, user_attrs={"default": True})
             failed = retry_stale_trials(study, storage)

@@ -49,7 +49,6 @@ import numpy as np
 import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED, INTERNAL_ERROR, INVALID_PARAMETER_VALUE
-from omegaconf import OmegaConf
 
 from pipeline.data.personalise import not_served
 from pipeline.models.model_file import load_model_file
@@ -248,7 +247,7 @@ def build_scorer(artifacts: Mapping[str, str | Path], config: Mapping[str, Any])
     if config.get("min_face_fraction") is not None:
         crop["min_face_fraction"] = float(config["min_face_fraction"])
     return FrameScorer(net, meta, CropSettings.from_dict(crop), threshold=float(config.get("threshold", 0.5)),
-                       aggregation=config.get("aggregation", "mean"), topk=int(config.get("topk", 3)),
+                       aggregation=config["aggregation"], topk=int(config["topk"]),
                        device=str(config.get("device", "cpu")), ensemble=members)
 
 
@@ -275,7 +274,7 @@ class PainMlflowModel(mlflow.pyfunc.PythonModel):
         """The frames' table (`served_table`); `params={"timeout_s": s}` shortens (never lengthens) this request's
         time limit, which covers reading the frames, waiting for a scorer, decoding and scoring."""
         started = time.monotonic()
-        if self.scorer.personalise.mode != "none":  # `mlflow models serve` of one: every request gets this answer
+        if self.scorer.personalise.personal:  # `mlflow models serve` of one: every request gets this answer
             raise Refusal(not_served(self.scorer.personalise))
         limits = self.limits
         asked = float((params or {}).get("timeout_s") or 0.0)
@@ -373,27 +372,29 @@ def logged_model_uri(client, run_id: str) -> str | None:
     return f"models:/{model_ids[-1]}" if model_ids else None
 
 
-def model_config(train_cfg, class_names: list[str], threshold: float, rule) -> dict:
-    """The MLflow model's `model_config`: how to crop like training did, and how to decide."""
-    pre = train_cfg.preprocess
-    min_face = float(OmegaConf.select(train_cfg, "predict.min_face_fraction", default=0.05))
-    return {"threshold": float(threshold), "threshold_rule": str(rule), "aggregation": train_cfg.trainer.aggregation,
-            "topk": int(train_cfg.trainer.topk), "class_names": list(class_names), "task": train_cfg.task.name,
+def model_config(config: Mapping[str, Any], class_names: list[str], threshold: float, rule) -> dict:
+    """The MLflow model's `model_config`: how to crop like training did, and how to decide. `config`: the training's
+    resolved config (a mapping: the composed config or the dict a job carries)."""
+    pre = config["preprocess"]
+    min_face = float(config["predict"]["min_face_fraction"])
+    return {"threshold": float(threshold), "threshold_rule": str(rule), "aggregation": config["trainer"]["aggregation"],
+            "topk": int(config["trainer"]["topk"]), "class_names": list(class_names), "task": config["task"]["name"],
             "device": "cpu", "min_face_fraction": min_face,
-            "crop": {"detector": pre.detector, "align": bool(pre.align), "margin": float(pre.margin),
-                     "crop_size": int(pre.crop_size), "jpeg_quality": int(pre.jpeg_quality),
+            "crop": {"detector": pre["detector"], "align": bool(pre["align"]), "margin": float(pre["margin"]),
+                     "crop_size": int(pre["crop_size"]), "jpeg_quality": int(pre["jpeg_quality"]),
                      "min_face_fraction": min_face}}
 
 
-def log_fold_model(cfg, weights_path: Path, fold: int, class_names: list[str], weights: dict[str, str],
-                   threshold: float, rule: str):
+def log_fold_model(config: Mapping[str, Any], weights_path: Path, fold: int, class_names: list[str],
+                   weights: dict[str, str], threshold: float, rule: str):
     """A CV fold's kept model as an MLflow model in the active fold run (the UI's Models tab lists it), deciding at
     the threshold its validation subjects chose (`rule` as the fold run records it; 0.5 where there is none, as for
     five classes). Not registered."""
-    metadata = {"fold": fold, "git_commit": git_commit(), "model": cfg.model.name, "task": cfg.task.name,
-                "dataset": cfg.data.name, **weights}
+    metadata = {"fold": fold, "git_commit": git_commit(), "model": config["model"]["name"],
+                "task": config["task"]["name"], "dataset": config["data"]["name"], **weights}
     decided = float(threshold) if math.isfinite(threshold) else 0.5  # NaN: no threshold was chosen
-    return log_mlflow_model(weights_path, model_config(cfg, class_names, decided, rule), metadata, name=f"fold_{fold}",
+    return log_mlflow_model(weights_path, model_config(config, class_names, decided, rule), metadata,
+                            name=f"fold_{fold}",
                             tags={tracking.MODEL_KIND_TAG: tracking.FOLD_MODEL, tracking.MODEL_FOLD_TAG: str(fold)},
                             with_example=False)
 

@@ -16,6 +16,7 @@ Tag names come from `pipeline.runs.store.tracking` only.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -29,12 +30,11 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.data.fold_files import fold_file_sha256
+from pipeline.data.fold_files import fold_file_sha256, parameters_path, read_fold_parameters
 from pipeline.data.personalise import PersonaliseConfig
-from pipeline.data.tasks import Task, get_task
 from pipeline.models.backbones import weights_source
 from pipeline.models.finetune import FinetuneConfig
-from pipeline.models.ordinal import OutputConfig, graded_scoring
+from pipeline.models.ordinal import OutputConfig
 from pipeline.models.temporal_heads import HeadConfig
 from pipeline.models.weights import WeightsSource
 from pipeline.runs.store import tracking
@@ -58,69 +58,50 @@ class CvNotFound(LookupError):
 # Identity
 
 
-@dataclass(frozen=True)
-class WhatTrains:
-    """What a run trains, read once from its config: the task, the fine-tuning strategy, the head, the embedding
-    cache's augmented views, the output and the personalisation protocol. It answers whether `augment.*` is applied
-    and whether the calls are scored as levels too (`graded`), and says so as tags (`tags`, `protocol_tags`) and in
-    words (`augmentation_label`)."""
+def protocol_tags(output: OutputConfig, personalise: PersonaliseConfig) -> dict[str, str]:
+    """The output and personalisation protocol as tags (`tracking.OUTPUT_TAG`, `PERSONALISE_TAG`): descriptive, not
+    identity tags, on every new CV; `cv_label` names a CV by them when they are not softmax / none."""
+    return {tracking.OUTPUT_TAG: output.label, tracking.PERSONALISE_TAG: personalise.label}
 
-    task: Task
-    finetune: FinetuneConfig
-    head: HeadConfig
-    cache_views: int  # cache.views: augmented views per crop in the embedding cache (0: the plain embedding)
-    output: OutputConfig
-    personalise: PersonaliseConfig
+
+@dataclass(frozen=True)
+class CvConfig:
+    """What identifies a cross-validation and finds it in the store, read once from a config (`from_config`) and
+    passed down as a value: the resolved config as data (`resolved`: what is hashed and logged as parameters), the
+    names its identity tags hold, the labels of what trains, and where its weights and fold file come from."""
+
+    resolved: dict
+    model: str
+    dataset: str
+    protocol: str
+    task: str
+    subject_set: str
+    seed: int
+    experiment: str  # mlflow.experiment
+    fold_file: Path
+    pretrained: bool | str
+    weights: str | None  # model.weights: a weights file
+    finetune_label: str
+    head_label: str
+    protocol_tags: dict[str, str]  # the output and personalisation protocol as tags
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> WhatTrains:
-        return cls(get_task(cfg.task.name), FinetuneConfig.from_config(cfg), HeadConfig.from_config(cfg.model.head),
-                   int(cfg.cache.views), OutputConfig.from_config(cfg.model.get("output")),
-                   PersonaliseConfig.from_config(cfg.get("personalise")))
+    def from_config(cls, cfg: DictConfig) -> CvConfig:
+        return cls(OmegaConf.to_container(cfg, resolve=True), str(cfg.model.name), str(cfg.data.name),
+                   str(cfg.protocol.name), str(cfg.task.name), str(cfg.data.subject_set), int(cfg.seed),
+                   str(cfg.mlflow.experiment), resolve_path(cfg.fold_file), cfg.model.pretrained, cfg.model.weights,
+                   FinetuneConfig.from_config(cfg.model, cfg.cache).label, HeadConfig.from_config(cfg.model.head).label,
+                   protocol_tags(OutputConfig.from_config(cfg.model.get("output")),
+                                 PersonaliseConfig.from_config(cfg.get("personalise"))))
 
-    @property
-    def graded(self) -> bool:
-        """Whether the calls are scored as levels too (`ordinal.graded_scoring`: MAE, kappa, ...)."""
-        return bool(graded_scoring(self.task, self.output))
-
-    @property
-    def augmentation_applied(self) -> bool:
-        """Whether training applies the `augment.*` settings. Not for a frozen head on cached embeddings without
-        augmented views (`cache.views=0`: the plain embedding every epoch), nor for a frozen backbone's two-stage head
-        (it trains on plain embeddings); the settings stay in the run's params, as part of its identity."""
-        if self.finetune.backbone_fixed and self.head.two_stage:
-            return False
-        return not (self.finetune.reads_cache and self.cache_views == 0)
-
-    @property
-    def augmentation_label(self) -> str:
-        """What augmentation training saw, in words: the `augmentation` tag and the fold's and the CV's lines."""
-        views = self.cache_views
-        if self.finetune.backbone_fixed and self.head.two_stage:
-            return "none (frozen backbone: the two-stage head trains on plain embeddings; augment.* not applied)"
-        if self.finetune.reads_cache:
-            return ("none (frozen embeddings, cache.views=0; augment.* not applied)" if views == 0 else
-                    f"{views} augmented view(s) per crop (frozen embeddings, cache.views={views}, drawn with "
-                    f"augment.*)")
-        if self.head.two_stage:
-            return "augment.* on the frame model's images (the two-stage head trains on plain embeddings)"
-        return "augment.* on the images"
-
-    def tags(self) -> dict[str, str]:
-        """What trains, as tags: the strategy's label (full, frozen, top_blocks2, lora_r8), whether embeddings fed
-        it, and whether the `augment.*` settings (logged as params either way) were applied, in words."""
-        return {"finetune": self.finetune.label, "embedding_cache": str(self.finetune.reads_cache).lower(),
-                "augment_applied": str(self.augmentation_applied).lower(), "augmentation": self.augmentation_label}
-
-    def protocol_tags(self) -> dict[str, str]:
-        """The output and personalisation protocol as tags (`tracking.OUTPUT_TAG`, `PERSONALISE_TAG`): descriptive,
-        not identity tags, on every new CV; `cv_label` names a CV by them when they are not softmax / none."""
-        return {tracking.OUTPUT_TAG: self.output.label, tracking.PERSONALISE_TAG: self.personalise.label}
+    def weights_source(self) -> WeightsSource:
+        """Where its initial weights come from (a weights file hashed): what the plan resolves once."""
+        return weights_source(self.model, self.pretrained, self.weights)
 
 
-def identity_config(cfg: DictConfig) -> dict:
+def identity_config(cv: CvConfig) -> dict:
     """The resolved config without the settings in NOT_IDENTITY."""
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = copy.deepcopy(cv.resolved)
     seeds = config.get("cv", {}).get("seeds")
     for key in NOT_IDENTITY:
         *parents, leaf = key.split(".")
@@ -137,18 +118,18 @@ def identity_config(cfg: DictConfig) -> dict:
     return config
 
 
-def config_sha256(cfg: DictConfig) -> str:
-    return hashlib.sha256(json.dumps(identity_config(cfg), sort_keys=True, default=str).encode()).hexdigest()
+def config_sha256(cv: CvConfig) -> str:
+    return hashlib.sha256(json.dumps(identity_config(cv), sort_keys=True, default=str).encode()).hexdigest()
 
 
-def run_key(cfg: DictConfig, store_uri: str, kind: str = "") -> str:
+def run_key(cv: CvConfig, store_uri: str, kind: str = "") -> str:
     """A name for one cross-validation on this machine: `[<kind>-]<model>-<data>-<protocol>-<task>-<16 hex>`, the hex
     a SHA-256 of its full identity (`config_sha256`: every setting but NOT_IDENTITY's, cv.seeds included) and of the
     store it is recorded in (its URI without a password). Its driver's lock and its epoch checkpoints' folder are
     named by it, so that CVs that differ in any identity setting, or are recorded in other stores, never share them."""
-    digest = hashlib.sha256(f"{config_sha256(cfg)}\n{tracking.redact_uri(store_uri)}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"{config_sha256(cv)}\n{tracking.redact_uri(store_uri)}".encode()).hexdigest()[:16]
     prefix = f"{kind}-" if kind else ""
-    return f"{prefix}{cfg.model.name}-{cfg.data.name}-{cfg.protocol.name}-{cfg.task.name}-{digest}"
+    return f"{prefix}{cv.model}-{cv.dataset}-{cv.protocol}-{cv.task}-{digest}"
 
 
 def flat_params(config: dict) -> dict[str, str]:
@@ -157,9 +138,9 @@ def flat_params(config: dict) -> dict[str, str]:
     return {k: str(v)[:500] for k, v in flat.items()}
 
 
-def identity_params(cfg: DictConfig) -> dict[str, str]:
+def identity_params(cv: CvConfig) -> dict[str, str]:
     """The identity config as the flat parameters a CV (and a final model) logs."""
-    return flat_params(identity_config(cfg))
+    return flat_params(identity_config(cv))
 
 
 def chunks(items: list, size: int) -> Iterator[list]:
@@ -168,19 +149,17 @@ def chunks(items: list, size: int) -> Iterator[list]:
         yield items[start:start + size]
 
 
-def identity_tags(cfg: DictConfig, fold_file: Path, weights: WeightsSource | None = None) -> dict[str, str]:
+def identity_tags(cv: CvConfig, fold_file: Path, weights: WeightsSource | None = None) -> dict[str, str]:
     """The tags that identify a cross-validation (tracking.IDENTITY_TAGS): what resume and `make table` look for.
     `weights`: the initial weights as the plan already resolved them (resolved, and a weights file hashed, here
     otherwise)."""
-    weights = weights or weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
-    trains = WhatTrains.from_config(cfg)
-    return {"model": cfg.model.name, "dataset": cfg.data.name, "protocol": cfg.protocol.name, "task": cfg.task.name,
-            "subject_set": cfg.data.subject_set, "seed": str(cfg.seed),
-            "fold_file_sha256": fold_file_sha256(fold_file), "config_sha256": config_sha256(cfg),
+    weights = weights or cv.weights_source()
+    return {tracking.MODEL_TAG: cv.model, tracking.DATASET_TAG: cv.dataset, tracking.PROTOCOL_TAG: cv.protocol,
+            tracking.TASK_TAG: cv.task, tracking.SUBJECT_SET_TAG: cv.subject_set, tracking.SEED_TAG: str(cv.seed),
+            tracking.FOLD_FILE_TAG: fold_file_sha256(fold_file), tracking.CONFIG_SHA256_TAG: config_sha256(cv),
             # what trains (full, frozen, top_blocks2, lora_r8) and the SHA-256 of the weights it starts from
-            "finetune": trains.finetune.label,
-            "initial_weights": weights.sha256 or "random",
-            "head": trains.head.label}  # linear, or a temporal head and its mode
+            tracking.FINETUNE_TAG: cv.finetune_label, tracking.INITIAL_WEIGHTS_TAG: weights.sha256 or "random",
+            tracking.HEAD_TAG: cv.head_label}  # linear, or a temporal head and its mode
 
 
 class CvSettings(NamedTuple):
@@ -190,11 +169,24 @@ class CvSettings(NamedTuple):
     params: Mapping[str, str]
 
 
-def planned_settings(cfg: DictConfig, fold_file: Path, weights: WeightsSource | None = None) -> CvSettings:
-    """The identity tags and parameters a complete CV of `cfg` on `fold_file` would log, before it runs: what
+def planned_settings(cv: CvConfig, fold_file: Path, weights: WeightsSource | None = None) -> CvSettings:
+    """The identity tags and parameters a complete CV of `cv` on `fold_file` would log, before it runs: what
     `make compare` checks, asked of configs (tests/test_compare.py runs the default backbones' configs through it)."""
-    return CvSettings({**identity_tags(cfg, fold_file, weights), **WhatTrains.from_config(cfg).protocol_tags(),
-                       tracking.COMPLETE_TAG: "true"}, identity_params(cfg))
+    return CvSettings({**identity_tags(cv, fold_file, weights), **cv.protocol_tags, tracking.COMPLETE_TAG: "true"},
+                      identity_params(cv))
+
+
+def subject_set_tags(fold_file: Path) -> dict[str, str]:
+    """Run tags naming the participants a fold file leaves out of its subject set, and why (its sidecar's
+    `excluded_subjects`): the names comma-separated, their number, and "name: reason | ..." cut to MLflow's tag
+    length (the sidecar has all). Empty values for a complete set."""
+    excluded: dict[str, str] = (read_fold_parameters(fold_file) or {}).get("excluded_subjects", {})
+    reasons = " | ".join(f"{name}: {reason}" for name, reason in excluded.items())
+    if len(reasons) > tracking.MAX_TAG_CHARS:
+        tail = f" ... (all in {parameters_path(fold_file)})"
+        reasons = reasons[: tracking.MAX_TAG_CHARS - len(tail)] + tail
+    return {tracking.N_EXCLUDED_TAG: str(len(excluded)), tracking.EXCLUDED_TAG: ",".join(excluded),
+            tracking.EXCLUDED_REASONS_TAG: reasons}
 
 
 def cv_label(tags: Mapping[str, str]) -> str:
@@ -204,13 +196,13 @@ def cv_label(tags: Mapping[str, str]) -> str:
     (`ordinal_coral`) and its personalisation protocol when there is one (`baseline_k2`), so that strategies,
     starting points, heads, outputs and protocols of one backbone are compared with each other (a run without the
     tags: softmax, none)."""
-    label = tags["model"]
-    if tags.get("finetune", "full") not in ("", "full"):
-        label += f" {tags['finetune']}"
-    if tags.get("weights_source") == "file" and tags.get("weights_sha256"):
-        label += f" weights {tags['weights_sha256'][:8]}"
-    if tags.get("head", "linear") not in ("", "linear"):
-        label += f" {tags['head']}"
+    label = tags[tracking.MODEL_TAG]
+    if tags.get(tracking.FINETUNE_TAG, "full") not in ("", "full"):
+        label += f" {tags[tracking.FINETUNE_TAG]}"
+    if tags.get(tracking.WEIGHTS_SOURCE_TAG) == "file" and tags.get(tracking.WEIGHTS_SHA256_TAG):
+        label += f" weights {tags[tracking.WEIGHTS_SHA256_TAG][:8]}"
+    if tags.get(tracking.HEAD_TAG, "linear") not in ("", "linear"):
+        label += f" {tags[tracking.HEAD_TAG]}"
     if tags.get(tracking.OUTPUT_TAG, "softmax") not in ("", "softmax"):
         label += f" {tags[tracking.OUTPUT_TAG]}"
     if tags.get(tracking.PERSONALISE_TAG, "none") not in ("", "none"):
@@ -218,24 +210,21 @@ def cv_label(tags: Mapping[str, str]) -> str:
     return label
 
 
-def config_label(cfg: DictConfig) -> str:
+def config_label(cv: CvConfig) -> str:
     """`cv_label` of the CV a config describes (what `source_cv` looks for)."""
-    source = weights_source(cfg.model.name, cfg.model.pretrained, cfg.model.weights)
-    trains = WhatTrains.from_config(cfg)
-    return cv_label({"model": cfg.model.name, "finetune": trains.finetune.label,
-                     "weights_source": source.kind, "weights_sha256": source.sha256 or "",
-                     "head": trains.head.label, **trains.protocol_tags()})
+    return cv_label({tracking.MODEL_TAG: cv.model, tracking.FINETUNE_TAG: cv.finetune_label,
+                     **tracking.weights_tags(cv.weights_source()), tracking.HEAD_TAG: cv.head_label,
+                     **cv.protocol_tags})
 
 
-def crop_settings(cfg: DictConfig) -> dict[str, str]:
+def crop_settings(cv: CvConfig) -> dict[str, str]:
     """The config's crop settings as the CV's parent run logs them (parameter name -> value)."""
-    return {key: value for key, value in identity_params(cfg).items() if key.startswith(CROP_PREFIXES)}
+    return {key: value for key, value in identity_params(cv).items() if key.startswith(CROP_PREFIXES)}
 
 
-def current_fold_file_sha256(cfg: DictConfig) -> str | None:
+def current_fold_file_sha256(cv: CvConfig) -> str | None:
     """The SHA-256 of the config's fold file, or None where there is none yet."""
-    fold_file = resolve_path(cfg.fold_file)
-    return fold_file_sha256(fold_file) if fold_file.is_file() else None
+    return fold_file_sha256(cv.fold_file) if cv.fold_file.is_file() else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -273,19 +262,20 @@ def newest_cv(client: MlflowClient, experiment_id: str, tags: Mapping[str, str])
     return runs[0] if runs else None
 
 
-def why_not_resumed(client: MlflowClient, experiment_id: str, tags: Mapping[str, str], cfg: DictConfig) -> str | None:
+def why_not_resumed(client: MlflowClient, experiment_id: str, tags: Mapping[str, str], cv: CvConfig) -> str | None:
     """Where no CV has these identity tags but one of the same backbone, data, protocol and task does: which of its
     settings differ (what a person wonders when a CV starts afresh); None where there is no such older CV."""
-    similar = " and ".join(_identity_query(tags, ("model", "dataset", "protocol", "task")))
+    similar = " and ".join(_identity_query(tags, (tracking.MODEL_TAG, tracking.DATASET_TAG, tracking.PROTOCOL_TAG,
+                                                   tracking.TASK_TAG)))
     older = client.search_runs([experiment_id], similar, order_by=["attribute.start_time DESC"], max_results=1)
     if not older:
         return None
     previous = older[0]
     changes = [f"{key}: {previous.data.tags.get(key)} -> {tags[key]}" for key in tracking.IDENTITY_TAGS
-               if key != "config_sha256" and previous.data.tags.get(key) != tags[key]]
+               if key != tracking.CONFIG_SHA256_TAG and previous.data.tags.get(key) != tags[key]]
     # a fold's lease is bookkeeping of the older CV's jobs, logged beside its settings, not a setting
     old = {k: v for k, v in previous.data.params.items() if not k.startswith(tracking.LEASE_TAG)}
-    new = identity_params(cfg)
+    new = identity_params(cv)
     changes += [f"{k}: {old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in sorted(set(old) | set(new))
                 if old.get(k) != new.get(k)]
     return (f"not resuming {previous.info.run_name!r} ({previous.info.run_id}): its settings differ "
@@ -293,12 +283,12 @@ def why_not_resumed(client: MlflowClient, experiment_id: str, tags: Mapping[str,
             f"starting a new cross-validation")
 
 
-def finished_cv(client: MlflowClient, cfg: DictConfig) -> Run | None:
-    """The newest FINISHED parent run of the cross-validation `cfg` describes (its identity tags), or None."""
-    experiment = client.get_experiment_by_name(cfg.mlflow.experiment)
+def finished_cv(client: MlflowClient, cv: CvConfig) -> Run | None:
+    """The newest FINISHED parent run of the cross-validation `cv` describes (its identity tags), or None."""
+    experiment = client.get_experiment_by_name(cv.experiment)
     if experiment is None:
         return None
-    tags = identity_tags(cfg, resolve_path(cfg.fold_file))
+    tags = identity_tags(cv, cv.fold_file)
     query = " and ".join([*_identity_query(tags), FINISHED_QUERY])
     runs = client.search_runs([experiment.experiment_id], query, order_by=["attribute.start_time DESC"],
                               max_results=1)
@@ -316,12 +306,13 @@ def latest_finished_cvs(client: MlflowClient, experiment_ids: Sequence[str], dat
 
     Untuned CVs only, unless `tuned` names a search budget (`tracking.tune_budget`): then only tuned CVs of exactly
     that budget; `"latest"`: the budget of the newest such tuned CV."""
-    conditions = [CV_QUERY, FINISHED_QUERY, f"tags.dataset = {quoted(dataset, 'dataset')}",
-                  f"tags.protocol = {quoted(protocol, 'protocol')}", f"tags.task = {quoted(task, 'task')}"]
+    conditions = [CV_QUERY, FINISHED_QUERY, f"tags.`{tracking.DATASET_TAG}` = {quoted(dataset, 'dataset')}",
+                  f"tags.`{tracking.PROTOCOL_TAG}` = {quoted(protocol, 'protocol')}",
+                  f"tags.`{tracking.TASK_TAG}` = {quoted(task, 'task')}"]
     if subject_set is not None:
-        conditions.append(f"tags.subject_set = {quoted(subject_set, 'subject_set')}")
+        conditions.append(f"tags.`{tracking.SUBJECT_SET_TAG}` = {quoted(subject_set, 'subject_set')}")
     if fold_file_sha256 is not None:
-        conditions.append(f"tags.fold_file_sha256 = {quoted(fold_file_sha256, 'fold_file_sha256')}")
+        conditions.append(f"tags.`{tracking.FOLD_FILE_TAG}` = {quoted(fold_file_sha256, 'fold_file_sha256')}")
     for key, value in (params or {}).items():
         conditions.append(f"params.`{key}` = {quoted(value, key)}")
     runs = search_all(client, experiment_ids, " and ".join(conditions))
@@ -331,7 +322,7 @@ def latest_finished_cvs(client: MlflowClient, experiment_ids: Sequence[str], dat
     runs = [r for r in runs if tracking.tune_budget(r) == dict(tuned or {})]
     latest: dict[str, Run] = {}
     for run in sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.end_time or 0), reverse=True):
-        model = run.data.tags.get("model")
+        model = run.data.tags.get(tracking.MODEL_TAG)
         if not model:
             log.warning("CV run %s has no 'model' tag; ignored", run.info.run_id)
             continue
@@ -339,7 +330,7 @@ def latest_finished_cvs(client: MlflowClient, experiment_ids: Sequence[str], dat
     return dict(sorted(latest.items()))
 
 
-def source_cv(client: MlflowClient, cfg: DictConfig, run_id: str | None = None) -> Run:
+def source_cv(client: MlflowClient, cv: CvConfig, run_id: str | None = None) -> Run:
     """The cross-validation a command works from (`make inspect`, `make final`): RUN=<parent run id>, else the
     newest finished CV of the config's backbone on its data, protocol, task and subject set, on the current fold
     file and crop settings. Raises CvNotFound saying what is missing."""
@@ -348,18 +339,17 @@ def source_cv(client: MlflowClient, cfg: DictConfig, run_id: str | None = None) 
         if run.data.tags.get(tracking.RUN_KIND_TAG) != tracking.CV_RUN:
             raise CvNotFound(f"run {run_id} is not a cross-validation's parent run")
         return run
-    experiment = client.get_experiment_by_name(cfg.mlflow.experiment)
+    experiment = client.get_experiment_by_name(cv.experiment)
     if experiment is None:
-        raise CvNotFound(f"no MLflow experiment {cfg.mlflow.experiment!r}: run `make cv` first")
+        raise CvNotFound(f"no MLflow experiment {cv.experiment!r}: run `make cv` first")
     # Only a CV trained on crops made as the current ones: its test videos are read from those crops.
-    runs = latest_finished_cvs(client, [experiment.experiment_id], cfg.data.name, cfg.protocol.name, cfg.task.name,
-                               cfg.data.subject_set, current_fold_file_sha256(cfg), crop_settings(cfg))
-    label = config_label(cfg)
+    runs = latest_finished_cvs(client, [experiment.experiment_id], cv.dataset, cv.protocol, cv.task,
+                               cv.subject_set, current_fold_file_sha256(cv), crop_settings(cv))
+    label = config_label(cv)
     if label not in runs:
-        raise CvNotFound(f"no finished cross-validation of {label} on {cfg.data.name} / {cfg.protocol.name} "
-                         f"/ {cfg.task.name} with the current fold file and crop settings (preprocess.*, "
-                         f"data.synthetic.*): run `make cv MODEL={cfg.model.name}` first, or name one with "
-                         f"RUN=<parent run id>")
+        raise CvNotFound(f"no finished cross-validation of {label} on {cv.dataset} / {cv.protocol} / {cv.task} "
+                         f"with the current fold file and crop settings (preprocess.*, data.synthetic.*): run "
+                         f"`make cv MODEL={cv.model}` first, or name one with RUN=<parent run id>")
     return runs[label]
 
 
@@ -381,5 +371,6 @@ def tuning_run_of(client: MlflowClient, experiment_id: str, cv_run_id: str) -> R
 
 def running_children(client: MlflowClient, experiment_id: str, parent_run_id: str) -> list[Run]:
     """The child runs of `parent_run_id` still marked RUNNING (a stopped worker's trials, a killed job's folds)."""
-    query = f"tags.`{tracking.PARENT_TAG}` = {quoted(parent_run_id, 'run id')} and attributes.status = 'RUNNING'"
+    query = (f"tags.`{tracking.PARENT_TAG}` = {quoted(parent_run_id, 'run id')} and "
+             f"attributes.status = '{tracking.RUNNING}'")
     return list(client.search_runs([experiment_id], query))

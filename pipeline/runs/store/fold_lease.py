@@ -42,7 +42,17 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 
-from pipeline.runs.store.tracking import HEARTBEAT_TAG, HOST_TAG, LEASE_PARAM, LEASE_TAG, PID_TAG, SLURM_JOB_TAG
+from pipeline.runs.store.tracking import (
+    FINISHED,
+    HEARTBEAT_TAG,
+    HOST_TAG,
+    KILLED,
+    LEASE_PARAM,
+    LEASE_TAG,
+    PID_TAG,
+    RUNNING,
+    SLURM_JOB_TAG,
+)
 from pipeline.runs.store.unreachable import is_unreachable
 
 log = logging.getLogger(__name__)
@@ -65,7 +75,7 @@ def first_of_twins(client: MlflowClient, experiment_id: str, tags: dict[str, str
     An older RUNNING parent is a killed CV, not a twin: `make cv` resumes those before it creates one."""
     since = created.info.start_time - int(window_s * 1000)
     query = " and ".join([f"tags.`{key}` = '{value}'" for key, value in tags.items()]
-                         + ["attributes.status = 'RUNNING'", f"attributes.start_time >= {since}"])
+                         + [f"attributes.status = '{RUNNING}'", f"attributes.start_time >= {since}"])
     twins = client.search_runs([experiment_id], query, max_results=100)
     first = min([*twins, created], key=lambda run: (run.info.start_time, run.info.run_id))
     if first.info.run_id == created.info.run_id:
@@ -160,7 +170,7 @@ class Watch:
         """A RUNNING attempt whose heartbeat this observer has not seen unchanged for `lease_s`, unless it is known
         dead at once: this SLURM task's own earlier run (requeued after preemption), or a run of this machine whose
         process is gone. A run without a heartbeat (older code) counts as one that never changes."""
-        if run.info.status != "RUNNING":
+        if run.info.status != RUNNING:
             return False
         slurm_job = run.data.tags.get(SLURM_JOB_TAG)
         if slurm_job and slurm_job == own_slurm_job():
@@ -177,7 +187,7 @@ class Watch:
 def taken_over(run: Run, owner: str) -> str:
     """Why `owner` no longer holds `run`'s lease ("" while it does): the run is no longer RUNNING (another job marked
     it KILLED to take the fold over, or someone ended it), or its lease tag names another owner."""
-    if run.info.status != "RUNNING":
+    if run.info.status != RUNNING:
         return f"its run {run.info.run_id} is {run.info.status}: another job took the fold over"
     holder = run.data.tags.get(LEASE_TAG)
     if holder != owner:
@@ -274,7 +284,7 @@ def acquire(client: MlflowClient, parent_run_id: str, fold: int, seed: int | Non
     said = ""
     while True:
         previous = list_attempts()
-        finished = [run for run in previous if run.info.status == "FINISHED"]
+        finished = [run for run in previous if run.info.status == FINISHED]
         if finished:
             return 0, finished[0]
         live = [run for run in previous if watch.is_live(run) and run.data.tags.get(LEASE_TAG) != owner]
@@ -282,8 +292,8 @@ def acquire(client: MlflowClient, parent_run_id: str, fold: int, seed: int | Non
             attempt = claim(client, parent_run_id, fold, seed, len(previous) + 1, owner, lease_s, watch)
             if attempt is not None:
                 for run in previous:
-                    if run.info.status == "RUNNING":  # a dead attempt (seen unchanged for lease_s): replaced
-                        client.set_terminated(run.info.run_id, "KILLED")
+                    if run.info.status == RUNNING:  # a dead attempt (seen unchanged for lease_s): replaced
+                        client.set_terminated(run.info.run_id, KILLED)
                 return attempt, None
         holder = live[0].data.tags.get(LEASE_TAG, "another job") if live else "another job (just claimed)"
         if holder != said:

@@ -28,7 +28,6 @@ from pipeline.runs.store.tracking import (
     redact_uri,
     sqlite_file,
     tracking_uri,
-    ui_urls,
 )
 from pipeline.runs.store.tracking_server import (
     ADMIN_PASSWORD_ENV,
@@ -41,6 +40,7 @@ from pipeline.runs.store.tracking_server import (
     private_server_environment,
     server_environment,
 )
+from pipeline.runs.store.ui_pages import ui_urls
 from pipeline.utils.atomic_io import atomic_path
 from pipeline.utils.paths import PROJECT_ROOT
 from pipeline.utils.permissions import PRIVATE_UMASK, StoreNotPrivate, refuse_open_stores

@@ -35,10 +35,10 @@ def champion_uri(model: str, task: str) -> str:
 def standard_tags(source_name: str | None = None) -> dict[str, str]:
     """MLflow's own tags for who ran what from which commit: the UI's "Created by" and "Source" columns."""
     commit = git_commit()
-    tags = {"mlflow.user": getpass.getuser(), "mlflow.source.type": "LOCAL",
-            "mlflow.source.name": source_name or " ".join(["python -m pipeline", *sys.argv[1:2]])}
+    tags = {tracking.USER_TAG: getpass.getuser(), tracking.SOURCE_TYPE_TAG: "LOCAL",
+            tracking.SOURCE_NAME_TAG: source_name or " ".join(["python -m pipeline", *sys.argv[1:2]])}
     if commit != "unknown":
-        tags["mlflow.source.git.commit"] = commit.removesuffix("-dirty")
+        tags[tracking.SOURCE_COMMIT_TAG] = commit.removesuffix("-dirty")
     return tags
 
 

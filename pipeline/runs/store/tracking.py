@@ -2,34 +2,31 @@
 
 MLflow 3 refuses the old `./mlruns` file store, so the default is a sqlite database in the project root; the
 experiment is created with its artifacts in `<project>/mlartifacts` so runs never write into the working directory.
-
-`python -m pipeline ui-url --port 5000` prints the address of the experiment's runs page, which `make ui` shows
-before it starts the server. MLflow 3's UI opens in its GenAI mode (traces, an assistant) unless the address asks for
-the model-training mode, so that address is the way in for a new user.
+Every MLflow tag name and run status the project writes or reads is named here; the UI's pages a person opens are
+`ui_pages`'.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
-import json
 import os
-import sqlite3
-import time
-from collections.abc import Iterator, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 from urllib.request import url2pathname
-
-from omegaconf import DictConfig, OmegaConf
 
 from pipeline.utils.paths import PROJECT_ROOT, resolve_path
 
 if TYPE_CHECKING:  # mlflow takes seconds to import; `python -m pipeline ui-url` must answer at once
     from mlflow import MlflowClient
     from mlflow.entities import Run
+
+    from pipeline.models.weights import WeightsSource
+    from pipeline.utils.accelerator import TrainingDevice
+    from pipeline.utils.devices import DeviceSettings
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 DEFAULT_EXPERIMENT = "pain-cv"
@@ -75,9 +72,15 @@ FOLD_FILE_TAG = "fold_file_sha256"  # on a CV's parent: the SHA-256 of its fold 
 LEASE_TAG, HEARTBEAT_TAG = "painvit.lease", "painvit.heartbeat"
 LEASE_PARAM = "painvit.lease"  # prefix of the parent run's claim parameters
 PARENT_TAG = "mlflow.parentRunId"
+# MLflow's own tags (mlflow.utils.mlflow_tags): the run description (Markdown), who ran it, from what and which commit.
+NOTE_TAG, USER_TAG = "mlflow.note.content", "mlflow.user"
+SOURCE_TYPE_TAG, SOURCE_NAME_TAG = "mlflow.source.type", "mlflow.source.name"
+SOURCE_COMMIT_TAG = "mlflow.source.git.commit"
 FOLD_TAG = "fold"
 SEED_TAG = "seed"  # the training seed a fold run used (the config's, or one of cv.seeds)
-FINISHED = "FINISHED"
+# A run's status (MLflow's RunStatus names) and an Optuna trial's state on a trial run (TRIAL_STATE_TAG).
+FINISHED, FAILED, KILLED, RUNNING = "FINISHED", "FAILED", "KILLED", "RUNNING"
+TRIAL_COMPLETE, TRIAL_PRUNED, TRIAL_FAIL = "COMPLETE", "PRUNED", "FAIL"
 RESUMED_AFTER_EPOCH_TAG = "painvit.resumed_after_epoch"
 ATTEMPT_TAG = "painvit.attempt"
 SLURM_JOBS_TAG = "painvit.slurm_jobs"  # on the parent: fold -> SLURM job id of its submitted task
@@ -94,15 +97,49 @@ LEASE_LOST_TAG = "painvit.lease_lost"
 # when they differ). precision_asked: trainer.precision as planned (auto or an explicit value).
 PRECISION_TAG, PRECISION_ASKED_TAG = "precision", "precision_asked"
 # What identifies a cross-validation (pipeline.runs.store.cv_runs): resume continues the newest CV with these equal.
-IDENTITY_TAGS = ("model", "dataset", "protocol", "task", "subject_set", "seed", "fold_file_sha256", "config_sha256",
-                 "finetune", "initial_weights", "head")
+MODEL_TAG, DATASET_TAG, PROTOCOL_TAG, TASK_TAG, SUBJECT_SET_TAG = "model", "dataset", "protocol", "task", "subject_set"
+CONFIG_SHA256_TAG = "config_sha256"  # the identity config's SHA-256
+INITIAL_WEIGHTS_TAG = "initial_weights"  # the initial weights' SHA-256, or random
+FINETUNE_TAG = "finetune"  # the strategy's label: full, frozen, top_blocks2, lora_r8
+HEAD_TAG = "head"  # the head's label: linear, gru_h64x1_two_stage, ...
+IDENTITY_TAGS = (MODEL_TAG, DATASET_TAG, PROTOCOL_TAG, TASK_TAG, SUBJECT_SET_TAG, SEED_TAG, FOLD_FILE_TAG,
+                 CONFIG_SHA256_TAG, FINETUNE_TAG, INITIAL_WEIGHTS_TAG, HEAD_TAG)
+# What a CV's fold, final model and trial runs copy of their parent's tags (`inherited_tags`; a trial: no seed).
+INHERITED_TAGS = (MODEL_TAG, DATASET_TAG, PROTOCOL_TAG, TASK_TAG, SUBJECT_SET_TAG, SEED_TAG)
+# What trains, on a CV's parent and every fold, trial and final run (`what_trains.WhatTrains.tags`): whether
+# embeddings fed the head, whether augment.* was applied, and in words what augmentation training saw.
+EMBEDDING_CACHE_TAG, AUGMENT_APPLIED_TAG, AUGMENTATION_TAG = "embedding_cache", "augment_applied", "augmentation"
+# The initial weights (`weights_tags`): hub, file or random, where from, their SHA-256.
+WEIGHTS_SOURCE_TAG, WEIGHTS_REF_TAG, WEIGHTS_SHA256_TAG = "weights_source", "weights_ref", "weights_sha256"
+# The device a run trained on (`training_device_tags`) and the settings it decided there (`device_settings_tags`).
+DEVICE_TAG, CPU_TAG, GPU_TAG, GPU_DRIVER_TAG, CUDA_RUNTIME_TAG = "device", "cpu", "gpu", "gpu_driver", "cuda_runtime"
+CHANNELS_LAST_TAG = "channels_last"
+# On a CV's parent: its commit, fold file and number of folds, the backbone's family, what the task could not use,
+# the people check of a WEIGHTS= file, what face detection lost, the subject set's exclusions, the calibration note.
+GIT_COMMIT_TAG, FOLD_FILE_PATH_TAG, N_FOLDS_TAG = "git_commit", "fold_file", "n_folds"
+MODEL_FAMILY_TAG = "model_family"
+TASK_UNUSABLE_TAG, TASK_SKIPPED_FOLDS_TAG = "task_unusable_subjects", "task_skipped_folds"
+PRETRAINING_PEOPLE_TAG, DATA_WARNING_TAG = "pretraining_people", "data_warning"
+CALIBRATION_NOTE_TAG = "calibration_note"
+N_EXCLUDED_TAG, EXCLUDED_TAG, EXCLUDED_REASONS_TAG = ("n_excluded_subjects", "excluded_subjects",
+                                                      "excluded_subjects_reasons")
+SUBJECT_SET_DESCRIPTION_TAG = "subject_set_description"  # on `make table`'s run
+MAX_TAG_CHARS = 5000  # MLflow's limit on a tag value
+# On a fold run: the rule its threshold was chosen by, and why it fell back to 0.5 where it did.
+THRESHOLD_RULE_TAG, THRESHOLD_FALLBACK_TAG = "threshold_rule", "threshold_fallback"
+# On a comparison run (`make compare`): the family of its tests' correction, settings that differed, the videos paired.
+CORRECTION_FAMILY_TAG, COMPARED_DESPITE_TAG, PAIRED_ON_TAG = "correction_family", "compared_despite", "paired_on"
+# On `make power`'s run: the planted effect, what it measures, the comparison it repeats.
+EFFECT_TAG, MEASURES_TAG, COMPARISON_TAG = "effect", "measures", "comparison"
+INTERVAL_KIND_TAG = "interval_kind"  # on a CV's parent: how its pooled intervals were drawn
+# On a registered model version: the CV its settings came from, its threshold, the folds of a fold ensemble.
+VERSION_SOURCE_CV_TAG, VERSION_THRESHOLD_TAG, VERSION_FOLDS_TAG = "source_cv_run", "threshold", "folds"
 # Descriptive, not identity (a run made before outputs and personalisation existed lacks them: resume's query must
 # still find it; the config_sha256 already differs): a CV's output (softmax, ordinal_coral, regression_huber) and
 # personalisation protocol (none, subject_normalised, baseline_k2). Absent: softmax, none.
 OUTPUT_TAG, PERSONALISE_TAG = "output", "personalise"
 COMPLETE_TAG = "complete"  # "true" when every fold of the fold file ran, without batch limits
 HEADLINE_TAG = "headline_metric"
-NOTE_TAG = "mlflow.note.content"  # a run's description: the UI renders it as Markdown on the run's Overview
 # A saved view of an experiment's runs table, as MLflow's UI writes one (Views > Save view, or Share): the experiment
 # tag <SHARED_VIEW_TAG_PREFIX><key> holds its name and state (the columns, in order, as JSON); the UI's Views list
 # offers it by name, and the runs address with ?viewStateShareKey=<key> opens it. HEADLINE_VIEW is this project's:
@@ -112,6 +149,79 @@ HEADLINE_VIEW_NAME = "Headline figures"
 DURATION_COLUMN = "attributes.`Duration`"  # the runs table's column of a run's wall time
 RUN_NAME_COLUMN, RUN_NAME_WIDTH = "attributes.`Run Name`", 380  # its run names, wide enough to tell them apart
 MAX_VIEW_COLUMNS = 60  # a view's columns at most (a comparisons experiment gathers every pair's): the newest kept
+
+
+def inherited_tags(parent: Run, names: tuple[str, ...] = INHERITED_TAGS) -> dict[str, str]:
+    """What a child run (a fold's, a trial's, a final model's) copies of its parent's tags."""
+    return {name: parent.data.tags.get(name, "") for name in names}
+
+
+def is_complete(tags: Mapping[str, str]) -> bool:
+    """Whether a CV ran every fold of its fold file without batch limits (`COMPLETE_TAG`); a CV without the tag, from
+    before it existed, is taken as complete, by `make compare` and `make table` alike."""
+    return tags.get(COMPLETE_TAG, "true") == "true"
+
+
+def weights_tags(source: WeightsSource) -> dict[str, str]:
+    """Where the initial weights came from, as tags (and as a kept model's `weights` record)."""
+    return {WEIGHTS_SOURCE_TAG: source.kind, WEIGHTS_REF_TAG: source.ref, WEIGHTS_SHA256_TAG: source.sha256 or ""}
+
+
+def training_device_tags(device: TrainingDevice) -> dict[str, str]:
+    """The device a run trains on, as tags: its kind, and the GPU, CPU, driver and CUDA runtime it knows of."""
+    facts = {GPU_TAG: device.gpu, CPU_TAG: device.cpu, GPU_DRIVER_TAG: device.gpu_driver,
+             CUDA_RUNTIME_TAG: device.cuda_runtime}
+    return {DEVICE_TAG: device.kind, **{name: value for name, value in facts.items() if value is not None}}
+
+
+def device_settings_tags(settings: DeviceSettings) -> dict[str, str]:
+    """What the device a fold trains on decided (precision, channels-last), and the precision asked, as tags."""
+    return {PRECISION_TAG: settings.precision, PRECISION_ASKED_TAG: settings.precision_asked,
+            CHANNELS_LAST_TAG: str(settings.channels_last).lower()}
+
+
+def failure_status(error: BaseException) -> str:
+    """How a run that `error` ended is marked: KILLED when stopped (Ctrl-C, SystemExit), FAILED otherwise."""
+    return KILLED if isinstance(error, KeyboardInterrupt | SystemExit) else FAILED
+
+
+@contextlib.contextmanager
+def run_lifecycle(run_id: str, client: MlflowClient | None = None, *, finish: bool = True,
+                  stopped: tuple[type[BaseException], ...] = (),
+                  left_running: Callable[[BaseException], bool] | None = None) -> Iterator[None]:
+    """The one life of a run a command opened (a fold's, a trial's, a final model's, a CV's parent, a search, a
+    comparison, a table, a power study): when the block raises, the run ends KILLED (Ctrl-C, SystemExit, or one of
+    `stopped`, such as a fold lease another job took over) or FAILED, with the traceback as `traceback.txt` (not for
+    `stopped`), unless `left_running` says the error leaves it as it is (a store that does not answer,
+    `unreachable.is_unreachable`: nothing can be written, and the run resumes from there); when it returns, FINISHED,
+    unless `finish` is false (the block ends the run itself: a CV aggregates it, or leaves it RUNNING for folds
+    queued on SLURM). The active run (`mlflow.start_run`) ends through `mlflow.end_run`, so that the next one can
+    start; any other through the client."""
+    import mlflow
+
+    active = mlflow.active_run()
+    fluent = active is not None and active.info.run_id == run_id
+    client = client or mlflow.MlflowClient()
+
+    def end(status: str) -> None:
+        if fluent:
+            mlflow.end_run(status)
+        else:
+            client.set_terminated(run_id, status)
+
+    try:
+        yield
+    except stopped:
+        end(KILLED)
+        raise
+    except BaseException as error:
+        if left_running is not None and left_running(error):
+            raise
+        client.log_text(run_id, traceback.format_exc(), "traceback.txt")
+        end(failure_status(error))
+        raise
+    if finish:
+        end(FINISHED)
 
 
 def tracking_uri(project_root: Path) -> str:
@@ -266,147 +376,6 @@ def get_or_create_experiment(name: str, artifact_root: str | Path, client: Mlflo
     return experiment.experiment_id
 
 
-def find_experiment_id(uri: str, name: str = DEFAULT_EXPERIMENT) -> str | None:
-    """The id of the active experiment `name` in the store at `uri`, or None (no store yet, no such experiment).
-
-    A sqlite store is read directly, read-only, in milliseconds and without creating the file; any other store
-    goes through MLflow. Never raises: a store it cannot read gives None.
-    """
-    if uri.startswith("sqlite:///"):
-        path = uri[len("sqlite:///"):].split("?", 1)[0]
-        if not path or path == ":memory:" or not Path(path).is_file():
-            return None
-        try:
-            with sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True) as connection:
-                row = connection.execute(
-                    "SELECT experiment_id FROM experiments WHERE name = ? AND lifecycle_stage = 'active'", (name,)
-                ).fetchone()
-        except sqlite3.Error:
-            return None
-        return None if row is None else str(row[0])
-    try:
-        from mlflow import MlflowClient
-
-        experiment = MlflowClient(uri).get_experiment_by_name(name)
-    except Exception:  # an address to print is not worth failing `make ui` for
-        return None
-    return experiment.experiment_id if experiment is not None and experiment.lifecycle_stage == "active" else None
-
-
-def ui_url(host: str, port: int | str, experiment_id: str | None, view: bool = False) -> str:
-    """The UI page a new user should open: the experiment's runs table (parents expand into folds) in the UI's
-    "Model training" mode, or the experiment list in that mode when there is no experiment yet; `view`: opened on
-    the experiment's headline view (`set_headline_view`)."""
-    base = f"http://{host}:{port}/#/experiments"
-    page = f"{base}/{experiment_id}/runs" if experiment_id is not None else base
-    shared = f"&{SHARED_VIEW_PARAM}={HEADLINE_VIEW}" if view and experiment_id is not None else ""
-    return f"{page}?workflowType={UI_WORKFLOW}{shared}"
-
-
-def metric_column(name: str) -> str:
-    """The runs table's column id of a metric (the UI's canonical key)."""
-    return f"metrics.`{name}`"
-
-
-def set_headline_view(client: MlflowClient, experiment_id: str, columns: Sequence[str], add: bool = False) -> None:
-    """The experiment's headline view (HEADLINE_VIEW, named HEADLINE_VIEW_NAME in the UI's Views list): its runs
-    table showing `columns` (column ids: `metric_column`, DURATION_COLUMN), in that order. `add`: the view's columns
-    stay and these join them at the end (a comparisons experiment gathers every pair's; the newest MAX_VIEW_COLUMNS
-    are kept). Written, as MLflow's UI saves a view, only when it changes."""
-    key = SHARED_VIEW_TAG_PREFIX + HEADLINE_VIEW
-    old = view_envelope(client.get_experiment(experiment_id).tags.get(key))
-    shown = list(columns)
-    if add:
-        shown = list(json.loads(old.get("state", "{}")).get("selectedColumns", [])) + shown
-    shown = list(dict.fromkeys(reversed(shown)))[:MAX_VIEW_COLUMNS][::-1]  # each once, where it was last named
-    widths = {RUN_NAME_COLUMN: RUN_NAME_WIDTH, **{column: column_width(column) for column in shown}}
-    state = json.dumps({"selectedColumns": shown, "columnOrder": [RUN_NAME_COLUMN, *shown], "columnWidths": widths},
-                       separators=(",", ":"))  # the UI sizes the columns its order names
-    if state != old.get("state"):
-        now = int(time.time() * 1000)
-        client.set_experiment_tag(experiment_id, key, json.dumps({
-            "name": HEADLINE_VIEW_NAME, "createdAt": old.get("createdAt", now), "updatedAt": now, "state": state}))
-
-
-def column_width(column: str) -> int:
-    """Pixels for a column whose header (the name between backticks) shows whole."""
-    name = column.split("`")[1] if "`" in column else column
-    return max(90, 7 * len(name) + 20)
-
-
-def view_envelope(value: str | None) -> dict:
-    """A saved view's tag value as the UI reads it (name, createdAt, updatedAt and the view's `state` as JSON text);
-    {} for none, or one the UI wrote compressed or an older MLflow wrote bare (then replaced)."""
-    try:
-        envelope = json.loads(value or "{}")
-        json.loads(envelope.get("state", "{}"))
-    except (ValueError, AttributeError, TypeError):
-        return {}
-    return envelope if isinstance(envelope, dict) else {}
-
-
-def has_headline_view(uri: str, experiment_id: str) -> bool:
-    """Whether the experiment has its headline view; a sqlite store is read directly and read-only (as
-    `find_experiment_id` reads it), any other through MLflow. Never raises: a store it cannot read gives False."""
-    key = SHARED_VIEW_TAG_PREFIX + HEADLINE_VIEW
-    path = sqlite_file(uri)
-    if path is not None:
-        if not path.is_file():
-            return False
-        try:
-            with sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True) as connection:
-                row = connection.execute("SELECT 1 FROM experiment_tags WHERE experiment_id = ? AND key = ?",
-                                         (int(experiment_id), key)).fetchone()
-        except (sqlite3.Error, ValueError):
-            return False
-        return row is not None
-    try:
-        from mlflow import MlflowClient
-
-        return key in MlflowClient(uri).get_experiment(experiment_id).tags
-    except Exception:  # an address to print is not worth failing `make ui` for
-        return False
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipeline ui-url",
-                                     description="Print the MLflow UI address of the experiment's runs page.")
-    parser.add_argument("--tracking-uri", default=None, help="the store (default: MLFLOW_TRACKING_URI or mlflow.db)")
-    parser.add_argument("--experiment", default=DEFAULT_EXPERIMENT)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", default="5000")
-    args = parser.parse_args(argv)
-    uri = args.tracking_uri or tracking_uri(PROJECT_ROOT)
-    urls = ui_urls(uri, args.host, args.port, args.experiment)
-    if find_experiment_id(uri, args.experiment) is None:
-        print(f"No experiment '{args.experiment}' in {redact_uri(uri)} yet (`make cv` creates it). MLflow UI: "
-              f"{urls[0]}")
-    else:
-        print(f"Cross-validation runs of '{args.experiment}': {urls[0]}")
-    for url in urls[1:]:
-        print(f"Comparisons (make compare): {url}")
-    print("Open that address once the server logs 'Application startup complete'. Stop with Ctrl+C.", flush=True)
-
-
-def comparisons_experiment(experiment: str) -> str:
-    """The experiment `make compare` logs its comparisons of `experiment`'s CVs into: apart from the CV parents, so
-    that their runs table shows the CVs alone and the comparisons' table the pairs' figures."""
-    return f"{experiment}-comparisons"
-
-
-def ui_urls(uri: str, host: str, port: int | str, experiment: str) -> list[str]:
-    """The UI pages of the CVs' experiment (its headline view where it has one) and, once `make compare` made it, of
-    its comparisons' experiment."""
-    urls = []
-    for name in (experiment, comparisons_experiment(experiment)):
-        experiment_id = find_experiment_id(uri, name)
-        if experiment_id is not None or not urls:
-            urls.append(ui_url(host, port, experiment_id,
-                               view=experiment_id is not None and has_headline_view(uri, experiment_id)))
-    return urls
-
-
-
 # Query parameters of a URI whose values are secrets (`postgresql://h/db?password=...`), lower case.
 SECRET_QUERY_KEYS = frozenset({"password", "passwd", "pwd", "pass", "token", "access_token", "secret",
                                "client_secret", "api_key", "apikey", "sas_token", "sig"})
@@ -439,19 +408,22 @@ def uri_has_credentials(uri: str) -> bool:
     return redact_uri(uri) != uri
 
 
-def store_paths(cfg: DictConfig) -> list[Path]:
-    """What a command with this config writes its records and crops into: the sqlite store, the artifact folder,
-    the runs folder (checkpoints, job files, submitit's pickles), the Optuna journals and the face crops. Each must be
-    this user's alone (`pipeline.utils.permissions.refuse_open_stores`); the raw twin and committed fold files are not
-    stores."""
-    paths = [sqlite_file(store_uri(OmegaConf.select(cfg, "mlflow.tracking_uri")))]
-    artifacts = str(OmegaConf.select(cfg, "mlflow.artifact_root") or artifact_root(PROJECT_ROOT))
+# The settings that name where a command writes its records and crops (`store_paths`)
+STORE_SETTINGS = ("mlflow.tracking_uri", "mlflow.artifact_root", "cv.work_dir", "tune.storage_dir",
+                  "data.processed_dir")
+
+
+def store_paths(settings: Mapping[str, str | None]) -> list[Path]:
+    """What a command writes its records and crops into, from the values of `STORE_SETTINGS` (None where the
+    command's config has none): the sqlite store (mlflow.tracking_uri), the artifact folder (mlflow.artifact_root;
+    None: the project's), the runs folder (checkpoints, job files, submitit's pickles), the Optuna journals and the
+    face crops. Each must be this user's alone (`pipeline.utils.permissions.refuse_open_stores`); the raw twin and
+    committed fold files are not stores."""
+    paths = [sqlite_file(store_uri(settings.get("mlflow.tracking_uri")))]
+    artifacts = str(settings.get("mlflow.artifact_root") or artifact_root(PROJECT_ROOT))
     if artifacts.startswith("file://"):
         paths.append(Path(url2pathname(urlsplit(artifacts).path)))
     elif "://" not in artifacts:
         paths.append(resolve_path(artifacts))
-    for key in ("cv.work_dir", "tune.storage_dir", "data.processed_dir"):
-        value = OmegaConf.select(cfg, key)
-        if value:
-            paths.append(resolve_path(value))
+    paths += [resolve_path(folder) for key in STORE_SETTINGS[2:] if (folder := settings.get(key))]
     return [path for path in paths if path is not None]

@@ -1,4 +1,4 @@
-"""`make server`, `make ui` and the helpers of the servers a run starts: MLflow tracking servers that ask who you are,
+"""`make server` and the helpers of the servers a run starts: MLflow tracking servers that ask who you are,
 on loopback too, since on a login node every other account reaches 127.0.0.1.
 
 `make server` runs MLflow's basic-auth app on every host: every request needs a user and password, the admin user is
