@@ -136,7 +136,7 @@ SERVER_OPTIONS = --host $(call quote,$(SERVER_HOST)) --port $(call quote,$(SERVE
 QUOTED_PY = $(call quote,$(PY))
 QUOTED_BIN = $(call quote,$(VENV)/bin)
 
-.PHONY: help install lock data aug-preview cv embed pretrain tune compare table power fidelity inspect calc ui server test lint notebooks bench bench-data clean clean-data \
+.PHONY: help install lock data aug-preview cv embed pretrain tune compare table power fidelity check-thresholds inspect calc ui server test lint notebooks bench bench-data clean clean-data \
 	final promote predict serve export gpu-check
 
 help: ## list the targets
@@ -193,6 +193,9 @@ power: install ## error rates of make compare's test on BioVid-scale twins with 
 
 fidelity: install ## how hard DATA's twin is: a reference method's curve beside BioVid's published one (reports/fidelity/)
 	$(QUOTED_PY) -m pipeline fidelity $(call quote,data=$(DATA)) $(call if_set,--args=,ARGS)
+
+check-thresholds: install ## the default CVs' folds at eval.threshold's rule: none with video AUROC >= 0.85 under 0.65 balanced accuracy (RULE= RUN=)
+	$(QUOTED_PY) scripts/check_default_thresholds.py $(call if_set,--rule=,RULE) $(call if_set,--run=,RUN)
 
 inspect: install ## where MODEL's newest finished CV looks on each fold's test videos: rollout, Grad-CAM, region score
 	$(QUOTED_PY) -m pipeline inspect $(OVERRIDES) $(call if_set,--run=,RUN) $(call if_set,--untrained=,UNTRAINED)

@@ -1,5 +1,7 @@
-"""Which threshold rule to use, by the number of validation subjects: the rules of `eval.threshold` on simulated folds
-and on the folds of cross-validations that ran.
+"""The rules of `eval.threshold` on simulated folds, by the number of validation subjects: a secondary check of the
+default. The default itself is chosen on real folds (scripts/threshold_regret.py, docs/numbers.md "Which rule is the
+default"); this shows how the rules behave under conditions drawn on purpose, which real folds cannot vary one at a
+time.
 
 A fold chooses its decision threshold on its validation subjects' videos and calls its test subjects' videos at it.
 The rule to use is the one whose test balanced accuracy falls least short of the best cut on the test videos (its
@@ -17,16 +19,12 @@ regret), under the conditions a pain model meets. The simulation draws them hone
   scored on 100 new subjects of the same condition; regret = the best cut's balanced accuracy on those minus the
   rule's; `folds` folds per condition, seeded.
 
-`--cv RUN_ID` (repeatable) adds the folds of finished cross-validations: each fold's validation videos
-(`predictions_videos_val.csv`) choose, its test videos (`predictions_videos.csv`) score, regret against the best cut on
-them. This reads test videos, so it is for choosing the project's default, never for a run's own threshold.
-
 Writes <out>/threshold_simulation.csv (every condition x rule: mean test balanced accuracy, its 10th percentile,
-mean regret), threshold_regret.csv (mean regret per rule and number of validation subjects, over all conditions and
-over the honest BioVid-like ones), threshold_cv_folds.csv (with --cv) and threshold_simulation.png, and prints the
-regret tables.
+mean regret), simulated_regret.csv (mean regret per rule and number of validation subjects, over all conditions and
+over the BioVid-like ones) and threshold_simulation.png, and prints the regret tables. The folds of finished CVs are
+scripts/threshold_regret.py's (and scripts/check_default_thresholds.py's for the default CVs).
 
-    .venv/bin/python scripts/threshold_simulation.py [--folds 200] [--cv <parent run id> ...] [--out DIR]
+    .venv/bin/python scripts/threshold_simulation.py [--folds 200] [--out DIR]
 """
 
 from __future__ import annotations
@@ -42,12 +40,8 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.evaluation.thresholds import (  # noqa: E402
-    binary_metrics_at,
-    choose_threshold,
-    measured_rules,
-    roc_points,
-)
+from pipeline.analysis.threshold_regret import best_balanced_accuracy  # noqa: E402
+from pipeline.evaluation.thresholds import binary_metrics_at, choose_threshold, measured_rules  # noqa: E402
 from pipeline.utils.atomic_io import atomic_write_csv, save_png  # noqa: E402
 
 RULES = (*measured_rules(), 0.5)  # every rule `eval.threshold` names (but a second name of one), and the fixed 0.5
@@ -78,12 +72,6 @@ def videos(rng: np.random.Generator, subjects: int, per_class: int, separation: 
     noise = rng.normal(0.0, 1.0, labels.size) * np.where(pain, pain_spread, 1.0)
     logits = shift + offsets + np.where(pain, separation / 2, -separation / 2) + noise
     return labels, 1.0 / (1.0 + np.exp(-logits))
-
-
-def best_balanced_accuracy(labels: np.ndarray, scores: np.ndarray) -> float:
-    """The highest balanced accuracy any cut point reaches on these videos (the ceiling)."""
-    fpr, tpr, _ = roc_points(labels, scores)
-    return float(np.max((tpr + 1 - fpr) / 2))
 
 
 def rule_regrets(val: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
@@ -137,31 +125,6 @@ def regret_table(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def cv_folds(run_ids: list[str], tracking_uri: str | None) -> pd.DataFrame:
-    """Each finished fold of these CVs: each rule chosen on its validation videos, scored on its test videos."""
-    from mlflow import MlflowClient
-
-    from pipeline.runs.store import tracking
-
-    client = MlflowClient(tracking.store_uri(tracking_uri))
-    rows = []
-    for run_id in run_ids:
-        parent = client.get_run(run_id)
-        for fold, run in sorted(tracking.finished_fold_runs(client, run_id).items()):
-            val = pd.read_csv(client.download_artifacts(run.info.run_id, "predictions_videos_val.csv"))
-            test = pd.read_csv(client.download_artifacts(run.info.run_id, "predictions_videos.csv"))
-            positive = [column for column in val.columns if column.startswith("prob_")][1]
-            pairs = [(frame["label"].to_numpy(dtype=int), frame[positive].to_numpy(dtype=float))
-                     for frame in (val, test)]
-            if len(np.unique(pairs[1][0])) < 2:
-                continue
-            n_val = val["subject_name"].nunique()
-            for rule, (value, regret) in rule_regrets(pairs[0], pairs[1], n_val).items():
-                rows.append({"cv_run": run_id, "cv": parent.info.run_name, "fold": fold, "validation_subjects": n_val,
-                             "test_videos": len(test), "rule": rule, "balanced_accuracy": value, "regret": regret})
-    return pd.DataFrame(rows)
-
-
 def plot(table: pd.DataFrame, path: Path) -> Path:
     from matplotlib.figure import Figure
 
@@ -189,32 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folds", type=int, default=200, help="simulated folds per condition")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cv", action="append", default=[], help="a finished CV's parent run id (repeatable)")
-    parser.add_argument("--tracking-uri", default=None, help="the store of --cv runs (default: the project's)")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "threshold_simulation")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     table = simulate(args.folds, args.seed)
     atomic_write_csv(args.out / "threshold_simulation.csv", table)
     regrets = regret_table(table)
-    atomic_write_csv(args.out / "threshold_regret.csv", regrets)
+    atomic_write_csv(args.out / "simulated_regret.csv", regrets)
     png = plot(table, args.out / "threshold_simulation.png")
     print("mean (and worst condition's mean) regret in balanced-accuracy points, by validation subjects:")
     print(regrets.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
-    if args.cv:
-        folds = cv_folds(args.cv, args.tracking_uri)
-        atomic_write_csv(args.out / "threshold_cv_folds.csv", folds)
-        # runs of one label (a power study's repeats, a head's two modes) are separate CVs: each fold counts once
-        folds = folds.assign(cv_fold=folds["cv_run"] + ":" + folds["fold"].astype(str))
-        overall = folds.assign(cv="all CVs given")
-        summary = pd.concat([folds, overall]).groupby(["cv", "rule"]).agg(
-            cvs=("cv_run", "nunique"), folds=("cv_fold", "nunique"),
-            validation_subjects=("validation_subjects", "median"), regret=("regret", "mean"),
-            balanced_accuracy=("balanced_accuracy", "mean"))
-        summary["regret"] *= 100
-        print("\nfolds of the CVs given (regret in points, against the best cut on each fold's test videos):")
-        print(summary.to_string(float_format=lambda v: f"{v:.3f}"))
-    print(f"\n{args.out / 'threshold_regret.csv'}\n{png}")
+    print(f"\n{args.out / 'simulated_regret.csv'}\n{png}")
     return 0
 
 

@@ -16,11 +16,13 @@ decision of its own, made on the validation subjects of the fold (never its test
 - `shrinkage`: Youden's threshold pulled toward 0.5 by the number n of validation subjects, w = n / (n + 10);
 - a number in [0, 1]: that fixed threshold (0.5 reproduces argmax on two classes).
 
-The rules are a registry (`THRESHOLD_RULES`, name -> `ThresholdRule`): `eval.threshold`, `threshold_spread` and
-scripts/threshold_simulation.py ask it, so a new rule is one `register_rule` call.
+The rules are a registry (`THRESHOLD_RULES`, name -> `ThresholdRule`): `eval.threshold`, `threshold_spread`,
+pipeline/analysis/threshold_regret.py and scripts/threshold_simulation.py ask it, so a new rule is one
+`register_rule` call.
 
-Which to use: scripts/threshold_simulation.py compares them on simulated folds and on finished CVs' folds; the
-default it chose, and why, is in docs/numbers.md ("Which rule is the default").
+Which to use: scripts/threshold_regret.py compares them on the real folds of finished CVs
+(pipeline/analysis/threshold_regret.py), scripts/threshold_simulation.py on simulated folds; the default chosen, and
+why, is in docs/numbers.md ("Which rule is the default").
 
 A video is called positive when its score is >= the threshold.
 
