@@ -66,6 +66,7 @@ LONG_FIRST = (
     "tests/test_fold_lease.py::test_two_make_cv_at_once_through_one_server_train_every_fold_once",
     "tests/test_tuning.py::test_two_parallel_workers_share_one_study_without_a_lost_trial",
     "tests/test_launchers.py::test_parallel_runs_two_folds_at_once_through_a_server",
+    "tests/test_launchers.py::test_the_cvs_of_one_command_share_one_server_and_one_worker",
     "tests/test_gpu_check.py::test_every_step_runs_on_the_cpu_at_test_sizes_and_writes_its_figures",
     "tests/test_accelerator.py::test_make_cv_with_accelerator_gpu_and_no_gpu_stops_before_training",
     "tests/test_lock.py::test_loading_and_scoring_a_served_model_imports_only_what_the_serving_lock_holds",

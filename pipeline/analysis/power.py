@@ -41,6 +41,7 @@ from pipeline.analysis.resampled_power import run_resampled
 from pipeline.data.prepare import synthetic_config
 from pipeline.data.tasks import get_task
 from pipeline.runs.orchestration.cross_validation import run_cv
+from pipeline.runs.orchestration.launchers import LaunchSession
 from pipeline.runs.store import cv_runs, tracking
 from pipeline.utils.atomic_io import atomic_write_csv, atomic_write_text, save_png
 from pipeline.utils.config import load_config
@@ -122,8 +123,10 @@ def planted_size(synthetic: Mapping[str, Any], effect: str) -> dict:
     return {key: getattr(config, key) for key in PLANTED.get(effect, ())}
 
 
-def run_repeat(power: PowerSettings, base: Sequence[str], seed: int, out_dir: Path) -> dict:
-    """One twin, the two settings' CVs on it, and `compare` of those two: the primary metric's paired row."""
+def run_repeat(power: PowerSettings, base: Sequence[str], seed: int, out_dir: Path,
+               session: LaunchSession) -> dict:
+    """One twin, the two settings' CVs on it (through `session`: the study's server and workers), and `compare` of
+    those two: the primary metric's paired row."""
     task = get_task(power.task)
     twin = [*base, *power.common, f"task={power.task}", *twin_overrides(power, seed, task.classes)]
     started = time.time()
@@ -133,7 +136,7 @@ def run_repeat(power: PowerSettings, base: Sequence[str], seed: int, out_dir: Pa
         print(f"== {power.effect} twin seed {seed}: {power.side(side)['label']} "
               f"({cv_runs.config_label(cv_runs.CvConfig.from_config(cfg))})",
               flush=True)
-        run_cv(cfg)
+        run_cv(cfg, session)
         configs[side] = cfg
     labels = {side: cv_runs.config_label(cv_runs.CvConfig.from_config(cfg)) for side, cfg in configs.items()}
     if labels["a"] == labels["b"]:
@@ -228,16 +231,17 @@ def run_power(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict:
           f"repeats ({int((ours & done['seed'].isin(seeds)).sum())} done before); study {study}; record {record}"
           + (f" ({int((~ours).sum())} rows of other studies there, not counted)" if (~ours).any() else ""),
           flush=True)
-    for seed in seeds:
-        if seed in set(done.loc[done["study"] == study, "seed"]):
-            continue
-        row = run_repeat(power, base, seed, out_dir)
-        done = pd.concat([done, pd.DataFrame([row])], ignore_index=True)
-        atomic_write_csv(record, done)  # each repeat kept as soon as it is known: a killed run resumes after it
-        print(f"power {power.effect} seed {seed}: {row['a']} - {row['b']} {row['mean_diff']:+.3f} "
-              f"[{row['diff_ci95_low']:+.3f}, {row['diff_ci95_high']:+.3f}], p_holm {row['p_holm']:.3g}"
-              f"{' REJECTED' if row['rejected'] else ''}; mde80 {row['mde80']:.3f} ({row['seconds']:.0f} s)",
-              flush=True)
+    with LaunchSession() as session:  # one tracking server and one set of workers for every repeat's CVs
+        for seed in seeds:
+            if seed in set(done.loc[done["study"] == study, "seed"]):
+                continue
+            row = run_repeat(power, base, seed, out_dir, session)
+            done = pd.concat([done, pd.DataFrame([row])], ignore_index=True)
+            atomic_write_csv(record, done)  # each repeat kept as soon as it is known: a killed run resumes after it
+            print(f"power {power.effect} seed {seed}: {row['a']} - {row['b']} {row['mean_diff']:+.3f} "
+                  f"[{row['diff_ci95_low']:+.3f}, {row['diff_ci95_high']:+.3f}], p_holm {row['p_holm']:.3g}"
+                  f"{' REJECTED' if row['rejected'] else ''}; mde80 {row['mde80']:.3f} ({row['seconds']:.0f} s)",
+                  flush=True)
     repeats = done[(done["study"] == study) & done["seed"].isin(seeds)].sort_values("seed", ignore_index=True)
     first = load_config([*base, *power.common, f"task={power.task}",
                          *twin_overrides(power, seeds[0], get_task(power.task).classes)])

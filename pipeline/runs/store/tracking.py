@@ -295,24 +295,26 @@ def store_lock(database: Path) -> Iterator[None]:
 
 
 def fold_runs(client: MlflowClient, parent_run_id: str, fold: int | None = None,
-              seed: int | None = None) -> list[Run]:
+              seed: int | None = None, experiment_id: str | None = None) -> list[Run]:
     """The fold runs (every attempt) of a cross-validation's parent run, of one of its folds, of one training seed
-    (cv.seeds; None: any), newest first."""
-    parent = client.get_run(parent_run_id)
+    (cv.seeds; None: any), newest first. `experiment_id`: the parent's, where the caller knows it (one request less:
+    the parent run is not read for it)."""
+    if experiment_id is None:
+        experiment_id = client.get_run(parent_run_id).info.experiment_id
     query = f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{RUN_KIND_TAG}` = '{FOLD_RUN}'"
     if fold is not None:
         query += f" and tags.`{FOLD_TAG}` = '{fold}'"
     if seed is not None:
         query += f" and tags.`{SEED_TAG}` = '{seed}'"
-    return client.search_runs([parent.info.experiment_id], query, order_by=["attribute.start_time DESC"],
-                              max_results=10_000)
+    return client.search_runs([experiment_id], query, order_by=["attribute.start_time DESC"], max_results=10_000)
 
 
-def finished_fold_runs(client: MlflowClient, parent_run_id: str, seed: int | None = None) -> dict[int, Run]:
+def finished_fold_runs(client: MlflowClient, parent_run_id: str, seed: int | None = None,
+                       experiment_id: str | None = None) -> dict[int, Run]:
     """fold -> the run that counts for it (of one training seed; None: any): its newest FINISHED attempt. Folds with
-    none are absent."""
+    none are absent. `experiment_id` as for `fold_runs`."""
     finished: dict[int, Run] = {}
-    for run in fold_runs(client, parent_run_id, seed=seed):
+    for run in fold_runs(client, parent_run_id, seed=seed, experiment_id=experiment_id):
         if run.info.status == FINISHED:
             finished.setdefault(int(run.data.tags[FOLD_TAG]), run)
     return finished
