@@ -548,7 +548,7 @@ def test_compare_pairs_on_a_graded_metric_when_asked(store, tmp_path) -> None:
     graded = compare(*where, tracking_uri=store["uri"], experiment=EXPERIMENT, primary="mae")
     paired = graded["subjects_paired"]
     assert paired.loc[paired["primary"], "metric"].tolist() == ["mae"]
-    assert len(paired) == len(plain["subjects_paired"]) + 1  # the graded metric joins the family
+    assert len(paired) == len(plain["subjects_paired"]) + 1  # the graded metric joins the tests, as the primary
     subjects = graded["subjects"].set_index(["model", "metric"])
     for model, table in tables.items():
         assert subjects.loc[(model, "mae"), "value"] == pytest.approx((table["label"] - table["decision"]).abs().mean())
@@ -556,6 +556,83 @@ def test_compare_pairs_on_a_graded_metric_when_asked(store, tmp_path) -> None:
                    for model, table in tables.items()}
     mae = paired.set_index("metric").loc["mae"]
     assert mae["mean_diff"] == pytest.approx((per_subject[mae["model_a"]] - per_subject[mae["model_b"]]).mean())
-    assert "primary metric: mae" in client.get_run(graded["run_id"]).data.tags["correction_family"]
+    family = client.get_run(graded["run_id"]).data.tags["correction_family"]
+    assert "Holm over 1 test(s): the primary metric mae" in family
     with pytest.raises(ComparisonError, match="compare.metric='kappa': expected one of accuracy_at_threshold"):
         compare(*where, tracking_uri=store["uri"], experiment=EXPERIMENT, primary="kappa")
+
+
+def kfold_videos(seed: int, shift: float, with_fold: bool = True) -> pd.DataFrame:
+    """A kfold5 CV's pooled test videos: 15 subjects, three a fold, 2 BL1 and 2 PA4 videos each (balanced), each
+    fold's model shifting the pain probability of all of its subjects by a draw of its own (and `shift`)."""
+    rng = np.random.default_rng(seed)
+    fold_shift = rng.normal(shift, 0.1, 5)
+    rows = []
+    for subject in range(15):
+        for index, label in enumerate((0, 0, 1, 1)):
+            pain = float(np.clip(0.5 + 0.4 * (label - 0.5) + fold_shift[subject // 3] + rng.normal(0, 0.2), 0, 1))
+            rows.append({"subject_name": f"s{subject:02d}", "sample_name": f"s{subject}-v{index}", "label": label,
+                         "prob_BL1": 1 - pain, "prob_PA4": pain, "decision": int(pain >= 0.5), "threshold": 0.5,
+                         **({"fold": subject // 3} if with_fold else {})})
+    return pd.DataFrame(rows)
+
+
+def test_one_primary_test_a_pair_corrected_the_secondary_beside_it_and_the_unit_said(store, tmp_path, capsys) -> None:
+    """Three kfold5 CVs: Holm runs over the three pairs' primary tests alone ("Holm over 3"); the within-subject
+    AUROC is reported beside them uncorrected; balanced accuracy at the threshold, on every subject the same number as
+    the accuracy (balanced videos), is not tested twice. Each test groups the subjects by the fold that tested them,
+    its p-value and interval from one t statistic (the interval excludes 0 exactly when p < 0.05); the unit is in
+    the table, the printed report and the run's tag. A CV logged before its videos carried their fold is grouped the
+    same way from the fold file's subjects (`test_folds`)."""
+    from pipeline.analysis.comparison_report import print_report
+    from pipeline.evaluation.statistics import holm, paired_test, subject_scores
+
+    client, experiment_id = store["client"], store["experiment_id"]
+    tables = {}
+    for model, seed, shift in (("vit", 60, 0.1), ("cvt", 61, 0.0), ("mobilevit", 62, -0.05)):
+        run_id = make_cv(client, experiment_id, model, random_scores(seed), 8_000, dataset="family",
+                         protocol="kfold5")
+        path = tmp_path / run_id / "predictions_videos_all_folds.csv"
+        path.parent.mkdir()
+        tables[model] = kfold_videos(seed, shift)
+        tables[model].to_csv(path, index=False)
+        client.log_artifact(run_id, str(path))
+    result = compare("family", "kfold5", "bl1_vs_pa4", tmp_path, tracking_uri=store["uri"], experiment=EXPERIMENT)
+    paired = result["subjects_paired"]
+    primary = paired[paired["primary"]]
+    assert len(primary) == 3 and set(primary["metric"]) == {"accuracy_at_threshold"}
+    np.testing.assert_allclose(primary["p_holm"], holm(primary["p_value"].to_numpy()))
+    secondary = paired[~paired["primary"]].set_index("metric")
+    assert secondary["p_holm"].isna().all()
+    assert (secondary.loc["within_subject_auroc", "family"] == "secondary: not corrected").all()
+    repeated = secondary.loc["balanced_accuracy_at_threshold"]
+    assert repeated["p_value"].isna().all() and repeated["family"].str.contains(
+        "same number as accuracy_at_threshold").all()
+    assert (paired["unit"] == "fold (5 folds: each fold's test subjects share its trained models)").all()
+    row = primary.set_index(["model_a", "model_b"]).loc[("cvt", "vit")]
+    accuracy = {m: subject_scores(t, ("BL1", "PA4")).set_index("subject_name")["accuracy_at_threshold"]
+                for m, t in tables.items()}
+    expected = paired_test((accuracy["cvt"] - accuracy["vit"]).to_numpy(), np.arange(15) // 3)
+    assert (row["p_value"], row["diff_ci95_low"], row["diff_ci95_high"], row["n_units"]) == pytest.approx(
+        (expected.p_value, expected.ci95_low, expected.ci95_high, 5))
+    for r in paired.dropna(subset=["p_value"]).itertuples():
+        assert (r.diff_ci95_low > 0 or r.diff_ci95_high < 0) == (r.p_value < 0.05)
+    tags = client.get_run(result["run_id"]).data.tags
+    assert tags["correction_family"].startswith("Holm over 3 test(s): the primary metric accuracy_at_threshold")
+    assert "not tested twice (on every subject the same number as another): balanced_accuracy_at_threshold = " \
+           "accuracy_at_threshold" in tags["correction_family"]
+    assert tags[tracking.TEST_UNIT_TAG] == "fold (5 folds: each fold's test subjects share its trained models)"
+    capsys.readouterr()
+    print_report(result)
+    out = capsys.readouterr().out
+    assert "Holm over 3 test(s)" in out and "one t-test over fold (5 folds" in out and "in 5 units)" in out
+    written = pd.read_csv(result["paths"]["subjects_paired"])
+    assert {"unit", "n_units", "family"} <= set(written.columns)
+
+    older = {model: table.drop(columns="fold") for model, table in tables.items()}
+    from pipeline.analysis.comparison_statistics import subject_tables
+
+    _, _, without = subject_tables(older)
+    assert without["unit"].str.startswith("subject (folds unknown").all()
+    _, _, from_file = subject_tables(older, test_folds={f"s{s:02d}": s // 3 for s in range(15)})
+    pd.testing.assert_frame_equal(from_file, paired.reset_index(drop=True))

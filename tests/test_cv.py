@@ -204,7 +204,8 @@ def test_compare_writes_table_and_plot(cv_runs, tiny_config, capsys) -> None:
     assert "SMOKE COMPARISON (compare.allow_incomplete=true)" in out
     # every pair comes with the smallest difference its test could have detected (80 % power, Holm's first step)
     assert "the smallest difference this test detects with 80% power is +-" in out
-    assert result["subjects_paired"]["mde80"].notna().all() and (result["subjects_paired"]["mde80"] >= 0).all()
+    tested = result["subjects_paired"].dropna(subset=["p_value"])  # a metric repeating another is not tested twice
+    assert tested["mde80"].notna().all() and (tested["mde80"] >= 0).all()
     summary = pd.read_csv(result["paths"]["summary"])
     assert set(summary.model) == {"mobilevit_xxs", "resnet10t"}
     assert all(path.stat().st_size > 0 for path in result["paths"]["plots"].values())
@@ -216,7 +217,9 @@ def test_compare_writes_table_and_plot(cv_runs, tiny_config, capsys) -> None:
     assert len(finite) and ((0 <= finite.ci95_low) & (finite.ci95_low <= finite.value)
                             & (finite.value <= finite.ci95_high) & (finite.ci95_high <= 1)).all()
     paired = pd.read_csv(result["paths"]["subjects_paired"])
-    assert (paired.n_subjects > 0).all() and (paired.p_holm.dropna() >= paired.p_value.dropna()).all()
+    primary = paired[paired.primary]  # Holm over the primary metric's tests, one a pair; the units are the folds
+    assert (paired.n_subjects > 0).all() and len(primary) == 1 and (primary.p_holm >= primary.p_value).all()
+    assert paired.unit.str.startswith("fold (2 folds").all() and (paired.n_units == 2).all()
     # calibration: pooled over each CV's fold models with subject-bootstrap intervals, the fold models' mean beside
     calibration = pd.read_csv(result["paths"]["calibration"]).set_index("model")
     assert "calibration of the pooled test videos, 95 % subject-bootstrap intervals (pooled over" in out
@@ -429,7 +432,11 @@ def test_the_three_default_cvs_then_compare_need_no_args(tiny_config, tmp_path: 
     result = run_compare(tiny_config(*store))
     assert set(result["parent_run_ids"]) == {"vit_b16", "cvt_13", "mobilevit_s"}
     assert result["differences"] == [] and all(result["complete"].values())
-    assert "compared although" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "compared although" not in out
+    # one test a pair in the corrected family, the primary metric's; a hold-out's one fold: subjects are the units
+    assert "Holm over 3 test(s): the primary metric accuracy_at_threshold" in out
+    assert result["subjects_paired"]["unit"].str.startswith("subject (one fold").all()
     # the comparison reads in the UI: its description holds the pairs' table, its metrics each pair's figures
     run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result["run_id"])
     assert "| pair (a - b) | metric | difference [95 % CI] |" in run.data.tags[tracking.NOTE_TAG]

@@ -16,7 +16,7 @@ import torch
 from mlflow import MlflowClient
 
 from pipeline.runs.orchestration.cross_validation import run_cv
-from pipeline.runs.orchestration.launchers import job_slots
+from pipeline.runs.orchestration.launchers import LaunchSession, job_slots
 from pipeline.runs.store.cv_runs import CvConfig, run_key
 from pipeline.runs.store.private_server import tracking_server
 from pipeline.utils.paths import PROJECT_ROOT
@@ -335,3 +335,21 @@ def test_a_two_stage_fold_killed_in_its_second_stage_resumes_with_the_uninterrup
                for store, run, name in ((killed, finished, "resumed"), (whole_store, reference, "whole"))]
     assert [r["embeddings_read_back"] for r in records] == [True, False]  # read back, not embedded again
     assert fold_metrics(killed, parent.info.run_id) == fold_metrics(whole_store, straight.info.run_id)
+
+
+def test_the_cvs_of_one_command_share_one_server_and_one_worker(tiny_config, tmp_path: Path, capsys) -> None:
+    """`make table` and `make power` run CVs one after the other in a `LaunchSession`: the second CV's fold goes to
+    the worker the first one started (the same pid: its imports paid once), through the same private server."""
+    common = (*FAST, "launcher=parallel", "launcher.jobs=1", "trainer.folds=[0]", "trainer.max_epochs=1",
+              f"mlflow.tracking_uri=sqlite:///{tmp_path / 'session.db'}")
+    with LaunchSession() as session:
+        for task in ("bl1_vs_pa1", "bl1_vs_pa4"):
+            assert "cv/video_auroc_mean" in run_cv(tiny_config(*common, f"task={task}"), session)
+    out = capsys.readouterr().out
+    assert out.count("MLflow server for the fold jobs: http://127.0.0.1:") == 1
+    client = MlflowClient(f"sqlite:///{tmp_path / 'session.db'}")
+    parents = cv_parent(client)
+    assert sorted(p.data.tags["task"] for p in parents) == ["bl1_vs_pa1", "bl1_vs_pa4"]
+    children = [c for p in parents for c in fold_children(client, p.info.run_id)]
+    assert len(children) == 2 and all(c.info.status == "FINISHED" for c in children)
+    assert len({c.data.tags["painvit.pid"] for c in children}) == 1  # one worker for both CVs

@@ -13,8 +13,10 @@ from scipy import stats
 
 from pipeline.analysis.comparison_statistics import PRIMARY_CHOICES, PRIMARY_METRIC
 from pipeline.analysis.power import PowerSettings, clopper_pearson, effect_metric, run_power, study_key
+from pipeline.analysis.power_report import eighty_percent_point
 from pipeline.data.synthetic.settings import EFFECTS
-from pipeline.evaluation.statistics import minimum_detectable_effect
+from pipeline.data.tasks import get_task
+from pipeline.evaluation.statistics import minimum_detectable_effect, paired_test
 from pipeline.utils.config import load_config
 
 
@@ -35,29 +37,46 @@ def power_settings(*overrides: str) -> PowerSettings:
 
 def test_every_configured_effect_names_a_twin_a_metric_compare_takes_and_two_settings_that_differ() -> None:
     power = power_group()
-    assert {"null", "temporal", "baseline", "graded"} <= set(power.effects)
+    assert {"null", "temporal", "baseline", "graded", "aa", "curve"} <= set(power.effects)
     for name, entry in power.effects.items():
+        if entry.get("design") == "resampled":  # two copies of one configuration, b's embeddings degraded by levels
+            assert get_task(entry.task).n_classes == 2 and list(entry.levels) == sorted(entry.levels), name
+            assert entry.levels[0] == 0.0, name  # the curve starts at no difference
+            continue
         assert entry.twin in EFFECTS, name
         assert effect_metric(power_settings(f"power.effect={name}")) in PRIMARY_CHOICES, name
         assert list(entry.a.overrides) != list(entry.b.overrides), name
         load_config([f"task={entry.task}", *entry.a.overrides])  # each side composes
         load_config([f"task={entry.task}", *entry.b.overrides])
+    assert list(power.effects.aa.levels) == [0.0]
     assert effect_metric(power_settings("power.effect=graded")) == "mae"
     assert effect_metric(power_settings("power.effect=temporal")) == PRIMARY_METRIC
     assert list(power.effects.baseline.allow_differences) == ["personalise"]
 
 
 def test_a_true_difference_of_the_minimum_detectable_effect_is_detected_four_times_in_five() -> None:
-    """The known answer: paired differences whose true mean is the MDE are rejected by the paired test at its level
-    in about 80 % of simulated studies (the t approximation the permutation test converges to)."""
+    """The known answer: 85 subjects in five folds of 17, each fold's models shifting its subjects together. At a
+    true mean difference of the minimum detectable effect (from the true standard error of the mean, on the 4 degrees
+    of freedom of five folds, at Holm's first step over three pairs), the paired test over fold-grouped subjects
+    rejects in about 80 % of simulated studies: the exact non-central t, where the normal approximation's
+    (z_{1-a/2} + z_{0.8}) * se would have claimed 80 % at a difference it detects far less often."""
     rng = np.random.default_rng(0)
-    n, alpha = 40, 0.05 / 6
-    sd = 1.0  # the spread the studies are drawn with; the MDE of a sample of that spread
-    mde = minimum_detectable_effect(np.array([-1.0, 1.0] * (n // 2)) * sd * np.sqrt((n - 1) / n), alpha)
-    rejected = [stats.ttest_1samp(rng.normal(mde, sd, n), 0).pvalue < alpha for _ in range(4000)]
-    assert np.mean(rejected) == pytest.approx(0.8, abs=0.025)
-    assert np.isnan(minimum_detectable_effect(np.array([0.1]), 0.05))
-    assert minimum_detectable_effect(np.zeros(10), 0.05) == 0.0
+    folds = np.repeat(np.arange(5), 17)
+    alpha, fold_sd, subject_sd = 0.05 / 3, 0.03, 0.15
+    se = np.sqrt(fold_sd**2 + subject_sd**2 / 17) / np.sqrt(5)
+    mde = minimum_detectable_effect(se, 4, alpha)
+    normal = (stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(0.8)) * se
+    assert mde > 1.5 * normal
+
+    def rate(delta: float) -> float:
+        studies = delta + rng.normal(0, subject_sd, (3000, 85)) + rng.normal(0, fold_sd, (3000, 5))[:, folds]
+        return float(np.mean([paired_test(d, folds).p_value < alpha for d in studies]))
+
+    assert rate(mde) == pytest.approx(0.8, abs=0.025)
+    assert rate(normal) < 0.5
+    assert np.isnan(minimum_detectable_effect(float("nan"), 4, 0.05))
+    assert np.isnan(minimum_detectable_effect(0.01, 0, 0.05))  # one unit: no degrees of freedom
+    assert minimum_detectable_effect(0.0, 4, 0.05) == 0.0
 
 
 @pytest.mark.slow
@@ -90,3 +109,50 @@ def test_make_power_repeats_a_comparison_over_twins_and_resumes(tmp_path: Path, 
     assert repeats.study.iloc[0] == study_key(power, base)
     assert study_key(power, [*base, "model.weights=/elsewhere.pt"]) != study_key(power, base)
     assert study_key(power, list(reversed(base))) == study_key(power, base)
+
+
+@pytest.mark.slow
+def test_make_power_aa_resamples_a_population_onto_the_fold_files_slots_and_resumes(tmp_path: Path, capsys) -> None:
+    """EFFECT=aa end to end on a small population (two twins of 87, one video a class, two crops a video, a tiny
+    frozen backbone): two replicates on BioVid's kfold5 slots, each copy cross-validated in memory, `make compare`'s
+    paired test over the five folds and the subject-level test beside it; the record, the summary with both copies'
+    accuracy and the true one, the plot and the run; a rerun fits nothing. With levels, copy b sees the action units."""
+    overrides = ["model=timm", "model.name=resnet10t", "model.img_size=32", "model.pretrained=false",
+                 "power.effect=aa", "power.repeats=2", "power.resampled.population_twins=2",
+                 "power.resampled.truth_replicates=1", "data.synthetic.samples_per_class=1",
+                 "preprocess.frames_per_video=2", "preprocess.crop_size=48", "loader.num_workers=0",
+                 "trainer.max_epochs=2", "data.synthetic.workers=1",
+                 f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"mlflow.artifact_root={tmp_path / 'art'}",
+                 f"reports_dir={tmp_path / 'reports'}", f"power.dir={tmp_path / 'power'}"]
+    cfg = load_config(overrides, groups=("power=default",))
+    summary = run_power(cfg, overrides)
+    out = tmp_path / "reports" / "power" / "aa"
+    record = pd.read_csv(out / "replicates.csv", dtype={"study": str})
+    assert record.replicate.tolist() == [1000, 1001] and (record.level == 0.0).all()
+    assert (record.n_subjects == 87).all() and (record.n_units == 5).all()  # the kfold5 file's 87 slots, 5 folds
+    assert record.p_value.between(0, 1).all() and record.p_subject.between(0, 1).all()
+    assert record.true_a.notna().tolist() == [True, False]  # the truth from the first replicate only
+    assert summary["replicates"] == 2 and summary["rate_ci95_high"] == pytest.approx(
+        clopper_pearson(summary["rejections"], 2)[1])
+    assert 0 <= summary["value_a"] <= 1 and 0 <= summary["true_a"] <= 1
+    assert (out / "power.png").stat().st_size > 0 and (out / "power_summary.csv").is_file()
+    printed = capsys.readouterr().out
+    assert "aa kfold5, 1 training seed a copy, copy b's noise 0: " in printed and "Clopper-Pearson" in printed
+    run_power(cfg, overrides)  # done before: no replicate again
+    assert "replicate 1000" not in capsys.readouterr().out
+    curve = [*overrides[:4], "power.effect=curve", "power.effects.curve.levels=[0.0,4.0]",
+             *[o for o in overrides[5:]]]
+    run_power(load_config(curve, groups=("power=default",)), curve)
+    rows = pd.read_csv(tmp_path / "reports" / "power" / "curve" / "replicates.csv")
+    assert sorted(set(rows.level)) == [0.0, 4.0] and len(rows) == 4
+    seeing = rows[rows.level == 4.0]  # b also sees the crops' action units: better where a random backbone sees little
+    assert (rows.knob == "action_units").all() and (seeing.true_b.dropna() > seeing.true_a.dropna() + 0.05).all()
+
+
+def test_the_eighty_percent_point_is_read_on_the_size_of_the_true_difference_of_either_sign() -> None:
+    """A better copy b makes a - b negative: the curve is read against |a - b|, interpolated between its levels."""
+    worse = pd.DataFrame({"true_diff": [0.0, 0.02, 0.04, 0.06], "rate": [0.05, 0.4, 0.7, 0.9]})
+    better = worse.assign(true_diff=-worse["true_diff"])
+    for summary in (worse, better, better.iloc[::-1]):
+        assert eighty_percent_point(summary) == pytest.approx(0.05)
+    assert np.isnan(eighty_percent_point(worse.assign(rate=0.5)))

@@ -1,17 +1,19 @@
-"""Subject-level statistics against cases small enough to work out by hand."""
+"""Subject-level statistics against cases small enough to work out by hand, and the paired test's error rate on a
+seeded simulation of folds whose trained models move their test subjects together."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 
 from pipeline.evaluation.metrics import calibration_metrics
 from pipeline.evaluation.statistics import (
     calibration_intervals,
     holm,
     paired_permutation_test,
-    seed_aware_difference_interval,
+    paired_test,
     smallest_signed_rank_p,
     subject_bootstrap,
     subject_intervals,
@@ -92,22 +94,64 @@ def test_subject_scores_and_intervals() -> None:
     assert (result["within_subject_auroc_ci95_low"], result["within_subject_auroc_ci95_high"]) == (0.75, 1.0)
 
 
-def test_a_difference_smaller_than_the_seed_spread_is_not_significant_with_seeds() -> None:
-    """Twenty subjects, three training seeds each. Backbone a is 0.02 better on every subject, but its seeds move
-    every subject by +0.08, -0.08 or 0 together. Taking the models as fixed, the seed-mean differences sit near 0.02
-    and the interval excludes 0; resampling the seeds as well, a draw of (+0.08, +0.08, ...) or (-0.08, ...) makes
-    the difference range over about -0.06..0.10, and the interval holds 0."""
-    rng = np.random.default_rng(0)
-    base = rng.uniform(0.5, 0.9, 20)
-    b = np.column_stack([base] * 3)
-    a = b + 0.02 + np.array([0.08, -0.08, 0.0]) + rng.normal(0, 0.003, (20, 3))
-    fixed = seed_aware_difference_interval(a, b, resample_seeds=False)
-    with_seeds = seed_aware_difference_interval(a, b)
-    assert 0 < fixed[0] < fixed[1] < 0.03
-    assert with_seeds[0] < 0 < with_seeds[1]
-    # one seed each: the seed resampling changes nothing
-    assert seed_aware_difference_interval(a[:, :1], b[:, :1]) == seed_aware_difference_interval(
-        a[:, :1], b[:, :1], resample_seeds=False)
+def test_the_paired_test_by_hand() -> None:
+    """Differences 1, 3 (fold 0) and -1, 1 (fold 1): mean 1; the folds' summed deviations +2 and -2, so the variance of
+    the mean is 2 / 1 * (4 + 4) / 4**2 = 1 on 1 degree of freedom: t = 1, p = 2 * P(T_1 > 1) = 0.5, and the interval
+    1 +- t_{0.975, 1} = 1 +- 12.706."""
+    test = paired_test(np.array([1.0, 3.0, -1.0, 1.0]), np.array([0, 0, 1, 1]))
+    assert (test.mean_diff, test.standard_error, test.df, test.n_units, test.n_subjects) == (1.0, 1.0, 1.0, 2, 4)
+    assert test.p_value == pytest.approx(0.5)
+    assert (test.ci95_low, test.ci95_high) == pytest.approx((1 - 12.7062047, 1 + 12.7062047))
+    same = paired_test(np.zeros(6), np.arange(6) % 3)
+    assert (same.mean_diff, same.p_value) == (0.0, 1.0)  # identical scores: p = 1, never NaN (Holm keeps the test)
+    one_fold = paired_test(np.array([0.1, 0.2, 0.3]), np.zeros(3))
+    assert one_fold.n_units == 1 and np.isnan(one_fold.p_value) and one_fold.mean_diff == pytest.approx(0.2)
+
+
+def test_equal_folds_give_the_t_test_of_the_fold_means_and_one_subject_a_fold_the_paired_t_test() -> None:
+    """Five folds of 17 subjects: the p-value and interval are scipy's one-sample t-test of the five fold means (the
+    test of the mean in a balanced random-effects model of fold and subject); with one subject a fold (leave one
+    subject out) they are the paired t-test over subjects. The interval excludes 0 exactly when p < 0.05."""
+    rng = np.random.default_rng(4)
+    folds = np.repeat(np.arange(5), 17)
+    differences = rng.normal(0.02, 0.1, 85) + rng.normal(0, 0.03, 5)[folds]
+    test = paired_test(differences, folds)
+    means = np.array([differences[folds == f].mean() for f in range(5)])
+    expected = stats.ttest_1samp(means, 0.0)
+    assert test.p_value == pytest.approx(expected.pvalue) and test.df == 4
+    interval = expected.confidence_interval(0.95)
+    assert (test.ci95_low, test.ci95_high) == pytest.approx((interval.low, interval.high))
+    loso = paired_test(differences, np.arange(85))
+    assert loso.p_value == pytest.approx(stats.ttest_1samp(differences, 0.0).pvalue) and loso.df == 84
+    for result in (test, loso):
+        assert (result.ci95_low > 0 or result.ci95_high < 0) == (result.p_value < 0.05)
+
+
+def simulated_differences(rng: np.random.Generator, n_studies: int, fold_sd: float) -> tuple[np.ndarray, np.ndarray]:
+    """Two copies of one algorithm on BioVid's kfold5 shape (87 subjects in folds of 18, 18, 17, 17, 17): each
+    subject's accuracy difference is the binomial noise of its 10 videos plus its fold's model pair's shared luck
+    (training and threshold), N(0, fold_sd) for all of that fold's subjects alike. No true difference."""
+    folds = np.repeat(np.arange(5), [18, 18, 17, 17, 17])
+    own = (rng.binomial(10, 0.6, (n_studies, 87, 2)) / 10.0) @ np.array([1.0, -1.0])
+    return own + rng.normal(0, fold_sd, (n_studies, 5))[:, folds], folds
+
+
+def test_with_large_fold_level_training_noise_the_fold_test_keeps_its_rate_and_the_subject_test_does_not() -> None:
+    """Seeded simulation of the A/A comparison where each fold's trained models move its test subjects together
+    (fold sd 0.08 against a subject sd of about 0.22): the within-subject permutation test, which takes the 87
+    subjects as independent, rejects far more than 5 % at a raw 0.05; the paired test over subjects grouped by fold
+    rejects at its level (its 95 % Clopper-Pearson interval holds 5 %). Without fold noise both keep the level."""
+    rng = np.random.default_rng(2024)
+    differences, folds = simulated_differences(rng, 400, fold_sd=0.08)
+    zeros = np.zeros(87)
+    new = np.array([paired_test(d, folds).p_value < 0.05 for d in differences])
+    old = np.array([paired_permutation_test(d, zeros, n_resamples=499)[1] < 0.05 for d in differences])
+    interval = stats.binomtest(int(new.sum()), len(new)).proportion_ci(method="exact")
+    assert interval.low <= 0.05 <= interval.high and new.mean() < 0.08
+    assert old.mean() > 0.15  # several times the nominal rate
+    quiet, _ = simulated_differences(rng, 400, fold_sd=0.0)
+    quiet_rate = np.mean([paired_test(d, folds).p_value < 0.05 for d in quiet])
+    assert stats.binomtest(int(round(quiet_rate * 400)), 400).proportion_ci(method="exact").low <= 0.05 <= 0.08
 
 
 def test_the_summed_counts_bootstrap_equals_resampling_the_videos_themselves() -> None:

@@ -4,11 +4,12 @@ Backbones are only comparable when their cross-validations used the very same fo
 `fold_file_sha256` tags differ are refused rather than compared. Folds are described (mean and sd over folds, the
 paired differences) but not tested: they share training subjects, and five of them cannot reach p < 0.05 in an
 exact signed-rank test. The tests pair subjects instead (`pipeline.evaluation.statistics`): every tested subject is
-tested once, so each backbone has one score per subject from its pooled test videos; intervals are subject bootstraps
-(over subjects and seeds for the paired differences of CVs with `cv.seeds`), p-values come from a within-subject
-permutation test, Holm-adjusted over every pair and metric (the family is printed; the primary metric is
-`accuracy_at_threshold`). CVs that differ in how they decide, aggregate or sample, or that are incomplete, are
-refused (`check_comparable`).
+tested once, so each backbone has one score per subject from its pooled test videos, with a subject-bootstrap
+interval. A pair's paired test groups the per-subject differences by the fold that tested them (a fold's test
+subjects share its trained models), its p-value and interval from one t statistic over the folds; Holm's correction
+runs over the primary metric's tests (`accuracy_at_threshold`, one a pair), the secondary metrics reported beside it
+uncorrected (the family and the test's unit are printed, tabled and tagged). CVs that differ in how they decide,
+aggregate or sample, or that are incomplete, are refused (`check_comparable`).
 
 A personalised CV (`personalise.mode`: subject_normalised, baseline) is a protocol of its own: set against a plain
 one it is refused, naming `personalise.mode`, unless `compare.allow_differences=[personalise]`; then every CV is
@@ -67,6 +68,7 @@ from pipeline.analysis.comparison_statistics import (
     subject_tables,
     summary_table,
 )
+from pipeline.data.fold_files import read_folds, tested_in
 from pipeline.evaluation.metrics import plot_reliability
 from pipeline.evaluation.statistics import CALIBRATION_METRICS, common_videos
 from pipeline.runs.store import cv_runs, tracking
@@ -121,7 +123,7 @@ def compare(dataset: str, protocol: str, task: str, out_dir: Path, tracking_uri:
             subject_set: str | None = None, fold_file_sha256: str | None = None,
             crop_params: Mapping[str, str] | None = None, tuned: Mapping[str, str] | str | None = None,
             allow_incomplete: bool = False, allow_differences: Sequence[str] = (), only: Sequence[str] = (),
-            primary: str = PRIMARY_METRIC) -> dict:
+            primary: str = PRIMARY_METRIC, test_folds: Mapping[str, int] | None = None) -> dict:
     """Compare the latest finished CV of every backbone for one dataset/protocol/task, write tables and plots.
 
     With `crop_params` (logged parameter -> value, see `crop_settings`), only CVs trained on crops made that way
@@ -131,7 +133,8 @@ def compare(dataset: str, protocol: str, task: str, out_dir: Path, tracking_uri:
     the labels there are. `allow_incomplete` makes a smoke comparison of incomplete CVs (marked: tag
     `complete=false`), and settings in `allow_differences` may differ (each is listed in the result's `differences`
     and the run's tag). `primary` (`compare.metric`): the paired tests' primary metric (`PRIMARY_CHOICES`; `mae` for
-    a graded task's mean absolute error over levels).
+    a graded task's mean absolute error over levels). `test_folds` (subject -> the fold that tested it, from the
+    fold file): how the paired tests group subjects where a CV's pooled videos carry no `fold` column (older CVs).
 
     Writes `comparison_<dataset>_<protocol>_<task>[_<subject_set>]` `.csv` (summary), `_paired.csv`, `_folds.csv`
     and `_<metric>.png` into `out_dir`, and logs them as an MLflow run tagged `painvit.run_kind=comparison` in the
@@ -159,7 +162,7 @@ def compare(dataset: str, protocol: str, task: str, out_dir: Path, tracking_uri:
     for name, table, suffix in (("summary", summary, ".csv"), ("paired", paired, None), ("folds", scores, None)):
         files.csv(name, table, suffix)
     videos, common = compared_videos(client, runs, differences, files)
-    subjects, subject_paired = subject_level(videos, primary, files)
+    subjects, subject_paired = subject_level(videos, primary, files, test_folds)
     calibration = calibration_of(client, runs, videos, files)
     plots = {metric: files.out_dir / f"{files.stem}_{_safe_name(metric.replace('/', '_'))}.png" for metric in metrics}
     for metric, plot_path in plots.items():
@@ -188,13 +191,13 @@ def compared_videos(client: MlflowClient, runs: Mapping[str, Run], differences: 
     return videos, common
 
 
-def subject_level(videos: Mapping[str, pd.DataFrame], primary: str,
-                  files: ComparisonFiles) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
+def subject_level(videos: Mapping[str, pd.DataFrame], primary: str, files: ComparisonFiles,
+                  test_folds: Mapping[str, int] | None = None) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
     """With two CVs' pooled videos or more: the subject metrics with their intervals, the scores per subject and the
     paired tests over subjects (`subject_tables`), written with the intervals' plot; (None, None) otherwise."""
     if len(videos) < 2:
         return None, None
-    subjects, subject_scores_table, subject_paired = subject_tables(videos, primary)
+    subjects, subject_scores_table, subject_paired = subject_tables(videos, primary, test_folds)
     for name, table in (("subjects", subjects), ("subject_scores", subject_scores_table),
                         ("subjects_paired", subject_paired)):
         files.csv(name, table)
@@ -253,6 +256,7 @@ def comparison_tags(runs: Mapping[str, Run], dataset: str, protocol: str, task: 
         tags[tracking.TUNE_NOTE_TAG] = "OPTIMISTIC: settings chosen by a study shared over folds"
     if subject_paired is not None and len(subject_paired):
         tags[tracking.CORRECTION_FAMILY_TAG] = correction_family(subject_paired)[:tracking.MAX_TAG_CHARS]
+        tags[tracking.TEST_UNIT_TAG] = str(subject_paired["unit"].iloc[0])[:tracking.MAX_TAG_CHARS]
     tags[tracking.COMPLETE_TAG] = str(all(complete.values())).lower()  # false: a smoke comparison of incomplete CVs
     if differences:
         tags[tracking.COMPARED_DESPITE_TAG] = " | ".join(differences)[:tracking.MAX_TAG_CHARS]
@@ -278,7 +282,8 @@ def run_compare(cfg, tuned: str | None = None) -> dict:
                          allow_incomplete=bool(options.get("allow_incomplete", False)),
                          allow_differences=list(options.get("allow_differences") or []),
                          only=[str(label) for label in options.get("only") or []],
-                         primary=str(options.get("metric") or PRIMARY_METRIC))
+                         primary=str(options.get("metric") or PRIMARY_METRIC),
+                         test_folds=tested_in(read_folds(resolve_path(cfg.fold_file))) if sha else None)
     except ComparisonError as error:
         raise SystemExit(f"compare: {error}") from None
     print_report(result)

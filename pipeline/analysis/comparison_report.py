@@ -26,15 +26,23 @@ from pipeline.utils.atomic_io import save_png
 
 
 def correction_family(paired: pd.DataFrame) -> str:
-    """The family Holm's correction runs over, in words."""
-    pairs = paired[["model_a", "model_b"]].drop_duplicates()
-    metrics = list(dict.fromkeys(paired["metric"]))
-    primary = next(iter(paired.loc[paired["primary"], "metric"]), PRIMARY_METRIC)
-    return (f"Holm over {len(paired)} tests: {len(pairs)} pair(s) of backbones ("
-            + ", ".join(f"{r.model_a} - {r.model_b}" for r in pairs.itertuples()) + f") x {len(metrics)} metrics ("
-            + ", ".join(metrics) + f"); primary metric: {primary} (pooled/video_{primary}), "
-            f"the others secondary; mde80: the smallest true difference the test detects with {MDE_POWER:.0%} power "
-            f"at Holm's first-step level {FAMILY_ALPHA} / {len(paired)}, from the observed per-subject spread")
+    """The family Holm's correction runs over, and what stands beside it uncorrected, in words."""
+    primary_rows = paired[paired["primary"].astype(bool)]
+    primary = next(iter(primary_rows["metric"]), PRIMARY_METRIC)
+    secondary = list(dict.fromkeys(paired.loc[~paired["primary"].astype(bool), "metric"]))
+    marked = paired[paired["family"].str.startswith("not tested")]  # one number under two names: tested once
+    untested = dict(zip(marked["metric"], marked["family"].str.split("same number as ").str[-1], strict=True))
+    reported = [m for m in secondary if m not in untested]
+    unit = next(iter(paired["unit"]), "")
+    return (f"Holm over {len(primary_rows)} test(s): the primary metric {primary} (pooled/video_{primary}), one test "
+            f"a pair of backbones (" + ", ".join(f"{r.model_a} - {r.model_b}" for r in primary_rows.itertuples())
+            + f"); each test over subjects grouped by {unit}, its p-value and interval from one t statistic"
+            + (f"; secondary metrics reported beside it, NOT corrected: {', '.join(reported)}" if reported else "")
+            + ("; not tested twice (on every subject the same number as another): "
+               + ", ".join(f"{m} = {same}" for m, same in untested.items()) if untested else "")
+            + f"; mde80: the smallest true difference the primary test detects with {MDE_POWER:.0%} power at Holm's "
+            f"first-step level {FAMILY_ALPHA} / {len(primary_rows)} (a secondary's at {FAMILY_ALPHA}), from the "
+            f"observed spread of its units")
 
 
 def common_line(record: pd.DataFrame) -> str:
@@ -194,12 +202,14 @@ def print_subject_tests(subjects: pd.DataFrame | None, paired: pd.DataFrame | No
         return
     print("pooled test videos, 95 % subject-bootstrap intervals:")
     print(subjects.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    print("paired over subjects: mean difference a - b with its 95 % interval ("
-          + ", ".join(sorted(set(paired["interval"]))) + "), within-subject permutation p and p_holm:")
-    print(paired.drop(columns="interval").to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    print(f"paired over subjects: mean difference a - b, its 95 % interval and p from one t-test over "
+          f"{next(iter(paired['unit']), '')}; p_holm over the primary metric's tests only:")
+    shown = paired.drop(columns=["unit", "standard_error"]).assign(
+        family=paired["family"].str.split(":").str[0])
+    print(shown.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     print(correction_family(paired))
     for row in paired[paired["primary"]].itertuples():
         verdict = "survives" if row.p_holm < FAMILY_ALPHA else "does not survive"
         print(f"{row.model_a} - {row.model_b}: {row.metric} {row.mean_diff:+.3f} ({verdict} Holm); the smallest "
               f"difference this test detects with {MDE_POWER:.0%} power is +-{row.mde80:.3f} "
-              f"({row.n_subjects} subjects)")
+              f"({row.n_subjects} subjects in {row.n_units} units)")

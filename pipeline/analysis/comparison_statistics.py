@@ -1,8 +1,10 @@
 """The statistics of a comparison (`make compare`): per-fold scores described (mean and sd over folds, paired
-differences, not tested: folds share training subjects), and the tests that pair subjects instead (every tested
-subject is tested once): each subject metric with its subject-bootstrap interval, within-subject permutation tests
-Holm-adjusted over every pair and metric, the smallest effect each test could see, and the calibration of the pooled
-test videos. Pure functions of tables (`pipeline.evaluation.statistics` underneath).
+differences, not tested on their own: five of them cannot reach 0.05), and the tests that pair subjects instead
+(every tested subject is tested once): each subject metric with its subject-bootstrap interval, each pair's paired
+test over subjects grouped by the fold that tested them (`statistics.paired_test`: a fold's test subjects share its
+trained models), Holm-adjusted over the primary metric's tests alone (one a pair; the secondary metrics beside them,
+uncorrected), the smallest effect each test could see, and the calibration of the pooled test videos. Pure functions
+of tables (`pipeline.evaluation.statistics` underneath).
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from pipeline.evaluation.statistics import (
     decided_by,
     holm,
     minimum_detectable_effect,
-    paired_permutation_test,
-    seed_aware_difference_interval,
+    paired_test,
     smallest_signed_rank_p,
     subject_intervals,
     subject_scores,
@@ -31,8 +32,10 @@ from pipeline.evaluation.statistics import (
 SUMMARY_COLUMNS = ["model", "metric", "mean", "std", "n_folds"]
 PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_folds", "mean_diff", "std_diff", "note"]
 SUBJECT_COLUMNS = ["model", "metric", "value", "ci95_low", "ci95_high", "n_subjects", "decided_by"]
-SUBJECT_PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_subjects", "mean_diff", "diff_ci95_low",
-                          "diff_ci95_high", "interval", "p_value", "p_holm", "mde80", "primary"]
+SUBJECT_PAIRED_COLUMNS = ["metric", "model_a", "model_b", "n_subjects", "unit", "n_units", "mean_diff",
+                          "diff_ci95_low", "diff_ci95_high", "p_value", "p_holm", "mde80", "primary", "family",
+                          "standard_error", "df"]
+FOLD_UNIT, SUBJECT_UNIT = "fold", "subject"  # what a paired test's differences are grouped by (`pairing_units`)
 FAMILY_ALPHA = 0.05  # the family-wise error rate Holm's correction holds
 MDE_POWER = 0.8  # the power the minimum detectable effect (`mde80`) is stated for
 PRIMARY_METRIC = "accuracy_at_threshold"  # pooled/video_accuracy_at_threshold: the one number set beside papers
@@ -85,11 +88,17 @@ def graded_subject_scores(videos: pd.DataFrame, class_names: Sequence[str]) -> p
     return errors.groupby(levels["subject_name"], sort=True).mean().rename("mae").reset_index()
 
 
-def subject_tables(videos: Mapping[str, pd.DataFrame],
-                   primary: str = PRIMARY_METRIC) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+def subject_tables(videos: Mapping[str, pd.DataFrame], primary: str = PRIMARY_METRIC,
+                   test_folds: Mapping[str, int] | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Per model: each subject metric with its subject-bootstrap interval; per subject: the scores; per pair of
-    models and metric: the within-subject permutation test over the subjects both have, Holm-adjusted over all.
-    `primary` (`compare.metric`): the metric flagged primary; a graded one (`mae`) joins the subject metrics."""
+    models and metric: the paired test over the subjects both have, grouped by the fold that tested them
+    (`pair_row`). `primary` (`compare.metric`): the metric flagged primary; a graded one (`mae`) joins the subject
+    metrics. `test_folds`: subject -> the fold that tested it, for CVs whose pooled videos carry no `fold` column.
+
+    Holm's correction runs over the primary metric's tests alone, one a pair (`p_holm`); the secondary metrics are
+    reported beside them, uncorrected (`family` says which), and a secondary metric whose every per-subject number is
+    the primary's (balanced accuracy at the threshold on a binary task whose subjects' videos are balanced) is not
+    tested a second time."""
     graded = primary in GRADED_SUBJECT_METRICS
     metrics = (*SUBJECT_METRICS, *GRADED_SUBJECT_METRICS) if graded else SUBJECT_METRICS
     intervals, per_subject = [], []
@@ -110,42 +119,108 @@ def subject_tables(videos: Mapping[str, pd.DataFrame],
             scores_of = scores_of.merge(graded_subject_scores(table, class_names), on="subject_name", how="left")
         per_subject.append(scores_of.assign(model=model))
     scores = pd.concat(per_subject, ignore_index=True) if per_subject else pd.DataFrame()
-    by_seed = {model: seed_scores(table, graded) for model, table in videos.items()}
-    several_seeds = any(table["seed"].nunique() > 1 for table in by_seed.values())
-    paired = []
-    for model_a, model_b in combinations(sorted(videos), 2):
-        for metric in metrics:
-            wide = scores.pivot(index="subject_name", columns="model", values=metric)[[model_a, model_b]].dropna()
-            mean_diff, p_value = paired_permutation_test(wide[model_a].to_numpy(), wide[model_b].to_numpy())
-            a, b = (by_seed[m].pivot(index="subject_name", columns="seed", values=metric) for m in (model_a, model_b))
-            both = a.dropna().index.intersection(b.dropna().index)
-            low, high = seed_aware_difference_interval(a.loc[both].to_numpy(), b.loc[both].to_numpy())
-            paired.append({"metric": metric, "model_a": model_a, "model_b": model_b, "n_subjects": len(wide),
-                           "mean_diff": mean_diff, "diff_ci95_low": low, "diff_ci95_high": high,
-                           "interval": "bootstrap over subjects and seeds" if several_seeds else
-                           "bootstrap over subjects (trained models fixed)",
-                           "p_value": p_value, "primary": metric == primary})
-    paired_table = pd.DataFrame(paired, columns=SUBJECT_PAIRED_COLUMNS)
-    paired_table["p_holm"] = holm(paired_table["p_value"].to_numpy(dtype=float)) if len(paired_table) else []
-    # what the test could have seen: at Holm's strictest level (its first step, alpha / family size), 80 % power
-    alpha = FAMILY_ALPHA / max(1, int(paired_table["p_value"].notna().sum()))
-    paired_table["mde80"] = [minimum_detectable_effect(scores.pivot(index="subject_name", columns="model",
-                                                                    values=row.metric)[[row.model_a, row.model_b]]
-                                                       .dropna().pipe(lambda w, r=row: w[r.model_a] - w[r.model_b]),
-                                                       alpha, MDE_POWER)
-                             for row in paired_table.itertuples()]
-    return pd.DataFrame(intervals, columns=SUBJECT_COLUMNS), scores, paired_table
+    return pd.DataFrame(intervals, columns=SUBJECT_COLUMNS), scores, paired_table(videos, primary, test_folds)
 
 
-def seed_scores(videos: pd.DataFrame, graded: bool = False) -> pd.DataFrame:
+def paired_table(videos: Mapping[str, pd.DataFrame], primary: str = PRIMARY_METRIC,
+                 test_folds: Mapping[str, int] | None = None, metrics: Sequence[str] | None = None) -> pd.DataFrame:
+    """Per pair of models and metric (every subject metric, or `metrics`): the paired test over the subjects both
+    have (`pair_row`), Holm-adjusted over the primary metric's tests (`corrected`): `subject_tables`' third table,
+    and what `make power` applies to each simulated study."""
+    graded = primary in GRADED_SUBJECT_METRICS
+    metrics = tuple(metrics or ((*SUBJECT_METRICS, *GRADED_SUBJECT_METRICS) if graded else SUBJECT_METRICS))
+    by_seed = {model: seed_scores(table, graded, auroc="within_subject_auroc" in metrics)
+               for model, table in videos.items()}
+    units = pairing_units(videos, test_folds)
+    repeats = repeated_metrics(pd.concat(by_seed.values(), ignore_index=True), metrics, primary)
+    rows = [pair_row(by_seed, model_a, model_b, metric, units, primary, repeats)
+            for model_a, model_b in combinations(sorted(videos), 2) for metric in metrics]
+    return corrected(pd.DataFrame(rows))
+
+
+def corrected(paired: pd.DataFrame) -> pd.DataFrame:
+    """The paired rows with Holm's adjustment over the primary tests (one a pair; NaN elsewhere) and each test's
+    minimum detectable effect: the primary's at Holm's strictest level (its first step, alpha / pairs), a
+    secondary's at alpha (uncorrected)."""
+    paired = paired.reindex(columns=SUBJECT_PAIRED_COLUMNS)
+    if paired.empty:
+        return paired
+    is_primary = paired["primary"].astype(bool)
+    paired["p_holm"] = np.nan
+    paired.loc[is_primary, "p_holm"] = holm(paired.loc[is_primary, "p_value"].to_numpy(dtype=float))
+    first_step = FAMILY_ALPHA / max(1, int(paired.loc[is_primary, "p_value"].notna().sum()))
+    paired["mde80"] = [minimum_detectable_effect(row.standard_error, row.df, first_step if row.primary
+                                                 else FAMILY_ALPHA, MDE_POWER) for row in paired.itertuples()]
+    return paired
+
+
+def pairing_units(videos: Mapping[str, pd.DataFrame],
+                  test_folds: Mapping[str, int] | None = None) -> tuple[pd.Series, str]:
+    """Per subject, the unit its differences are grouped in, and what a unit is in words (the table's `unit` column,
+    the comparison run's tag): the fold that tested it (the pooled videos' `fold` column, else `test_folds`), whose
+    trained models scored all of that fold's test subjects. With a single fold (a hold-out) or folds unknown, every
+    subject is a unit of its own and the trained models are taken as fixed, which the words say."""
+    folds: dict[str, int] = {}
+    for table in videos.values():
+        if "fold" in table.columns:
+            folds.update(table.drop_duplicates("subject_name").set_index("subject_name")["fold"].astype(int))
+    subjects = sorted({s for table in videos.values() for s in table["subject_name"].unique()})
+    known = {s: folds.get(s, (test_folds or {}).get(s)) for s in subjects}
+    if any(fold is None for fold in known.values()) or len(set(known.values())) < 2:
+        return (pd.Series(subjects, index=subjects, dtype=object),
+                f"{SUBJECT_UNIT} ({'one fold' if known and None not in known.values() else 'folds unknown'}: the "
+                f"trained models taken as fixed, their training noise not in the test)")
+    n = len(set(known.values()))
+    return (pd.Series(known, dtype=object),
+            f"{FOLD_UNIT} ({n} folds" + (", one subject each" if n == len(known) else
+                                        ": each fold's test subjects share its trained models") + ")")
+
+
+def repeated_metrics(scores: pd.DataFrame, metrics: Sequence[str], primary: str) -> dict[str, str]:
+    """Metric -> the metric (the primary first, then in order) whose per-subject numbers it repeats on every subject
+    of every model: one number under two names (balanced accuracy and accuracy at the threshold where every subject's
+    videos are balanced between two classes), tested once."""
+    kept: list[str] = []
+    repeats: dict[str, str] = {}
+    for metric in (primary, *(m for m in metrics if m != primary)):
+        values = scores[metric].to_numpy(dtype=float)
+        same = next((k for k in kept if np.allclose(values, scores[k].to_numpy(dtype=float), rtol=0, atol=1e-12,
+                                                    equal_nan=True)), None)
+        if same is None:
+            kept.append(metric)
+        else:
+            repeats[metric] = same
+    return repeats
+
+
+def pair_row(by_seed: Mapping[str, pd.DataFrame], model_a: str, model_b: str, metric: str,
+             units: tuple[pd.Series, str], primary: str, repeats: Mapping[str, str]) -> dict:
+    """One pair's paired test on one metric (`statistics.paired_test`): each subject's score averaged over the
+    training seeds, the differences grouped by `units`; the test, its interval and its degrees of freedom."""
+    a, b = (by_seed[m].pivot(index="subject_name", columns="seed", values=metric).mean(axis=1) for m in (model_a,
+                                                                                                       model_b))
+    both = a.dropna().index.intersection(b.dropna().index)
+    test = paired_test((a[both] - b[both]).to_numpy(), units[0].reindex(both).to_numpy())
+    family = ("primary: Holm over the pairs" if metric == primary else
+              f"not tested: on every subject the same number as {repeats[metric]}" if metric in repeats else
+              "secondary: not corrected")
+    shown = (lambda value: value) if metric not in repeats else (lambda value: np.nan)  # tested once, as the other
+    return {"metric": metric, "model_a": model_a, "model_b": model_b, "n_subjects": test.n_subjects,
+            "unit": units[1], "n_units": test.n_units, "mean_diff": test.mean_diff,
+            "diff_ci95_low": shown(test.ci95_low), "diff_ci95_high": shown(test.ci95_high),
+            "p_value": shown(test.p_value), "primary": metric == primary, "family": family,
+            "standard_error": shown(test.standard_error), "df": test.df}
+
+
+def seed_scores(videos: pd.DataFrame, graded: bool = False, auroc: bool = True) -> pd.DataFrame:
     """The subject metrics per subject and training seed (one seed, 0, for a CV without `cv.seeds`); `graded`: with
-    each subject's MAE over levels too."""
+    each subject's MAE over levels too; without `auroc`, no within-subject AUROC (NaN)."""
     class_names = [column.removeprefix("prob_") for column in videos.columns if column.startswith("prob_")]
     if "seed" not in videos.columns:
         videos = videos.assign(seed=0)
     parts = []
     for seed, part in videos.groupby("seed", sort=True):
-        scores = subject_scores(part.drop(columns="seed"), class_names)
+        scores = subject_scores(part.drop(columns="seed"), class_names, auroc)
         if graded:
             scores = scores.merge(graded_subject_scores(part, class_names), on="subject_name", how="left")
         parts.append(scores.assign(seed=seed))

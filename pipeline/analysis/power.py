@@ -32,14 +32,16 @@ import pandas as pd
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
 from omegaconf import DictConfig, OmegaConf
-from scipy import stats
 
 from pipeline.analysis.compare import compare
 from pipeline.analysis.comparison_runs import ComparisonError
 from pipeline.analysis.comparison_statistics import PRIMARY_METRIC
+from pipeline.analysis.power_report import clopper_pearson
+from pipeline.analysis.resampled_power import run_resampled
 from pipeline.data.prepare import synthetic_config
 from pipeline.data.tasks import get_task
 from pipeline.runs.orchestration.cross_validation import run_cv
+from pipeline.runs.orchestration.launchers import LaunchSession
 from pipeline.runs.store import cv_runs, tracking
 from pipeline.utils.atomic_io import atomic_write_csv, atomic_write_text, save_png
 from pipeline.utils.config import load_config
@@ -53,12 +55,6 @@ REPEAT_COLUMNS = ["study", "effect", "seed", "task", "a", "b", "n_subjects", "va
 PLANTED = {"null": ("class_intensity", "burst_amplitude", "resting_au_sd"), "temporal": ("burst_amplitude", "burst_s",
            "burst_pain_window_s", "burst_rest_window_s", "class_intensity"), "baseline": ("resting_au_sd",),
            "graded": ("class_intensity",)}
-
-
-def clopper_pearson(rejections: int, repeats: int, confidence: float = 0.95) -> tuple[float, float]:
-    """The exact binomial interval of a rate of `rejections` in `repeats` (scipy's binomtest)."""
-    interval = stats.binomtest(int(rejections), int(repeats)).proportion_ci(confidence, method="exact")
-    return float(interval.low), float(interval.high)
 
 
 @dataclass(frozen=True)
@@ -127,8 +123,10 @@ def planted_size(synthetic: Mapping[str, Any], effect: str) -> dict:
     return {key: getattr(config, key) for key in PLANTED.get(effect, ())}
 
 
-def run_repeat(power: PowerSettings, base: Sequence[str], seed: int, out_dir: Path) -> dict:
-    """One twin, the two settings' CVs on it, and `compare` of those two: the primary metric's paired row."""
+def run_repeat(power: PowerSettings, base: Sequence[str], seed: int, out_dir: Path,
+               session: LaunchSession) -> dict:
+    """One twin, the two settings' CVs on it (through `session`: the study's server and workers), and `compare` of
+    those two: the primary metric's paired row."""
     task = get_task(power.task)
     twin = [*base, *power.common, f"task={power.task}", *twin_overrides(power, seed, task.classes)]
     started = time.time()
@@ -138,7 +136,7 @@ def run_repeat(power: PowerSettings, base: Sequence[str], seed: int, out_dir: Pa
         print(f"== {power.effect} twin seed {seed}: {power.side(side)['label']} "
               f"({cv_runs.config_label(cv_runs.CvConfig.from_config(cfg))})",
               flush=True)
-        run_cv(cfg)
+        run_cv(cfg, session)
         configs[side] = cfg
     labels = {side: cv_runs.config_label(cv_runs.CvConfig.from_config(cfg)) for side, cfg in configs.items()}
     if labels["a"] == labels["b"]:
@@ -217,6 +215,8 @@ def plot_repeats(repeats: pd.DataFrame, summary: dict, path: Path) -> None:
 def run_power(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict:
     """`make power EFFECT=... REPEATS=n`: run the repeats not yet done, then summarise, plot and log them."""
     power = PowerSettings.of(cfg.power)  # read once
+    if power.entry.get("design") == "resampled":  # EFFECT=aa, curve: replicates resampled from one population
+        return run_resampled(cfg, overrides).to_dict("records")[0]
     base = [o for o in overrides if not o.startswith(("power.", "task=", "data="))]
     out_dir = resolve_path(cfg.reports_dir) / "power" / power.effect
     record = out_dir / "repeats.csv"
@@ -231,16 +231,17 @@ def run_power(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict:
           f"repeats ({int((ours & done['seed'].isin(seeds)).sum())} done before); study {study}; record {record}"
           + (f" ({int((~ours).sum())} rows of other studies there, not counted)" if (~ours).any() else ""),
           flush=True)
-    for seed in seeds:
-        if seed in set(done.loc[done["study"] == study, "seed"]):
-            continue
-        row = run_repeat(power, base, seed, out_dir)
-        done = pd.concat([done, pd.DataFrame([row])], ignore_index=True)
-        atomic_write_csv(record, done)  # each repeat kept as soon as it is known: a killed run resumes after it
-        print(f"power {power.effect} seed {seed}: {row['a']} - {row['b']} {row['mean_diff']:+.3f} "
-              f"[{row['diff_ci95_low']:+.3f}, {row['diff_ci95_high']:+.3f}], p_holm {row['p_holm']:.3g}"
-              f"{' REJECTED' if row['rejected'] else ''}; mde80 {row['mde80']:.3f} ({row['seconds']:.0f} s)",
-              flush=True)
+    with LaunchSession() as session:  # one tracking server and one set of workers for every repeat's CVs
+        for seed in seeds:
+            if seed in set(done.loc[done["study"] == study, "seed"]):
+                continue
+            row = run_repeat(power, base, seed, out_dir, session)
+            done = pd.concat([done, pd.DataFrame([row])], ignore_index=True)
+            atomic_write_csv(record, done)  # each repeat kept as soon as it is known: a killed run resumes after it
+            print(f"power {power.effect} seed {seed}: {row['a']} - {row['b']} {row['mean_diff']:+.3f} "
+                  f"[{row['diff_ci95_low']:+.3f}, {row['diff_ci95_high']:+.3f}], p_holm {row['p_holm']:.3g}"
+                  f"{' REJECTED' if row['rejected'] else ''}; mde80 {row['mde80']:.3f} ({row['seconds']:.0f} s)",
+                  flush=True)
     repeats = done[(done["study"] == study) & done["seed"].isin(seeds)].sort_values("seed", ignore_index=True)
     first = load_config([*base, *power.common, f"task={power.task}",
                          *twin_overrides(power, seeds[0], get_task(power.task).classes)])

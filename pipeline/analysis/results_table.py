@@ -30,6 +30,7 @@ from mlflow import MlflowClient
 
 from pipeline.data.personalise import PersonaliseConfig, shown_protocol
 from pipeline.runs.orchestration.cross_validation import run_cv
+from pipeline.runs.orchestration.launchers import LaunchSession
 from pipeline.runs.orchestration.tuning import run_tune
 from pipeline.runs.store import cv_runs, tracking
 from pipeline.utils.atomic_io import atomic_path, atomic_write_csv, save_png
@@ -408,20 +409,21 @@ def project_rows(client: MlflowClient, overrides: Sequence[str], model_names: Se
     search = [f"tune.trials={trials}"] * bool(trials) + [f"tune.scope={scope}"] * bool(scope)
     base = [o for o in overrides if not o.startswith(("model=", "model.name=", "task="))]
     rows = []
-    for model in model_names:
-        for task in task_names:
-            if tuned:  # the tuned CV's identity includes its `tune` section: cv_runs.finished_cv finds that one
-                run_cfg = load_config([*base, f"model={model}", f"task={task}", *search],
-                                      groups=("tune=default",))
-                print(f"== {model} on {task}, tuned ({run_cfg.tune.trials} trials, {run_cfg.tune.scope})")
-                run_tune(run_cfg)
-            else:
-                run_cfg = load_config([*base, f"model={model}", f"task={task}"])
-                print(f"== {model} on {task}")
-                run_cv(run_cfg)
-            asked = PersonaliseConfig.from_config(run_cfg.get("personalise")).label
-            finished = cv_runs.finished_cv(client, cv_runs.CvConfig.from_config(run_cfg))
-            rows.append(project_row(model, task, finished, asked))
+    with LaunchSession() as session:  # one tracking server and one set of workers for every CV of the table
+        for model in model_names:
+            for task in task_names:
+                if tuned:  # the tuned CV's identity includes its `tune` section: cv_runs.finished_cv finds that one
+                    run_cfg = load_config([*base, f"model={model}", f"task={task}", *search],
+                                          groups=("tune=default",))
+                    print(f"== {model} on {task}, tuned ({run_cfg.tune.trials} trials, {run_cfg.tune.scope})")
+                    run_tune(run_cfg)
+                else:
+                    run_cfg = load_config([*base, f"model={model}", f"task={task}"])
+                    print(f"== {model} on {task}")
+                    run_cv(run_cfg, session)
+                asked = PersonaliseConfig.from_config(run_cfg.get("personalise")).label
+                finished = cv_runs.finished_cv(client, cv_runs.CvConfig.from_config(run_cfg))
+                rows.append(project_row(model, task, finished, asked))
     return rows
 
 

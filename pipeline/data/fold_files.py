@@ -329,6 +329,12 @@ def fold_subjects(folds: pd.DataFrame, fold: int) -> dict[str, list[str]]:
     return {role: sorted(in_fold.loc[in_fold["role"] == role, "subject_name"].tolist()) for role in ROLES}
 
 
+def tested_in(folds: pd.DataFrame) -> dict[str, int]:
+    """Subject -> the fold that tests it (role `test`): the fold whose trained models score that subject."""
+    tested = folds[folds["role"] == "test"]
+    return dict(zip(tested["subject_name"], tested["fold"].astype(int), strict=True))
+
+
 def fold_file_sha256(path: Path) -> str:
     """Hex SHA-256 of a fold file's bytes: logged with each run to prove which split it used."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -2,21 +2,30 @@
 
 K-fold and leave-one-subject-out test every subject exactly once; a hold-out tests its test subjects only, once
 each. Either way the pooled test videos of a cross-validation hold one score per tested subject, and two backbones
-run on the same fold file are paired subject by subject. Subjects, not folds, are the
-independent units: folds share training subjects, and five folds can never make a signed-rank test significant
-(its smallest exact two-sided p-value is 2 / 2**5 = 0.0625). The numbers come from scipy:
-`scipy.stats.bootstrap` resamples subjects (each with all of its videos) and `scipy.stats.permutation_test` with
-`permutation_type='samples'` swaps the two backbones' scores within subjects (a sign flip of each difference).
-Holm's step-down adjustment is applied to scipy's p-values across every pair and metric of a comparison.
+run on the same fold file are paired subject by subject. The interval of one backbone's pooled score is a subject
+bootstrap (`scipy.stats.bootstrap`, each subject resampled with all of its videos).
+
+The paired test of two backbones (`paired_test`) does not take the subjects as independent: the test subjects of one
+fold were all scored by that fold's trained models, so whatever the models' training and threshold did (seed, the
+validation subjects' luck) moves all of them alike; in kfold5 on BioVid about 17 subjects share one model pair, and a
+test that swaps scores within subjects as if they were independent rejects two copies of one algorithm 8-13 % of the
+time at a nominal 5 % (`make power EFFECT=aa`, docs/numbers.md). So the per-subject differences are grouped by the
+fold that tested them, and the mean difference is tested with the folds' cluster-robust standard error on folds - 1
+degrees of freedom; its interval comes from the same statistic. Five folds can never make a signed-rank test over
+folds significant (its smallest exact two-sided p-value is 2 / 2**5 = 0.0625); the t-test on fold-grouped subject
+differences can, since each fold's mean rests on its subjects. `paired_permutation_test` is the earlier
+within-subject sign-flip test, kept as the reference `make power` measures against. Holm's step-down adjustment
+(`holm`) is applied over the primary metric's tests, one a pair of backbones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from scipy import stats
+from scipy import optimize, stats
 from sklearn.metrics import roc_auc_score
 
 from pipeline.evaluation.metrics import CALIBRATION_BINS, calibration_terms, expected_calibration_error
@@ -65,8 +74,9 @@ def seed_mean_auroc(group: pd.DataFrame, prob_columns: list[str]) -> float:
     return float(np.mean(finite)) if finite else float("nan")
 
 
-def subject_scores(videos: pd.DataFrame, class_names: Sequence[str]) -> pd.DataFrame:
-    """One row per subject of the pooled test videos: videos, correct calls, and the three subject metrics."""
+def subject_scores(videos: pd.DataFrame, class_names: Sequence[str], auroc: bool = True) -> pd.DataFrame:
+    """One row per subject of the pooled test videos: videos, correct calls, and the three subject metrics (without
+    `auroc`, the within-subject AUROC is left out: NaN, and seconds fewer in a simulation of many studies)."""
     prob_columns = [f"prob_{name}" for name in class_names]
     videos = videos.assign(_decision=decisions(videos))
     rows = []
@@ -76,7 +86,7 @@ def subject_scores(videos: pd.DataFrame, class_names: Sequence[str]) -> pd.DataF
         rows.append({"subject_name": subject, "n_videos": len(group), "n_correct": int((called == labels).sum()),
                      "accuracy_at_threshold": float((called == labels).mean()),
                      "balanced_accuracy_at_threshold": float(np.mean(recalls)),
-                     "within_subject_auroc": seed_mean_auroc(group, prob_columns)})
+                     "within_subject_auroc": seed_mean_auroc(group, prob_columns) if auroc else float("nan")})
     return pd.DataFrame(rows)
 
 
@@ -257,18 +267,25 @@ def paired_permutation_test(a: np.ndarray, b: np.ndarray, n_resamples: int = N_P
     return float(np.mean(a - b)), float(result.pvalue)
 
 
-def minimum_detectable_effect(differences: np.ndarray, alpha: float, power: float = 0.8) -> float:
-    """The smallest true mean difference a two-sided paired test at level `alpha` detects with probability `power`,
-    given the spread of the observed per-subject differences: (t_{1-alpha/2} + t_{power}) * sd / sqrt(n), with t on
-    n - 1 degrees of freedom (the normal approximation of the within-subject permutation test, which converges to the
-    paired t-test). NaN with fewer than two subjects; 0 when every difference is equal."""
-    d = np.asarray(differences, dtype=float)
-    d = d[np.isfinite(d)]
-    n = len(d)
-    if n < 2:
+def minimum_detectable_effect(standard_error: float, df: float, alpha: float, power: float = 0.8) -> float:
+    """The smallest true mean difference the two-sided t-test of `paired_test` (level `alpha`, `df` degrees of freedom,
+    this standard error of the mean difference) detects with probability `power`: delta with P(|T| > t_{1-alpha/2})
+    = power for T non-central t with non-centrality delta / standard_error (exact, not the normal approximation,
+    which understates it on a few degrees of freedom: 5 folds give 4). NaN without a standard error or degrees of
+    freedom; 0 when every difference is equal (standard error 0)."""
+    if not (np.isfinite(standard_error) and np.isfinite(df) and df >= 1):
         return float("nan")
-    quantiles = stats.t.ppf(1 - alpha / 2, n - 1) + stats.t.ppf(power, n - 1)
-    return float(quantiles * d.std(ddof=1) / np.sqrt(n))
+    if standard_error == 0:
+        return 0.0
+    critical = stats.t.ppf(1 - alpha / 2, df)
+
+    def shortfall(ncp: float) -> float:
+        return float(stats.nct.sf(critical, df, ncp) + stats.nct.cdf(-critical, df, ncp)) - power
+
+    upper = critical + stats.t.ppf(power, df) + 1.0
+    while shortfall(upper) < 0:  # the normal approximation plus one is nearly always above it already
+        upper *= 2
+    return float(optimize.brentq(shortfall, 0.0, upper, xtol=1e-10) * standard_error)
 
 
 def holm(p_values: Sequence[float]) -> np.ndarray:
@@ -290,41 +307,54 @@ def smallest_signed_rank_p(n: int) -> float:
     return 2.0 / 2**n if n > 0 else 1.0
 
 
-def seed_aware_difference_interval(a: np.ndarray, b: np.ndarray, resample_seeds: bool = True,
-                                   n_resamples: int = N_BOOTSTRAP, random_state: int = RANDOM_STATE,
-                                   confidence: float = CONFIDENCE) -> tuple[float, float]:
-    """Percentile interval of the mean over subjects of (a - b), with `a` and `b` one row per subject (paired) and
-    one column per training seed of each backbone.
+@dataclass(frozen=True)
+class PairedTest:
+    """One paired test over subjects whose differences are grouped in units that share a trained model pair (the
+    folds): the mean difference over subjects, its two-sided p-value and its interval, both from one t statistic."""
 
-    Each resample draws subjects with replacement and, with `resample_seeds`, each backbone's seeds with
-    replacement too, once for the resample (a seed trained the models that scored every subject, so its effect is
-    shared by all of them): the interval then holds the variation a new set of training seeds would bring, and a
-    difference smaller than the seed spread does not look significant. Without it (or with one seed each), the
-    trained models are taken as fixed: a subject bootstrap of the seed-mean differences. NaN with fewer than two
-    subjects.
+    mean_diff: float
+    ci95_low: float
+    ci95_high: float
+    p_value: float
+    standard_error: float
+    df: float  # units - 1
+    n_subjects: int
+    n_units: int
+
+
+def paired_test(differences: np.ndarray, units: np.ndarray, confidence: float = CONFIDENCE) -> PairedTest:
+    """The mean per-subject difference a - b and its t-test with the units' cluster-robust standard error.
+
+    `units[i]` is the unit subject i's difference belongs to: the fold that tested it, whose trained models (of every
+    seed) scored all of that fold's test subjects, so whatever their training and threshold did moves those subjects
+    alike. The variance of the mean is estimated from the units' summed deviations, sum_u (sum_{i in u} (d_i -
+    mean))^2 * U / (U - 1) / n^2, on U - 1 degrees of freedom: with equal units it is the one-sample t-test of the
+    U unit means (what a random-effects model of fold and subject gives for the mean of a balanced design), with one
+    subject a unit (leave one subject out) the paired t-test over subjects. The p-value and the interval come from the
+    same statistic, so the interval excludes 0 exactly when p < 1 - `confidence`. Identical scores give p = 1 (never
+    NaN, which would drop the test from Holm's family); NaN differences are left out; NaN throughout with fewer than
+    two units.
     """
-    a, b = np.atleast_2d(np.asarray(a, dtype=float)), np.atleast_2d(np.asarray(b, dtype=float))
-    if a.shape[0] != b.shape[0]:
-        raise ValueError(f"a and b must hold the same subjects (rows), got {a.shape[0]} and {b.shape[0]}")
-    n = a.shape[0]
-    if n < 2:
-        return float("nan"), float("nan")
-    rng = np.random.default_rng(random_state)
-    subjects = rng.integers(0, n, (n_resamples, n))
-
-    def seed_means(values: np.ndarray) -> np.ndarray:  # (resamples, subjects): each subject's mean over seeds
-        k = values.shape[1]
-        if resample_seeds and k > 1:
-            drawn = rng.integers(0, k, (n_resamples, k))
-            weights = np.stack([np.bincount(row, minlength=k) for row in drawn]) / k
-        else:
-            weights = np.full((n_resamples, k), 1.0 / k)
-        return np.einsum("rsk,rk->rs", values[subjects], weights)
-
-    differences = (seed_means(a) - seed_means(b)).mean(axis=1)
-    tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(differences, [tail, 100 - tail])
-    return float(low), float(high)
+    d = np.asarray(differences, dtype=float)
+    unit = np.asarray(units)
+    keep = np.isfinite(d)
+    d, unit = d[keep], unit[keep]
+    n = len(d)
+    _, index = np.unique(unit, return_inverse=True)
+    n_units = int(index.max()) + 1 if n else 0
+    nan = float("nan")
+    if n_units < 2:
+        return PairedTest(float(d.mean()) if n else nan, nan, nan, nan, nan, nan, n, n_units)
+    mean = float(d.mean())
+    sums = np.bincount(index, weights=d - mean)
+    se = float(np.sqrt(n_units / (n_units - 1) * np.sum(sums**2)) / n)
+    df = float(n_units - 1)
+    half = float(stats.t.ppf(0.5 + confidence / 2, df) * se)
+    if se == 0:
+        p_value = 1.0 if mean == 0 else 0.0
+    else:
+        p_value = float(2 * stats.t.sf(abs(mean) / se, df))
+    return PairedTest(mean, mean - half, mean + half, p_value, se, df, n, n_units)
 
 
 def common_videos(videos: Mapping[str, pd.DataFrame]) -> tuple[dict[str, pd.DataFrame], pd.DataFrame]:

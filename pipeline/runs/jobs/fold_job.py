@@ -49,7 +49,7 @@ from pipeline.models.model_file import MODEL_ARTIFACT
 from pipeline.models.ordinal import OutputConfig, task_levels
 from pipeline.models.temporal_heads import ClipNet, HeadConfig, head_parameters
 from pipeline.runs.jobs.fold_decisions import DecisionNotHonoured, FoldDecisions, settings_here
-from pipeline.runs.jobs.head_modes import BuiltFold
+from pipeline.runs.jobs.head_modes import BuiltFold, log_history
 from pipeline.runs.jobs.sealing import FRAME_PREDICTIONS, VIDEO_PREDICTIONS
 from pipeline.runs.jobs.step_times import StepTimes
 from pipeline.runs.jobs.training_settings import TrainingSettings
@@ -57,7 +57,8 @@ from pipeline.runs.jobs.two_stage import RECORD as TWO_STAGE_RECORD
 from pipeline.runs.jobs.two_stage import write_record
 from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.runs.serving.mlflow_model import log_fold_model
-from pipeline.runs.store.registry import split_videos, subjects_dataset
+from pipeline.runs.store.registry import log_subjects, split_videos
+from pipeline.runs.store.run_record import RunRecord
 from pipeline.runs.store.tracking import THRESHOLD_FALLBACK_TAG, THRESHOLD_RULE_TAG, device_settings_tags, weights_tags
 from pipeline.utils.atomic_io import fsync_tree
 from pipeline.utils.devices import DeviceSettings
@@ -165,48 +166,55 @@ def plot_fold(out: Path, fold: int, class_names: tuple[str, ...], evaluation: Ev
         plot_training_curves(pd.DataFrame(history), out / "training_curves.png")
 
 
-def log_threshold_fallback(fold: int, fallback: str) -> None:
+def log_threshold_fallback(fold: int, fallback: str, record: RunRecord) -> None:
     """A fold whose validation videos could not choose a threshold says so: a warning and the tag
     `threshold_fallback` with the reason (the metric `test/threshold_fallback` is 1 for it, 0 otherwise)."""
     if fallback:
         log.warning("fold %d: the threshold rule could not choose (%s); its test videos are called at 0.5",
                     fold, fallback)
-        mlflow.set_tag(THRESHOLD_FALLBACK_TAG, fallback)
+        record.set_tags({THRESHOLD_FALLBACK_TAG: fallback})
 
 
 def train(training: TrainingSettings, built: BuiltFold, work_dir: Path, settings: DeviceSettings, *,
           callbacks: Sequence[pl.Callback] = (), scored: Sequence[str] = ("val", "test"),
-          times: StepTimes | None = None) -> FoldResult:
+          times: StepTimes | None = None, record: RunRecord | None = None) -> FoldResult:
     """The one training path of a fold, the final model and a tuning trial, on what `build_fold` built (through the
     model factory, over the subjects' roles): train as the head mode trains (its `train`: the fit, Lightning's
     `fit_fold` or in memory, selected on the validation subjects, the best scored on the splits in `scored`, `val`:
     re-validated for the threshold, `test`: tested once; and a second stage where the mode has one). `callbacks` join
-    the fit (a lease check, a trial's pruning)."""
-    return built.mode.train(training, built, work_dir, settings.precision, callbacks, scored, times or StepTimes())
+    the fit (a lease check, a trial's pruning). A mode whose fit does not log its epochs as they end (in memory):
+    they are logged here, gathered in `record` (None: on the active MLflow run)."""
+    result = built.mode.train(training, built, work_dir, settings.precision, callbacks, scored, times or StepTimes())
+    if not built.mode.fit_logs_epochs:
+        log_history(result.history, record)
+    return result
 
 
 def train_fold(training: TrainingSettings, fold: int, decisions: FoldDecisions, work_dir: Path,
                keep_model: bool = False, settings: DeviceSettings | None = None,
-               callbacks: Sequence[pl.Callback] = ()) -> FoldResult:
+               callbacks: Sequence[pl.Callback] = (), record: RunRecord | None = None) -> FoldResult:
     """Train on the fold's training subjects, select on its validation subjects, test once on its test subjects
     (`train`); choose the threshold, log and keep what the CV reads.
 
     `settings`: precision and channels_last as resolved on this device (`settings_here` when None), tagged on the
-    run. `callbacks` join the fit (the fold job's lease check). Logs epoch curves, test metrics and artifacts to the
-    active MLflow run.
+    run. `callbacks` join the fit (the fold job's lease check). `record`: where the fold run's parameters, tags and
+    metrics are gathered, for the caller to write (`RunRecord.flush`); None: the active MLflow run's, written here.
+    Its artifacts are stored as they are written.
     """
     started = time.time()
     times = StepTimes()
     work_dir.mkdir(parents=True, exist_ok=True)
+    own_record = record is None
+    record = record or RunRecord.of_active_run()
     trains = WhatTrains.of(training).check()
     with times("setup"):
         settings = settings or settings_here(decisions, training.trainer.channels_last, training.trainer.accelerator)
-        built = set_up_fold(training, trains, fold, decisions, settings)
-    result = train(training, built, work_dir, settings, callbacks=callbacks, times=times)
+        built = set_up_fold(training, trains, fold, decisions, settings, record)
+    result = train(training, built, work_dir, settings, callbacks=callbacks, times=times, record=record)
     validation, evaluation = result.validation, result.evaluation
     assert validation is not None and evaluation is not None and result.frame_predictions is not None
     class_names = built.module.class_names
-    mlflow.log_params({"head": built.mode.head.label, "head_parameters": kept_head_parameters(built, result)})
+    record.log_params({"head": built.mode.head.label, "head_parameters": kept_head_parameters(built, result)})
     with times("threshold"):  # the threshold sees the validation subjects only; the test videos get it as it is
         threshold, evaluation.video_predictions, decided, fallback = decide_fold(
             validation.video_predictions, evaluation.video_predictions, class_names, training.threshold_rule)
@@ -214,31 +222,35 @@ def train_fold(training: TrainingSettings, fold: int, decisions: FoldDecisions, 
     result.metrics = fold_test_metrics(built, result, threshold, decided, trains.graded)
     rule = rule_name(training.threshold_rule, len(class_names))
     with times("artifacts"):
-        log_fold_artifacts(built, result, work_dir / "artifacts", rule, fallback, trains.graded, training.fold_plots)
+        log_fold_artifacts(built, result, work_dir / "artifacts", rule, fallback, trains.graded, training.fold_plots,
+                           record)
     if keep_model:
         with times("model_logging"):
             log_kept_model(training, built, result, work_dir, threshold, rule)
-    mlflow.log_metrics(times.metrics())
+    record.log_metrics(times.metrics())
+    if own_record:
+        record.flush()
     log.info("fold %d steps: %s", fold, times.line())
     result.seconds = time.time() - started
     return result
 
 
 def set_up_fold(training: TrainingSettings, trains: WhatTrains, fold: int, decisions: FoldDecisions,
-                settings: DeviceSettings) -> BuiltFold:
-    """`build_fold`, with what it built logged on the fold run: the device settings, the parameters trainable, what
-    trains (`trains`: the fine-tuning strategy, the augmentation) and the subjects' videos (an MLflow dataset)."""
-    mlflow.set_tags(device_settings_tags(settings))
+                settings: DeviceSettings, record: RunRecord) -> BuiltFold:
+    """`build_fold`, with what it built logged on the fold run (`record`): the device settings, the parameters
+    trainable, what trains (`trains`: the fine-tuning strategy, the augmentation) and the subjects' videos (an MLflow
+    dataset, stored now)."""
+    record.set_tags(device_settings_tags(settings))
     built = build_fold(training, trains, SubjectRoles.of_fold(Path(decisions.fold_file), fold), decisions, settings)
     module, datamodule = built.module, built.datamodule
     counts = parameter_counts(module.model)
     log.info("fold %d: %s, %d of %d parameters trainable (backbone %d of %d); augmentation: %s", fold,
              module.finetune.name, counts["parameters_trainable"], counts["parameters_total"],
              counts["backbone_parameters_trainable"], counts["backbone_parameters"], trains.augmentation_label)
-    mlflow.log_params(counts)
-    mlflow.set_tags(trains.tags())
-    mlflow.log_input(subjects_dataset(split_videos(datamodule), f"{training.dataset}-{trains.task.name}-fold{fold}"),
-                     context="training")
+    record.log_params(counts)
+    record.set_tags(trains.tags())
+    log_subjects(record.client, record.run_id, split_videos(datamodule),
+                 f"{training.dataset}-{trains.task.name}-fold{fold}")
     return built
 
 
@@ -274,10 +286,10 @@ def fold_test_metrics(built: BuiltFold, result: FoldResult, threshold: float, de
 
 
 def log_fold_artifacts(built: BuiltFold, result: FoldResult, out: Path, rule: str, fallback: str, graded: bool,
-                       plots: bool = True) -> None:
+                       plots: bool, record: RunRecord) -> None:
     """The fold's plots (`plots`: cv.fold_plots) and tables (`write_fold_artifacts`, a second stage's record and
-    epochs, the validation videos, a graded task's level confusion) written to `out`, flushed, and logged with the
-    metrics and the rule."""
+    epochs, the validation videos, a graded task's level confusion) written to `out`, flushed and stored; the
+    metrics and the rule gathered in `record`."""
     fold, validation, evaluation, class_names = result.fold, result.validation, result.evaluation, \
         built.module.class_names
     assert validation is not None and evaluation is not None and result.frame_predictions is not None
@@ -290,12 +302,12 @@ def log_fold_artifacts(built: BuiltFold, result: FoldResult, out: Path, rule: st
     if graded:
         write_level_confusion(decided_levels(evaluation.video_predictions, class_names), class_names, out,
                               "confusion_levels", f"fold {fold}: videos by level, as called", plot=plots)
-    mlflow.log_params({"threshold_rule": rule})
-    mlflow.set_tag(THRESHOLD_RULE_TAG, rule)
-    log_threshold_fallback(fold, fallback)
-    mlflow.log_metrics(result.metrics)
+    record.log_params({"threshold_rule": rule})
+    record.set_tags({THRESHOLD_RULE_TAG: rule})
+    log_threshold_fallback(fold, fallback, record)
+    record.log_metrics(result.metrics)
     fsync_tree(out)  # the local copies on disk before upload: the work folder is kept until the CV finishes
-    mlflow.log_artifacts(str(out))
+    record.log_artifacts(out)
 
 
 def log_kept_model(training: TrainingSettings, built: BuiltFold, result: FoldResult, work_dir: Path,

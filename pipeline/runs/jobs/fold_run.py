@@ -16,11 +16,13 @@ marked FAILED with the reason and the fold trained again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -29,6 +31,7 @@ import pandas as pd
 import pytorch_lightning as pl
 from mlflow import MlflowClient
 from mlflow.entities import Run
+from mlflow.environment_variables import MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT as URL_PRINTING_OFF
 from omegaconf import OmegaConf
 
 from pipeline.models.fold_result import FoldResult
@@ -43,11 +46,13 @@ from pipeline.runs.jobs.sealing import (
 )
 from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.runs.store import fold_lease
+from pipeline.runs.store.run_record import RunRecord
 from pipeline.runs.store.tracking import (
     ATTEMPT_TAG,
     FOLD_RUN,
     FOLD_TAG,
     HOST_TAG,
+    INHERITED_TAGS,
     JOB_TRACKING_URI_TAG,
     LEASE_LOST_TAG,
     PARENT_TAG,
@@ -82,6 +87,10 @@ class FoldJob:
     decisions: FoldDecisions
     seed: int | None = None  # cv.seeds: this training seed instead of the config's `seed` (tagged on the child run)
     store_uri: str = ""  # the store the records live in (behind a launcher's server), tagged; "": tracking_uri
+    # the parent run's experiment and the tags its fold runs copy (tracking.INHERITED_TAGS), as the plan knows them;
+    # empty (a job written before they travelled): read from the parent run
+    experiment_id: str = ""
+    parent_tags: dict = field(default_factory=dict)
     tool: ClassVar[str] = "fold-job"  # `python -m pipeline fold-job <job.json>` runs it in a process of its own
 
     @property
@@ -135,13 +144,17 @@ def result_from_run(client: MlflowClient, run) -> FoldResult:
     run_id = run.info.run_id
     frames = pd.read_csv(client.download_artifacts(run_id, FRAME_PREDICTIONS))
     videos = pd.read_csv(client.download_artifacts(run_id, VIDEO_PREDICTIONS))
-    seconds = ((run.info.end_time or run.info.start_time) - run.info.start_time) / 1000
     seed = run.data.tags.get(SEED_TAG)
     metrics = dict(run.data.metrics)
-    return FoldResult(int(run.data.tags[FOLD_TAG]), metrics, frames, videos, seconds, run_id,
+    return FoldResult(int(run.data.tags[FOLD_TAG]), metrics, frames, videos, run_seconds(run), run_id,
                       int(seed) if seed not in (None, "") else None, best_epoch=int(metrics.get("best_epoch", -1)),
                       epochs_trained=int(metrics.get("epochs_trained", 0)),
                       best_score=metrics.get("best_val_score", float("nan")))
+
+
+def run_seconds(run: Run) -> float:
+    """How long a fold run ran, start to end (to now's record, while it runs: 0)."""
+    return ((run.info.end_time or run.info.start_time) - run.info.start_time) / 1000
 
 
 def job_owner_tags() -> dict[str, str]:
@@ -155,10 +168,20 @@ def job_owner_tags() -> dict[str, str]:
     return tags
 
 
-def counted_attempts(client: MlflowClient, job: FoldJob) -> list[Run]:
+def counted_attempts(client: MlflowClient, job: FoldJob, experiment_id: str) -> list[Run]:
     """The fold's attempts, newest first, with any FINISHED one whose artifacts are gone retired first."""
-    runs = fold_runs(client, job.parent_run_id, job.fold, job.seed)
-    return fold_runs(client, job.parent_run_id, job.fold, job.seed) if retire_unreadable(client, runs) else runs
+    runs = fold_runs(client, job.parent_run_id, job.fold, job.seed, experiment_id)
+    return fold_runs(client, job.parent_run_id, job.fold, job.seed, experiment_id) if retire_unreadable(
+        client, runs) else runs
+
+
+def parent_facts(client: MlflowClient, job: FoldJob) -> tuple[str, dict[str, str]]:
+    """The parent's experiment and the tags a fold run copies: as the job carries them, or for a job written without
+    them, read from the parent run."""
+    if job.experiment_id and job.parent_tags:
+        return job.experiment_id, {name: str(job.parent_tags.get(name, "")) for name in INHERITED_TAGS}
+    parent = client.get_run(job.parent_run_id)
+    return parent.info.experiment_id, inherited_tags(parent)
 
 
 def run_fold_job(job: FoldJob) -> FoldResult:
@@ -171,71 +194,104 @@ def run_fold_job(job: FoldJob) -> FoldResult:
     retry_s = OmegaConf.select(cfg, "mlflow.retry_s")
     if retry_s is not None:  # a server that goes away: each call retries it this long (unreachable.bound_retries)
         bound_retries(float(retry_s))
+    experiment_id, parent_tags = parent_facts(client, job)
     # a lease in the store: a fold another machine trains now is waited for, a dead attempt replaced (fold_lease)
     lease_s = float(cfg.cv.lease_s)
     owner = fold_lease.new_owner()
     watch = fold_lease.Watch(lease_s)  # what this job has seen of other attempts, on its own clock
     while True:
         attempt, finished = fold_lease.acquire(client, job.parent_run_id, job.fold, job.seed, owner, lease_s,
-                                               lambda: counted_attempts(client, job), watch=watch)
+                                               lambda: counted_attempts(client, job, experiment_id),
+                                               watch=watch)
         if finished is not None:
             log.info("fold %d (seed %s) already has a finished run %s", job.fold, job.seed, finished.info.run_id)
             return result_from_run(client, finished)
         try:
-            return train_attempt(client, job, training, attempt, owner, lease_s)
+            return train_attempt(client, job, training, attempt, owner, lease_s, experiment_id, parent_tags)
         except fold_lease.LeaseLost as lost:
             print(f"fold {job.fold}{'' if job.seed is None else f' (seed {job.seed})'}: {lost}; this job stopped "
                   f"without finishing it and waits for the fold", flush=True)
 
 
 def train_attempt(client: MlflowClient, job: FoldJob, training: TrainingSettings, attempt: int, owner: str,
-                  lease_s: float) -> FoldResult:
-    """Attempt `attempt` of the fold, claimed by `owner`: its child run, trained under a heartbeat, sealed, FINISHED.
+                  lease_s: float, experiment_id: str, parent_tags: dict[str, str]) -> FoldResult:
+    """Attempt `attempt` of the fold, claimed by `owner`: its child run (in `experiment_id`, with `parent_tags`),
+    trained under a heartbeat, its records gathered and written at once (`RunRecord`), sealed, FINISHED.
     `fold_lease.LeaseLost` when another job took it over meanwhile (the run is then left KILLED, never FINISHED)."""
-    parent = client.get_run(job.parent_run_id)
-    tags = inherited_tags(parent)
+    tags = dict(parent_tags)
     if job.seed is not None:  # one of several training seeds: the fold is trained with it, and tagged so
         training = training.with_seed(job.seed)
         tags[SEED_TAG] = str(job.seed)
     work_dir = Path(job.work_dir)
     mlflow.set_tracking_uri(job.tracking_uri)
     name = f"fold {job.fold}" + (f" seed {job.seed}" if job.seed is not None else "")
-    run = mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=name,
+    run = mlflow.start_run(experiment_id=experiment_id, run_name=name,
                            tags={**tags, PARENT_TAG: job.parent_run_id, RUN_KIND_TAG: FOLD_RUN,
                                  FOLD_TAG: str(job.fold), ATTEMPT_TAG: str(attempt),
                                  JOB_TRACKING_URI_TAG: redact_uri(job.store_uri or job.tracking_uri),
                                  **job_owner_tags(),
                                  **fold_lease.lease_tags(owner)})
+    record = RunRecord(client, run.info.run_id, run.info.artifact_uri)
     heartbeat = fold_lease.Heartbeat(client, run.info.run_id, lease_s / 5, owner)  # renewed while the fold trains
     # FINISHED only once sealed; a store that does not answer: the run stays RUNNING, resumed from there
-    with run_lifecycle(run.info.run_id, client, stopped=(fold_lease.LeaseLost,), left_running=is_unreachable):
+    with no_run_url_line(), run_lifecycle(run.info.run_id, client, stopped=(fold_lease.LeaseLost,),
+                                          left_running=is_unreachable):
         try:
             with heartbeat:
-                result = train_under_heartbeat(client, job, training, run.info.run_id, work_dir, heartbeat)
+                result = train_under_heartbeat(job, training, record, work_dir, heartbeat)
+                record.flush()  # parameters, tags and metrics in one request, before the run is FINISHED
             heartbeat.confirm()  # the run read once more, the heartbeat stopped: a job taken over never finishes it
-        except fold_lease.LeaseLost as lost:
-            mlflow.set_tag(LEASE_LOST_TAG, str(lost))
+        except BaseException as error:
+            if isinstance(error, fold_lease.LeaseLost):
+                record.set_tags({LEASE_LOST_TAG: str(error)})
+            if not is_unreachable(error):  # an unfinished attempt's records, to read its failure by
+                flush_what_was_gathered(record)
             raise
     keep_only_artifacts(work_dir)  # the rest of the folder goes once the CV is FINISHED (its aggregate step)
     result.run_id, result.seed = run.info.run_id, job.seed
     return result
 
 
-def train_under_heartbeat(client: MlflowClient, job: FoldJob, training: TrainingSettings, run_id: str, work_dir: Path,
+def train_under_heartbeat(job: FoldJob, training: TrainingSettings, record: RunRecord, work_dir: Path,
                           heartbeat: fold_lease.Heartbeat) -> FoldResult:
-    """The fold trained on this node's device, its run sealed (`seal_fold`): what the CV will read is in the store."""
-    mlflow.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
+    """The fold trained on this node's device, its run sealed (`seal_fold`): what the CV will read is in the store,
+    its parameters, tags and metrics gathered in `record`."""
+    record.log_params({"fold": job.fold, **({"seed": job.seed} if job.seed is not None else {})})
     device = training_device(training.trainer.accelerator)  # this node's device; no usable GPU asked for: an error
     # decided where the device is known
     settings = settings_on_device(job.decisions, training.trainer.channels_last, device.kind)
     log.info("fold %d: %s; %s", job.fold, device.line, settings.line)
-    mlflow.set_tags(training_device_tags(device))
+    record.set_tags(training_device_tags(device))
     result = train_fold(training, job.fold, job.decisions, work_dir, keep_model=training.log_models, settings=settings,
-                        callbacks=[StopWhenLeaseLost(heartbeat)])
+                        callbacks=[StopWhenLeaseLost(heartbeat)], record=record)
     heartbeat.check()
-    stored = seal_fold(client, run_id, work_dir, keep_model=training.log_models)
-    mlflow.set_tag(STORED_ARTIFACTS_TAG, json.dumps(stored, sort_keys=True))
+    stored = seal_fold(record, work_dir, keep_model=training.log_models)
+    record.set_tags({STORED_ARTIFACTS_TAG: json.dumps(stored, sort_keys=True)})
     return result
+
+
+def flush_what_was_gathered(record: RunRecord) -> None:
+    """An unfinished attempt's parameters, tags and metrics, to read its failure by; one that the store refuses (a
+    parameter another attempt of this run's wrote otherwise) is said, never raised over the failure itself."""
+    try:
+        record.flush()
+    except Exception as error:  # noqa: BLE001 - the failure being handled is the one to raise
+        log.warning("run %s: what it gathered was not written (%s)", record.run_id, error)
+
+
+@contextlib.contextmanager
+def no_run_url_line() -> Iterator[None]:
+    """`mlflow.end_run` within, without the "View run" line MLflow prints for a tracking server's run (it reads the
+    run back from the server for it: a request per fold for a line in a log)."""
+    was = os.environ.get(URL_PRINTING_OFF.name)
+    URL_PRINTING_OFF.set(True)
+    try:
+        yield
+    finally:
+        if was is None:
+            URL_PRINTING_OFF.unset()
+        else:
+            os.environ[URL_PRINTING_OFF.name] = was
 
 
 def main(argv: list[str] | None = None) -> int:

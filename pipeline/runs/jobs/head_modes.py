@@ -49,6 +49,7 @@ from pipeline.runs.jobs.fold_fit import fit_fold
 from pipeline.runs.jobs.step_times import StepTimes
 from pipeline.runs.jobs.training_settings import TrainingSettings
 from pipeline.runs.jobs.two_stage import second_stage
+from pipeline.runs.store.run_record import RunRecord
 
 
 class HeadMode:
@@ -58,6 +59,8 @@ class HeadMode:
     temporal: ClassVar[bool] = False  # a mode of a temporal head (model.head.name other than linear)
     clips: ClassVar[bool] = False  # the datamodule serves whole clips (one item per video), not crops
     keeps_clip_model: ClassVar[bool] = False  # what is kept scores a window of crops (a clip model), not one crop
+    # its fit logs each epoch as it ends (Lightning's); else its epochs are logged once it returns (`log_history`)
+    fit_logs_epochs: ClassVar[bool] = True
 
     def __init__(self, head: HeadConfig) -> None:
         self.head = head
@@ -152,6 +155,7 @@ class InMemoryProbe(FrameHead):
     fit's recipe without a Trainer; the best epoch's weights stay in the module, which is what is kept."""
 
     name = "in_memory"
+    fit_logs_epochs = False
 
     def check(self, finetune: FinetuneConfig) -> None:
         if not finetune.reads_cache:
@@ -175,7 +179,6 @@ class InMemoryProbe(FrameHead):
         if "test" in scored:
             with times("test"):
                 result.frame_predictions, result.evaluation = score_test(module, datamodule)
-        log_history(result.history)
         return result
 
     def keep(self, training: TrainingSettings, built: BuiltFold, result: FoldResult, path: Path, **extra) -> Path:
@@ -249,9 +252,13 @@ def kept_loader(training: TrainingSettings, datamodule: PainDataModule, clips: b
     return loader
 
 
-def log_history(history: list[dict]) -> None:
-    """Every epoch's metrics on the active MLflow run in one request (step = epoch), as a Lightning fit logs them
-    epoch by epoch."""
+def log_history(history: list[dict], record: RunRecord | None) -> None:
+    """Every epoch's metrics (step = epoch), as a Lightning fit logs them epoch by epoch: gathered in `record`, or
+    without one on the active MLflow run in one request."""
+    if record is not None:
+        for row in history:
+            record.log_metrics({name: value for name, value in row.items() if name != "epoch"}, int(row["epoch"]))
+        return
     run = mlflow.active_run()
     if run is None or not history:
         return

@@ -22,6 +22,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 
 from pipeline.models.model_file import MODEL_ARTIFACT
+from pipeline.runs.store.run_record import RunRecord
 from pipeline.runs.store.tracking import FAILED, FAILED_REASON_TAG, FINISHED, FOLD_TAG, STORED_ARTIFACTS_TAG
 from pipeline.utils.atomic_io import fsync_tree
 
@@ -64,23 +65,26 @@ def keep_only_artifacts(work_dir: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def seal_fold(client: MlflowClient, run_id: str, work_dir: Path, keep_model: bool) -> dict[str, dict]:
+def seal_fold(run: RunRecord, work_dir: Path, keep_model: bool) -> dict[str, dict]:
     """Make what a finished fold run is read for safe before it is marked FINISHED: with a file artifact store the
     uploaded copies flushed to disk (the local ones were, before upload), then the prediction tables the CV
-    aggregates and the kept model (when logged) read back from the store and compared with the local files by size
-    and SHA-256. Returns that record (artifact path -> size, sha256); `ArtifactsNotStored` names a file that differs."""
+    aggregates and the kept model (when logged) read back from the run's artifact store and compared with the local
+    files by size and SHA-256. Returns that record (artifact path -> size, sha256); `ArtifactsNotStored` names a file
+    that differs."""
+    run_id = run.run_id
     local = {name: work_dir / "artifacts" / name for name in SEALED}
     if keep_model:
         local[MODEL_ARTIFACT] = work_dir / Path(MODEL_ARTIFACT).name
-    stored = local_artifact_folder(client.get_run(run_id).info.artifact_uri)
+    stored = local_artifact_folder(run.artifact_uri)
     if stored is not None and stored.is_dir():
         fsync_tree(stored, parents=2)  # the run's folder and its experiment's: where a new folder's entry lies
+    repository = run.artifact_repository()
     record = {}
     with tempfile.TemporaryDirectory(prefix="painvit-seal-") as tmp:
         for name, path in local.items():
             written = file_facts(path)
             try:
-                copy = Path(client.download_artifacts(run_id, name, tmp))
+                copy = Path(repository.download_artifacts(name, tmp))
             except Exception as error:  # noqa: BLE001 - any store's "not there": said with the file's name
                 raise ArtifactsNotStored(f"run {run_id}: {name} cannot be read back from the store: {error}") from error
             read = file_facts(copy)

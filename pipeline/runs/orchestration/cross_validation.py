@@ -46,7 +46,7 @@ from pipeline.models.cost import backbone_cost
 from pipeline.models.fold_result import FoldResult
 from pipeline.models.weights import WeightsSource, weights_provenance
 from pipeline.runs.jobs.fold_decisions import FoldDecisions, plan_decisions
-from pipeline.runs.jobs.fold_run import FoldJob, result_from_run
+from pipeline.runs.jobs.fold_run import FoldJob, result_from_run, run_seconds
 from pipeline.runs.jobs.sealing import retire_unreadable
 from pipeline.runs.jobs.what_trains import WhatTrains
 from pipeline.runs.orchestration import launchers
@@ -125,6 +125,7 @@ class Plan:
     done: list[tuple[int, int | None]] = field(default_factory=list)  # (fold, seed) with a finished child run
     finished: bool = False  # aggregated before: nothing to do
     seeds: list[int | None] = field(default_factory=lambda: [None])  # cv.seeds, or [None]: the config's seed
+    identity: dict[str, str] = field(default_factory=dict)  # the parent's identity tags (fold runs copy some)
 
     def pending(self, seed: int | None = None) -> list[int]:
         """The folds of `seed` without a finished child run."""
@@ -138,7 +139,8 @@ class Plan:
         folder = f"fold_{fold}" + (f"_seed_{seed}" if seed is not None else "")
         return FoldJob(copy.deepcopy(self.config), int(fold), self.parent_run_id,
                        tracking_uri or self.tracking_uri, str(self.work_dir / folder), self.decisions, seed,
-                       store_uri=tracking.redact_uri(self.tracking_uri))
+                       store_uri=tracking.redact_uri(self.tracking_uri), experiment_id=self.experiment_id,
+                       parent_tags={name: self.identity.get(name, "") for name in tracking.INHERITED_TAGS})
 
 
 @contextlib.contextmanager
@@ -198,7 +200,7 @@ def plan_cv(run: CvRunSettings, client: MlflowClient, tracking_uri: str) -> Plan
     cv = run.cv  # what identifies this CV, read once
     tags = cv_runs.identity_tags(cv, fold_file, weights)  # the weights file hashed once, by plan_decisions()
     plan = Plan(training.config, run.launcher, training.model_name, decisions, trains, fold_ids, task.classes,
-                tracking_uri, experiment_id, "", Path())
+                tracking_uri, experiment_id, "", Path(), identity=tags)
     parent = cv_runs.newest_cv(client, experiment_id, tags) if run.resume == "auto" else None
     if parent is None and run.resume == "auto":
         why = cv_runs.why_not_resumed(client, experiment_id, tags, cv)
@@ -313,13 +315,15 @@ def log_exclusions(client: MlflowClient, run_id: str, frames_result, frames_per_
         client.log_artifacts(run_id, tmp, "data")
 
 
-def fold_line(result: FoldResult) -> str:
-    m = result.metrics
+def fold_line(done: FoldResult | Run) -> str:
+    """A finished fold's line: its test scores, epochs and time, from its result or its FINISHED run."""
+    m, seconds = (done.metrics, done.seconds) if isinstance(done, FoldResult) else (done.data.metrics,
+                                                                                   run_seconds(done))
     decided = (f"at threshold {m['test/threshold']:.3f}: acc {m['test/video_accuracy_at_threshold']:.3f} "
                f"bal-acc {m['test/video_balanced_accuracy_at_threshold']:.3f} | " if "test/threshold" in m else "")
     return (f"video AUROC {m['test/video_auroc']:.3f} | {decided}argmax acc {m['test/video_accuracy']:.3f} "
             f"bal-acc {m['test/video_balanced_accuracy']:.3f} | frame AUROC {m['test/frame_auroc']:.3f} | "
-            f"{result.epochs_trained} epochs (best {result.best_epoch}) | {result.seconds:.0f} s")
+            f"{int(m['epochs_trained'])} epochs (best {int(m['best_epoch'])}) | {seconds:.0f} s")
 
 
 class Progress:
@@ -339,15 +343,16 @@ class Progress:
         print(f"[{self.finished}/{self.total} folds done] {text}", flush=True)
 
 
-def launch(plan: Plan, client: MlflowClient) -> launchers.LaunchOutcome:
-    """Run the pending folds of every seed, one seed after the other (the launchers know folds, not seeds)."""
+def launch(plan: Plan, client: MlflowClient, session: launchers.LaunchSession) -> launchers.LaunchOutcome:
+    """Run the pending folds of every seed, one seed after the other (the launchers know folds, not seeds), with
+    what `session` holds open for the command's launches (server, workers)."""
     report = Progress(plan)
     outcome = launchers.LaunchOutcome()
     for seed in plan.seeds:
         if not plan.pending(seed):
             continue
         report.seed = seed
-        part = launch_seed(plan, client, seed, report)
+        part = launch_seed(plan, client, seed, report, session)
         outcome.done += part.done
         outcome.failed.update({fold if seed is None else f"{fold} (seed {seed})": reason
                                for fold, reason in part.failed.items()})
@@ -356,22 +361,24 @@ def launch(plan: Plan, client: MlflowClient) -> launchers.LaunchOutcome:
     return outcome
 
 
-def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Progress) -> launchers.LaunchOutcome:
+def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Progress,
+                session: launchers.LaunchSession) -> launchers.LaunchOutcome:
     """Run one seed's pending folds on the configured launcher (SLURM jobs of an earlier `launcher.wait=false` run
-    that are still queued are followed, not submitted again)."""
+    that are still queued are followed, not submitted again), through `session`'s store and workers."""
     launcher = plan.launcher
     pending = plan.pending(seed)
 
-    def result_of(fold: int) -> FoldResult | None:  # a fold is done with its FINISHED child run
-        run = tracking.finished_fold_runs(client, plan.parent_run_id, seed).get(fold)
-        return result_from_run(client, run) if run is not None else None
+    def result_of(fold: int) -> Run | None:  # a fold is done with its FINISHED child run, whose scores are shown
+        runs = tracking.fold_runs(client, plan.parent_run_id, fold, seed, plan.experiment_id)
+        return next((run for run in runs if run.info.status == tracking.FINISHED), None)
 
-    if launcher.name != "slurm":  # where the jobs write: `launchers.job_store`, as for a search's workers
-        with launchers.job_store(launcher.name, plan.tracking_uri, client, plan.experiment_id) as (uri, credentials):
-            jobs = [plan.job(fold, uri, seed) for fold in pending]
-            if launcher.name == "local":
-                return launchers.launch_local(jobs, report)
-            return launchers.launch_parallel(jobs, launcher.jobs, report, result_of, credentials)
+    # where the jobs write: `launchers.job_store` (as for a search's workers), kept open for the command's next CV
+    uri, credentials = session.job_store(launcher.name, plan.tracking_uri, client, plan.experiment_id)
+    if launcher.name != "slurm":
+        jobs = [plan.job(fold, uri, seed) for fold in pending]
+        if launcher.name == "local":
+            return launchers.launch_local(jobs, report)
+        return launchers.launch_parallel(jobs, launcher.jobs, report, result_of, pool=session.workers(launcher.jobs))
     parent = client.get_run(plan.parent_run_id)
     jobs_tag = tracking.SLURM_JOBS_TAG + (f".seed_{seed}" if seed is not None else "")
     submitted = {int(k): v for k, v in json.loads(parent.data.tags.get(jobs_tag, "{}")).items()}
@@ -380,10 +387,9 @@ def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Prog
     to_submit = [fold for fold in pending if fold not in queued]
     if to_submit:
         name = f"painvit-{plan.model_name}-{plan.parent_run_id[:8]}"
-        with launchers.job_store(launcher.name, plan.tracking_uri, client, plan.experiment_id) as (_, credentials):
-            new = launchers.submit_slurm([plan.job(fold, seed=seed) for fold in to_submit], launcher,
-                                         plan.work_dir / "slurm", name + (f"-seed{seed}" if seed is not None else ""),
-                                         credentials)
+        new = launchers.submit_slurm([plan.job(fold, seed=seed) for fold in to_submit], launcher,
+                                     plan.work_dir / "slurm", name + (f"-seed{seed}" if seed is not None else ""),
+                                     credentials)
         submitted.update(new)
         queued.update(new)
         client.set_tag(plan.parent_run_id, jobs_tag, json.dumps({str(fold): job for fold, job in submitted.items()}))
@@ -393,8 +399,12 @@ def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Prog
     return launchers.wait_slurm(queued, report, result_of, launcher.poll_s)
 
 
-def run_cv(cfg: DictConfig) -> dict:
-    """Plan, launch the pending folds, aggregate; returns the aggregate metrics (empty if folds remain)."""
+def run_cv(cfg: DictConfig, session: launchers.LaunchSession | None = None) -> dict:
+    """Plan, launch the pending folds, aggregate; returns the aggregate metrics (empty if folds remain). `session`:
+    what the command's CVs share (`launchers.LaunchSession`: `make table`'s, `make power`'s), else this CV's own."""
+    if session is None:
+        with launchers.LaunchSession() as own:
+            return run_cv(cfg, own)
     tracking_uri = tracking.store_uri(cfg.mlflow.tracking_uri)
     launchers.check_launcher(cfg.launcher.name, tracking_uri)
     client = MlflowClient(tracking_uri)
@@ -421,7 +431,7 @@ def run_cv(cfg: DictConfig) -> dict:
               f"{plan.parent_run_id}); `make ui` to review")
         # aggregate() finishes it; a store that does not answer cannot be told either: the run stays RUNNING
         with tracking.run_lifecycle(plan.parent_run_id, client, finish=False, left_running=is_unreachable):
-            outcome = launch(plan, client) if len(plan.done) < len(plan.units) else launchers.LaunchOutcome()
+            outcome = launch(plan, client, session) if len(plan.done) < len(plan.units) else launchers.LaunchOutcome()
         if outcome.submitted:
             print(f"{len(outcome.submitted)} fold(s) queued on SLURM; run the same command again to follow them "
                   f"and aggregate once all are done")

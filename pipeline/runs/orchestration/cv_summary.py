@@ -102,7 +102,8 @@ def log_aggregate(client: MlflowClient, run_id: str, results: list[FoldResult], 
     """The CV's summary over `results` (tested on `fold_file`'s subjects; `several_seeds`: cv.seeds; `graded`: a
     graded task's levels too) logged onto the parent run `run_id`, with its tables and plots; returns the summary."""
     summary = spread_over_folds_and_seeds(results)
-    videos = pd.concat([r.video_predictions.assign(seed=r.seed) if several_seeds else r.video_predictions
+    # each video with the fold that tested it (make compare's paired tests group a fold's subjects) and its seed
+    videos = pd.concat([r.video_predictions.assign(fold=r.fold, **({"seed": r.seed} if several_seeds else {}))
                         for r in results], ignore_index=True)
     frames = pd.concat([r.frame_predictions for r in results], ignore_index=True)
     prob_columns = [f"prob_{c}" for c in class_names]

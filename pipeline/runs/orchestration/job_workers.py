@@ -72,32 +72,61 @@ def start_worker(slot: int, environment: Mapping[str, str], log_path: Path) -> W
     return Worker(slot, process, Connection(mine.detach()))
 
 
-def run_on_workers(jobs: Sequence[Any], environments: Sequence[Mapping[str, str]], report: Callable[[int, str, Any],
-                   None], result_of: Callable[[int], Any], outcome: Any) -> None:
-    """Every job on the workers, one worker per environment (slot), at most one job each at a time: `report`s each
-    job's states, fills `outcome` (done: its worker said so and `result_of(key)` is not None; failed: with the reason
-    and its log's tail). StoreUnreachable once a job found the tracking server gone for good."""
-    queue = list(jobs)
-    workers: dict[int, Worker] = {}
-    for job in queue:
-        report(job.key, "pending", None)
-    try:
-        while queue or any(worker.busy for worker in workers.values()):
-            for slot, environment in enumerate(environments):  # an idle slot takes the next job
-                if not queue:
-                    break
-                worker = workers.get(slot)
-                if worker is not None and worker.busy:
-                    continue
-                if worker is None or worker.process.poll() is not None:
-                    worker = workers[slot] = start_worker(slot, environment, queue[0].file("log").with_name(
-                        f"job_worker_{slot}.log"))
-                give(worker, queue.pop(0), report)
-            busy = {worker.connection: worker for worker in workers.values() if worker.busy}
-            for connection in wait(list(busy), timeout=1.0):  # an answer, or the end of a worker that died
-                settle(busy[connection], report, result_of, outcome)
-    finally:
-        stop_workers(list(workers.values()))
+class WorkerPool:
+    """The workers of one launch, or of every launch of one command (`launchers.LaunchSession`: the CVs of `make
+    table` or `make power`), one per environment (slot), each started when its slot first takes a job and kept
+    until `close`: a later launch's jobs go to the same processes, their imports paid. A worker that died meanwhile
+    is replaced when its slot takes its next job."""
+
+    def __init__(self, environments: Sequence[Mapping[str, str]]) -> None:
+        self.environments = list(environments)
+        self.workers: dict[int, Worker] = {}
+
+    def run(self, jobs: Sequence[Any], report: Callable[[int, str, Any], None], result_of: Callable[[int], Any],
+            outcome: Any) -> None:
+        """Every job on the workers, at most one job each at a time: `report`s each job's states, fills `outcome`
+        (done: its worker said so and `result_of(key)` is not None; failed: with the reason and its log's tail).
+        StoreUnreachable once a job found the tracking server gone for good. On any error (Ctrl-C included) every
+        worker is stopped (`close`): a running fold marks its run KILLED."""
+        queue = list(jobs)
+        for job in queue:
+            report(job.key, "pending", None)
+        try:
+            while queue or any(worker.busy for worker in self.workers.values()):
+                for slot in range(len(self.environments)):  # an idle slot takes the next job
+                    if not queue:
+                        break
+                    worker = self.workers.get(slot)
+                    if worker is not None and worker.busy:
+                        continue
+                    if worker is None or worker.process.poll() is not None:
+                        worker = self.start(slot, queue[0].file("log").with_name(f"job_worker_{slot}.log"))
+                    give(worker, queue.pop(0), report)
+                busy = {worker.connection: worker for worker in self.workers.values() if worker.busy}
+                for connection in wait(list(busy), timeout=1.0):  # an answer, or the end of a worker that died
+                    settle(busy[connection], report, result_of, outcome)
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self, slot: int, log_path: Path) -> Worker:
+        """A new worker in `slot` (in place of one that ended)."""
+        ended = self.workers.pop(slot, None)
+        if ended is not None:
+            ended.connection.close()
+        self.workers[slot] = start_worker(slot, self.environments[slot], log_path)
+        return self.workers[slot]
+
+    def close(self) -> None:
+        """Every worker stopped (`stop_workers`)."""
+        workers, self.workers = list(self.workers.values()), {}
+        stop_workers(workers)
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def give(worker: Worker, job: Any, report: Callable[[int, str, Any], None]) -> None:

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Protocol
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
-from pipeline.runs.orchestration.job_workers import run_on_workers
+from pipeline.runs.orchestration.job_workers import WorkerPool
 from pipeline.runs.store.private_server import tracking_server
 from pipeline.runs.store.tracking import redact_uri, uri_has_credentials
 from pipeline.runs.store.tracking_server import (
@@ -219,18 +219,80 @@ def job_environment(slot: Mapping[str, str], credentials: Mapping[str, str],
     return {**without_credentials(os.environ if environ is None else environ), **slot, **credentials}
 
 
-def launch_parallel(jobs: Sequence[Job], n_jobs: int | None, report: Report, result_of: Callable[[int], Any],
-                    credentials: Mapping[str, str] | None = None) -> LaunchOutcome:
-    """The jobs on up to n_jobs long-lived worker processes (`job_workers`), one per slot (`job_slots`: a GPU or a
-    share of the cores), each fed one job after another, with `credentials` (the tracking server's user for the run)
-    as their only secret. A job is done when its worker says so and `result_of(key)` is not None; else it failed,
-    reported with its log's tail. Ctrl-C stops them."""
+def parallel_environments(n_jobs: int | None, credentials: Mapping[str, str]) -> list[dict[str, str]]:
+    """The parallel launcher's slots (`job_slots`: a GPU or a share of the cores each, at most the OMP_NUM_THREADS
+    set here), each a job's environment with `credentials` (the tracking server's user for the run) as its only
+    secret."""
     asked = os.environ.get("OMP_NUM_THREADS", "")
     slots = job_slots(n_jobs, visible_gpus(), sorted(_cpu_ids()), int(asked) if asked.isdigit() else None)
-    slots = slots[:max(1, len(jobs))]
+    return [job_environment(slot, credentials) for slot in slots]
+
+
+def launch_parallel(jobs: Sequence[Job], n_jobs: int | None, report: Report, result_of: Callable[[int], Any],
+                    credentials: Mapping[str, str] | None = None, pool: WorkerPool | None = None) -> LaunchOutcome:
+    """The jobs on up to n_jobs long-lived worker processes (`job_workers`), one per slot (`parallel_environments`),
+    each fed one job after another: those of `pool` (a `LaunchSession`'s, kept for the command's next launch), or
+    workers started for these jobs and stopped after them. A job is done when its worker says so and
+    `result_of(key)` is not None; else it failed, reported with its log's tail. Ctrl-C stops them."""
     outcome = LaunchOutcome()
-    run_on_workers(jobs, [job_environment(slot, credentials or {}) for slot in slots], report, result_of, outcome)
+    if pool is not None:
+        pool.run(jobs, report, result_of, outcome)
+        return outcome
+    with WorkerPool(parallel_environments(n_jobs, credentials or {})) as own:
+        own.run(jobs, report, result_of, outcome)
     return outcome
+
+
+class LaunchSession:
+    """What the CVs of one command share, each started by the first launch that needs it and stopped when the
+    command ends (`with LaunchSession() as session`): where their jobs write (`job_store`: for the parallel launcher
+    over a database store, a private tracking server) and the parallel launcher's workers (`WorkerPool`). `make
+    table` runs five CVs and `make power` two a replicate, one after the other: each would otherwise pay a server's
+    start (about 9 s) and every worker's imports (about 8 s) again, more than a fold of an in-memory probe costs.
+
+    Between launches the server and the workers wait idle, while this process plans, aggregates and writes the
+    store as it does without them (it is the only writer then). A launch for another launcher, store or experiment
+    closes what is open and opens its own."""
+
+    def __init__(self) -> None:
+        self.key: tuple[str, str, str] | None = None  # (launcher, tracking URI, experiment) of what is open
+        self.stack = contextlib.ExitStack()
+        self.store: tuple[str, dict[str, str]] = ("", {})
+        self.pool: WorkerPool | None = None
+        self.pool_jobs: int | None = None
+
+    def job_store(self, launcher: str, tracking_uri: str, client: MlflowClient, experiment_id: str,
+                  jobs: str = "fold jobs") -> tuple[str, dict[str, str]]:
+        """`job_store`'s (tracking URI, credentials) for the jobs, opened once for this launcher, store and
+        experiment."""
+        key = (launcher, tracking_uri, experiment_id)
+        if key != self.key:
+            self.close()
+            self.store = self.stack.enter_context(job_store(launcher, tracking_uri, client, experiment_id, jobs))
+            self.key = key
+        return self.store
+
+    def workers(self, n_jobs: int | None) -> WorkerPool:
+        """The parallel launcher's workers for `n_jobs` slots, with the credentials of the open `job_store`; closed
+        before its server stops."""
+        if self.pool is None or self.pool_jobs != n_jobs:
+            if self.pool is not None:
+                self.pool.close()
+            self.pool = WorkerPool(parallel_environments(n_jobs, self.store[1]))
+            self.pool_jobs = n_jobs
+            self.stack.callback(self.pool.close)
+        return self.pool
+
+    def close(self) -> None:
+        """The workers stopped, then the server."""
+        self.stack.close()
+        self.key, self.store, self.pool, self.pool_jobs = None, ("", {}), None, None
+
+    def __enter__(self) -> LaunchSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _cpu_ids() -> set[int]:

@@ -281,7 +281,8 @@ def search(tune: TuneSettings, client: MlflowClient, plan: TunedPlan, space: Sea
 def cross_validate(plan: TunedPlan, tune: TuneSettings, client: MlflowClient) -> dict:
     """The tuned CV: its folds launched with their chosen settings, then aggregated; folds that did not finish are
     an error that says to run the command again."""
-    outcome = launch(plan, client)
+    with launchers.LaunchSession() as session:
+        outcome = launch(plan, client, session)
     if outcome.failed or outcome.submitted:
         client.set_terminated(plan.parent_run_id, tracking.FAILED if outcome.failed else tracking.RUNNING)
         unfinished = ", ".join(sorted(map(str, {**outcome.failed, **outcome.submitted})))

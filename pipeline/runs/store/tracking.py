@@ -68,6 +68,8 @@ FINAL_MODEL, FOLD_MODEL, ENSEMBLE_MODEL = "final", "fold", "fold_ensemble"
 TABLE_RUN = "table"  # `make table`'s run of the papers' comparison (pipeline.analysis.results_table)
 INSPECT_IMAGES_TAG = "painvit.inspect_images"  # on an inspected CV: where `make inspect` put its face images
 FOLD_FILE_TAG = "fold_file_sha256"  # on a CV's parent: the SHA-256 of its fold file (CVs compare on one file only)
+# on a comparison: what one unit of its paired tests is (the fold that tested a group of subjects, or the subject)
+TEST_UNIT_TAG = "test_unit"
 # A fold's lease (pipeline.runs.store.fold_lease): its owner and heartbeat on the child run, claims as parent params.
 LEASE_TAG, HEARTBEAT_TAG = "painvit.lease", "painvit.heartbeat"
 LEASE_PARAM = "painvit.lease"  # prefix of the parent run's claim parameters
@@ -131,6 +133,7 @@ THRESHOLD_RULE_TAG, THRESHOLD_FALLBACK_TAG = "threshold_rule", "threshold_fallba
 CORRECTION_FAMILY_TAG, COMPARED_DESPITE_TAG, PAIRED_ON_TAG = "correction_family", "compared_despite", "paired_on"
 # On `make power`'s run: the planted effect, what it measures, the comparison it repeats.
 EFFECT_TAG, MEASURES_TAG, COMPARISON_TAG = "effect", "measures", "comparison"
+POWER_STUDY_TAG = "study"  # a resampled power study: the hash of its settings (its rows in the record)
 INTERVAL_KIND_TAG = "interval_kind"  # on a CV's parent: how its pooled intervals were drawn
 # On a registered model version: the CV its settings came from, its threshold, the folds of a fold ensemble.
 VERSION_SOURCE_CV_TAG, VERSION_THRESHOLD_TAG, VERSION_FOLDS_TAG = "source_cv_run", "threshold", "folds"
@@ -296,24 +299,26 @@ def store_lock(database: Path) -> Iterator[None]:
 
 
 def fold_runs(client: MlflowClient, parent_run_id: str, fold: int | None = None,
-              seed: int | None = None) -> list[Run]:
+              seed: int | None = None, experiment_id: str | None = None) -> list[Run]:
     """The fold runs (every attempt) of a cross-validation's parent run, of one of its folds, of one training seed
-    (cv.seeds; None: any), newest first."""
-    parent = client.get_run(parent_run_id)
+    (cv.seeds; None: any), newest first. `experiment_id`: the parent's, where the caller knows it (one request less:
+    the parent run is not read for it)."""
+    if experiment_id is None:
+        experiment_id = client.get_run(parent_run_id).info.experiment_id
     query = f"tags.`{PARENT_TAG}` = '{parent_run_id}' and tags.`{RUN_KIND_TAG}` = '{FOLD_RUN}'"
     if fold is not None:
         query += f" and tags.`{FOLD_TAG}` = '{fold}'"
     if seed is not None:
         query += f" and tags.`{SEED_TAG}` = '{seed}'"
-    return client.search_runs([parent.info.experiment_id], query, order_by=["attribute.start_time DESC"],
-                              max_results=10_000)
+    return client.search_runs([experiment_id], query, order_by=["attribute.start_time DESC"], max_results=10_000)
 
 
-def finished_fold_runs(client: MlflowClient, parent_run_id: str, seed: int | None = None) -> dict[int, Run]:
+def finished_fold_runs(client: MlflowClient, parent_run_id: str, seed: int | None = None,
+                       experiment_id: str | None = None) -> dict[int, Run]:
     """fold -> the run that counts for it (of one training seed; None: any): its newest FINISHED attempt. Folds with
-    none are absent."""
+    none are absent. `experiment_id` as for `fold_runs`."""
     finished: dict[int, Run] = {}
-    for run in fold_runs(client, parent_run_id, seed=seed):
+    for run in fold_runs(client, parent_run_id, seed=seed, experiment_id=experiment_id):
         if run.info.status == FINISHED:
             finished.setdefault(int(run.data.tags[FOLD_TAG]), run)
     return finished
