@@ -156,3 +156,13 @@ def test_the_eighty_percent_point_is_read_on_the_size_of_the_true_difference_of_
     for summary in (worse, better, better.iloc[::-1]):
         assert eighty_percent_point(summary) == pytest.approx(0.05)
     assert np.isnan(eighty_percent_point(worse.assign(rate=0.5)))
+
+
+def test_the_minimum_detectable_effect_is_finite_on_one_degree_of_freedom() -> None:
+    """Two folds leave one degree of freedom, where scipy's non-central t returns NaN for the lower tail near the
+    answer (df 1, non-centrality about 15): the effect is still found, and a true difference of it is detected with
+    the promised power by the exact non-central t."""
+    mde = minimum_detectable_effect(1.0, 1, 0.05)
+    assert np.isfinite(mde) and mde > stats.t.ppf(0.975, 1)
+    critical = stats.t.ppf(0.975, 1)
+    assert stats.nct.sf(critical, 1, mde) + stats.nct.sf(critical, 1, -mde) == pytest.approx(0.8, abs=1e-6)

@@ -82,6 +82,7 @@ def test_validation_scores_that_cannot_choose_fall_back_to_one_half_and_say_why(
     from pipeline.models.fold_result import FoldResult
     from pipeline.runs.jobs.fold_job import log_threshold_fallback
     from pipeline.runs.orchestration.cv_summary import print_table
+    from pipeline.runs.store.run_record import RunRecord
 
     inverted = videos([0, 0, 0, 1, 1, 1], [0.9, 0.8, 0.7, 0.3, 0.2, 0.1], "val-subject")
     test = videos([0, 0, 1, 1], [0.2, 0.6, 0.4, 0.9], "test-subject")
@@ -96,8 +97,10 @@ def test_validation_scores_that_cannot_choose_fall_back_to_one_half_and_say_why(
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a real file store: no database to migrate for one run
     mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
     with mlflow.start_run() as run:
-        log_threshold_fallback(3, fallback)
-        mlflow.log_metrics({f"test/{k}": v for k, v in metrics.items()})
+        record = RunRecord.of_active_run()
+        log_threshold_fallback(3, fallback, record)
+        record.log_metrics({f"test/{k}": v for k, v in metrics.items()})
+        record.flush()
     logged = mlflow.get_run(run.info.run_id).data
     assert logged.tags["threshold_fallback"] == NO_BETTER_THAN_CHANCE
     assert logged.metrics["test/threshold_fallback"] == 1.0

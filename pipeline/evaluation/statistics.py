@@ -280,7 +280,9 @@ def minimum_detectable_effect(standard_error: float, df: float, alpha: float, po
     critical = stats.t.ppf(1 - alpha / 2, df)
 
     def shortfall(ncp: float) -> float:
-        return float(stats.nct.sf(critical, df, ncp) + stats.nct.cdf(-critical, df, ncp)) - power
+        # P(T < -c) for non-centrality ncp is P(T > c) for -ncp: scipy's nct.cdf returns NaN on some of these lower
+        # tails (df 1, ncp near 15), its sf does not
+        return float(stats.nct.sf(critical, df, ncp) + stats.nct.sf(critical, df, -ncp)) - power
 
     upper = critical + stats.t.ppf(power, df) + 1.0
     while shortfall(upper) < 0:  # the normal approximation plus one is nearly always above it already

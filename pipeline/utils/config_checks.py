@@ -179,6 +179,8 @@ def type_problem(default: Any, value: Any) -> str | None:
     if value is None or default is None:
         return None
     if isinstance(default, dict):
+        if isinstance(value, dict):  # a section given as {key: value, ...}: merged into it, each key checked there
+            return None
         return f"a section of keys ({', '.join(map(str, list(default.keys())[:4]))}, ...): set one of them"
     if isinstance(default, list):
         return None if isinstance(value, list) else "a list, e.g. [0,1]"
