@@ -43,6 +43,7 @@ from pipeline.deployment.serve_load import (
     request_kinds,
     request_plan,
     run_load,
+    serving_pid,
     summary,
 )
 from pipeline.utils.config import load_config
@@ -88,16 +89,6 @@ def make_champion(folder: Path, task: str) -> str:
     return uri
 
 
-def serving_pid(make_pid: int) -> int:
-    """The python process that serves (`python -m pipeline serve`) among `make serve`'s process and its children."""
-    def tree(pid: int) -> list[int]:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        return [pid] + [grandchild for child in children for grandchild in tree(int(child))]
-
-    for pid in tree(make_pid):
-        if b"pipeline\x00serve" in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return pid
-    raise RuntimeError(f"no `pipeline serve` process under {make_pid}")
 
 
 def start_server(stack: ExitStack, uri: str, port: int, task: str, serve_args: str, log: Path) -> int:

@@ -22,6 +22,7 @@ from mlflow.exceptions import MlflowException
 from omegaconf import OmegaConf
 
 from pipeline.deployment.predict import run_predict
+from pipeline.deployment.serve_load import serving_pid
 from pipeline.deployment.video_frames import sampled_frames
 from pipeline.runs.serving.mlflow_model import encode_image, frames_from_input
 from pipeline.runs.serving.serving_input import ServingLimits
@@ -63,38 +64,33 @@ def server(untrained_model, tmp_path_factory):
     process = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True, env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if request(port, "GET", "/ping")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert process.poll() is None, (own / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the scoring server did not answer /ping within 180 s"
-            time.sleep(0.5)
+        wait_for_ping(port, process, own / "server.log")
         yield {"port": port, "allowed": allowed, "own": own, "log": own / "server.log", "pid": serving_pid(process.pid)}
     finally:
         stop_process_group(process)
         log.close()
 
 
-def serving_pid(make_pid: int) -> int:
-    """The python process that serves (`python -m pipeline serve`), among `make serve`'s process and its children."""
-    def tree(pid: int) -> list[int]:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        return [pid] + [grandchild for child in children for grandchild in tree(int(child))]
-
-    for pid in tree(make_pid):
-        if b"pipeline\x00serve" in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return pid
-    raise AssertionError(f"no `pipeline serve` process under {make_pid}")
 
 
 def peak_bytes(pid: int) -> int:
     """The process's peak resident set (VmHWM), in bytes."""
     line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM:"))
     return int(line.split()[1]) * 1024
+
+
+def wait_for_ping(port: int, process: subprocess.Popen, log: Path, timeout_s: float = 180) -> None:
+    """Until the scoring server `process` started answers /ping on `port`; its log's tail if it dies first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if request(port, "GET", "/ping")[0] == 200:
+                return
+        except OSError:
+            pass
+        assert process.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"the scoring server did not answer /ping within {timeout_s:.0f} s"
+        time.sleep(0.5)
 
 
 def b64(data: bytes) -> str:

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import threading
-import time
 
 import mlflow
 import numpy as np
@@ -30,7 +29,7 @@ from pipeline.runs.serving.mlflow_model import (
 )
 from pipeline.utils.paths import PROJECT_ROOT
 from pipeline.utils.processes import stop_process_group
-from tests.test_serving import free_port, request
+from tests.test_serving import free_port, request, wait_for_ping
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MAX_IN_FLIGHT, SCORERS, MAX_BODY_MB = 3, 2, 1
@@ -59,16 +58,7 @@ def busy_server(untrained_model, tmp_path_factory):
     process = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True, env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if request(port, "GET", "/ping")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert process.poll() is None, (own / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the scoring server did not answer /ping within 180 s"
-            time.sleep(0.5)
+        wait_for_ping(port, process, own / "server.log")
         yield {"port": port, "log": own / "server.log"}
     finally:
         stop_process_group(process)

@@ -249,4 +249,13 @@ def summary(answers: Sequence[Answer], wall_s: float) -> dict[str, Any]:
         "mean_seconds": round(statistics.fmean(seconds), 3) if seconds else None,
     }
 
+def serving_pid(make_pid: int) -> int:
+    """The python process that serves (`python -m pipeline serve`) among `make serve`'s process and its children."""
+    def tree(pid: int) -> list[int]:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [pid] + [grandchild for child in children for grandchild in tree(int(child))]
 
+    for pid in tree(make_pid):
+        if b"pipeline\x00serve" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    raise RuntimeError(f"no `pipeline serve` process under {make_pid}")
