@@ -87,7 +87,7 @@ def in_memory_probe(replicate: dict, fold: int, seed: int, plain: np.ndarray) ->
     strategy = FrozenOnEmbeddings()
     strategy.prepare(net)
     module = PainLightningModule(net, TASK.classes, OptimConfig(**OmegaConf.to_container(cfg.model.optim)),
-                                 aggregation=cfg.trainer.aggregation, topk=cfg.trainer.topk,
+                                 aggregation=cfg.trainer.aggregation, topk=cfg.trainer.topk, decoding=cfg.eval.decoding,
                                  monitor=cfg.trainer.monitor, finetune=strategy)
     fitted = fit_probe(module, datamodule, ProbeTraining(cfg.trainer.max_epochs, cfg.trainer.patience,
                                                          cfg.trainer.monitor, cfg.trainer.monitor_mode,
