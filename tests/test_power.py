@@ -14,6 +14,7 @@ from scipy import stats
 from pipeline.analysis.comparison_statistics import PRIMARY_CHOICES, PRIMARY_METRIC
 from pipeline.analysis.power import PowerSettings, clopper_pearson, effect_metric, run_power, study_key
 from pipeline.analysis.power_report import eighty_percent_point
+from pipeline.analysis.resampled_power import ResampledStudy
 from pipeline.data.synthetic.settings import EFFECTS
 from pipeline.data.tasks import get_task
 from pipeline.evaluation.statistics import minimum_detectable_effect, paired_test
@@ -37,11 +38,11 @@ def power_settings(*overrides: str) -> PowerSettings:
 
 def test_every_configured_effect_names_a_twin_a_metric_compare_takes_and_two_settings_that_differ() -> None:
     power = power_group()
-    assert {"null", "temporal", "baseline", "graded", "aa", "curve"} <= set(power.effects)
+    assert {"null", "temporal", "baseline", "graded", "aa", "aa_signal", "curve"} <= set(power.effects)
     for name, entry in power.effects.items():
         if entry.get("design") == "resampled":  # two copies of one configuration, b's embeddings degraded by levels
             assert get_task(entry.task).n_classes == 2 and list(entry.levels) == sorted(entry.levels), name
-            assert entry.levels[0] == 0.0, name  # the curve starts at no difference
+            assert entry.levels[0] == entry.get("base_level", 0.0), name  # the curve starts at no difference
             continue
         assert entry.twin in EFFECTS, name
         assert effect_metric(power_settings(f"power.effect={name}")) in PRIMARY_CHOICES, name
@@ -49,6 +50,11 @@ def test_every_configured_effect_names_a_twin_a_metric_compare_takes_and_two_set
         load_config([f"task={entry.task}", *entry.a.overrides])  # each side composes
         load_config([f"task={entry.task}", *entry.b.overrides])
     assert list(power.effects.aa.levels) == [0.0]
+    for effect in ("aa", "aa_signal"):  # an A/A: one configuration twice, the seeds alone differ
+        study = ResampledStudy.from_config(power, effect, [], "twin")
+        a, b = study.copies(3)
+        assert a.shift == b.shift == power.effects[effect].get("base_level", 0.0) and a.seeds != b.seeds, effect
+    assert power.effects.aa_signal.base_level > 0
     assert effect_metric(power_settings("power.effect=graded")) == "mae"
     assert effect_metric(power_settings("power.effect=temporal")) == PRIMARY_METRIC
     assert list(power.effects.baseline.allow_differences) == ["personalise"]

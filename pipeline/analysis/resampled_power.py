@@ -88,6 +88,7 @@ class ResampledStudy:
     task: str
     knob: str
     levels: tuple[float, ...]
+    base_level: float  # copy a's own shift on the knob (0: none; aa_signal: both copies at one gain)
     protocol: str
     seeds: int
     replicates: tuple[int, ...]
@@ -108,7 +109,8 @@ class ResampledStudy:
                      "common": list(power["common"]), "base": sorted(base)}
         key = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return cls(effect, str(entry["task"]), str(entry.get("knob") or "noise"),
-                   tuple(float(v) for v in entry["levels"]), str(settings["protocol"]), int(settings["seeds"]),
+                   tuple(float(v) for v in entry["levels"]), float(entry.get("base_level", 0.0)),
+                   str(settings["protocol"]), int(settings["seeds"]),
                    tuple(int(power["seed"]) + r for r in range(int(power["repeats"]))),
                    int(settings["population_twins"]), int(settings["population_seed"]), int(settings["shift_seed"]),
                    int(settings["truth_replicates"]), float(power["alpha"]), key)
@@ -117,7 +119,7 @@ class ResampledStudy:
         """Copy a, then copy b at each level: a's training seeds and b's (shared by b's levels) drawn from the
         replicate, so every replicate trains anew."""
         seeds = [tuple(derived_seed(replicate, side, s) % 2**31 for s in range(self.seeds)) for side in (0, 1)]
-        return [Copy(A_COPY, 0.0, seeds[0]), *(Copy(f"copy b ({self.knob} {level:g})", level, seeds[1])
+        return [Copy(A_COPY, self.base_level, seeds[0]), *(Copy(f"copy b ({self.knob} {level:g})", level, seeds[1])
                                                 for level in self.levels)]
 
 
