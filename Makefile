@@ -44,7 +44,8 @@ TARGET ?=
 TRIALS ?=
 SCOPE ?=
 TUNED ?=
-# `make power`: EFFECT= null | temporal | baseline | graded (configs/power/default.yaml), REPEATS= twins (default 20)
+# `make power`: EFFECT= null | temporal | baseline | graded | aa | aa_signal | curve (configs/power/default.yaml),
+# REPEATS= twins or replicates (default 20)
 EFFECT ?= temporal
 REPEATS ?=
 # `make final` / `promote` / `predict` / `serve` / `export` (README: "Use a trained model")
@@ -188,7 +189,7 @@ compare: install ## compare the backbones' latest CVs on DATA/PROTOCOL/TASK (TUN
 table: install ## BioVid benchmark table: MODEL="vit_b16 cvt_13" on BL1 vs PA1..PA4 and five classes, beside published rows
 	$(QUOTED_PY) -m pipeline table $(TABLE_OVERRIDES) $(TABLE_OPTIONS)
 
-power: install ## error rates of make compare's test on BioVid-scale twins with a planted effect (EFFECT=null|temporal REPEATS=20)
+power: install ## error rates of make compare's test on BioVid-scale twins with a planted effect (EFFECT=null|temporal|aa|curve REPEATS=20)
 	$(QUOTED_PY) -m pipeline power $(OVERRIDES) $(call quote,power.effect=$(EFFECT)) $(call if_set,power.repeats=,REPEATS)
 
 fidelity: install ## how hard DATA's twin is: a reference method's curve beside BioVid's published one (reports/fidelity/)
