@@ -172,3 +172,18 @@ def test_the_minimum_detectable_effect_is_finite_on_one_degree_of_freedom() -> N
     assert np.isfinite(mde) and mde > stats.t.ppf(0.975, 1)
     critical = stats.t.ppf(0.975, 1)
     assert stats.nct.sf(critical, 1, mde) + stats.nct.sf(critical, 1, -mde) == pytest.approx(0.8, abs=1e-6)
+
+
+def test_a_study_is_keyed_by_its_weights_content_not_the_path_they_were_given_by(tmp_path: Path) -> None:
+    """One study resumed from another checkout (or with WEIGHTS written otherwise) keeps its key and its replicates;
+    other weights make another study."""
+    power = power_group("power.effect=aa")
+    first, copy, other = tmp_path / "a" / "w.pt", tmp_path / "b" / "w.pt", tmp_path / "c" / "w.pt"
+    for path, content in ((first, b"weights"), (copy, b"weights"), (other, b"other weights")):
+        path.parent.mkdir()
+        path.write_bytes(content)
+    key = {name: ResampledStudy.from_config(power, "aa", [f"model.weights={path}", "model.img_size=64"], "twin").key
+           for name, path in (("first", first), ("copy", copy), ("other", other))}
+    assert key["first"] == key["copy"] != key["other"]
+    assert ResampledStudy.from_config(power, "aa", ["model.img_size=32", f"model.weights={first}"], "twin").key != key[
+        "first"]

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pipeline.models.backbones import create_backbone
-from pipeline.models.weights import sha256_of_file
 from pipeline.runs.jobs.pretrain import PretrainError, backbone_state, run_pretrain
 from pipeline.utils.config import load_config
+from pipeline.utils.digests import file_sha256
 from tests.conftest import tiny_overrides
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -32,7 +32,7 @@ def test_pretrained_weights_load_as_weights_and_say_where_they_come_from(tiny_ba
     cfg = pretrain_config(tiny_base, tmp_path, "pretrain.epochs=2", "pretrain.target=au")
     path = run_pretrain(cfg, progress=False)
     provenance = json.loads(path.with_suffix(".json").read_text())
-    assert provenance["sha256"] == sha256_of_file(path) and provenance["target"] == "au"
+    assert provenance["sha256"] == file_sha256(path) and provenance["target"] == "au"
     assert provenance["target_names"] == ["au4", "au6_7", "au9_10", "au43"] and len(provenance["history"]) == 2
     assert all(math.isfinite(epoch["train_loss"]) and math.isfinite(epoch["val_loss"])
                for epoch in provenance["history"])  # both losses of every epoch, held-out people included

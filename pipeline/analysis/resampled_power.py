@@ -69,6 +69,7 @@ from pipeline.evaluation.statistics import paired_permutation_test
 from pipeline.models.probe_batch import BatchRecipe, Embeddings, check_recipe
 from pipeline.utils.atomic_io import atomic_write_csv
 from pipeline.utils.config import load_config
+from pipeline.utils.digests import file_sha256
 from pipeline.utils.paths import resolve_path
 from pipeline.utils.seeds import derived_seed
 
@@ -106,7 +107,7 @@ class ResampledStudy:
         entry, settings = plain(power["effects"][effect]), plain(power["resampled"])
         described = {"effect": effect, "entry": entry, "alpha": float(power["alpha"]),
                      "twin": twin, "resampled": {k: v for k, v in settings.items() if k != "truth_replicates"},
-                     "common": list(power["common"]), "base": sorted(base)}
+                     "common": list(power["common"]), "base": sorted(map(by_content, base))}
         key = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return cls(effect, str(entry["task"]), str(entry.get("knob") or "noise"),
                    tuple(float(v) for v in entry["levels"]), float(entry.get("base_level", 0.0)),
@@ -149,6 +150,15 @@ def recipe_of(trainer: Mapping[str, Any], loader: Mapping[str, Any], optim: Mapp
     return BatchRecipe(int(loader["batch_size"]), int(trainer["max_epochs"]), int(trainer["patience"]),
                        float(optim["head_lr"]), float(optim["weight_decay"]), float(optim["warmup_epochs"]),
                        trainer["gradient_clip_val"])
+
+
+def by_content(override: str) -> str:
+    """An override as a study's key reads it: `model.weights=<file>` by the file's SHA-256, so that one study resumes
+    from another checkout, or with the path written otherwise; any other override as written."""
+    key, _, value = override.partition("=")
+    if key.lstrip("+~") == "model.weights" and value and Path(value).is_file():
+        return f"{key}=sha256:{file_sha256(value)}"
+    return override
 
 
 def plain(group: Mapping[str, Any]) -> Any:

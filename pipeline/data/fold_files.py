@@ -25,6 +25,7 @@ import pandas as pd
 
 from pipeline.data.fold_checks import FOLD_COLUMNS, ROLES, FoldError, check_folds, where
 from pipeline.utils.atomic_io import atomic_write_text
+from pipeline.utils.digests import file_sha256
 
 MIN_SUBJECTS = 3  # one train, one val and one test subject at the very least
 STRATUM_SEPARATOR = "/"  # "w/age<=35": the part before the separator is the coarser stratum ("w")
@@ -337,7 +338,7 @@ def tested_in(folds: pd.DataFrame) -> dict[str, int]:
 
 def fold_file_sha256(path: Path) -> str:
     """Hex SHA-256 of a fold file's bytes: logged with each run to prove which split it used."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return file_sha256(path)
 
 
 # --- strata of BioVid subject names ---------------------------------------------------------------------------------

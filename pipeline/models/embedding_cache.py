@@ -46,6 +46,7 @@ from pipeline.data.embeddings import EmbeddingTable
 from pipeline.data.frame_dataset import FrameDataset
 from pipeline.models.backbone_adapter import Backbone
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text
+from pipeline.utils.digests import file_sha256
 from pipeline.utils.seeds import derived_seed
 
 log = logging.getLogger(__name__)
@@ -71,14 +72,6 @@ class CacheSettings:
         if settings.views < 0 or settings.batch_size < 1:
             raise ValueError(f"cache.views must be >= 0 and cache.batch_size >= 1, got {settings}")
         return settings
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def state_dict_sha256(module: torch.nn.Module) -> str:

@@ -7,7 +7,6 @@ run says which weights it started from.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -19,6 +18,8 @@ from pathlib import Path
 import torch
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import try_to_load_from_cache
+
+from pipeline.utils.digests import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def resolve_weights(
         return None
     if weights is not None:
         path = weight_file(weights)
-        return ResolvedWeights(path, WeightsSource(kind="file", ref=str(path), sha256=sha256_of_file(path)))
+        return ResolvedWeights(path, WeightsSource(kind="file", ref=str(path), sha256=file_sha256(path)))
     try:
         return _from_hub_cache(model_name, hub_repo, hub_filenames)
     except WeightsUnavailable as missing:
@@ -114,7 +115,7 @@ def _from_hub_cache(model_name: str, hub_repo: str | None, hub_filenames: Sequen
         cached = try_to_load_from_cache(hub_repo, filename, cache_dir=cache_dir)
         if isinstance(cached, str):
             path = Path(cached)
-            return ResolvedWeights(path, WeightsSource(kind="hub", ref=hub_repo, sha256=sha256_of_file(path)))
+            return ResolvedWeights(path, WeightsSource(kind="hub", ref=hub_repo, sha256=file_sha256(path)))
     raise WeightsUnavailable(
         f"No pretrained weights for {model_name!r}: hub repo {hub_repo!r} ({' or '.join(hub_filenames)}) is not in "
         f"the Hugging Face cache at {cache_dir}, and this pipeline does not download. {_HOW_TO_PROVIDE} "
@@ -172,14 +173,6 @@ def weights_provenance(weights_file: str | os.PathLike) -> tuple[Path, dict | No
     if not isinstance(content, dict):
         raise IncompatibleWeights(f"{path}: the provenance of {weights_file} is not a JSON object")
     return path, content
-
-
-def sha256_of_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for chunk in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:

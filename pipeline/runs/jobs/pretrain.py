@@ -60,12 +60,13 @@ from pipeline.data.prepare import DataSettings, synthetic_config, synthetic_fing
 from pipeline.models.backbone_adapter import Backbone, family_traits
 from pipeline.models.backbones import PainNet
 from pipeline.models.factory import create_model
-from pipeline.models.weights import provenance_path, sha256_of_file
+from pipeline.models.weights import provenance_path
 from pipeline.runs.jobs.training_settings import PretrainSettings
 from pipeline.runs.store import tracking
 from pipeline.utils.accelerator import announce_device
 from pipeline.utils.atomic_io import atomic_path, atomic_write_text
 from pipeline.utils.devices import precision_for
+from pipeline.utils.digests import file_sha256
 from pipeline.utils.paths import git_commit, resolve_path
 
 log = logging.getLogger(__name__)
@@ -259,7 +260,7 @@ def folder_pool(settings: PretrainSettings) -> Pool:
         rows = rows.join(labels[chosen].astype(float))
         targets = chosen
     return Pool(rows, crops, targets, {"kind": "folder", "crops_dir": str(crops), "labels_csv": str(labels_csv),
-                                "labels_sha256": sha256_of_file(labels_csv),
+                                "labels_sha256": file_sha256(labels_csv),
                                 "checked_apart_from": apart_from(data, roster, "name")})
 
 
@@ -381,7 +382,7 @@ def run_pretrain(cfg: DictConfig, progress: bool = True) -> Path:
         torch.save(backbone_state(net.backbone), tmp)
     last = fit.history[-1] if fit.history else {}
     provenance = {
-        "weights": path.name, "sha256": sha256_of_file(path), "model": settings.model_name,
+        "weights": path.name, "sha256": file_sha256(path), "model": settings.model_name,
         "architecture": net.backbone.architecture, "img_size": img_size, "started_from": tracking.weights_tags(source),
         "target": settings.target, "target_names": pool.targets, "outputs": targets.n_outputs,
         "pool": {**pool.provenance, "identities": sorted(set(pool.rows["identity"])),

@@ -28,7 +28,6 @@ loaded could change it between the check and the load.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import stat
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from pipeline.utils.digests import file_sha256
 
 CODE_FILE = Path(__file__).with_name("mlflow_model_code.py")  # what MLflow stores with every model the project logs
 LOADER_MODULE = "mlflow.pyfunc.loaders.code_model"  # MLflow's own loader of models from code
@@ -66,10 +67,6 @@ ARTIFACT_NAME = re.compile(r"weights(_[1-9][0-9]*)?")
 class UntrustedModel(ValueError):
     """A model folder that is not this project's as it logged it: loading it would run code the project does not
     know. The message says what is wrong."""
-
-
-def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def check_model_folder(model_dir: str | Path) -> None:
@@ -115,13 +112,13 @@ def check_code_file(folder: Path, model_code_path: Any) -> None:
         raise UntrustedModel(f"its code file {name} is missing") from None
     if not stat.S_ISREG(mode):
         raise UntrustedModel(f"its code file {name} is not a regular file (a link, folder or device)")
-    digest = sha256_of(code_file)
-    if digest == sha256_of(CODE_FILE) or digest in FORMER_CODE_FILES:
+    digest = file_sha256(code_file)
+    if digest == file_sha256(CODE_FILE) or digest in FORMER_CODE_FILES:
         return
     if digest in RETIRED_CODE_FILES:
         raise UntrustedModel(f"its code file {name} is not loaded any more: {RETIRED_CODE_FILES[digest]}")
     raise UntrustedModel(f"its code file {name} differs from the project's (SHA-256 {digest[:16]}..., the installed "
-                         f"{CODE_FILE.name} has {sha256_of(CODE_FILE)[:16]}...): it would run code the project does "
+                         f"{CODE_FILE.name} has {file_sha256(CODE_FILE)[:16]}...): it would run code the project does "
                          f"not know")
 
 
