@@ -231,7 +231,7 @@ test: install ## run the test suite on two workers (the layers contract first: a
 	$(QUOTED_BIN)/lint-imports --no-logo
 	$(QUOTED_PY) -m pytest -n 2 --dist loadgroup
 
-lint: install ## ruff, mypy over pipeline/ and the layers contract (settings in pyproject.toml; seconds)
+lint: install ## ruff, mypy over pipeline/ and scripts/ and the layers contract (settings in pyproject.toml; seconds)
 	$(QUOTED_BIN)/ruff check pipeline tests scripts
 	$(QUOTED_BIN)/mypy
 	$(QUOTED_BIN)/lint-imports --no-logo

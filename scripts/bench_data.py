@@ -239,12 +239,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     models = [args.train_model] if args.train_model else None
     cfg = load_configs(args.overrides, models, ["mobilevit_xxs" if args.quick else "mobilevit_s"])[0]
-    training = announce_device_or_exit(cfg.trainer.accelerator)  # an unusable GPU: an error
+    training_device = announce_device_or_exit(cfg.trainer.accelerator)  # an unusable GPU: an error
     preprocess_config, workers = preprocess_settings(DataSettings.from_config(cfg))
     torch.set_num_threads(args.threads)
     progress = not args.no_progress
     report: dict[str, Any] = {
-        "environment": {**environment(), **tracking.training_device_tags(training)},
+        "environment": {**environment(), **tracking.training_device_tags(training_device)},
         "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
     }
     report["settings"].update(torch_threads=torch.get_num_threads(), preprocess=dataclasses.asdict(preprocess_config),

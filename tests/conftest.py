@@ -115,7 +115,7 @@ def own_shared_fixtures(item: pytest.Item) -> list[str]:
     if info is None:
         return []
     module = item.nodeid.split("::")[0]
-    return [name for name in item.fixturenames
+    return [name for name in getattr(item, "fixturenames", ())
             if (defs := info.name2fixturedefs.get(name)) and defs[-1].scope in ("module", "session")
             and defs[-1].baseid == module]
 
