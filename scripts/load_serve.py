@@ -89,8 +89,6 @@ def make_champion(folder: Path, task: str) -> str:
     return uri
 
 
-
-
 def start_server(stack: ExitStack, uri: str, port: int, task: str, serve_args: str, log: Path) -> int:
     """`make serve MODEL=mobilevit_xxs` of the store's champion on `port`; the serving process's pid once /ping
     answers."""

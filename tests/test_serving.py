@@ -334,16 +334,7 @@ def mlflow_server(untrained_model, tmp_path_factory):
     log = (own / "server.log").open("w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if request(port, "GET", "/ping")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert process.poll() is None, (own / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "mlflow models serve did not answer /ping within 180 s"
-            time.sleep(1)
+        wait_for_ping(port, process, own / "server.log")
         yield {"port": port, "allowed": allowed, "own": own}
     finally:
         stop_process_group(process)

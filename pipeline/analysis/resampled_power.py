@@ -117,8 +117,8 @@ class ResampledStudy:
                    int(settings["truth_replicates"]), float(power["alpha"]), key)
 
     def copies(self, replicate: int) -> list[Copy]:
-        """Copy a, then copy b at each level: a's training seeds and b's (shared by b's levels) drawn from the
-        replicate, so every replicate trains anew."""
+        """Copy a (at `base_level`), then copy b at each level: a's training seeds and b's (shared by b's levels)
+        drawn from the replicate, so every replicate trains anew."""
         seeds = [tuple(derived_seed(replicate, side, s) % 2**31 for s in range(self.seeds)) for side in (0, 1)]
         return [Copy(A_COPY, self.base_level, seeds[0]), *(Copy(f"copy b ({self.knob} {level:g})", level, seeds[1])
                                                 for level in self.levels)]

@@ -249,6 +249,7 @@ def summary(answers: Sequence[Answer], wall_s: float) -> dict[str, Any]:
         "mean_seconds": round(statistics.fmean(seconds), 3) if seconds else None,
     }
 
+
 def serving_pid(make_pid: int) -> int:
     """The python process that serves (`python -m pipeline serve`) among `make serve`'s process and its children."""
     def tree(pid: int) -> list[int]:
