@@ -17,9 +17,10 @@ from pipeline.data.embeddings import EmbeddingTable
 from pipeline.data.tasks import get_task
 from pipeline.models.backbones import PainNet, create_backbone
 from pipeline.models.finetune import FrozenOnEmbeddings
+from pipeline.models.fold_result import FoldResult
 from pipeline.models.lightning_module import OptimConfig, PainLightningModule
 from pipeline.models.probe_batch import BatchRecipe, Embeddings, ProbeSpec, check_recipe, fit_probes
-from pipeline.models.probe_training import ProbeTraining, fit_probe
+from pipeline.models.probe_training import ProbeTraining, WrittenOutSteps, fit_probe
 from pipeline.utils.config import load_config
 
 TASK = get_task("bl1_vs_pa4")
@@ -73,9 +74,17 @@ def replicate() -> dict:
             "loader": loader}
 
 
-def in_memory_probe(replicate: dict, fold: int, seed: int, plain: np.ndarray) -> tuple[PainLightningModule, float,
-                                                                                         int]:
-    """The in-memory probe of one fold and seed on these embeddings, from the head `initial_head` draws."""
+def in_memory_probe(replicate: dict, fold: int, seed: int, plain: np.ndarray, written_out: bool | None = None,
+                    **loss: object) -> tuple[PainLightningModule, float, int]:
+    """The in-memory probe of one fold and seed on these embeddings, from the head `initial_head` draws (`loss`: the
+    module's label_smoothing or class_weights; `written_out`: the fit's steps, `probe_training.training_steps`)."""
+    module, fitted = probe_fit(replicate, fold, seed, plain, written_out, **loss)
+    return module, fitted.best_score, fitted.best_epoch
+
+
+def probe_fit(replicate: dict, fold: int, seed: int, plain: np.ndarray, written_out: bool | None = None,
+              **loss: object) -> tuple[PainLightningModule, FoldResult]:
+    """`in_memory_probe`'s module and its whole fit."""
     cfg, population = replicate["cfg"], replicate["population"]
     table = EmbeddingTable(population.embeddings.rows, plain, population.embeddings.views)
     datamodule = ReplicateDataModule(replicate["frames"], replicate["folds"], fold, TASK,
@@ -88,11 +97,11 @@ def in_memory_probe(replicate: dict, fold: int, seed: int, plain: np.ndarray) ->
     strategy.prepare(net)
     module = PainLightningModule(net, TASK.classes, OptimConfig(**OmegaConf.to_container(cfg.model.optim)),
                                  aggregation=cfg.trainer.aggregation, topk=cfg.trainer.topk, decoding=cfg.eval.decoding,
-                                 monitor=cfg.trainer.monitor, finetune=strategy)
+                                 monitor=cfg.trainer.monitor, finetune=strategy, **loss)
     fitted = fit_probe(module, datamodule, ProbeTraining(cfg.trainer.max_epochs, cfg.trainer.patience,
                                                          cfg.trainer.monitor, cfg.trainer.monitor_mode,
-                                                         cfg.trainer.gradient_clip_val))
-    return module, fitted.best_score, fitted.best_epoch
+                                                         cfg.trainer.gradient_clip_val), written_out=written_out)
+    return module, fitted
 
 
 def test_the_lockstep_probes_are_the_in_memory_probes(replicate) -> None:
@@ -145,3 +154,32 @@ def test_copy_bs_shift_is_the_crops_action_units_projected_or_a_noise_draw() -> 
         assert (residual < 1e-2) == in_span, (knob, residual)  # float16 keeps about three digits
     with pytest.raises(ValueError, match="knob='pixels': expected noise or action_units"):
         shift_matrix(population, "pixels", seed=3)
+
+
+@pytest.mark.parametrize("fold, seed, smoothing", [(0, 3, 0.0), (1, 4, 0.0), (2, 3, 0.1)])
+def test_the_written_out_steps_are_torchs_steps(replicate, fold, seed, smoothing) -> None:
+    """The in-memory probe's written-out steps (`head_steps`: the default probe's) and its steps through autograd,
+    torch's AdamW and the scheduler fit the same probe: every epoch's loss, accuracy, validation score and learning
+    rate, the best epoch and the kept head."""
+    plain = replicate["population"].embeddings.plain
+    fits = {written: probe_fit(replicate, fold, seed, plain, written, label_smoothing=smoothing)
+            for written in (True, False)}
+    (written_module, written), (torch_module, through_torch) = fits[True], fits[False]
+    assert WrittenOutSteps.fits(written_module) and written.epochs_trained >= 3
+    assert (written.best_epoch, written.epochs_trained) == (through_torch.best_epoch, through_torch.epochs_trained)
+    for ours, theirs in zip(written.history, through_torch.history, strict=True):
+        assert ours.keys() == theirs.keys()
+        for name, value in theirs.items():
+            assert ours[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    torch.testing.assert_close(written_module.model.head.state_dict(), torch_module.model.head.state_dict(),
+                               atol=1e-6, rtol=0)
+
+
+def test_a_head_the_written_out_steps_cannot_fit_goes_through_torch(replicate) -> None:
+    """Class weights change the loss's gradient: such a probe steps through autograd, and asking for the written-out
+    steps anyway is refused."""
+    plain = replicate["population"].embeddings.plain
+    module, _ = probe_fit(replicate, 0, 3, plain, class_weights=[1.0, 2.0])
+    assert not WrittenOutSteps.fits(module)
+    with pytest.raises(ValueError, match="the written-out steps fit a plain linear softmax head alone"):
+        probe_fit(replicate, 0, 3, plain, True, class_weights=[1.0, 2.0])

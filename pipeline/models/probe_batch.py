@@ -35,11 +35,9 @@ import torch
 from scipy.stats import rankdata
 
 from pipeline.data.datamodule import EpochSampler
+from pipeline.models.head_steps import adamw_update, clip_coefficient
 from pipeline.models.lightning_module import warmup_cosine
 from pipeline.utils.cpus import one_torch_thread
-
-ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults, which the in-memory probe uses
-CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coefficient max_norm / (norm + 1e-6), at most 1
 
 
 @dataclass(frozen=True)
@@ -126,9 +124,10 @@ def video_auroc(spec: ProbeSpec, probabilities: np.ndarray) -> float:
 
 
 class LockstepAdamW:
-    """AdamW over M linear heads, each with its own step count and learning rate: torch.optim.AdamW's update,
-    elementwise, for the heads that step. Each head's weight and bias sit side by side in one row of `state` (the
-    bias as the last column), with their two moments beside them, so a step reads and writes each head once."""
+    """AdamW over M linear heads, each with its own step count and learning rate: torch.optim.AdamW's update
+    (`head_steps.adamw_update`), elementwise, for the heads that step. Each head's weight and bias sit side by side
+    in one row of `state` (the bias as the last column), with their two moments beside them, so a step reads and
+    writes each head once."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, weight_decay: float) -> None:
         m, classes, features = weight.shape
@@ -150,19 +149,11 @@ class LockstepAdamW:
     def step(self, members: torch.Tensor, lr: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor]) -> None:
         """One update of the heads `members` with their learning rates `lr` (float64, (k,)) and gradients (weight
         (k, C, D), bias (k, C))."""
-        beta1, beta2 = ADAM_BETAS
         self.steps[members] += 1
-        steps = self.steps[members]
-        correction1 = (1 - beta1**steps).float().view(-1, 1, 1)
-        correction2_sqrt = torch.sqrt(1 - beta2**steps).float().view(-1, 1, 1)
-        rate = lr.float().view(-1, 1, 1)
         grad = torch.cat([grads[0], grads[1][..., None]], dim=-1)
         state = self.state.index_select(0, members)
         param, first, second = state.unbind(1)
-        param.mul_(1 - rate * self.decay)
-        first.lerp_(grad, 1 - beta1)
-        second.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        param.sub_((rate / correction1) * first / (second.sqrt() / correction2_sqrt + ADAM_EPS))
+        adamw_update(param, first, second, grad, lr.float().view(-1, 1, 1), self.steps[members], self.decay)
         self.state.index_copy_(0, members, state)
 
 
@@ -277,7 +268,7 @@ def _train_step(embeddings: Embeddings, stepping: np.ndarray, positions: np.ndar
     grad_weight, grad_bias = torch.bmm(error.transpose(1, 2), x), error.sum(dim=1)
     if recipe.gradient_clip_val:
         norms = torch.sqrt(grad_weight.pow(2).sum(dim=(1, 2)) + grad_bias.pow(2).sum(dim=1))
-        scale = torch.clamp(recipe.gradient_clip_val / (norms + CLIP_EPS), max=1.0)
+        scale = clip_coefficient(norms, recipe.gradient_clip_val)
         grad_weight *= scale[:, None, None]
         grad_bias *= scale[:, None]
     lr = torch.tensor([recipe.head_lr * warmup_cosine(int(optimizer.steps[i]),
