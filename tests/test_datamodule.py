@@ -12,9 +12,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.data.datamodule import PainDataModule, SubjectRoles, default_num_workers
+from pipeline.data.datamodule import PainDataModule, SubjectRoles, default_num_workers, read_frame_table
 from pipeline.data.fold_checks import FoldError
 from pipeline.data.tasks import CLASS_NAMES, get_task
+from pipeline.utils.atomic_io import atomic_write_csv
 from tests.conftest import loader_config
 
 AUGMENT_DIR = Path(__file__).resolve().parents[1] / "configs" / "augment"
@@ -319,3 +320,20 @@ def test_a_participant_with_one_class_of_a_binary_task_is_left_out_of_it(tmp_pat
     assert set(binary.frames("train")["subject_name"]) == set(FOLDS[0]["train"]) - {lonely}
     five = make_datamodule(processed, fold_file, task="five_class")  # it still has four of the five classes
     assert lonely in set(five.frames("train")["subject_name"])
+
+
+def test_the_frame_table_is_parsed_once_a_file_and_read_again_when_rewritten(tmp_path: Path) -> None:
+    """A worker setting up many folds parses frames.csv once: each caller gets its own copy; a rewritten file (an
+    atomic write: another inode, size or time) is parsed again, and its errors are still named."""
+    frames_csv = make_processed(tmp_path) / "frames.csv"
+    first = read_frame_table(frames_csv)
+    first.loc[first.index[0], "class_name"] = "changed by a caller"
+    second = read_frame_table(frames_csv)
+    assert second["class_name"].iloc[0] != "changed by a caller" and len(second) == len(first)
+    fewer = pd.read_csv(frames_csv).iloc[1:]
+    atomic_write_csv(frames_csv, fewer)
+    assert len(read_frame_table(frames_csv)) == len(first) - 1
+    broken = fewer.assign(class_name=["PA9"] + list(fewer["class_name"].iloc[1:]))
+    atomic_write_csv(frames_csv, broken)
+    with pytest.raises(ValueError, match=r"frames.csv, frame-table row 0 \(0-based\): unknown class_name 'PA9'"):
+        read_frame_table(frames_csv)

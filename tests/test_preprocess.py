@@ -92,6 +92,30 @@ def test_rerun_resumes_and_refuses_other_settings(few_samples: pd.DataFrame, tmp
         preprocess(few_samples, tmp_path, replace(CONFIG, crop_size=32), progress=False)
 
 
+def test_a_rerun_with_every_video_done_reads_the_frame_table_once(few_samples: pd.DataFrame, tmp_path: Path) -> None:
+    """Every video cropped and the frame table newer than their tables: a rerun (each CV's start) takes the frame
+    table as it is, not rewritten; a video's table that changed since, or another set of videos, gathers and writes
+    it again."""
+    first = preprocess(few_samples, tmp_path, CONFIG, workers=1, progress=False)
+    frames_csv = tmp_path / "frames.csv"
+    written = frames_csv.stat().st_mtime_ns
+    again = preprocess(few_samples, tmp_path, CONFIG, workers=1, progress=False)
+    assert frames_csv.stat().st_mtime_ns == written  # not rewritten: read as it is
+    assert (again.n_resumed, again.n_processed) == (len(few_samples), 0) and again.failures.empty
+    pd.testing.assert_frame_equal(again.frames, pd.read_csv(frames_csv))
+    assert len(again.frames) == len(first.frames) == len(few_samples) * 3
+    # one video's table rewritten after the frame table (its last row gone): the table is gathered again
+    sample = few_samples.iloc[0]
+    table = tmp_path / "videos" / sample.subject_name / f"{sample.sample_name}.csv"
+    pd.read_csv(table).iloc[:-1].to_csv(table, index=False)
+    os.utime(table, ns=(written + 10**9, written + 10**9))
+    changed = preprocess(few_samples, tmp_path, CONFIG, workers=1, progress=False)
+    assert len(changed.frames) == len(pd.read_csv(frames_csv)) == len(few_samples) * 3 - 1
+    # fewer videos than the frame table holds: gathered for those videos only
+    fewer = preprocess(few_samples.iloc[1:], tmp_path, CONFIG, workers=1, progress=False)
+    assert set(pd.read_csv(frames_csv).sample_name) == set(few_samples.sample_name[1:]) == set(fewer.frames.sample_name)
+
+
 def test_bad_videos_are_reported_not_dropped(few_samples: pd.DataFrame, tmp_path: Path) -> None:
     videos = tmp_path / "videos_in"
     videos.mkdir()

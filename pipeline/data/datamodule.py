@@ -206,6 +206,43 @@ class SubjectRoles:
         return {role: list(getattr(self, role)) for role in ROLES}
 
 
+_FRAME_TABLE: dict[tuple, pd.DataFrame] = {}  # the last frame table read in this process, by file identity
+
+
+def read_frame_table(frames_csv: Path) -> pd.DataFrame:
+    """The checked frame table of `frames_csv` (a copy the caller may change), its index the frame-table row.
+
+    A process that sets up many folds of one dataset (a job worker fed a LOSO's folds) parses the file once: the last
+    table read is kept under the file's identity (path, inode, size, modification time), so a rewritten file is read
+    again."""
+    status = frames_csv.stat()
+    key = (str(frames_csv.resolve()), status.st_ino, status.st_size, status.st_mtime_ns)
+    if key not in _FRAME_TABLE:
+        table = _parse_frame_table(frames_csv)
+        _FRAME_TABLE.clear()
+        _FRAME_TABLE[key] = table
+    return _FRAME_TABLE[key].copy()
+
+
+def _parse_frame_table(frames_csv: Path) -> pd.DataFrame:
+    text_columns = {"subject_name": str, "sample_name": str, "class_name": str, "crop_path": str}
+    table = pd.read_csv(frames_csv, dtype=text_columns, keep_default_na=False)
+    missing = [column for column in FRAME_TABLE_COLUMNS if column not in table.columns]
+    if missing:
+        raise ValueError(f"{frames_csv}: missing column(s) {missing}")
+    if table.empty:
+        raise ValueError(f"{frames_csv}: no frames")
+    unknown = ~table["class_name"].isin(CLASS_NAMES)
+    if unknown.any():
+        row = int(np.flatnonzero(unknown.to_numpy())[0])
+        raise ValueError(
+            f"{frames_csv}, frame-table row {row} (0-based): "
+            f"unknown class_name {table['class_name'].iloc[row]!r}"
+        )
+    table.index.name = ROW_INDEX_NAME
+    return table
+
+
 class PainDataModule(pl.LightningDataModule):
     """Train / val / test frames of the subjects' `roles` for `task`, over the crops in `processed_dir`."""
 
@@ -299,22 +336,7 @@ class PainDataModule(pl.LightningDataModule):
     def _read_frame_table(self) -> pd.DataFrame:
         if not self.frames_csv.is_file():
             raise FileNotFoundError(f"frame table {self.frames_csv} not found (run preprocessing first)")
-        text_columns = {"subject_name": str, "sample_name": str, "class_name": str, "crop_path": str}
-        table = pd.read_csv(self.frames_csv, dtype=text_columns, keep_default_na=False)
-        missing = [column for column in FRAME_TABLE_COLUMNS if column not in table.columns]
-        if missing:
-            raise ValueError(f"{self.frames_csv}: missing column(s) {missing}")
-        if table.empty:
-            raise ValueError(f"{self.frames_csv}: no frames")
-        unknown = ~table["class_name"].isin(CLASS_NAMES)
-        if unknown.any():
-            row = int(np.flatnonzero(unknown.to_numpy())[0])
-            raise ValueError(
-                f"{self.frames_csv}, frame-table row {row} (0-based): "
-                f"unknown class_name {table['class_name'].iloc[row]!r}"
-            )
-        table.index.name = ROW_INDEX_NAME
-        return table
+        return read_frame_table(self.frames_csv)
 
     def frames(self, split: str) -> pd.DataFrame:
         """Rows of `split` ("train" | "val" | "test") in dataset order, with their `label`; index = frame-table row."""

@@ -221,6 +221,29 @@ def _run(samples: list[dict], out_dir: Path, config: PreprocessConfig, workers: 
         yield from pool.imap_unordered(_work, samples, chunksize=1)
 
 
+def current_tables(records: list[dict], frames_csv: Path, failures_csv: Path,
+                   newest: int) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """The frame and failure tables on disk where they already are what gathering every video's table would write:
+    written after the newest of those tables, no failure listed, and the frame table's videos exactly `records`'.
+    None otherwise (they are gathered and written again). Reading one table instead of one per video: a
+    cross-validation's start on 8,700 videos takes a second, not ten."""
+    try:
+        if frames_csv.stat().st_mtime_ns < newest or not failures_csv.is_file():
+            return None
+    except FileNotFoundError:
+        return None
+    try:
+        failures = pd.read_csv(failures_csv, dtype=str, keep_default_na=False)
+        frames = pd.read_csv(frames_csv) if not len(failures) else None
+    except pd.errors.EmptyDataError:  # not a table this module wrote
+        return None
+    if frames is None:
+        return None
+    wanted = {(str(r["subject_name"]), str(r["sample_name"])) for r in records}
+    found = set(zip(frames["subject_name"].astype(str), frames["sample_name"].astype(str), strict=True))
+    return (frames, failures) if found == wanted else None
+
+
 def preprocess(samples: pd.DataFrame, out_dir: str | Path, config: PreprocessConfig,
                workers: int | None = None, progress: bool = True, device: str = "auto",
                source: str | None = None) -> PreprocessResult:
@@ -233,13 +256,20 @@ def preprocess(samples: pd.DataFrame, out_dir: str | Path, config: PreprocessCon
     out_dir.mkdir(parents=True, exist_ok=True)
     check_config(out_dir, config, source)
     records = samples.to_dict("records")
-    tables, todo = [], []
+    done, todo, newest = [], [], 0
     for sample in records:
-        done = video_table_path(out_dir, sample)
-        if done.is_file():
-            tables.append(pd.read_csv(done))
-        else:
+        path = video_table_path(out_dir, sample)
+        try:
+            newest = max(newest, path.stat().st_mtime_ns)
+            done.append(path)
+        except FileNotFoundError:
             todo.append(sample)
+    frames_csv, failures_csv = out_dir / "frames.csv", out_dir / "failures.csv"
+    if not todo:
+        current = current_tables(records, frames_csv, failures_csv, newest)
+        if current is not None:
+            return PreprocessResult(*current, 0, len(done), frames_csv, failures_csv)
+    tables = [pd.read_csv(path) for path in done]
     n_resumed = len(tables)
     workers = workers or available_cpus()
     failures = []
@@ -255,7 +285,6 @@ def preprocess(samples: pd.DataFrame, out_dir: str | Path, config: PreprocessCon
     frames = frames.sort_values(["subject_name", "sample_name", "frame_index"], ignore_index=True)
     failures_table = pd.DataFrame(failures, columns=list(FAILURE_COLUMNS)).sort_values(
         ["subject_name", "sample_name"], ignore_index=True)
-    frames_csv, failures_csv = out_dir / "frames.csv", out_dir / "failures.csv"
     atomic_write_csv(frames_csv, frames)
     atomic_write_csv(failures_csv, failures_table)
     result = PreprocessResult(frames, failures_table, len(todo) - len(failures), n_resumed, frames_csv, failures_csv)

@@ -58,6 +58,7 @@ class LinearHeadStep:
         self.state = torch.zeros(3, classes, features + 1)  # parameters, first and second moments
         self.state[0, :, :features], self.state[0, :, features] = weight.detach(), bias.detach()
         self.weight_decay, self.max_norm, self.steps = float(weight_decay), max_norm, 0
+        self.param, self.first, self.second = self.state.unbind(0)
 
     @staticmethod
     def with_ones(x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,7 @@ class LinearHeadStep:
     def __call__(self, x: torch.Tensor, targets: torch.Tensor, rate: float) -> torch.Tensor:
         """One step on the batch `x` (B, D + 1) with its `targets` (B, C) at learning rate `rate`; the batch's logits
         before the step."""
-        param, first, second = self.state.unbind(0)
+        param, first, second = self.param, self.first, self.second
         logits = x @ param.T
         grad = torch.softmax(logits, dim=1).sub_(targets).T @ x  # B times the mean loss's gradient
         scale = 1 / len(x)
