@@ -3,7 +3,7 @@ the in-memory probe (`probe_training`, one head) and the lockstep probes (`probe
 
 A frozen backbone's probe is one `Linear(D, C)` on cached embeddings: a step of autograd, `torch.optim.AdamW`,
 `clip_grad_norm_` and the LR scheduler costs about 340 us on one CPU thread, almost all of it Python and dispatch
-around a (32, D) x (D, C) product. Written out it costs about 80 us, and it is the same arithmetic:
+around a (32, D) x (D, C) product. Written out it costs about 60 us, and it is the same arithmetic:
 
 - the mean cross-entropy over the batch (with label smoothing e: the target is (1 - e) one-hot + e / C) has the
   logits' gradient (softmax - target) / B, so the head's is that times the batch's embeddings (the bias: its sum);
