@@ -143,7 +143,10 @@ def test_make_power_aa_resamples_a_population_onto_the_fold_files_slots_and_resu
     assert 0 <= summary["value_a"] <= 1 and 0 <= summary["true_a"] <= 1
     assert (out / "power.png").stat().st_size > 0 and (out / "power_summary.csv").is_file()
     printed = capsys.readouterr().out
-    assert "aa kfold5, 1 training seed a copy, copy b's noise 0: " in printed and "Clopper-Pearson" in printed
+    assert ("an A/A: copies a and b differ only in their training seeds (both plain), 1 training seed(s) a copy"
+            in printed)
+    assert "aa kfold5, 1 training seed a copy, copies differing only in their training seeds: " in printed
+    assert "Clopper-Pearson" in printed
     run_power(cfg, overrides)  # done before: no replicate again
     assert "replicate 1000" not in capsys.readouterr().out
     curve = [*overrides[:4], "power.effect=curve", "power.effects.curve.levels=[0.0,4.0]",

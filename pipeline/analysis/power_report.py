@@ -124,11 +124,14 @@ def write_summary(record: pd.DataFrame, out_dir: Path) -> tuple[pd.DataFrame, di
     return summary, paths
 
 
-def print_summary(summary: pd.DataFrame, study: str) -> None:
-    """The study's table: per level both tests' rates, the copies' accuracy, the true difference and the mde80."""
+def print_summary(summary: pd.DataFrame, study: str, same_configuration: bool = False) -> None:
+    """The study's table: per level both tests' rates, the copies' accuracy, the true difference and the mde80. An
+    A/A (`same_configuration`) says that its copies differ only in their training seeds."""
     rows = summary[summary["study"] == study]
     for row in rows.itertuples():
-        print(f"{row.effect} {label_of(row.protocol, row.seeds)}, copy b's {row.knob} {row.level:g}: "
+        copies = ("copies differing only in their training seeds" if same_configuration
+                  else f"copy b's {row.knob} {row.level:g}")
+        print(f"{row.effect} {label_of(row.protocol, row.seeds)}, {copies}: "
               f"{row.rejections} of {row.replicates} rejected = {row.rate:.3f} [95 % Clopper-Pearson "
               f"{row.rate_ci95_low:.3f}, {row.rate_ci95_high:.3f}] by make compare's test ({row.n_units} units); "
               f"the subject-level permutation test {row.subject_rate:.3f} [{row.subject_rate_ci95_low:.3f}, "

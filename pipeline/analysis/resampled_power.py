@@ -116,6 +116,19 @@ class ResampledStudy:
                    int(settings["population_twins"]), int(settings["population_seed"]), int(settings["shift_seed"]),
                    int(settings["truth_replicates"]), float(power["alpha"]), key)
 
+    @property
+    def same_configuration(self) -> bool:
+        """An A/A: copy b at copy a's own level, so the copies differ only in their training seeds."""
+        return all(level == self.base_level for level in self.levels)
+
+    def describe(self) -> str:
+        """What the study's copies are, in a line."""
+        seeds = f"{self.seeds} training seed(s) a copy"
+        if self.same_configuration:
+            plain_copies = "both plain" if not self.base_level else f"both at {self.knob} {self.base_level:g}"
+            return f"an A/A: copies a and b differ only in their training seeds ({plain_copies}), {seeds}"
+        return f"copy a at {self.knob} {self.base_level:g}, copy b at {list(self.levels)}, {seeds}"
+
     def copies(self, replicate: int) -> list[Copy]:
         """Copy a (at `base_level`), then copy b at each level: a's training seeds and b's (shared by b's levels)
         drawn from the replicate, so every replicate trains anew."""
@@ -260,8 +273,8 @@ def run_resampled(cfg: DictConfig, overrides: Sequence[str] = ()) -> pd.DataFram
     done = pd.read_csv(record, dtype={"study": str}) if record.is_file() else pd.DataFrame(columns=RECORD_COLUMNS)
     ours = done["study"] == study.key
     todo = [r for r in study.replicates if r not in set(done.loc[ours, "replicate"])]
-    print(f"power: {effect}, {study.protocol}, {study.seeds} training seed(s) a copy, copy b's {study.knob} at "
-          f"{list(study.levels)}; {len(study.replicates)} replicates ({len(study.replicates) - len(todo)} done "
+    print(f"power: {effect}, {study.protocol}, {study.describe()}; {len(study.replicates)} replicates "
+          f"({len(study.replicates) - len(todo)} done "
           f"before); study {study.key}; record {record}", flush=True)
     if todo:
         data = study_data(power.dir, study, composed)
@@ -274,7 +287,7 @@ def run_resampled(cfg: DictConfig, overrides: Sequence[str] = ()) -> pd.DataFram
             print(progress_line(rows), flush=True)
     counted = done[(done["study"] != study.key) | done["replicate"].isin(study.replicates)]
     summary, paths = write_summary(counted, out_dir)
-    print_summary(summary, study.key)
+    print_summary(summary, study.key, study.same_configuration)
     log_study(cfg.mlflow, OmegaConf.to_yaml(power), summary, study.key, paths)
     for name, path in paths.items():
         print(f"{name}: {path}")
