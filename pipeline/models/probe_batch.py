@@ -146,11 +146,10 @@ class LockstepAdamW:
         return self.state[:, 0, :, -1]
 
     @torch.no_grad()
-    def step(self, members: torch.Tensor, lr: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """One update of the heads `members` with their learning rates `lr` (float64, (k,)) and gradients (weight
-        (k, C, D), bias (k, C))."""
+    def step(self, members: torch.Tensor, lr: torch.Tensor, grad: torch.Tensor) -> None:
+        """One update of the heads `members` with their learning rates `lr` (float64, (k,)) and gradients (k, C,
+        D + 1: the weight's, the bias' as the last column)."""
         self.steps[members] += 1
-        grad = torch.cat([grads[0], grads[1][..., None]], dim=-1)
         state = self.state.index_select(0, members)
         param, first, second = state.unbind(1)
         adamw_update(param, first, second, grad, lr.float().view(-1, 1, 1), self.steps[members], self.decay)
@@ -257,25 +256,60 @@ def _train_step(embeddings: Embeddings, stepping: np.ndarray, positions: np.ndar
                 mask: np.ndarray, recipe: BatchRecipe, weight: torch.Tensor, bias: torch.Tensor,
                 optimizer: LockstepAdamW, shift: torch.Tensor, batches: np.ndarray) -> None:
     """One batch of every probe in `stepping`: the gradient of its mean cross-entropy (written out: a linear head's
-    is (softmax - one-hot) / batch, times the batch's embeddings), clipped per head, and its AdamW update."""
-    index = torch.from_numpy(stepping)
-    x = embeddings.rows(torch.from_numpy(positions), shift[index])
-    logits = torch.baddbmm(bias[index][:, None, :], x, weight[index].transpose(1, 2))
+    is (softmax - one-hot) / batch, times the batch's embeddings), clipped per head, and its AdamW update.
+
+    Probes that read the same crops (the copies of one seed and fold) form a group: the group's crops are gathered
+    once, with a column of ones for the bias, and its heads side by side make one matrix product, forward and back;
+    a shifted probe adds its scale times the product of the shift's rows, so no probe's embeddings are materialised.
+    """
+    group, slot, crops = _step_groups(positions)
+    n_groups, width, classes = len(crops), int(slot.max()) + 1, weight.shape[1]
+    index, g, k = torch.from_numpy(stepping), torch.from_numpy(group), torch.from_numpy(slot)
+    rows = torch.from_numpy(crops.reshape(-1))
+    x = embeddings.plain.index_select(0, rows).view(n_groups, -1, embeddings.plain.shape[1])
+    x = torch.cat([x, torch.ones(*x.shape[:2], 1)], dim=2)  # (G, B, D + 1)
+    heads = torch.zeros(n_groups, width, classes, x.shape[2])
+    heads[g, k] = optimizer.state[index, 0]  # weight and bias, side by side
+    stacked = heads.view(n_groups, width * classes, -1)
+    logits = torch.bmm(x, stacked.transpose(1, 2)).view(n_groups, -1, width, classes)[g, :, k]  # (P, B, C)
+    scale = shift[index]
+    shifted = embeddings.shift is not None and bool(scale.any())
+    if shifted:
+        moved = embeddings.shift.index_select(0, rows).float().view(n_groups, -1, embeddings.shift.shape[1])
+        scales = torch.zeros(n_groups, width)
+        scales[g, k] = scale
+        logits += scale[:, None, None] * torch.bmm(moved, stacked[..., :-1].transpose(1, 2)).view(
+            n_groups, -1, width, classes)[g, :, k]
     weights = torch.from_numpy(mask)
     error = torch.softmax(logits, dim=-1)
     error.scatter_add_(-1, torch.from_numpy(labels)[..., None], -torch.ones_like(error[..., :1]))
     error *= (weights / weights.sum(dim=1, keepdim=True))[..., None]  # the mean over each probe's batch
-    grad_weight, grad_bias = torch.bmm(error.transpose(1, 2), x), error.sum(dim=1)
+    errors = torch.zeros(n_groups, x.shape[1], width, classes)
+    errors[g, :, k] = error
+    errors = errors.view(n_groups, x.shape[1], width * classes)
+    grad = torch.bmm(errors.transpose(1, 2), x).view(n_groups, width, classes, -1)[g, k]  # (P, C, D + 1)
+    if shifted:
+        grad[..., :-1] += torch.bmm((errors.view(n_groups, -1, width, classes) * scales[:, None, :, None]).view(
+            errors.shape).transpose(1, 2), moved).view(n_groups, width, classes, -1)[g, k]
     if recipe.gradient_clip_val:
-        norms = torch.sqrt(grad_weight.pow(2).sum(dim=(1, 2)) + grad_bias.pow(2).sum(dim=1))
-        scale = clip_coefficient(norms, recipe.gradient_clip_val)
-        grad_weight *= scale[:, None, None]
-        grad_bias *= scale[:, None]
+        grad *= clip_coefficient(torch.linalg.vector_norm(grad, dim=(1, 2)), recipe.gradient_clip_val)[:, None, None]
     lr = torch.tensor([recipe.head_lr * warmup_cosine(int(optimizer.steps[i]),
                                                       int(round(recipe.warmup_epochs * batches[i])),
                                                       recipe.max_epochs * int(batches[i])) for i in stepping],
                       dtype=torch.float64)
-    optimizer.step(index, lr, (grad_weight, grad_bias))
+    optimizer.step(index, lr, grad)
+
+
+def _step_groups(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The probes of one step grouped by the crops they read: each probe's group and its slot in it, and each
+    group's crops."""
+    crops, group = np.unique(positions, axis=0, return_inverse=True)
+    group = group.reshape(-1)
+    order = np.argsort(group, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(np.bincount(group))[:-1]])
+    slot = np.empty(len(group), dtype=np.int64)
+    slot[order] = np.arange(len(group)) - starts[group[order]]
+    return group, slot, crops
 
 
 def _validate(embeddings: Embeddings, spec: ProbeSpec, weight: torch.Tensor, bias: torch.Tensor,
