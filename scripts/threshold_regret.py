@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from mlflow import MlflowClient  # noqa: E402
 
-from pipeline.analysis.threshold_regret import regret_rows, regret_table  # noqa: E402
+from pipeline.analysis.threshold_regret import one_run_per_fold, regret_rows, regret_table  # noqa: E402
 from pipeline.runs.orchestration.cross_validation import run_cv  # noqa: E402
 from pipeline.runs.store import cv_runs  # noqa: E402
 from pipeline.utils.atomic_io import atomic_write_csv, save_png  # noqa: E402
@@ -132,6 +132,7 @@ def store_rows(stores: list[Path]) -> tuple[pd.DataFrame, int, int]:
 def analyse(stores: list[Path], out: Path, resamples: int) -> pd.DataFrame:
     """The regret table of every finished CV in `stores`, written to `out` and printed."""
     rows, cvs, skipped = store_rows(stores)
+    rows, twice = one_run_per_fold(rows)  # the stores list the newest CV first: it keeps a fold trained twice
     table = regret_table(rows, GROUPS, resamples=resamples, seed=0)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_csv(out / "threshold_regret_folds.csv", rows)
@@ -141,7 +142,8 @@ def analyse(stores: list[Path], out: Path, resamples: int) -> pd.DataFrame:
                                                      tasks=("task", "nunique"), splits=("split", "nunique"),
                                                      auroc=("video_auroc", "mean"))
     described["folds"] //= rows["rule"].nunique()
-    print(f"{cvs} finished CVs, {skipped} fold(s) left out (multiclass or one class among the test videos)")
+    print(f"{cvs} finished CVs, {skipped} fold(s) left out (multiclass or one class among the test videos), {twice} "
+          f"fold(s) trained twice counted once (the newest CV's)")
     print(described.to_string(float_format=lambda v: f"{v:.3f}"))
     print("\nregret in balanced-accuracy points (best cut on the test videos minus the rule's), 95 % interval over "
           f"splits ({resamples} resamples), worst fold, 90th percentile, difference to the group's best rule:")

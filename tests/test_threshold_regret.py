@@ -19,6 +19,7 @@ from pipeline.analysis.threshold_regret import (
     compared_rules,
     failing_folds,
     fold_rule_rows,
+    one_run_per_fold,
     regret_rows,
     regret_table,
     resampled_means,
@@ -82,6 +83,19 @@ def test_the_table_resamples_splits_and_pairs_the_rules() -> None:
     assert table.loc["fixed_0.5", "regret_low"] == pytest.approx(0.0)
     assert table.loc["fixed_0.5", "regret_high"] == pytest.approx(table.loc["fixed_0.5", "worst"])
     assert (table["folds"] == 2).all() and (table["clusters"] == 2).all()
+
+
+def test_a_fold_trained_twice_in_a_store_counts_once() -> None:
+    """The same task, split and seed run again as another CV (a setting that changes no training, e.g. the threshold
+    rule): its rows are left out and counted; another split or task stays."""
+    first = pd.DataFrame(fold_rule_rows(constructed_fold("a:0"), compared_rules())).assign(cv_run="newer")
+    again = first.assign(cv_run="older")
+    other_split = pd.DataFrame(fold_rule_rows(constructed_fold("a:1"), compared_rules())).assign(cv_run="older")
+    kept, left_out = one_run_per_fold(pd.concat([first, again, other_split], ignore_index=True))
+    assert left_out == 1 and set(kept["cv_run"]) == {"newer", "older"}  # "older" still holds split a:1
+    assert len(kept) == len(first) + len(other_split) and set(kept["split"]) == {"a:0", "a:1"}
+    kept, left_out = one_run_per_fold(pd.concat([first, again], ignore_index=True))
+    assert (left_out, set(kept["cv_run"]), len(kept)) == (1, {"newer"}, len(first))
 
 
 def test_a_resampled_mean_weighs_each_split_by_its_folds() -> None:

@@ -117,6 +117,21 @@ def fold_videos(client: MlflowClient, parent: str, run: Run, tags: dict[str, str
                       int(val["subject_name"].nunique()), val_labels, val_scores, test_labels, test_scores)
 
 
+FOLD_IDENTITY = ["dataset", "task", "model", "split", "seed"]  # one fold's training, whichever CV ran it
+
+
+def one_run_per_fold(rows: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """The rows with every fold counted once: a store can hold one fold trained twice (the same task, split, training
+    seed and model, run again after a setting that changes no training, such as `eval.threshold`, made it another
+    CV), and counting both would weigh that split twice. The CV listed first in `rows` keeps the fold; the number of
+    folds left out is returned beside."""
+    if rows.empty:
+        return rows, 0
+    first = rows.groupby(FOLD_IDENTITY, sort=False)["cv_run"].transform("first")
+    kept = rows[rows["cv_run"] == first]
+    return kept, (len(rows) - len(kept)) // max(1, rows["rule"].nunique())
+
+
 def cv_folds(client: MlflowClient, parent_run_id: str) -> tuple[list[FoldVideos], int]:
     """Every finished fold of a CV (each training seed's, newest attempt) that a threshold can be scored on, and how
     many finished folds were left out (a multiclass task, one class among a fold's test videos)."""
