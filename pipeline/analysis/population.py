@@ -31,7 +31,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline.data.biovid import NON_RESPONDERS
-from pipeline.data.datamodule import ROW_INDEX_NAME, LoaderConfig, SubjectRoles
+from pipeline.data.datamodule import ROW_INDEX_NAME, LoaderConfig, SubjectRoles, read_frame_table
 from pipeline.data.embeddings import EmbeddingDataModule, EmbeddingTable
 from pipeline.data.fold_files import fold_subjects
 from pipeline.data.personalise import PersonaliseConfig
@@ -40,7 +40,7 @@ from pipeline.data.synthetic.settings import SUBJECTS_CSV
 from pipeline.data.synthetic.traces import clip_traces
 from pipeline.data.tasks import Task
 from pipeline.models.backbones import Backbone, create_backbone
-from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings, read_frame_table, used_rows
+from pipeline.models.embedding_cache import CacheSettings, ensure_embeddings, used_rows
 from pipeline.utils.config import load_config
 from pipeline.utils.paths import resolve_path
 
@@ -92,7 +92,8 @@ def draw_twin(overrides: Sequence[str], backbone: Backbone) -> tuple[pd.DataFram
     entry = ensure_embeddings(backbone, processed, crop_fraction=loader.crop_fraction, from_s=loader.from_s,
                               frames_per_video=loader.frames_per_video, augment=OmegaConf.to_container(cfg.augment),
                               settings=settings, progress=sys.stderr.isatty(), workers=0)
-    frames = used_rows(read_frame_table(processed), loader.from_s, loader.frames_per_video).loc[entry.table.rows]
+    frames = used_rows(read_frame_table(processed / "frames.csv"), loader.from_s,
+                       loader.frames_per_video).loc[entry.table.rows]
     subjects = pd.read_csv(resolve_path(cfg.data.root) / SUBJECTS_CSV, dtype={"subject_name": str})
     responder = subjects.set_index("subject_name")["responder"].astype(bool)
     traces = clip_traces(synthetic_config(cfg.data.synthetic))

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from pipeline.data.augment import build_eval_transform, build_train_transform
-from pipeline.data.datamodule import default_num_workers, evenly_spaced_frames
+from pipeline.data.datamodule import default_num_workers, evenly_spaced_frames, read_frame_table
 from pipeline.data.embeddings import EmbeddingTable
 from pipeline.data.frame_dataset import FrameDataset
 from pipeline.models.backbone_adapter import Backbone
@@ -228,12 +228,6 @@ class CachedEmbeddings:
     seconds: float
 
 
-def read_frame_table(processed_dir: Path) -> pd.DataFrame:
-    """frames.csv with its data-row numbers as the index (as `PainDataModule` numbers them)."""
-    text_columns = {"subject_name": str, "sample_name": str, "class_name": str, "crop_path": str}
-    return pd.read_csv(processed_dir / "frames.csv", dtype=text_columns, keep_default_na=False)
-
-
 def ensure_embeddings(backbone: Backbone, processed_dir: Path, *, crop_fraction: float,
                       from_s: float | None, frames_per_video: int | None, augment: Any, settings: CacheSettings,
                       progress: bool = False, workers: int | None = None) -> CachedEmbeddings:
@@ -245,8 +239,9 @@ def ensure_embeddings(backbone: Backbone, processed_dir: Path, *, crop_fraction:
     processed_dir = Path(processed_dir)
     key = cache_key(backbone, state_dict_sha256(backbone), processed_dir, crop_fraction, from_s, frames_per_video,
                     augment, settings)
+    frames_csv = processed_dir / "frames.csv"
     return read_or_build(backbone, key, processed_dir,
-                         lambda: used_rows(read_frame_table(processed_dir), from_s, frames_per_video), processed_dir,
+                         lambda: used_rows(read_frame_table(frames_csv), from_s, frames_per_video), processed_dir,
                          crop_fraction=crop_fraction, augment=augment, settings=settings, progress=progress,
                          workers=workers)
 
