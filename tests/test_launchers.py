@@ -47,6 +47,36 @@ def test_job_slots_give_each_job_its_gpu_or_its_share_of_the_cores() -> None:
         job_slots(3, ["0", "1"], [0, 1])
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler of its own for `signum` (Linux: SigCgt in /proc/<pid>/status)."""
+    caught = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt"))
+    return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_worker_started_with_sigint_ignored_still_stops_on_it(tmp_path: Path) -> None:
+    """The driver stops a busy worker with SIGINT (`stop_workers`); a driver started in a script's background passes
+    SIGINT on ignored, which Python keeps. The worker takes it back: SIGINT ends it (130) instead of being lost."""
+    import socket
+
+    mine, theirs = socket.socketpair()
+    worker = subprocess.Popen([sys.executable, "-m", "pipeline", "job-worker", str(theirs.fileno())], cwd=PROJECT_ROOT,
+                              pass_fds=[theirs.fileno()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    theirs.close()
+    try:
+        deadline = time.monotonic() + 120
+        while not _catches(worker.pid, signal.SIGINT):  # its handler in place: it waits for its first job
+            assert worker.poll() is None and time.monotonic() < deadline, "the worker never took SIGINT back"
+            time.sleep(0.2)
+        worker.send_signal(signal.SIGINT)
+        assert worker.wait(timeout=60) == 130, worker.stdout.read().decode()[-2000:]
+    finally:
+        worker.kill()
+        worker.wait()
+        mine.close()
+
+
 def test_parallel_runs_two_folds_at_once_through_a_server(tiny_config, tmp_path: Path, capsys,
                                                         monkeypatch) -> None:
     # Each fold job, about to write its first epoch checkpoint, waits there until the other has got as far: both

@@ -114,7 +114,8 @@ def test_make_ui_reads_the_postgresql_store_with_the_password_from_the_environme
     """`make ui` with MLFLOW_TRACKING_URI on the database (no password in it) and the password in PGPASSWORD: the
     UI's private server opens the store (its environment keeps the database password, nothing else secret), and
     a run written there directly (no server: what a CV does with this URI) is what it serves. No training is needed
-    for that: the CVs above train through the server on the same kind of store."""
+    for that: the CVs above train through the server on the same kind of store. Stopped with SIGTERM, it removes
+    the password's folder as on Ctrl+C."""
     store = postgres_cluster.new_database()
     os.environ["PGPASSWORD"] = postgres_cluster.password  # for the client below, which writes the store directly
     try:
@@ -139,13 +140,18 @@ def test_make_ui_reads_the_postgresql_store_with_the_password_from_the_environme
             time.sleep(0.5)
         printed = out.read_text()
         assert f"over {store}:" in printed and postgres_cluster.password not in printed
-        password = Path(re.search(r"password in (\S+) \(", printed).group(1)).read_text().strip()
+        secret = Path(re.search(r"password in (\S+) \(", printed).group(1))
+        password = secret.read_text().strip()
         status, runs = auth_call(f"http://127.0.0.1:{port}", "/api/2.0/mlflow/runs/get", "admin", password,
                                  query={"run_id": written.info.run_id})
         assert status == 200 and runs["run"]["info"]["status"] == "FINISHED"
         assert runs["run"]["data"]["metrics"] == [{**runs["run"]["data"]["metrics"][0], "key": "test/video_auroc",
                                                    "value": 0.75}]
-        os.killpg(ui.pid, signal.SIGINT)  # Ctrl+C
-        assert ui.wait(timeout=180) in (0, 2, 130, -signal.SIGINT), out.read_text()[-2000:]
+        os.killpg(ui.pid, signal.SIGTERM)  # `kill`, not Ctrl+C (test_tracking's): it cleans up all the same
+        assert ui.wait(timeout=180) in (0, 2, 143, -signal.SIGTERM), out.read_text()[-2000:]
+        removed_by = time.monotonic() + 60  # make waits for its child on SIGTERM; the folder goes in its cleanup
+        while secret.parent.exists():
+            assert time.monotonic() < removed_by, f"{secret.parent} is still there after SIGTERM"
+            time.sleep(0.2)
     finally:
         stop_process_group(ui, grace_s=10)

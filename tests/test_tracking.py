@@ -70,7 +70,8 @@ def test_ui_url_opens_the_runs_table_in_model_training_mode() -> None:
 def test_make_ui_asks_for_a_password_made_for_it(store, tmp_path: Path) -> None:
     """`make ui` over a sqlite store: it prints the runs page's address and where the password is (a file only this
     user can read, in a 0700 folder); the UI answers 401 without it and 200 with it; no command line of its
-    processes holds the password or the store; the file goes when the UI stops (Ctrl+C)."""
+    processes holds the password or the store; the file goes when the UI stops (Ctrl+C), also where it was started
+    with SIGINT ignored."""
     import re
     import signal
     import socket
@@ -89,8 +90,10 @@ def test_make_ui_asks_for_a_password_made_for_it(store, tmp_path: Path) -> None:
     env.update({"MLFLOW_TRACKING_URI": store["uri"], "PYTHONPATH": str(PROJECT_ROOT)})
     out = tmp_path / "ui.out"
     with out.open("w") as log:
+        # started as a script's background job is (SIGINT ignored, which Python would keep): Ctrl+C must still stop it
         ui = subprocess.Popen(["make", "--no-print-directory", "-o", ".venv/.installed", "ui", f"MLFLOW_PORT={port}"],
-                              cwd=PROJECT_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                              cwd=PROJECT_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         deadline = time.monotonic() + 180
         while "password in" not in out.read_text():

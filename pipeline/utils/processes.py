@@ -1,5 +1,6 @@
 """Child processes that end with the process that started them: dying with the parent (Linux), and a process
-group stopped with SIGTERM, then SIGKILL."""
+group stopped with SIGTERM, then SIGKILL; and a process that hears the signals it is stopped with, whatever it
+inherited."""
 
 from __future__ import annotations
 
@@ -15,6 +16,19 @@ def die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def interrupt_on(*signals: signal.Signals) -> None:
+    """Each of `signals` raises KeyboardInterrupt in the main thread, so that the `finally` blocks run. A process
+    started in the background of a script inherits SIGINT ignored (POSIX; Python then installs no handler of its
+    own), so a command that says "stop with Ctrl+C", or a worker its driver stops with SIGINT, sets it here rather
+    than trust what it inherited; SIGTERM (`kill`) would otherwise end it without its cleanup."""
+    for signum in signals:
+        signal.signal(signum, _raise_interrupt)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = 30) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 from pipeline.runs.store.private_server import log_tail
 from pipeline.runs.store.unreachable import EXIT_UNREACHABLE, StoreUnreachable, is_unreachable, unreachable_line
 from pipeline.utils.logging_setup import setup_logging
-from pipeline.utils.processes import die_with_parent
+from pipeline.utils.processes import die_with_parent, interrupt_on
 
 TOOL = "job-worker"  # `python -m pipeline job-worker <fd>`
 DONE, FAILED, UNREACHABLE = "done", "failed", "unreachable"
@@ -222,6 +222,7 @@ def worker_main(argv: list[str]) -> int:
     """`python -m pipeline job-worker <fd>`: run the jobs that come over the socket `fd`, one after the other, until
     it closes; the answer to each is (state, detail)."""
     setup_logging()
+    interrupt_on(signal.SIGINT)  # the driver stops a busy worker with it (`stop_workers`), whatever was inherited
     connection = Connection(int(argv[0]))
     while True:
         try:

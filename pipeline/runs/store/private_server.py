@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +45,7 @@ from pipeline.runs.store.ui_pages import ui_urls
 from pipeline.utils.atomic_io import atomic_path
 from pipeline.utils.paths import PROJECT_ROOT
 from pipeline.utils.permissions import PRIVATE_UMASK, StoreNotPrivate, refuse_open_stores
-from pipeline.utils.processes import die_with_parent, stop_process_group
+from pipeline.utils.processes import die_with_parent, interrupt_on, stop_process_group
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,9 @@ def ui_main(argv: Sequence[str] | None = None) -> int:
         print(f"ui: {error}", file=sys.stderr)
         return 2
     url, *comparisons = ui_urls(store, "127.0.0.1", args.port, args.experiment)
+    # Ctrl+C, `kill` or a closed terminal: the server stopped and the password's folder removed, even where this
+    # process was started with SIGINT ignored (the background of a script)
+    interrupt_on(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     try:
         with tracking_server(store, artifact_root(PROJECT_ROOT), port=args.port, default_permission="READ") as served:
             secret = served.folder / "password"
