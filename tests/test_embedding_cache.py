@@ -126,3 +126,30 @@ def test_a_frozen_cv_reads_embeddings_only_builds_them_once_and_scores_as_from_i
     for key, value in fold_metrics(from_images).items():
         assert first[key] == pytest.approx(value, abs=1e-5, nan_ok=True), key
         assert second[key] == pytest.approx(first[key], abs=1e-7, nan_ok=True), key
+
+
+@pytest.mark.slow
+def test_a_parallel_frozen_cv_builds_the_shared_entry_once_in_its_driver(tiny_config, tiny_base: Path,
+                                                                         tmp_path: Path, capsys) -> None:
+    """Two fold jobs side by side, each on a core of its own, would each build the missing entry at once: the
+    driver builds it first (on all its threads), and both jobs read it (its record older than either fold run);
+    their scores are those of the local CV."""
+    from mlflow import MlflowClient
+
+    from pipeline.runs.store import cv_runs, tracking
+
+    processed = tmp_path / "processed"  # from the tiny twin itself: a test above removes processed_copy's crops
+    shutil.copytree(tiny_base / "processed", processed, ignore=shutil.ignore_patterns("embeddings"))
+    store = (f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"mlflow.artifact_root={tmp_path / 'art'}",
+             f"data.processed_dir={processed}", "trainer.folds=[0,1]", "trainer.max_epochs=1")
+    parallel = run_cv(tiny_config(*FROZEN, *store, "launcher=parallel", "launcher.jobs=2",
+                                  f"cv.work_dir={tmp_path / 'parallel'}"))
+    (record,) = (processed / "embeddings").rglob("*.json")  # one entry, written before either fold run started
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = cv_runs.finished_cv(client, cv_runs.CvConfig.from_config(tiny_config(*FROZEN, *store)))
+    folds = tracking.fold_runs(client, parent.info.run_id)
+    assert len(folds) == 2 and record.stat().st_mtime * 1000 < min(run.info.start_time for run in folds)
+    assert "embedding cache: the shared entry built here on" in capsys.readouterr().out
+    local = run_cv(tiny_config(*FROZEN, *store, "mlflow.experiment=local", f"cv.work_dir={tmp_path / 'local'}"))
+    assert "embedding cache: the shared entry" not in capsys.readouterr().out  # one process: it builds as it goes
+    assert fold_metrics(parallel) == pytest.approx(fold_metrics(local), abs=1e-6)

@@ -39,8 +39,9 @@ from pipeline.evaluation.metrics import (
     plot_training_curves,
 )
 from pipeline.evaluation.thresholds import decide_fold, rule_name, threshold_spread
+from pipeline.models.backbone_adapter import Backbone
 from pipeline.models.backbones import PainNet
-from pipeline.models.embedding_cache import ensure_embeddings
+from pipeline.models.embedding_cache import CachedEmbeddings, ensure_embeddings
 from pipeline.models.factory import create_model
 from pipeline.models.finetune import FinetuneStrategy, parameter_counts, strategy_for
 from pipeline.models.fold_result import FoldResult
@@ -98,30 +99,55 @@ def build_network(model_name: str, img_size: int | None, output: OutputConfig, n
     return net
 
 
+def fold_network(training: TrainingSettings, trains: WhatTrains, decisions: FoldDecisions,
+                 settings: DeviceSettings | None = None) -> tuple[PainNet, FinetuneStrategy, bool, bool]:
+    """The fold's network, seeded first (so that a random start is the same in every process that builds it), its
+    fine-tuning strategy, whether it reads the embedding cache (a frozen backbone's features are the same in every
+    fold: computed once, `shared_embeddings`) and whether it runs channels-last."""
+    pl.seed_everything(training.seed, workers=True, verbose=False)
+    trainer, finetune = training.trainer, trains.finetune
+    cached = finetune.reads_cache
+    strategy = strategy_for(finetune, embeddings=cached)
+    channels_last = not cached and (settings or settings_here(decisions, trainer.channels_last,
+                                                              trainer.accelerator)).channels_last
+    # end to end: the backbone runs on every frame of a clip and trains through the temporal head
+    n_levels = task_levels(trains.task, trains.output)  # a graded task's, if ordinal
+    net = build_network(training.model_name, training.img_size, trains.output, n_levels, decisions,
+                        head=trains.mode.network_head(), strategy=strategy, channels_last=channels_last)
+    return net, strategy, cached, channels_last
+
+
+def shared_embeddings(training: TrainingSettings, backbone: Backbone) -> CachedEmbeddings:
+    """The embedding cache's shared entry of `backbone` over the crops the fold's loader reads (built if missing)."""
+    loader = training.loader
+    return ensure_embeddings(backbone, training.processed_dir, crop_fraction=loader.crop_fraction,
+                             from_s=loader.from_s, frames_per_video=loader.frames_per_video, augment=training.augment,
+                             settings=training.cache, progress=sys.stderr.isatty(), workers=loader.num_workers)
+
+
+def prepare_shared_embeddings(training: TrainingSettings, decisions: FoldDecisions) -> CachedEmbeddings | None:
+    """Before fold jobs that read the embedding cache start side by side, each on a core of its own: the entry they
+    read, built once here (on this process's threads) where it is missing, instead of by each of them at once; read
+    and checked where it is there. None where the folds of `training` read no cache."""
+    trains = WhatTrains.of(training).check()
+    if not trains.finetune.reads_cache:
+        return None
+    net = fold_network(training, trains, decisions)[0]
+    return shared_embeddings(training, net.backbone)
+
+
 def build_fold(training: TrainingSettings, trains: WhatTrains, roles: SubjectRoles, decisions: FoldDecisions,
                settings: DeviceSettings | None = None) -> BuiltFold:
     """A fresh model, the data of the subjects' `roles` (a fold's, the final model's split, a study's inner split)
     and the LightningModule; also the weights' provenance as tags and the head mode's policy (`trains.mode`).
 
     `settings`: the device-dependent settings (`settings_here` when None)."""
-    pl.seed_everything(training.seed, workers=True, verbose=False)
     trainer = training.trainer
-    task, finetune, mode = trains.task, trains.finetune, trains.mode
-    # a frozen backbone's features are the same in every fold: read them from the embedding cache (built if missing)
-    cached = finetune.reads_cache
-    strategy = strategy_for(finetune, embeddings=cached)
-    channels_last = not cached and (settings or settings_here(decisions, trainer.channels_last,
-                                                              trainer.accelerator)).channels_last
-    # end to end: the backbone runs on every frame of a clip and trains through the temporal head
-    n_levels = task_levels(task, trains.output)  # a graded task's, if ordinal
-    net = build_network(training.model_name, training.img_size, trains.output, n_levels, decisions,
-                        head=mode.network_head(), strategy=strategy, channels_last=channels_last)
+    task, mode = trains.task, trains.mode
+    net, strategy, cached, channels_last = fold_network(training, trains, decisions, settings)
     processed_dir, loader, augment = training.processed_dir, training.loader, training.augment
     if cached:
-        entry = ensure_embeddings(net.backbone, processed_dir, crop_fraction=loader.crop_fraction, from_s=loader.from_s,
-                                  frames_per_video=loader.frames_per_video, augment=augment,
-                                  settings=training.cache, progress=sys.stderr.isatty(),
-                                  workers=loader.num_workers)
+        entry = shared_embeddings(training, net.backbone)
         datamodule: PainDataModule = EmbeddingDataModule(
             processed_dir, roles, task, net.backbone.data_config, augment, loader, training.seed,
             embeddings=entry.table, source=entry.path, personalise=trains.personalise)

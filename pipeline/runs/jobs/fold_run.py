@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 
 from pipeline.models.fold_result import FoldResult
 from pipeline.runs.jobs.fold_decisions import FoldDecisions, settings_on_device
-from pipeline.runs.jobs.fold_job import train_fold
+from pipeline.runs.jobs.fold_job import prepare_shared_embeddings, train_fold
 from pipeline.runs.jobs.sealing import (
     FRAME_PREDICTIONS,
     VIDEO_PREDICTIONS,
@@ -96,6 +96,17 @@ class FoldJob:
     @property
     def key(self) -> int:
         return self.fold
+
+    def training(self) -> TrainingSettings:
+        """The job's training settings, read from its config, with its seed where it has one."""
+        training = TrainingSettings.from_config(OmegaConf.create(self.config))
+        return training if self.seed is None else training.with_seed(self.seed)
+
+    def prepare_shared_embeddings(self) -> bool:
+        """The embedding cache's entry this job's fold reads, built in this process where missing
+        (`fold_job.prepare_shared_embeddings`); whether it was built now."""
+        entry = prepare_shared_embeddings(self.training(), self.decisions)
+        return entry is not None and entry.built
 
     @property
     def name(self) -> str:
