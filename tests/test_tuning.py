@@ -83,6 +83,27 @@ def flipped_copy(base: Path, fold_file: Path, out: Path, role: str) -> Path:
     return processed
 
 
+def test_a_trial_owner_is_judged_by_its_process_on_this_machine() -> None:
+    """A RUNNING trial's worker: alive while its process is; dead once gone, or where it was killed between writing
+    its host and its pid (seen in CI: the pid missing read as 0, and os.kill(0, 0) answered for this process group,
+    so the trial was never retried and the search stopped one trial short)."""
+    from pipeline.runs.orchestration.studies import owner_alive
+    from pipeline.runs.store import fold_lease
+
+    here = fold_lease.machine_identity()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert owner_alive({"host": here, "pid": str(child.pid)})
+    finally:
+        child.kill()
+        child.wait()
+    assert not owner_alive({"host": here, "pid": str(child.pid)})
+    assert not owner_alive({"host": here})  # killed before its pid was written
+    assert not owner_alive({"host": here, "pid": "0"}) and not owner_alive({"host": here, "pid": "x"})
+    assert not owner_alive({})  # killed before its host was written
+    assert owner_alive({"host": "another-host boot=1 pidns=2", "pid": "1"})  # elsewhere: not judged by a number
+
+
 def test_a_killed_search_resumes_and_the_study_never_sees_test_subjects(tiny_base: Path, tmp_path: Path) -> None:
     base = tmp_path / "store"
     changes = (f"mlflow.tracking_uri=sqlite:///{base / 'mlflow.db'}", f"mlflow.artifact_root={base / 'art'}",

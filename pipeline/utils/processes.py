@@ -19,16 +19,20 @@ def die_with_parent() -> None:
 
 
 def interrupt_on(*signals: signal.Signals) -> None:
-    """Each of `signals` raises KeyboardInterrupt in the main thread, so that the `finally` blocks run. A process
-    started in the background of a script inherits SIGINT ignored (POSIX; Python then installs no handler of its
-    own), so a command that says "stop with Ctrl+C", or a worker its driver stops with SIGINT, sets it here rather
-    than trust what it inherited; SIGTERM (`kill`) would otherwise end it without its cleanup."""
+    """The first of `signals` to arrive raises KeyboardInterrupt in the main thread, so that the `finally` blocks
+    run; any that follows is ignored, so that it cannot cut that cleanup short (make passes a SIGTERM on to its
+    child, which the process group already got). A process started in the background of a script inherits SIGINT
+    ignored (POSIX; Python then installs no handler of its own), so a command that says "stop with Ctrl+C", or a
+    worker its driver stops with SIGINT, sets it here rather than trust what it inherited; SIGTERM (`kill`) would
+    otherwise end it without its cleanup. SIGKILL still ends it at once."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        for each in signals:
+            signal.signal(each, signal.SIG_IGN)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
     for signum in signals:
-        signal.signal(signum, _raise_interrupt)
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+        signal.signal(signum, interrupt)
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = 30) -> None:

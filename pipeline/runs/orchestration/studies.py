@@ -98,9 +98,12 @@ def owner_alive(attrs: dict) -> bool:
     if "host" not in attrs:  # the owner is written right after the ask, under the same lock: abandoned between
         return False
     if fold_lease.on_this_machine(attrs.get("host")):  # host name, boot id, PID namespace: the pid means that process
+        pid = str(attrs.get("pid", ""))
+        if not pid.isdigit() or int(pid) == 0:  # killed between writing its host and its pid (and os.kill(0, 0)
+            return False                         # would ask this process's own group: "alive")
         try:
-            os.kill(int(attrs.get("pid", 0)), 0)
-        except (OSError, ValueError):
+            os.kill(int(pid), 0)
+        except OSError:
             return False
         return True
     return True
