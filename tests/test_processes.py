@@ -13,8 +13,8 @@ CHILD = """
 import sys, time
 from pipeline.utils.processes import interrupt_on
 interrupt_on(signal_numbers.SIGINT, signal_numbers.SIGTERM)
-print("ready", flush=True)
 try:
+    print("ready", flush=True)  # inside the try: the test's signal may come before print returns
     while True:
         time.sleep(0.1)
 except KeyboardInterrupt as interrupted:

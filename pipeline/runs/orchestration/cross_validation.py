@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-import torch
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, Run
 from omegaconf import DictConfig
@@ -380,10 +379,7 @@ def launch_seed(plan: Plan, client: MlflowClient, seed: int | None, report: Prog
         if launcher.name == "local":
             return launchers.launch_local(jobs, report)
         if plan.trains.finetune.reads_cache:  # else each worker would build the same entry at once, on one core
-            started = time.time()
-            if jobs[0].prepare_shared_embeddings():
-                print(f"embedding cache: the shared entry built here on {torch.get_num_threads()} thread(s) in "
-                      f"{time.time() - started:.0f} s, before the fold jobs", flush=True)
+            jobs[0].prepare_shared_embeddings()
         return launchers.launch_parallel(jobs, launcher.jobs, report, result_of, pool=session.workers(launcher.jobs))
     parent = client.get_run(plan.parent_run_id)
     jobs_tag = tracking.SLURM_JOBS_TAG + (f".seed_{seed}" if seed is not None else "")
