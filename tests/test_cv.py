@@ -405,6 +405,8 @@ def test_several_seeds_give_one_child_per_fold_and_seed_and_resume_exactly(tiny_
         per_subject = pd.read_csv(client.download_artifacts(child.info.run_id, "accuracy_per_subject.csv"))
         by_hand = (videos.decision == videos.label).groupby(videos.subject_name).mean()
         assert per_subject.set_index("subject_name").accuracy.to_dict() == pytest.approx(by_hand.to_dict())
+    first, second = (pd.read_csv(client.download_artifacts(c.info.run_id, "predictions_videos.csv")) for c in children)
+    assert not first.equals(second)  # each child trained with its own seed, not the config's
     # seed 1's child lost: the plan resumes exactly that (fold, seed), never seed 0's again
     lost = next(c for c in children if c.data.tags["seed"] == "1")
     client.set_terminated(lost.info.run_id, "FAILED")
