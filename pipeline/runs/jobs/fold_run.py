@@ -103,15 +103,13 @@ class FoldJob:
         training = TrainingSettings.from_config(OmegaConf.create(self.config))
         return training if self.seed is None else training.with_seed(self.seed)
 
-    def prepare_shared_embeddings(self) -> bool:
+    def prepare_shared_embeddings(self) -> None:
         """The embedding cache's entry this job's fold reads, built in this process where missing, and said so
-        (`fold_job.prepare_shared_embeddings`); whether it was built now."""
+        (`fold_job.prepare_shared_embeddings`)."""
         entry = prepare_shared_embeddings(self.training(), self.decisions)
-        if entry is None or not entry.built:
-            return False
-        print(f"embedding cache: the shared entry built here on {torch.get_num_threads()} thread(s) in "
-              f"{entry.seconds:.0f} s, before the fold jobs", flush=True)
-        return True
+        if entry is not None and entry.built:
+            print(f"embedding cache: the shared entry built here on {torch.get_num_threads()} thread(s) in "
+                  f"{entry.seconds:.0f} s, before the fold jobs", flush=True)
 
     @property
     def name(self) -> str:
@@ -206,7 +204,7 @@ def run_fold_job(job: FoldJob) -> FoldResult:
     for the fold like any other job: it returns the result of whichever attempt finishes it."""
     client = MlflowClient(job.tracking_uri)
     cfg = OmegaConf.create(job.config)  # the job's entry: its config read once, into typed settings
-    training = TrainingSettings.from_config(cfg)
+    training = job.training()  # with the job's seed, where it has one
     retry_s = OmegaConf.select(cfg, "mlflow.retry_s")
     if retry_s is not None:  # a server that goes away: each call retries it this long (unreachable.bound_retries)
         bound_retries(float(retry_s))
@@ -235,8 +233,7 @@ def train_attempt(client: MlflowClient, job: FoldJob, training: TrainingSettings
     trained under a heartbeat, its records gathered and written at once (`RunRecord`), sealed, FINISHED.
     `fold_lease.LeaseLost` when another job took it over meanwhile (the run is then left KILLED, never FINISHED)."""
     tags = dict(parent_tags)
-    if job.seed is not None:  # one of several training seeds: the fold is trained with it, and tagged so
-        training = training.with_seed(job.seed)
+    if job.seed is not None:  # one of several training seeds: `training` has it (`FoldJob.training`), tagged so
         tags[SEED_TAG] = str(job.seed)
     work_dir = Path(job.work_dir)
     mlflow.set_tracking_uri(job.tracking_uri)
